@@ -1,0 +1,132 @@
+"""decide(state, command) -> Accepted(events) | Rejected: validation and rules, pure.
+
+It never mutates ``state``. Rules and messages follow the reference slot tracker (spec §1), with
+``tenant_id`` naming the scope field.
+"""
+
+from __future__ import annotations
+
+from functools import singledispatch
+
+from actors.core.commands import (
+    AddRequest,
+    Command,
+    CompletePrefill,
+    ExpireStale,
+    FreeRequest,
+    RegisterWorker,
+    UnregisterWorker,
+)
+from actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
+from actors.core.events import (
+    PrefillCompleted,
+    RequestAdded,
+    RequestFreed,
+    RequestsExpired,
+    WorkerRegistered,
+    WorkerUnregistered,
+)
+from actors.core.ids import U32_MAX, WorkerRank
+from actors.core.state import ScopeState
+
+
+def decide(state: ScopeState, command: Command) -> Decision:
+    return _decide(command, state)
+
+
+def no_tracker(state: ScopeState) -> Rejected:
+    return Rejected(Reason.NOT_FOUND, f"no slot tracker for {state.scope.describe()}")
+
+
+@singledispatch
+def _decide(command: Command, state: ScopeState) -> Decision:
+    raise TypeError(f"no rule for {type(command).__name__}")
+
+
+@_decide.register
+def _register(command: RegisterWorker, state: ScopeState) -> Decision:
+    if command.block_size <= 0:
+        return Rejected(Reason.INVALID, "block_size must be greater than 0")
+    if command.dp_size <= 0:
+        return Rejected(Reason.INVALID, "dp_size must be greater than 0")
+    if command.dp_start + command.dp_size > U32_MAX:
+        return Rejected(
+            Reason.INVALID, f"dp range overflows u32: start={command.dp_start} size={command.dp_size}"
+        )
+    if state.exists and state.block_size != command.block_size:
+        return Rejected(
+            Reason.CONFLICT,
+            f"block_size mismatch for {state.scope.describe()}: "
+            f"existing={state.block_size}, requested={command.block_size}",
+        )
+    if command.worker_id in state.workers:
+        return Rejected(
+            Reason.CONFLICT, f"worker {command.worker_id} already registered for {state.scope.describe()}"
+        )
+    event = WorkerRegistered(command.worker_id, command.block_size, command.dp_start, command.dp_size)
+    return Accepted((event,), created=True)
+
+
+@_decide.register
+def _unregister(command: UnregisterWorker, state: ScopeState) -> Decision:
+    if command.worker_id not in state.workers:
+        return Rejected(Reason.NOT_FOUND, f"worker {command.worker_id} not found for {state.scope.describe()}")
+    return Accepted((WorkerUnregistered(command.worker_id),))
+
+
+@_decide.register
+def _add(command: AddRequest, state: ScopeState) -> Decision:
+    if not state.exists:
+        return no_tracker(state)
+    rank = WorkerRank(command.worker_id, command.dp_rank)
+    if rank not in state.ranks:
+        return Rejected(
+            Reason.NOT_FOUND,
+            f"Worker WorkerWithDpRank {{ worker_id: {rank.worker_id}, dp_rank: {rank.dp_rank} }} not found",
+        )
+    existing = state.requests.get(command.request_id)
+    if existing is not None:
+        return Rejected(
+            Reason.CONFLICT,
+            f"Request {command.request_id} already exists (assigned to worker "
+            f"{existing.rank.worker_id}, dp_rank {existing.rank.dp_rank})",
+        )
+    event = RequestAdded(
+        command.request_id,
+        command.worker_id,
+        command.dp_rank,
+        command.sequence_hashes,
+        max(command.isl_tokens, 0),
+        command.at,
+    )
+    return Accepted((event,), created=True)
+
+
+@_decide.register
+def _complete_prefill(command: CompletePrefill, state: ScopeState) -> Decision:
+    if not state.exists:
+        return no_tracker(state)
+    request = state.requests.get(command.request_id)
+    if request is None:
+        return Rejected(Reason.NOT_FOUND, f"Request {command.request_id} not found")
+    if command.request_id not in state.ranks[request.rank].prefill:
+        return NOTHING_CHANGED  # repeated completion, or a request without prefill tracking
+    return Accepted((PrefillCompleted(command.request_id),))
+
+
+@_decide.register
+def _free(command: FreeRequest, state: ScopeState) -> Decision:
+    if not state.exists:
+        return no_tracker(state)
+    if command.request_id not in state.requests:
+        return NOTHING_CHANGED  # idempotent; an early free is forgotten, as in the reference
+    return Accepted((RequestFreed(command.request_id),))
+
+
+@_decide.register
+def _expire(command: ExpireStale, state: ScopeState) -> Decision:
+    cutoff = command.at - command.max_age_ns
+    stale = tuple(r.request_id for r in state.requests.values() if r.started_at < cutoff)
+    if not stale:
+        return NOTHING_CHANGED
+    return Accepted((RequestsExpired(stale, command.at),))

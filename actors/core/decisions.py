@@ -1,0 +1,34 @@
+"""What ``decide`` returns: the events to journal, or a rejection with its reason."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from actors.core.events import Event
+
+
+class Reason(enum.Enum):
+    """Why a command was refused; the API maps each to one HTTP status."""
+
+    INVALID = "invalid"  # 400
+    NOT_FOUND = "not_found"  # 404
+    CONFLICT = "conflict"  # 409
+
+
+@attrs.frozen
+class Accepted:
+    events: tuple[Event, ...] = ()
+    created: bool = False  # the command created something (HTTP 201)
+
+
+@attrs.frozen
+class Rejected:
+    reason: Reason
+    message: str
+
+
+Decision = Accepted | Rejected
+
+NOTHING_CHANGED = Accepted()

@@ -1,0 +1,55 @@
+"""Read models computed from a scope's state: current loads and projected loads.
+
+Pure functions; the shell calls them between awaits, so they see a consistent state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from actors.core.ids import WorkerRank
+from actors.core.state import ScopeState
+
+
+@attrs.frozen
+class RankLoad:
+    rank: WorkerRank
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    active_requests: int
+
+
+@attrs.frozen
+class PotentialLoad:
+    rank: WorkerRank
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+def loads(state: ScopeState) -> list[RankLoad]:
+    """Every registered rank, idle ones included, sorted by (worker_id, dp_rank)."""
+    return [
+        RankLoad(rank, r.prefill_tokens, r.trie.size, len(r.requests))
+        for rank, r in sorted(state.ranks.items())
+    ]
+
+
+def potential_loads(state: ScopeState, sequence_hashes: Sequence[int], isl_tokens: int) -> list[PotentialLoad]:
+    """Loads each rank would carry if it took the request (spec §1.5 projection formulas).
+
+    Prefill grows uniformly by ``isl_tokens`` (the tracker knows nothing of the KV cache); decode
+    blocks grow by the blocks the rank's live prompts do not already hold.
+    """
+    n = len(sequence_hashes)
+    return [
+        PotentialLoad(
+            rank,
+            r.prefill_tokens + isl_tokens,
+            r.trie.size + n - r.trie.overlap_depth(sequence_hashes),
+            len(r.requests),
+        )
+        for rank, r in state.ranks.items()
+    ]

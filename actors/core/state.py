@@ -1,0 +1,101 @@
+"""ScopeState: the mutable state one scope actor owns (workers, active requests, loads).
+
+Not copied per event (a copy per event would make large states unusable); determinism comes from
+single ownership and an ordered mailbox. Only ``evolve`` mutates it. Derived structures (tries,
+prefill queues) are rebuilt from the requests when a snapshot is restored, so a snapshot stores
+only workers and requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from actors.core.ids import ScopeKey, WorkerRank
+from actors.core.trie import PrefixTrie
+
+
+@attrs.frozen
+class ActiveRequest:
+    request_id: str
+    rank: WorkerRank
+    sequence_hashes: tuple[int, ...]
+    started_at: int  # admission time, ns; expiry counts from here only
+
+
+class RankState:
+    """Loads of one (worker, dp_rank)."""
+
+    __slots__ = ("prefill", "prefill_tokens", "requests", "trie")
+
+    def __init__(self) -> None:
+        self.requests: dict[str, ActiveRequest] = {}
+        self.trie = PrefixTrie()
+        # FIFO of requests still prefilling (insertion order = admission order) and their sum.
+        self.prefill: dict[str, int] = {}
+        self.prefill_tokens = 0
+
+    @property
+    def active_decode_blocks(self) -> int:
+        return self.trie.size
+
+
+class ScopeState:
+    __slots__ = ("block_size", "ranks", "requests", "scope", "workers")
+
+    def __init__(self, scope: ScopeKey) -> None:
+        self.scope = scope
+        self.block_size: int | None = None  # fixed by the first registration
+        self.workers: dict[int, tuple[int, int]] = {}  # worker_id -> (dp_start, dp_size)
+        self.ranks: dict[WorkerRank, RankState] = {}
+        self.requests: dict[str, ActiveRequest] = {}  # admission order, scope-wide index
+
+    @property
+    def exists(self) -> bool:
+        """A scope exists while it has a worker; the last unregistration dissolves it."""
+        return bool(self.workers)
+
+    def to_snapshot(self) -> dict[str, Any]:
+        """Plain, JSON-ready, canonical form (dict order is part of the state's meaning)."""
+        return {
+            "model_name": self.scope.model_name,
+            "tenant_id": self.scope.tenant_id,
+            "block_size": self.block_size,
+            "workers": [[w, start, size] for w, (start, size) in self.workers.items()],
+            "requests": [
+                [
+                    r.request_id,
+                    r.rank.worker_id,
+                    r.rank.dp_rank,
+                    list(r.sequence_hashes),
+                    r.started_at,
+                    self.ranks[r.rank].prefill.get(r.request_id, 0),
+                ]
+                for r in self.requests.values()
+            ],
+        }
+
+    @classmethod
+    def from_snapshot(cls, data: dict[str, Any]) -> ScopeState:
+        state = cls(ScopeKey(data["model_name"], data["tenant_id"]))
+        state.block_size = data["block_size"]
+        for worker_id, start, size in data["workers"]:
+            state.workers[worker_id] = (start, size)
+            for dp_rank in range(start, start + size):
+                state.ranks[WorkerRank(worker_id, dp_rank)] = RankState()
+        for request_id, worker_id, dp_rank, hashes, started_at, prefill in data["requests"]:
+            request = ActiveRequest(request_id, WorkerRank(worker_id, dp_rank), tuple(hashes), started_at)
+            admit(state, request, prefill)
+        return state
+
+
+def admit(state: ScopeState, request: ActiveRequest, prefill_tokens: int) -> None:
+    """Book ``request`` on its rank (shared by evolve and snapshot restore)."""
+    rank = state.ranks[request.rank]
+    rank.requests[request.request_id] = request
+    rank.trie.insert(request.sequence_hashes)
+    if prefill_tokens > 0:
+        rank.prefill[request.request_id] = prefill_tokens
+        rank.prefill_tokens += prefill_tokens
+    state.requests[request.request_id] = request

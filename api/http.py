@@ -1,0 +1,74 @@
+"""Minimal request/response types for the raw ASGI app: no framework, one body send per response."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qsl
+
+import attrs
+import orjson
+
+JSON = b"application/json"
+
+
+@attrs.frozen
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: bytes | None = JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+class HttpError(Exception):
+    """Raised anywhere below a handler; the app turns it into ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+@attrs.frozen
+class Request:
+    method: str
+    path: str
+    query_string: bytes
+    body: bytes
+    path_params: dict[str, str] = attrs.Factory(dict)
+
+    def query(self) -> dict[str, str]:
+        """Query parameters; the last value wins and unknown ones are simply not read."""
+        return dict(parse_qsl(self.query_string.decode("latin-1"), keep_blank_values=True))
+
+    def json(self) -> Any:
+        if not self.body.strip():
+            raise HttpError(400, "Failed to parse the request body as JSON: EOF while parsing a value")
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError as exc:
+            raise HttpError(400, f"Failed to parse the request body as JSON: {exc}") from None
+
+
+def json_response(status: int, value: Any) -> Response:
+    return Response(status, orjson.dumps(value))
+
+
+def error_response(status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Response:
+    return Response(status, orjson.dumps({"error": message}), JSON, headers)
+
+
+OK_BODY = orjson.dumps({"status": "ok"})
+OK = Response(200, OK_BODY)
+CREATED = Response(201, OK_BODY)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@attrs.frozen
+class Route:
+    method: str
+    path: str  # literal segments, or "{name}" for a path parameter
+    handler: Handler
+    json_body: bool = False  # requires a JSON content type and a body within the limit

@@ -1,0 +1,93 @@
+"""Composition root: open the journal, recover, start the writer, the actors and hypercorn.
+
+Shutdown order (SIGINT/SIGTERM or ``ServiceHandle.stop``): hypercorn stops accepting and drains
+in-flight requests, then the actors are cancelled, then the journal writer flushes and closes.
+A crash anywhere is fail-stop: the process exits and the journal is the recovery path.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import attrs
+import trio
+
+from actors.ports import WallClock
+from actors.system import ActorSystem
+from api.app import make_app
+from api.http import Route
+from api.server import hypercorn_config, serve_http
+from journal.file import FileJournal
+from journal.recovery import recover
+from journal.store import Durability
+
+log = logging.getLogger("kvrouter")
+
+SLOT_TRACKER_BODY_LIMIT = 2 * 1024 * 1024  # axum's default, as the reference slot tracker
+
+
+@attrs.frozen
+class ServiceOptions:
+    host: str = "127.0.0.1"
+    port: int = 8091
+    data_dir: Path = Path("kvrouter-data")
+    durability: Durability = Durability.ALWAYS
+    fresh: bool = False
+    body_limit: int = SLOT_TRACKER_BODY_LIMIT
+
+
+@attrs.frozen
+class ServiceHandle:
+    urls: list[str]
+    system: ActorSystem
+    stop: Callable[[], None]
+
+
+async def run_service(
+    name: str,
+    options: ServiceOptions,
+    build_routes: Callable[[ActorSystem], list[Route]],
+    *,
+    task_status: trio.TaskStatus[ServiceHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    journal = await trio.to_thread.run_sync(
+        partial(FileJournal.open, options.data_dir, options.durability, fresh=options.fresh)
+    )
+    recovered = await trio.to_thread.run_sync(recover, journal)
+    stopping = trio.Event()
+    async with trio.open_nursery() as outer:
+        await outer.start(journal.run)
+        async with trio.open_nursery() as inner:
+            system = ActorSystem(journal, WallClock(), recovered.states)
+            await inner.start(system.run)
+            app = make_app(build_routes(system), body_limit=options.body_limit)
+
+            async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+                config = hypercorn_config(options.host, options.port)
+                await serve_http(app, config, stopping.wait, task_status=task_status)
+                inner.cancel_scope.cancel()  # HTTP drained: now stop the actors
+
+            urls = await inner.start(http)
+            log.info(
+                "kvrouter %s listening on %s (data dir %s, durability %s, %d scopes recovered)",
+                name, " ".join(urls), options.data_dir, options.durability.value, len(recovered.states),
+            )
+            task_status.started(ServiceHandle(urls, system, stopping.set))
+        await journal.aclose()
+        outer.cancel_scope.cancel()
+
+
+async def run_until_signal(
+    name: str, options: ServiceOptions, build_routes: Callable[[ActorSystem], list[Route]]
+) -> None:
+    async with trio.open_nursery() as nursery:
+        handle: ServiceHandle = await nursery.start(run_service, name, options, build_routes)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s: shutting down", signal.Signals(signum).name)
+                handle.stop()
+                break

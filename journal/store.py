@@ -1,0 +1,71 @@
+"""The journal contract shared by the file journal (production) and the memory journal (simulations).
+
+The journal knows nothing about the domain: it stores opaque payloads under a global, gap-free
+log sequence number (LSN) and one opaque snapshot payload. The domain codec lives in
+``journal/codec.py``; recovery (snapshot + fold of the tail) lives in ``journal/recovery.py``.
+
+Appending is synchronous (it only assigns the LSN and buffers the bytes) so that an actor can
+append and apply its events without an await in between. Durability is awaited separately with
+``wait_durable(lsn)``: a caller replies to its client only after that returns.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import Protocol
+
+import attrs
+
+
+class Durability(enum.Enum):
+    """When an appended record counts as acknowledged."""
+
+    ALWAYS = "always"  # after the group-committed fsync that covers it
+    BATCH = "batch"  # after write(2); fsync at most every few ms in the background
+    OFF = "off"  # after write(2); never fsync (the OS decides)
+
+
+class CorruptJournal(Exception):
+    """A record in the middle of the log failed its checksum: startup must stop."""
+
+
+@attrs.frozen
+class Snapshot:
+    lsn: int  # every record with lsn <= this one is folded into payload
+    payload: bytes
+
+
+class Journal(Protocol):
+    @property
+    def last_lsn(self) -> int:
+        """The LSN of the last appended record (0 when the log is empty)."""
+
+    @property
+    def durable_lsn(self) -> int:
+        """The LSN up to which records are acknowledged under the journal's durability."""
+
+    @property
+    def bytes_since_snapshot(self) -> int: ...
+
+    @property
+    def records_since_snapshot(self) -> int: ...
+
+    def append(self, payload: bytes) -> int:
+        """Assign the next LSN to ``payload`` and buffer it; never blocks, never awaits."""
+
+    def has_room(self) -> bool:
+        """False while the unwritten backlog is over its bound (callers then ``wait_for_room``)."""
+
+    async def wait_for_room(self) -> None: ...
+
+    async def wait_durable(self, lsn: int) -> None:
+        """Return once ``durable_lsn >= lsn``."""
+
+    def read(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
+        """Yield (lsn, payload) for every stored record with lsn > after_lsn, in order."""
+
+    def latest_snapshot(self) -> Snapshot | None: ...
+
+    async def write_snapshot(self, snapshot: Snapshot) -> None:
+        """Persist ``snapshot`` atomically, then drop the records and snapshots it covers."""

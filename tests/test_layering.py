@@ -1,0 +1,39 @@
+"""The core stays pure: no I/O, clock, randomness, logging or trio; no unbounded channels anywhere."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN_IN_CORE = {
+    "trio", "journal", "api", "time", "random", "uuid", "os", "socket", "logging", "datetime", "zmq",
+    "asyncio", "threading", "secrets",
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_core_imports_nothing_impure() -> None:
+    core_files = sorted((ROOT / "actors" / "core").rglob("*.py"))
+    assert core_files
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(imported_modules(p) & FORBIDDEN_IN_CORE) for p in core_files
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_unbounded_memory_channels() -> None:
+    pattern = re.compile(r"open_memory_channel[^(]*\(\s*(math\.inf|float\(['\"]inf)")
+    sources = [p for d in ("actors", "journal", "api", "simulations") for p in (ROOT / d).rglob("*.py")]
+    assert [str(p) for p in sources if pattern.search(p.read_text())] == []
