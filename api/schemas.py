@@ -70,7 +70,7 @@ class AddBody(Scoped):
     worker_id: U64
     dp_rank: U32
     sequence_hashes: SequenceHashes
-    new_isl_tokens: USize = USize(0)
+    new_isl_tokens: USize = 0  # type: ignore[assignment]
     tenant_id: str | None = None
     routing_group: str | None = None
 
@@ -87,7 +87,7 @@ class RequestRefBody(Scoped):
 class PotentialLoadsBody(Scoped):
     model_name: str
     sequence_hashes: SequenceHashes
-    new_isl_tokens: USize = USize(0)
+    new_isl_tokens: USize = 0  # type: ignore[assignment]
     tenant_id: str | None = None
     routing_group: str | None = None
 

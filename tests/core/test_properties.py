@@ -38,7 +38,7 @@ commands = st.one_of(
 )
 
 
-def run(sequence: list) -> tuple[ScopeState, list]:  # noqa: ANN001
+def run(sequence: list) -> tuple[ScopeState, list]:
     state = ScopeState(SCOPE)
     journal = []
     for command in sequence:

@@ -30,19 +30,19 @@ class Scope:
     def __init__(self) -> None:
         self.state = ScopeState(SCOPE)
 
-    def run(self, command):  # noqa: ANN001, ANN201 - test helper
+    def run(self, command):
         decision = decide(self.state, command)
         if isinstance(decision, Accepted):
             fold(self.state, decision.events)
         assert check(self.state) == []
         return decision
 
-    def ok(self, command) -> Accepted:  # noqa: ANN001
+    def ok(self, command) -> Accepted:
         decision = self.run(command)
         assert isinstance(decision, Accepted), decision
         return decision
 
-    def rejected(self, command, reason: Reason) -> str:  # noqa: ANN001
+    def rejected(self, command, reason: Reason) -> str:
         decision = self.run(command)
         assert isinstance(decision, Rejected) and decision.reason is reason, decision
         return decision.message

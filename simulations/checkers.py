@@ -1,0 +1,39 @@
+"""Checks run by simulations after steps: invariants, and replay(journal) == live state."""
+
+from __future__ import annotations
+
+import hashlib
+
+from actors.core.ids import ScopeKey
+from actors.core.invariants import check
+from actors.core.state import ScopeState
+from journal.codec import digest
+from journal.recovery import recover
+from journal.store import Journal
+
+
+def invariant_failures(states: list[ScopeState]) -> list[str]:
+    return [f"{s.scope.describe()}: {problem}" for s in states for problem in check(s)]
+
+
+def states_digest(states: list[ScopeState]) -> str:
+    return digest([s.to_snapshot() for s in sorted(states, key=lambda s: s.scope)])
+
+
+def replay_mismatch(journal: Journal, live: list[ScopeState]) -> str | None:
+    """Recover from the journal alone and compare with the live actors' states."""
+    recovered = recover(journal).states
+    live_by_scope: dict[ScopeKey, ScopeState] = {s.scope: s for s in live}
+    if set(recovered) != set(live_by_scope):
+        return f"scopes differ: replayed {sorted(recovered)} vs live {sorted(live_by_scope)}"
+    if states_digest(list(recovered.values())) != states_digest(live):
+        return "replayed state differs from the live state"
+    return None
+
+
+def journal_digest(journal: Journal) -> str:
+    sha = hashlib.sha256()
+    for lsn, payload in journal.read(0):
+        sha.update(lsn.to_bytes(8, "big"))
+        sha.update(payload)
+    return sha.hexdigest()
