@@ -61,7 +61,8 @@ class RouteTable:
 def _is_json(content_type: bytes | None) -> bool:
     if content_type is None:
         return False
-    mime = content_type.split(b";", 1)[0].strip().lower()
+    # Leading blanks are tolerated, a blank before ";" is not (as axum's check).
+    mime = content_type.split(b";", 1)[0].lstrip().lower()
     return mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))
 
 
@@ -77,7 +78,9 @@ def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
                 headers.append((b"content-type", response.content_type))
             headers.extend(response.headers)
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
-            await send({"type": "http.response.body", "body": response.body})
+            # HEAD: same headers (content-length included), no body.
+            body = b"" if scope["method"] == "HEAD" else response.body
+            await send({"type": "http.response.body", "body": body})
         elif kind == "lifespan":
             # The actor system lives in the outer nursery, not in lifespan; just answer.
             while True:
@@ -96,7 +99,8 @@ def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
         method = scope["method"]
         route = methods.get(method) or (methods.get("GET") if method == "HEAD" else None)
         if route is None:
-            return error_response(405, "method not allowed")
+            allowed = ",".join([*methods, "HEAD"] if "GET" in methods else methods)
+            return error_response(405, "method not allowed", ((b"allow", allowed.encode()),))
         try:
             body = b""
             if route.json_body:
@@ -112,6 +116,8 @@ def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
             request = Request(method, scope["path"], scope["query_string"], body, params)
             return await route.handler(request)
         except HttpError as exc:
+            if exc.plain:
+                return Response(exc.status, exc.message.encode(), b"text/plain; charset=utf-8", exc.headers)
             return error_response(exc.status, exc.message, exc.headers)
         except Overloaded as exc:
             return error_response(503, str(exc), ((b"retry-after", b"1"),))

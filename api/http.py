@@ -23,11 +23,14 @@ class Response:
 class HttpError(Exception):
     """Raised anywhere below a handler; the app turns it into ``{"error": message}``."""
 
-    def __init__(self, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    def __init__(
+        self, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = (), *, plain: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = headers
+        self.plain = plain  # a text/plain body instead of {"error": ...} (axum's query rejection)
 
 
 @attrs.frozen
@@ -38,9 +41,17 @@ class Request:
     body: bytes
     path_params: dict[str, str] = attrs.Factory(dict)
 
-    def query(self) -> dict[str, str]:
-        """Query parameters; the last value wins and unknown ones are simply not read."""
-        return dict(parse_qsl(self.query_string.decode("latin-1"), keep_blank_values=True))
+    def query(self, known: tuple[str, ...]) -> dict[str, str]:
+        """The ``known`` query parameters; others are ignored, a repeated known one is a 400."""
+        found: dict[str, str] = {}
+        for name, value in parse_qsl(self.query_string.decode("latin-1"), keep_blank_values=True):
+            if name in known:
+                if name in found:
+                    raise HttpError(
+                        400, f"Failed to deserialize query string: duplicate field `{name}`", plain=True
+                    )
+                found[name] = value
+        return found
 
     def json(self) -> Any:
         if not self.body.strip():

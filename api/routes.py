@@ -37,7 +37,7 @@ def reply(decision: Decision) -> Response:
 
 def scope_filter(request: Request) -> Callable[[ScopeState], bool]:
     """``model_name`` and ``tenant_id`` (alias ``routing_group``) filters, combined with AND."""
-    query = request.query()
+    query = request.query(("model_name", "tenant_id", "routing_group"))
     model = query.get("model_name")
     tenant = query.get("tenant_id", query.get("routing_group"))
     return lambda s: (model is None or s.scope.model_name == model) and (

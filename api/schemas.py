@@ -12,6 +12,7 @@ from typing import Any, NewType, TypeVar
 
 import attrs
 import cattrs
+from cattrs.errors import AttributeValidationNote
 
 from actors.core.ids import I64_MAX, I64_MIN, U64_MASK, ScopeKey
 from api.http import HttpError
@@ -23,15 +24,22 @@ DEFAULT_TENANT = "default"
 SequenceHashes = NewType("SequenceHashes", tuple)
 
 
+class HashListError(WireTypeError):
+    """A bad element of a hash list; serde names it ``field[index]``."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 def _structure_hashes(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
         raise WireTypeError(f"invalid type: {_json_kind(value)}, expected an array of signed 64-bit sequence hashes")
     for index, h in enumerate(value):
-        if type(h) is not int or not I64_MIN <= h <= I64_MAX:
-            raise WireTypeError(
-                f"invalid value at index {index}: {_json_kind(h)}, "
-                "expected an array of signed 64-bit sequence hashes"
-            )
+        if type(h) is not int:
+            raise HashListError(index, f"invalid type: {_json_kind(h)}, expected i64")
+        if not I64_MIN <= h <= I64_MAX:
+            raise HashListError(index, f"invalid value: {_json_kind(h)}, expected i64")
     return tuple([h & U64_MASK for h in value])
 
 
@@ -51,16 +59,18 @@ class RegisterBody(Scoped):
     block_size: U32
     dp_start: U32
     dp_size: U32
-    tenant_id: str | None = None
-    routing_group: str | None = None
+    # Absent means "default"; an explicit null is a 422, as in the reference (hence not Optional).
+    tenant_id: str = attrs.field(default=None)
+    routing_group: str = attrs.field(default=None)
 
 
 @attrs.frozen
 class UnregisterBody(Scoped):
     worker_id: U64
     model_name: str
-    tenant_id: str | None = None
-    routing_group: str | None = None
+    # Absent means "default"; an explicit null is a 422, as in the reference (hence not Optional).
+    tenant_id: str = attrs.field(default=None)
+    routing_group: str = attrs.field(default=None)
 
 
 @attrs.frozen
@@ -71,16 +81,18 @@ class AddBody(Scoped):
     dp_rank: U32
     sequence_hashes: SequenceHashes
     new_isl_tokens: USize = 0  # type: ignore[assignment]
-    tenant_id: str | None = None
-    routing_group: str | None = None
+    # Absent means "default"; an explicit null is a 422, as in the reference (hence not Optional).
+    tenant_id: str = attrs.field(default=None)
+    routing_group: str = attrs.field(default=None)
 
 
 @attrs.frozen
 class RequestRefBody(Scoped):
     model_name: str
     request_id: str
-    tenant_id: str | None = None
-    routing_group: str | None = None
+    # Absent means "default"; an explicit null is a 422, as in the reference (hence not Optional).
+    tenant_id: str = attrs.field(default=None)
+    routing_group: str = attrs.field(default=None)
 
 
 @attrs.frozen
@@ -88,8 +100,9 @@ class PotentialLoadsBody(Scoped):
     model_name: str
     sequence_hashes: SequenceHashes
     new_isl_tokens: USize = 0  # type: ignore[assignment]
-    tenant_id: str | None = None
-    routing_group: str | None = None
+    # Absent means "default"; an explicit null is a 422, as in the reference (hence not Optional).
+    tenant_id: str = attrs.field(default=None)
+    routing_group: str = attrs.field(default=None)
 
 
 API_CONVERTER = make_converter(strict=True)
@@ -116,21 +129,23 @@ def _deserialize_failed(detail: str) -> str:
     return f"Failed to deserialize the JSON body into the target type: {detail}"
 
 
-def _format(exc: BaseException, _type: Any) -> str:
-    if isinstance(exc, KeyError):
-        return "missing field"
-    if isinstance(exc, WireTypeError):
-        return str(exc)
-    if isinstance(exc, TypeError) and "NoneType" in str(exc):
-        return "invalid type: null"
-    return f"invalid value: {exc}"
+def _first_problem(exc: BaseException, path: str = "") -> str:
+    """serde's wording for the error a client would see first.
 
-
-def _first_problem(exc: BaseException) -> str:
-    messages = cattrs.transform_error(exc, path="$", format_exception=_format)  # type: ignore[arg-type]
-    first = messages[0] if messages else str(exc)
-    message, _, path = first.rpartition(" @ ")
-    field = path.removeprefix("$").removeprefix(".")
-    if message == "missing field":
-        return f"missing field `{field.rsplit('.', 1)[-1]}`"
-    return f"{field}: {message}" if field else message
+    serde stops at the first bad value in document order and reports missing fields only at the
+    end of the object; cattrs collects every problem, so prefer a bad value over a missing field.
+    """
+    if isinstance(exc, cattrs.ClassValidationError):
+        located = []
+        for sub in exc.exceptions:
+            notes = [n for n in getattr(sub, "__notes__", ()) if isinstance(n, AttributeValidationNote)]
+            located.append((notes[0].name if notes else "", sub))
+        located.sort(key=lambda item: isinstance(item[1], KeyError))
+        name, first = located[0]
+        if isinstance(first, KeyError):
+            return f"missing field `{name}`"
+        return _first_problem(first, f"{path}.{name}" if path else name)
+    if isinstance(exc, HashListError):
+        return f"{path}[{exc.index}]: {exc}"
+    message = str(exc) if isinstance(exc, WireTypeError) else f"invalid value: {exc}"
+    return f"{path}: {message}" if path else message

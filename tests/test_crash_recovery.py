@@ -64,6 +64,9 @@ async def snapshot_reads(http: httpx.AsyncClient) -> tuple:
     return (await http.get("/workers")).json(), (await http.get("/loads")).json(), sorted(potential, key=key)
 
 
+# httpx leaves a response-stream generator unfinalised when the server dies mid-response; that is
+# the client library reacting to the crash we cause on purpose, not a fault of the service.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("durability", ["always", "batch", "off"])
 async def test_every_acknowledged_write_survives_kill_9(tmp_path: Path, durability: str) -> None:
     service = Service(tmp_path / "data", durability)

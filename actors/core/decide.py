@@ -26,12 +26,19 @@ from actors.core.events import (
     WorkerRegistered,
     WorkerUnregistered,
 )
-from actors.core.ids import U32_MAX, WorkerRank
+from actors.core.ids import U32_MAX, U64_MASK, WorkerRank
 from actors.core.state import ScopeState
+
+MAX_DP_SIZE = 4096  # the reference's cap on one registration's DP range
 
 
 def decide(state: ScopeState, command: Command) -> Decision:
     return _decide(command, state)
+
+
+def describe_rank(rank: WorkerRank) -> str:
+    """The reference's spelling of a rank in messages (Rust Debug of WorkerWithDpRank)."""
+    return f"WorkerWithDpRank {{ worker_id: {rank.worker_id}, dp_rank: {rank.dp_rank} }}"
 
 
 def no_tracker(state: ScopeState) -> Rejected:
@@ -49,6 +56,8 @@ def _register(command: RegisterWorker, state: ScopeState) -> Decision:
         return Rejected(Reason.INVALID, "block_size must be greater than 0")
     if command.dp_size <= 0:
         return Rejected(Reason.INVALID, "dp_size must be greater than 0")
+    if command.dp_size > MAX_DP_SIZE:
+        return Rejected(Reason.INVALID, f"dp_size {command.dp_size} exceeds the maximum {MAX_DP_SIZE}")
     if command.dp_start + command.dp_size > U32_MAX:
         return Rejected(
             Reason.INVALID, f"dp range overflows u32: start={command.dp_start} size={command.dp_size}"
@@ -82,15 +91,18 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
     if rank not in state.ranks:
         return Rejected(
             Reason.NOT_FOUND,
-            f"Worker WorkerWithDpRank {{ worker_id: {rank.worker_id}, dp_rank: {rank.dp_rank} }} not found",
+            f"Worker {describe_rank(rank)} not found",
         )
     existing = state.requests.get(command.request_id)
     if existing is not None:
         return Rejected(
             Reason.CONFLICT,
-            f"Request {command.request_id} already exists (assigned to worker "
-            f"{existing.rank.worker_id}, dp_rank {existing.rank.dp_rank})",
+            f"Request {command.request_id} already exists (assigned to worker {describe_rank(existing.rank)})",
         )
+    if state.ranks[rank].prefill_tokens + command.isl_tokens > U64_MASK:
+        # The reference wraps and then panics on this rank; kvrouter refuses the request instead.
+        return Rejected(Reason.INVALID, f"new_isl_tokens {command.isl_tokens} would overflow the prefill load of "
+                        f"{describe_rank(rank)}")
     event = RequestAdded(
         command.request_id,
         command.worker_id,

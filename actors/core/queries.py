@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from actors.core.ids import WorkerRank
+from actors.core.ids import U64_MASK, WorkerRank
 from actors.core.state import ScopeState
 
 
@@ -47,7 +47,7 @@ def potential_loads(state: ScopeState, sequence_hashes: Sequence[int], isl_token
     return [
         PotentialLoad(
             rank,
-            r.prefill_tokens + isl_tokens,
+            min(r.prefill_tokens + isl_tokens, U64_MASK),  # saturate: the wire type is u64
             r.trie.size + n - r.trie.overlap_depth(sequence_hashes),
             len(r.requests),
         )

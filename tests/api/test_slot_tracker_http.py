@@ -89,10 +89,12 @@ async def test_write_errors_carry_the_reference_messages(client: httpx.AsyncClie
         response = await post(client, path, body)
         assert (response.status_code, response.json()) == (status, {"error": message}), path
     response = await post(client, "/add", add_body("r", [1], rank=2))
-    assert response.status_code == 404 and "dp_rank: 2" in response.json()["error"]
+    assert response.json() == {"error": "Worker WorkerWithDpRank { worker_id: 7, dp_rank: 2 } not found"}
     assert (await post(client, "/add", add_body("dup", [1]))).status_code == 201
     response = await post(client, "/add", add_body("dup", [2], rank=1))
-    assert response.status_code == 409 and response.json()["error"].startswith("Request dup already exists")
+    assert response.json() == {
+        "error": "Request dup already exists (assigned to worker WorkerWithDpRank { worker_id: 7, dp_rank: 0 })"
+    }
     loads = (await client.get("/loads")).json()
     assert [r["active_decode_blocks"] for r in loads] == [1, 0]  # the rejected adds booked nothing
 
@@ -104,7 +106,7 @@ async def test_write_errors_carry_the_reference_messages(client: httpx.AsyncClie
         ({**REG, "worker_id": "7"}, "worker_id: invalid type"),
         ({**REG, "worker_id": 1.5}, "worker_id: invalid type"),
         ({**REG, "worker_id": -1}, "worker_id: invalid value"),
-        ({**REG, "worker_id": 2**64}, "worker_id: invalid value"),
+        ({**REG, "worker_id": 2**64}, "worker_id: invalid"),
         ({**REG, "dp_size": None}, "dp_size: invalid type: null"),
         ({**REG, "worker_id": True}, "worker_id: invalid type"),
         ([1, 2], "invalid type: sequence"),
@@ -160,7 +162,8 @@ async def test_body_limit_is_two_mebibytes(client: httpx.AsyncClient) -> None:
 
 
 async def test_routing_group_is_an_alias_for_tenant_id(client: httpx.AsyncClient) -> None:
-    assert (await register(client, tenant_id=None, routing_group="a")).status_code == 201
+    by_alias = {k: v for k, v in REG.items() if k != "tenant_id"} | {"routing_group": "a"}
+    assert (await post(client, "/register", by_alias)).status_code == 201
     assert (await register(client, tenant_id="b")).status_code == 201
     assert len((await client.get("/workers")).json()) == 2
     only_a = (await client.get("/workers", params={"routing_group": "a"})).json()
@@ -190,3 +193,36 @@ async def test_unregistering_the_last_worker_dissolves_the_tracker(client: httpx
     assert (await post(client, "/free", {"model_name": "llama", "request_id": "busy"})).status_code == 404
     await register(client, block_size=32)
     assert {r["active_decode_blocks"] for r in (await client.get("/loads")).json()} == {0}
+
+
+async def test_reference_quirks_that_clients_see(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/register")).headers["allow"] == "POST"
+    assert (await client.post("/loads", json={})).headers["allow"] == "GET,HEAD"
+    await register(client)
+    head = await client.head("/loads")
+    get = await client.get("/loads")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == get.headers["content-length"]
+    duplicated = await client.get("/loads?model_name=a&model_name=b")
+    assert duplicated.status_code == 400 and duplicated.headers["content-type"].startswith("text/plain")
+    assert duplicated.text == "Failed to deserialize query string: duplicate field `model_name`"
+    too_wide = await register(client, worker_id=9, dp_size=4097)
+    assert too_wide.json() == {"error": "dp_size 4097 exceeds the maximum 4096"}
+    null_group = await register(client, worker_id=9, tenant_id=None, routing_group=None)
+    assert null_group.status_code == 422 and "null" in null_group.json()["error"]
+    spaced = await client.post(
+        "/free", content=b'{"model_name":"llama","request_id":"x"}',
+        headers={"content-type": "application/json ; charset=utf-8"},
+    )
+    assert spaced.status_code == 415
+
+
+async def test_prefill_load_never_overflows_u64(client: httpx.AsyncClient) -> None:
+    await register(client)
+    assert (await post(client, "/add", add_body("a", [1], isl=2**64 - 1))).status_code == 201
+    overflow = await post(client, "/add", add_body("b", [2], isl=2))
+    assert overflow.status_code == 400 and "overflow" in overflow.json()["error"]
+    potential = (await post(client, "/potential_loads", {"model_name": "llama", "sequence_hashes": [],
+                                                         "new_isl_tokens": 5})).json()
+    assert max(p["potential_prefill_tokens"] for p in potential) == 2**64 - 1
+    assert (await client.get("/loads")).status_code == 200

@@ -1,0 +1,108 @@
+"""Block and sequence hashes, bit for bit as the reference computes them (spec §0).
+
+The KV index keys prompt positions by these hashes, and engines' KV events are re-hashed with the
+same function, so any difference here silently turns every cache hit into a miss. Hence the
+vectors pinned in ``tests/core/test_hashing.py``, checked against the 1.6.1 reference.
+
+All values are unsigned 64-bit ints; the HTTP boundary converts to signed (``ids.to_i64``).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from functools import lru_cache
+
+from xxhash import xxh3_64_intdigest
+
+from actors.core.ids import U64_MASK
+
+SEED = 1337
+_PAIR = struct.Struct("<QQ")
+_NEEDS_SWAP = sys.byteorder != "little"
+
+
+def lora_seed(lora_name: str | None) -> int:
+    """The hash seed for a LoRA adapter: ``1337 + xxh3_64(name)`` (wrapping); no/empty name keeps 1337."""
+    if not lora_name:
+        return SEED
+    return _named_seed(lora_name)
+
+
+@lru_cache(maxsize=1024)
+def _named_seed(lora_name: str) -> int:
+    return (SEED + xxh3_64_intdigest(lora_name.encode("utf-8"), seed=0)) & U64_MASK
+
+
+def _u32_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as packed little-endian u32 (one C-level pass instead of a struct call per block)."""
+    try:
+        packed = array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    if packed.itemsize != 4:  # pragma: no cover - no mainstream platform has a 2- or 8-byte C unsigned int
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    if _NEEDS_SWAP:  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    mm_hashes_per_block: Sequence[Sequence[int] | None] | None = None,
+    eagle: bool = False,
+) -> list[int]:
+    """Local hash of each *full* block of ``block_size`` tokens (a partial trailing block is not hashed).
+
+    ``mm_hashes_per_block[i]``, when given and non-empty, are the multimodal hashes of block ``i``;
+    they are appended sorted ascending as u64 LE, which is how the reference separates two
+    prompts whose placeholder tokens are identical but whose images differ.
+
+    ``eagle``: each block also covers the first token of the next block (windows of
+    ``block_size + 1`` tokens, stride ``block_size``), so only ``(len - 1) // block_size`` blocks
+    are complete.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be greater than 0, got {block_size}")
+    extra_token = 1 if eagle else 0
+    count = max(0, len(token_ids) - extra_token) // block_size
+    if count == 0:
+        return []
+    seed = lora_seed(lora_name)
+    data = memoryview(_u32_bytes(token_ids[: count * block_size + extra_token]))
+    step = block_size * 4
+    width = step + 4 * extra_token
+    out = [xxh3_64_intdigest(data[i : i + width], seed) for i in range(0, count * step, step)]
+    if mm_hashes_per_block:
+        for i, mm in enumerate(mm_hashes_per_block[:count]):
+            if mm:
+                extra = struct.pack(f"<{len(mm)}Q", *sorted(h & U64_MASK for h in mm))
+                out[i] = xxh3_64_intdigest(bytes(data[i * step : i * step + width]) + extra, seed)
+    return out
+
+
+def sequence_hashes(block_hashes: Sequence[int]) -> list[int]:
+    """Chained hashes: ``seq[0] = block[0]``, ``seq[i] = xxh3_64(LE(seq[i-1]) || LE(block[i]), 1337)``.
+
+    A sequence hash names a whole prefix, so equal values mean equal prompts up to that block.
+    """
+    out: list[int] = []
+    if not block_hashes:
+        return out
+    prev = block_hashes[0] & U64_MASK
+    out.append(prev)
+    pack = _PAIR.pack
+    for h in block_hashes[1:]:
+        prev = xxh3_64_intdigest(pack(prev, h & U64_MASK), SEED)
+        out.append(prev)
+    return out
+
+
+def next_sequence_hash(prev_sequence_hash: int, block_hash: int) -> int:
+    """One step of the chain in ``sequence_hashes`` (for callers extending a known prefix)."""
+    return xxh3_64_intdigest(_PAIR.pack(prev_sequence_hash & U64_MASK, block_hash & U64_MASK), SEED)

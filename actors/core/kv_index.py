@@ -1,0 +1,574 @@
+"""The per-scope KV block index: which (worker, dp_rank) holds which prompt prefixes, per storage tier.
+
+Semantics (spec §3.1, §2.3, and black-box probes of the 1.6.1 indexer):
+
+* **Device tier** is a radix tree of *positions*: a position is a path of local block hashes from
+  the root, so the same local hash under two different prefixes is two positions. A rank covers a
+  position when it stored a block there. A store starts at the root or at the rank's own block
+  named by ``parent`` (an external hash); an unknown parent rejects the whole store. Removing a
+  block drops the rank from that position **and every descendant** (1.6.1 does this too: after
+  removing B from A-B-C and storing B again, only A-B matches). Hence every rank's covered set is
+  prefix-closed, which is what makes matching a single walk.
+* **Lower tiers** (host, disk, external) are continuation edges, not trees: an edge says "after
+  the block with external hash P (or at the root), local hash L is held as external hash E". The
+  parent need not be known (typically it is a device block), removal drops one edge only, and a
+  removed-then-restored edge reconnects whatever continued it (both as in 1.6.1).
+* **Overlap** per rank, chained: ``device`` = leading query blocks covered on device; the host
+  walk starts right after them, from the rank's external hash of the last device block (or from
+  the root when ``device == 0``) and follows host edges for ``host_ext`` blocks; the disk walk
+  starts where the host walk stopped, from the last external hash reached so far, and yields
+  ``disk_ext``; the external tier continues after disk the same way for ``external_ext``. Each
+  tier only ever extends the match, so ``device + host_ext + disk_ext + external_ext`` is the
+  rank's deepest position. (Spec §2.3 says "continuing the prefix beyond the device match"; the
+  chaining through host then disk then external, and keying by the previous tier's *external*
+  hash, was confirmed on 1.6.1: a host chain that re-names A-B with other external hashes does
+  not extend a device A-B match.)
+
+Representation, chosen for ~1M blocks in CPython: device positions are node ids (ints) in flat
+arrays, children are found through one dict keyed ``(parent_node << 64) | local_hash``, and which
+ranks cover a node is an int bitmask, so ``find_matches`` is one dict probe and one ``&``-free
+mask compare per query block, independent of the number of ranks. Per rank, two dicts map
+external hash <-> node. Lower-tier edges are per-rank dicts keyed ``((parent + 1) << 64) | local``.
+
+Pathological inputs 1.6.1 handles differently (engines hash blocks by content, so these need a
+producer that reuses an external hash for other content): storing an external hash the rank
+already holds at another position *moves* it (the old position and its descendants are dropped
+for that rank, and the store stops if the old position is on the path being stored); storing a
+second external hash at a position the rank already covers renames it (the old name is
+forgotten). 1.6.1 keeps stale aliases instead. Keeping one name per (rank, position) is what
+lets snapshots and dumps rebuild the index exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+
+from actors.core.ids import U64_MASK, WorkerRank
+
+SNAPSHOT_VERSION = 1
+_NONE = -1  # "no node" in the sibling/child link arrays
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives on its worker; lower tiers only extend a device match (spec §2.3)."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+    EXTERNAL = 3
+
+    @property
+    def label(self) -> str:
+        """The reference's ``storage_tier`` spelling, as ``/dump`` reports it."""
+        return _TIER_LABELS[self]
+
+
+_TIER_LABELS = {Tier.DEVICE: "device", Tier.HOST: "host_pinned", Tier.DISK: "disk", Tier.EXTERNAL: "external"}
+_LOWER_TIERS = (Tier.HOST, Tier.DISK, Tier.EXTERNAL)
+
+
+class Overlap(NamedTuple):
+    """Blocks of one query a rank can serve: the device prefix, then each lower tier's extension."""
+
+    device: int
+    host_ext: int = 0
+    disk_ext: int = 0
+    external_ext: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host_ext + self.disk_ext + self.external_ext
+
+
+@attrs.frozen
+class StoredRun:
+    """One dumped store: ``blocks`` are ``(external_hash, local_hash)`` pairs chained from ``parent_hash``."""
+
+    rank: WorkerRank
+    tier: Tier
+    parent_hash: int | None
+    blocks: tuple[tuple[int, int], ...]
+
+
+class _Lower:
+    """One rank's continuation edges in one lower tier; ``edges`` and ``by_ext`` are inverses."""
+
+    __slots__ = ("by_ext", "edges")
+
+    def __init__(self) -> None:
+        self.edges: dict[int, int] = {}  # ((parent_ext + 1) << 64 | local), root parent = 0  ->  ext
+        self.by_ext: dict[int, int] = {}  # ext -> edge key
+
+
+class _Rank:
+    """Everything one (worker, dp_rank) holds; ``ext_node`` and ``node_ext`` are inverses."""
+
+    __slots__ = ("bit", "ext_node", "lower", "mask", "node_ext", "rank")
+
+    def __init__(self, rank: WorkerRank, bit: int) -> None:
+        self.rank = rank
+        self.bit = bit
+        self.mask = 1 << bit
+        self.ext_node: dict[int, int] = {}
+        self.node_ext: dict[int, int] = {}
+        self.lower: list[_Lower | None] = [None, None, None]  # HOST, DISK, EXTERNAL
+
+    def lower_count(self) -> int:
+        return sum(len(t.by_ext) for t in self.lower if t is not None)
+
+
+class KvIndex:
+    """Block index of one scope. Mutated only by its owning actor; not thread-safe, not copied."""
+
+    __slots__ = (
+        "_bits_free",
+        "_by_bit",
+        "_child",
+        "_cover",
+        "_first",
+        "_free_nodes",
+        "_local",
+        "_lower_ranks",
+        "_next",
+        "_parent",
+        "_prev",
+        "_ranks",
+    )
+
+    def __init__(self) -> None:
+        # Device radix tree; node 0 is the root and is never freed.
+        self._child: dict[int, int] = {}  # (parent_node << 64) | local_hash -> node
+        self._parent = array("i", [_NONE])
+        self._local = array("Q", [0])
+        self._first = array("i", [_NONE])  # first child
+        self._next = array("i", [_NONE])  # next sibling
+        self._prev = array("i", [_NONE])  # previous sibling
+        self._cover: list[int] = [0]  # bitmask of rank bits covering the node
+        self._free_nodes: list[int] = []
+        # Ranks.
+        self._ranks: dict[WorkerRank, _Rank] = {}
+        self._by_bit: list[_Rank | None] = []
+        self._bits_free: list[int] = []  # heap: reuse the lowest bit, so the layout is a function of history
+        self._lower_ranks: dict[WorkerRank, _Rank] = {}  # ranks holding any lower-tier edge
+
+    # ----------------------------------------------------------------------------------- writes
+
+    def apply_stored(
+        self, rank: WorkerRank, tier: Tier, parent_hash: int | None, blocks: Sequence[tuple[int, int]]
+    ) -> bool:
+        """Store ``blocks`` (``(external_hash, local_hash)`` pairs, parent first) for ``rank`` in ``tier``.
+
+        Returns False, storing nothing, when the device parent is unknown for the rank or the event
+        names one external hash twice (including the parent). Re-storing held blocks is a no-op.
+        """
+        if blocks and not _distinct(parent_hash, blocks):
+            return False
+        if tier is Tier.DEVICE:
+            return self._store_device(rank, parent_hash, blocks)
+        if blocks:
+            r = self._rank(rank)
+            lower = r.lower[tier - 1]
+            if lower is None:
+                lower = r.lower[tier - 1] = _Lower()
+            self._lower_ranks[rank] = r
+            _store_lower(lower, parent_hash, blocks)
+        return True
+
+    def apply_removed(self, rank: WorkerRank, tier: Tier, block_hashes: Iterable[int]) -> int:
+        """Drop blocks by external hash; returns how many were known (unknown ones are skipped)."""
+        r = self._ranks.get(rank)
+        if r is None:
+            return 0
+        removed = 0
+        if tier is Tier.DEVICE:
+            for ext in block_hashes:
+                node = r.ext_node.get(ext & U64_MASK)
+                if node is not None:
+                    self._truncate(r, node)
+                    removed += 1
+            return removed
+        lower = r.lower[tier - 1]
+        if lower is None:
+            return 0
+        for ext in block_hashes:
+            key = lower.by_ext.pop(ext & U64_MASK, None)
+            if key is not None:
+                del lower.edges[key]
+                removed += 1
+        if not lower.by_ext:
+            r.lower[tier - 1] = None
+            if all(t is None for t in r.lower):
+                self._lower_ranks.pop(rank, None)
+        return removed
+
+    def apply_cleared(self, rank: WorkerRank) -> None:
+        """Forget every block of this (worker, dp_rank) in every tier; other ranks are untouched."""
+        r = self._ranks.get(rank)
+        if r is None:
+            return
+        parent = self._parent
+        for node in [n for n in r.node_ext if parent[n] == 0]:
+            self._truncate(r, node)
+        r.lower = [None, None, None]
+        self._lower_ranks.pop(rank, None)
+
+    def remove_rank(self, rank: WorkerRank) -> None:
+        """Clear the rank and release its bit (unregistration of one dp rank)."""
+        r = self._ranks.get(rank)
+        if r is None:
+            return
+        self.apply_cleared(rank)
+        del self._ranks[rank]
+        self._by_bit[r.bit] = None
+        heapq.heappush(self._bits_free, r.bit)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Remove every dp rank of ``worker_id``."""
+        for rank in [k for k in self._ranks if k.worker_id == worker_id]:
+            self.remove_rank(rank)
+
+    # ------------------------------------------------------------------------------------ reads
+
+    def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerRank, Overlap]:
+        """Overlap of every rank with a non-zero match for the query's local block hashes.
+
+        One walk down the device tree: the covering mask can only shrink along a path (covered
+        sets are prefix-closed), so a rank's depth is where its bit leaves the mask.
+        """
+        depth: dict[int, tuple[int, int]] = {}  # bit -> (device blocks, last device node)
+        child = self._child
+        cover = self._cover
+        n_query = len(local_hashes)
+        if n_query:
+            node = child.get(local_hashes[0] & U64_MASK)
+            if node is not None:
+                active = cover[node]
+                pos = 1
+                while pos < n_query:
+                    nxt = child.get((node << 64) | local_hashes[pos])
+                    if nxt is None:
+                        break
+                    mask = cover[nxt]
+                    if mask != active:
+                        _record(depth, active ^ mask, pos, node)
+                        if not mask:
+                            active = 0
+                            break
+                        active = mask
+                    node = nxt
+                    pos += 1
+                if active:
+                    _record(depth, active, pos, node)
+        by_bit = self._by_bit
+        out: dict[WorkerRank, Overlap] = {}
+        for bit, (dev, _last) in depth.items():
+            r = by_bit[bit]
+            if r is not None and r.rank not in self._lower_ranks:
+                out[r.rank] = Overlap(dev)
+        for rank, r in self._lower_ranks.items():
+            dev, last = depth.get(r.bit, (0, 0))
+            pos = dev
+            key_parent = r.node_ext[last] + 1 if dev else 0
+            ext_counts = [0, 0, 0]
+            for i, lower in enumerate(r.lower):
+                if lower is None or pos >= n_query:
+                    continue
+                edges = lower.edges
+                start = pos
+                while pos < n_query:
+                    ext = edges.get((key_parent << 64) | (local_hashes[pos] & U64_MASK))
+                    if ext is None:
+                        break
+                    key_parent = ext + 1
+                    pos += 1
+                ext_counts[i] = pos - start
+            if pos:
+                out[rank] = Overlap(dev, ext_counts[0], ext_counts[1], ext_counts[2])
+        return out
+
+    def block_count(self, rank: WorkerRank | None = None, tier: Tier | None = None) -> int:
+        """Blocks held (a block held by two ranks counts twice), optionally for one rank and/or tier."""
+        ranks = self._ranks.values() if rank is None else [r for r in (self._ranks.get(rank),) if r is not None]
+        total = 0
+        for r in ranks:
+            if tier is None:
+                total += len(r.ext_node) + r.lower_count()
+            elif tier is Tier.DEVICE:
+                total += len(r.ext_node)
+            else:
+                lower = r.lower[tier - 1]
+                total += len(lower.by_ext) if lower is not None else 0
+        return total
+
+    def rank_block_counts(self) -> dict[WorkerRank, dict[Tier, int]]:
+        """Per rank (sorted), blocks held per tier; ranks that hold nothing are omitted."""
+        out: dict[WorkerRank, dict[Tier, int]] = {}
+        for rank in sorted(self._ranks):
+            r = self._ranks[rank]
+            counts = {Tier.DEVICE: len(r.ext_node)} if r.ext_node else {}
+            for tier, lower in zip(_LOWER_TIERS, r.lower, strict=True):
+                if lower is not None:
+                    counts[tier] = len(lower.by_ext)
+            if counts:
+                out[rank] = counts
+        return out
+
+    def node_count(self) -> int:
+        """Live device positions (shared by all ranks that cover them); for metrics and tests."""
+        return len(self._child)
+
+    def ranks(self) -> list[WorkerRank]:
+        return sorted(self._ranks)
+
+    # ------------------------------------------------------------------------ dump and snapshot
+
+    def dump_events(self) -> list[StoredRun]:
+        """Stores that rebuild this index, grouped per (worker, dp_rank, tier), parents before children.
+
+        Device runs follow unbranched chains; children are visited in ascending external hash, so
+        the output depends only on the content, not on node ids or history.
+        """
+        return list(self._iter_runs())
+
+    def to_snapshot(self) -> dict[str, Any]:
+        """Plain JSON form: per (worker, dp_rank, tier), runs as flat ``[parent|null, ext, local, ...]`` lists."""
+        groups: list[list[Any]] = []
+        for run in self._iter_runs():
+            flat: list[int | None] = [run.parent_hash]
+            for ext, local in run.blocks:
+                flat.append(ext)
+                flat.append(local)
+            if groups and groups[-1][0] == run.rank.worker_id and groups[-1][1] == run.rank.dp_rank and (
+                groups[-1][2] == int(run.tier)
+            ):
+                groups[-1][3].append(flat)
+            else:
+                groups.append([run.rank.worker_id, run.rank.dp_rank, int(run.tier), [flat]])
+        return {"v": SNAPSHOT_VERSION, "ranks": groups}
+
+    @classmethod
+    def from_snapshot(cls, data: dict[str, Any]) -> KvIndex:
+        if data.get("v") != SNAPSHOT_VERSION:
+            raise ValueError(f"unsupported KV index snapshot version {data.get('v')!r}")
+        index = cls()
+        for worker_id, dp_rank, tier, runs in data["ranks"]:
+            rank = WorkerRank(worker_id, dp_rank)
+            for flat in runs:
+                pairs = [(flat[i], flat[i + 1]) for i in range(1, len(flat), 2)]
+                if not index.apply_stored(rank, Tier(tier), flat[0], pairs):
+                    raise ValueError(f"snapshot run for {rank} has an unknown parent {flat[0]}")
+        return index
+
+    # -------------------------------------------------------------------------------- internals
+
+    def _rank(self, rank: WorkerRank) -> _Rank:
+        r = self._ranks.get(rank)
+        if r is None:
+            if self._bits_free:
+                bit = heapq.heappop(self._bits_free)
+            else:
+                bit = len(self._by_bit)
+                self._by_bit.append(None)
+            r = self._ranks[rank] = _Rank(rank, bit)
+            self._by_bit[bit] = r
+        return r
+
+    def _store_device(self, rank: WorkerRank, parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> bool:
+        existing = self._ranks.get(rank)
+        if parent_hash is None:
+            node = 0
+        else:
+            found = existing.ext_node.get(parent_hash & U64_MASK) if existing is not None else None
+            if found is None:
+                return False
+            node = found
+        if not blocks:
+            return True
+        r = existing if existing is not None else self._rank(rank)
+        mask = r.mask
+        ext_node = r.ext_node
+        node_ext = r.node_ext
+        child = self._child
+        cover = self._cover
+        for ext, local in blocks:
+            ext &= U64_MASK
+            local &= U64_MASK
+            key = (node << 64) | local
+            nxt = child.get(key)
+            if nxt is None:
+                nxt = self._new_node(node, local, key)
+            elif cover[nxt] & mask:
+                old = node_ext[nxt]
+                if old == ext:
+                    node = nxt
+                    continue
+                del ext_node[old]  # rename: one external hash per (rank, position)
+                ext_node[ext] = nxt
+                node_ext[nxt] = ext
+                node = nxt
+                continue
+            moved = ext_node.get(ext)
+            if moved is not None:  # the hash names another position: move it there
+                if self._is_ancestor_or_self(moved, node):
+                    if not cover[nxt]:
+                        self._free(nxt)
+                    break
+                self._truncate(r, moved)
+            cover[nxt] |= mask
+            ext_node[ext] = nxt
+            node_ext[nxt] = ext
+            node = nxt
+        return True
+
+    def _new_node(self, parent: int, local: int, key: int) -> int:
+        if self._free_nodes:
+            node = self._free_nodes.pop()
+            self._parent[node] = parent
+            self._local[node] = local
+            self._first[node] = _NONE
+            self._cover[node] = 0
+        else:
+            node = len(self._cover)
+            self._parent.append(parent)
+            self._local.append(local)
+            self._first.append(_NONE)
+            self._next.append(_NONE)
+            self._prev.append(_NONE)
+            self._cover.append(0)
+        head = self._first[parent]
+        self._next[node] = head
+        self._prev[node] = _NONE
+        if head != _NONE:
+            self._prev[head] = node
+        self._first[parent] = node
+        self._child[key] = node
+        return node
+
+    def _free(self, node: int) -> None:
+        parent = self._parent[node]
+        del self._child[(parent << 64) | self._local[node]]
+        prev, nxt = self._prev[node], self._next[node]
+        if prev == _NONE:
+            self._first[parent] = nxt
+        else:
+            self._next[prev] = nxt
+        if nxt != _NONE:
+            self._prev[nxt] = prev
+        self._parent[node] = _NONE
+        self._free_nodes.append(node)
+
+    def _truncate(self, r: _Rank, top: int) -> None:
+        """Drop ``r`` from ``top`` and all its descendants; free positions nobody covers any more."""
+        mask = r.mask
+        cover = self._cover
+        first = self._first
+        nxt = self._next
+        order: list[int] = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            c = first[node]
+            while c != _NONE:
+                if cover[c] & mask:
+                    stack.append(c)
+                c = nxt[c]
+        ext_node = r.ext_node
+        node_ext = r.node_ext
+        for node in reversed(order):  # children before parents, so a freed parent has no live children
+            cover[node] ^= mask
+            del ext_node[node_ext.pop(node)]
+            if not cover[node]:
+                self._free(node)
+
+    def _is_ancestor_or_self(self, candidate: int, node: int) -> bool:
+        parent = self._parent
+        while node > 0:
+            if node == candidate:
+                return True
+            node = parent[node]
+        return False
+
+    def _iter_runs(self) -> Iterator[StoredRun]:
+        for rank in sorted(self._ranks):
+            r = self._ranks[rank]
+            if r.node_ext:
+                yield from self._device_runs(r)
+            for tier, lower in zip(_LOWER_TIERS, r.lower, strict=True):
+                if lower is not None:
+                    for ext in sorted(lower.by_ext):
+                        key = lower.by_ext[ext]
+                        parent = (key >> 64) - 1
+                        yield StoredRun(rank, tier, None if parent < 0 else parent, ((ext, key & U64_MASK),))
+
+    def _device_runs(self, r: _Rank) -> Iterator[StoredRun]:
+        mask = r.mask
+        node_ext = r.node_ext
+        cover = self._cover
+        first = self._first
+        nxt = self._next
+        local = self._local
+
+        def covered_children(node: int) -> list[int]:
+            kids = []
+            c = first[node]
+            while c != _NONE:
+                if cover[c] & mask:
+                    kids.append(c)
+                c = nxt[c]
+            kids.sort(key=node_ext.__getitem__)
+            return kids
+
+        roots = sorted((n for n in node_ext if self._parent[n] == 0), key=node_ext.__getitem__)
+        stack: list[tuple[int | None, int]] = [(None, n) for n in reversed(roots)]
+        while stack:
+            parent_ext, node = stack.pop()
+            blocks = []
+            while True:
+                blocks.append((node_ext[node], local[node]))
+                kids = covered_children(node)
+                if len(kids) != 1:
+                    break
+                node = kids[0]
+            here = node_ext[node]
+            stack.extend((here, k) for k in reversed(kids))
+            yield StoredRun(r.rank, Tier.DEVICE, parent_ext, tuple(blocks))
+
+
+def _record(depth: dict[int, tuple[int, int]], bits: int, pos: int, node: int) -> None:
+    while bits:
+        low = bits & -bits
+        depth[low.bit_length() - 1] = (pos, node)
+        bits ^= low
+
+
+def _distinct(parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> bool:
+    seen = {ext & U64_MASK for ext, _ in blocks}
+    if len(seen) != len(blocks):
+        return False
+    return parent_hash is None or (parent_hash & U64_MASK) not in seen
+
+
+def _store_lower(lower: _Lower, parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> None:
+    edges = lower.edges
+    by_ext = lower.by_ext
+    key_parent = 0 if parent_hash is None else (parent_hash & U64_MASK) + 1
+    for ext, local in blocks:
+        ext &= U64_MASK
+        key = (key_parent << 64) | (local & U64_MASK)
+        held = edges.get(key)
+        if held != ext:
+            if held is not None:
+                del by_ext[held]
+            old_key = by_ext.get(ext)
+            if old_key is not None:
+                del edges[old_key]
+            edges[key] = ext
+            by_ext[ext] = key
+        key_parent = ext + 1

@@ -1,0 +1,1 @@
+"""ZMQ transports: the single-owner trio socket adapter and the peers built on it."""
