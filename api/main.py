@@ -15,13 +15,13 @@ from pathlib import Path
 
 import attrs
 import trio
-from journal.file import FileJournal
 
 from actors.ports import WallClock
 from actors.system import ActorSystem
 from api.app import make_app
 from api.http import Route
 from api.server import hypercorn_config, serve_http
+from journal.file import FileJournal
 from journal.recovery import recover
 from journal.store import Durability
 

@@ -86,7 +86,10 @@ class Server:
             self.process.wait()
 
 
-async def drive(port: int, clients: int, seconds: float, make_cycle: Callable[[Connection, int], list[bytes]]) -> Result:
+CycleMaker = Callable[[Connection, int], list[bytes]]
+
+
+async def drive(port: int, clients: int, seconds: float, make_cycle: CycleMaker) -> Result:
     latencies: list[float] = []
     count = 0
     stop_at = trio.current_time() + seconds

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import attrs
+import trio
 
 
 class Durability(enum.Enum):
@@ -63,9 +64,30 @@ class Journal(Protocol):
         """Return once ``durable_lsn >= lsn``."""
 
     def read(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
-        """Yield (lsn, payload) for every stored record with lsn > after_lsn, in order."""
+        """Yield (lsn, payload) for every stored record with lsn > after_lsn, in order.
+
+        "Stored" means durable as of the call (lsn <= durable_lsn), and records covered by the latest
+        snapshot count as dropped, so the first record yielded is after both after_lsn and the snapshot.
+        """
 
     def latest_snapshot(self) -> Snapshot | None: ...
 
     async def write_snapshot(self, snapshot: Snapshot) -> None:
         """Persist ``snapshot`` atomically, then drop the records and snapshots it covers."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The journal's service task: start it with ``nursery.start``; it returns after ``aclose``."""
+
+    async def aclose(self) -> None:
+        """Make every appended record durable, refuse further appends, and let ``run`` return."""
+
+
+def check_snapshot(snapshot: Snapshot, last_lsn: int, current_lsn: int | None) -> None:
+    """Reject a snapshot of records that were never appended, or one older than the current snapshot.
+
+    Both would silently corrupt recovery (which starts from the latest snapshot), so fail loudly.
+    """
+    if not 0 <= snapshot.lsn <= last_lsn:
+        raise ValueError(f"snapshot lsn {snapshot.lsn} is outside the journal (last_lsn is {last_lsn})")
+    if current_lsn is not None and snapshot.lsn < current_lsn:
+        raise ValueError(f"snapshot lsn {snapshot.lsn} is older than the latest snapshot ({current_lsn})")
