@@ -5,59 +5,77 @@ A block shared by several live requests on one rank is one trie position, so it 
 ``[2, 3]`` after ``[1, 2, 3]`` sits under another root and is counted again, exactly as the
 reference counts non-prefix-consistent input.
 
-Each node is a two-slot list ``[pass_count, children]`` where ``pass_count`` is the number of live
-requests whose prompt passes through the node. A node whose count drops to zero has a dead
-subtree, so removal can cut it off in one step.
+Layout: a flat dict from ``(parent node id, hash)`` to a node id, and a dict of pass counts (how
+many live requests pass through each node). Flat int-keyed dicts rather than a dict per node,
+because container-per-node tries make CPython's cyclic GC walk every node again and again (a
+64-block insert cost ~170 µs that way; ~15 µs like this). A node whose count drops to zero has a
+dead subtree, so removal cuts the rest of the path in one step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-Node = list[Any]  # [pass_count: int, children: dict[int, Node]]
+ROOT = 0
 
 
 class PrefixTrie:
-    __slots__ = ("_root", "size")
+    __slots__ = ("_counts", "_next_id", "_nodes")
 
     def __init__(self) -> None:
-        self._root: dict[int, Node] = {}
-        self.size = 0  # number of live positions == active prompt blocks on the rank
+        self._nodes: dict[tuple[int, int], int] = {}  # (parent id, hash) -> node id
+        self._counts: dict[int, int] = {}  # node id -> live requests passing through it
+        self._next_id = ROOT + 1
+
+    @property
+    def size(self) -> int:
+        """Number of live positions == active prompt blocks on the rank."""
+        return len(self._counts)
 
     def insert(self, hashes: Sequence[int]) -> None:
-        children = self._root
+        nodes, counts = self._nodes, self._counts
+        parent = ROOT
         for h in hashes:
-            node = children.get(h)
+            key = (parent, h)
+            node = nodes.get(key)
             if node is None:
-                node = [1, {}]
-                children[h] = node
-                self.size += 1
+                node = self._next_id
+                self._next_id = node + 1
+                nodes[key] = node
+                counts[node] = 1
             else:
-                node[0] += 1
-            children = node[1]
+                counts[node] += 1
+            parent = node
 
     def remove(self, hashes: Sequence[int]) -> None:
         """Undo one ``insert`` of the same ``hashes``."""
-        children = self._root
-        for depth, h in enumerate(hashes):
-            node = children[h]
-            node[0] -= 1
-            if node[0] == 0:
-                # Only this request passed through here, so the rest of its path is this subtree.
-                del children[h]
-                self.size -= len(hashes) - depth
-                return
-            children = node[1]
+        nodes, counts = self._nodes, self._counts
+        parent = ROOT
+        dead = False
+        for h in hashes:
+            key = (parent, h)
+            node = nodes[key]
+            if dead:
+                # Below a node that only this request held: the rest of the path was ours alone.
+                del nodes[key], counts[node]
+            else:
+                remaining = counts[node] - 1
+                if remaining:
+                    counts[node] = remaining
+                else:
+                    del nodes[key], counts[node]
+                    dead = True
+            parent = node
 
     def overlap_depth(self, hashes: Sequence[int]) -> int:
         """Length of the longest prefix of ``hashes`` that is a live root-anchored path."""
-        children = self._root
+        nodes = self._nodes
+        parent = ROOT
         depth = 0
         for h in hashes:
-            node = children.get(h)
+            node = nodes.get((parent, h))
             if node is None:
                 break
             depth += 1
-            children = node[1]
+            parent = node
         return depth
