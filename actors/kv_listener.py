@@ -14,13 +14,18 @@ Live traffic is ``[topic, seq (8 BE), payload]`` on a SUB socket. The listener k
   how batches published before we connected (a late listener, or a publisher that bound after
   registration) are recovered. ``resume_from(seq)`` sets the watermark from a journal instead.
 
-Publisher restarts. A PUB never re-sends old batches to a (re)connected subscriber, so a seq at or
-below the watermark cannot be a duplicate when it is the first batch on a fresh connection: it means
-the publisher's counter restarted. We therefore treat as a new stream (1) seq 0 after any
-watermark >= 0, and (2) any seq <= last that is the first batch after a connection (our own start,
-or a reconnect seen by the socket monitor). A new stream resets the watermark to -1 (so a first seq
-> 0 replays from 0 against the new publisher's buffer) and awaits ``on_restart`` first, where the
-consumer should drop what it knew about this rank (its GPU cache is gone).
+Publisher restarts. The wire carries no stream epoch, so a restart shows up only as the seq going
+back. A PUB never re-sends a batch, and a connecting SUB keeps one inbound pipe across reconnects
+(old backlog first, then the new connection's traffic), so after a (re)connection the first batch
+that does not continue the watermark decides: at or below it, the publisher's counter restarted.
+We treat as a new stream (1) seq 0 after any watermark >= 0, and (2) a seq <= last that is the first
+batch heard after start (e.g. resumed at 100, the restarted publisher is at 3), or the first
+non-contiguous batch after a disconnect seen by the socket monitor (contiguous ones may be the old
+backlog still draining). Any other seq <= last is a stale duplicate. A new stream resets the
+watermark to -1 (so a first seq > 0 replays from 0 against the new publisher's buffer) and awaits
+``on_restart`` first, where the consumer should drop what it knew about this rank (its GPU cache is
+gone). Ambiguous and not handled: a restarted publisher that is already past our old watermark
+when we reconnect looks like a gap, and its replay fills it.
 
 Backpressure: ``on_batch`` is awaited inline, so while the consumer is busy we stop reading; the SUB
 pipe fills to RCVHWM, then the publisher's PUB drops, and we see a gap that replay repairs.
@@ -49,7 +54,8 @@ _END_MARKER: Final = END_SEQ.to_bytes(8, "big")  # only valid on replay streams;
 # connect to a local or LAN port costs next to nothing.
 RECONNECT_IVL_MS: Final = 50
 # ZMTP heartbeats so a publisher host that vanished without a FIN is noticed (and reconnected to)
-# within seconds instead of never.
+# within seconds instead of never. Side effect: a consumer stalled for longer than the timeout with
+# a full SUB pipe also gets disconnected; the pipe's backlog survives, and the gap is replayed.
 HEARTBEAT_IVL_MS: Final = 1_000
 HEARTBEAT_TIMEOUT_MS: Final = 3_000
 # Live batches queued in the SUB pipe while the consumer is busy. Overflow policy: block (we stop
@@ -116,8 +122,10 @@ class KvListener:
         self._on_restart = on_restart
         self._topic = topic
         self._replay_timeout = replay_timeout
-        # True until the first batch on the current connection: a seq <= last then means a restart.
-        self._fresh_connection = True
+        # While set, a seq <= last means the publisher restarted (see the module docstring).
+        # "start": a new socket has no backlog, so the first batch settles it. "disconnect": the old
+        # connection's backlog may still be draining, so the first batch that is not last + 1 does.
+        self._restart_check: Literal["start", "disconnect"] | None = "start"
 
     def resume_from(self, seq: int | None) -> None:
         """Continue after ``seq`` (a journaled watermark): the next expected batch is seq + 1.
@@ -172,7 +180,7 @@ class KvListener:
                 log.info("kv listener %s: connected", self.status.endpoint)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.status.state = "connecting"
-                self._fresh_connection = True
+                self._restart_check = "disconnect"
                 log.warning("kv listener %s: disconnected, reconnecting", self.status.endpoint)
             elif kind & _HANDSHAKE_FAILED:
                 self.status.last_error = f"handshake failed ({kind:#x}, errno {event['value']})"
@@ -192,10 +200,14 @@ class KvListener:
 
     async def _accept_live(self, seq: int, payload: bytes) -> None:
         status = self.status
-        status.state = "active"  # data proves the connection even if the monitor event is still queued
         last = -1 if status.last_seq is None else status.last_seq
-        fresh, self._fresh_connection = self._fresh_connection, False
-        if seq <= last and (seq == 0 or fresh):
+        if seq == last + 1:  # the common case
+            if self._restart_check == "start":
+                self._restart_check = None
+            await self._deliver(seq, payload, replayed=False)
+            return
+        check, self._restart_check = self._restart_check, None
+        if seq <= last and (seq == 0 or check is not None):
             log.warning("kv listener %s: publisher restarted (seq %d after %d)", status.endpoint, seq, last)
             status.restarts += 1
             status.last_seq, last = None, -1

@@ -1,0 +1,1 @@
+"""Test doubles for the processes kvrouter talks to (vLLM/SGLang KV-event publishers, ...)."""
