@@ -19,7 +19,7 @@ import cattrs
 import orjson
 from cattrs.strategies import configure_tagged_union
 
-from actors.core.events import EVENT_TAGS, Event
+from actors.core.events import EVENT_TAGS, KV_OP_TAGS, Event, KvOp
 from actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK, ScopeKey
 
 # Wire integer types: the API checks ranges exactly as the reference's serde types do.
@@ -97,6 +97,7 @@ def make_converter(*, strict: bool) -> cattrs.Converter:
     else:
         for kind in _RANGES:
             converter.register_structure_hook(kind, lambda v, _: v)
+    configure_tagged_union(KvOp, converter, tag_name="op", tag_generator=KV_OP_TAGS.__getitem__)
     configure_tagged_union(Event, converter, tag_name="type", tag_generator=EVENT_TAGS.__getitem__)
     # Warm the generated hooks so the first request does not pay for code generation.
     converter.get_structure_hook(Event)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import attrs
 
+from actors.core.catalog import WorkerRecord
+from actors.core.kv_wire import KvBatch
+from actors.core.router_config import RouterConfig
+
 
 @attrs.frozen
 class RegisterWorker:
@@ -39,12 +43,14 @@ class AddRequest:
 class CompletePrefill:
     request_id: str
     at: int = 0
+    reservation: bool = False  # the selection service's wording and 404 for unknown ids
 
 
 @attrs.frozen
 class FreeRequest:
     request_id: str
     at: int = 0
+    reservation: bool = False  # selection service: an unknown reservation is a 404, not a no-op
 
 
 @attrs.frozen
@@ -55,8 +61,114 @@ class ExpireStale:
     at: int = 0
 
 
-Command = RegisterWorker | UnregisterWorker | AddRequest | CompletePrefill | FreeRequest | ExpireStale
+# -- selection service ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class UpsertWorker:
+    record: WorkerRecord
+    use_kv_events: bool = True
+    at: int = 0
+
+
+@attrs.frozen
+class RemoveWorker:
+    worker_id: int
+    at: int = 0
+
+
+@attrs.frozen
+class IngestKvBatch:
+    """One batch from a worker rank's KV-event stream (``seq`` is its sequence number)."""
+
+    worker_id: int
+    dp_rank: int
+    seq: int | None
+    batch: KvBatch
+    at: int = 0
+
+
+@attrs.frozen
+class ResetKvStream:
+    worker_id: int
+    dp_rank: int
+    at: int = 0
+
+
+@attrs.frozen
+class Prompt:
+    """Either ``token_ids`` (hashed here) or precomputed hashes with ``isl_tokens`` (spec §2.2)."""
+
+    token_ids: tuple[int, ...] | None = None
+    lora_name: str | None = None
+    block_hashes: tuple[int, ...] | None = None  # unsigned
+    sequence_hashes: tuple[int, ...] | None = None  # unsigned
+    isl_tokens: int | None = None
+
+
+@attrs.frozen
+class SelectionOptions:
+    allowed_worker_ids: frozenset[int] | None = None
+    required_taints: frozenset[str] = frozenset()
+    preferred_taints: tuple[tuple[str, float], ...] = ()
+    pinned_worker: tuple[int, int] | None = None
+    expected_output_tokens: int | None = None
+
+
+@attrs.frozen
+class SelectWorker:
+    """Pick a rank for a prompt; with ``reserve`` also book it under ``reservation_id``.
+
+    ``draw`` is a uniform number in [0, 1) from the scope's seeded random source, supplied by the
+    actor, so the core stays deterministic.
+    """
+
+    prompt: Prompt
+    config: RouterConfig
+    options: SelectionOptions = SelectionOptions()
+    reserve: bool = False
+    reservation_id: str | None = None
+    selection_id: str | None = None
+    draw: float = 0.0
+    at: int = 0
+
+
+@attrs.frozen
+class Reserve:
+    """The seed's explicit reservation: book a prompt on a chosen rank."""
+
+    reservation_id: str
+    worker_id: int
+    dp_rank: int
+    sequence_hashes: tuple[int, ...]
+    isl_tokens: int
+    effective_prefill_tokens: int | None = None
+    track_prefill_tokens: bool | None = None
+    config_tracks_prefill: bool = True
+    at: int = 0
+
+
+@attrs.frozen
+class ReserveSelection:
+    """The 1.6.1 replay form: book exactly what an earlier ``/select`` with this id captured."""
+
+    selection_id: str
+    at: int = 0
+
+
+@attrs.frozen
+class AddOutputBlock:
+    request_id: str
+    decay_fraction: float | None = None
+    at: int = 0
+
+
+Command = (
+    RegisterWorker | UnregisterWorker | AddRequest | CompletePrefill | FreeRequest | ExpireStale
+    | UpsertWorker | RemoveWorker | IngestKvBatch | ResetKvStream | SelectWorker | Reserve | ReserveSelection
+    | AddOutputBlock
+)
 
 # Commands that may bring a scope into existence; every other command to a missing scope is
 # answered by the core from an empty state (a "not found" rejection or a no-op).
-SCOPE_CREATING = (RegisterWorker,)
+SCOPE_CREATING = (RegisterWorker, UpsertWorker)

@@ -27,6 +27,7 @@ from actors.core.events import (
     WorkerUnregistered,
 )
 from actors.core.ids import U32_MAX, U64_MASK, WorkerRank
+from actors.core import selection_rules
 from actors.core.state import ScopeState
 
 MAX_DP_SIZE = 4096  # the reference's cap on one registration's DP range
@@ -116,10 +117,12 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
 
 @_decide.register
 def _complete_prefill(command: CompletePrefill, state: ScopeState) -> Decision:
-    if not state.exists:
+    if not state.exists and not command.reservation:
         return no_tracker(state)
     request = state.requests.get(command.request_id)
     if request is None:
+        if command.reservation:
+            return Rejected(Reason.NOT_FOUND, f"reservation {command.request_id} not found")
         return Rejected(Reason.NOT_FOUND, f"Request {command.request_id} not found")
     if command.request_id not in state.ranks[request.rank].prefill:
         return NOTHING_CHANGED  # repeated completion, or a request without prefill tracking
@@ -128,9 +131,11 @@ def _complete_prefill(command: CompletePrefill, state: ScopeState) -> Decision:
 
 @_decide.register
 def _free(command: FreeRequest, state: ScopeState) -> Decision:
-    if not state.exists:
+    if not state.exists and not command.reservation:
         return no_tracker(state)
     if command.request_id not in state.requests:
+        if command.reservation:
+            return Rejected(Reason.NOT_FOUND, f"reservation {command.request_id} not found")
         return NOTHING_CHANGED  # idempotent; an early free is forgotten, as in the reference
     return Accepted((RequestFreed(command.request_id),))
 
@@ -142,3 +147,13 @@ def _expire(command: ExpireStale, state: ScopeState) -> Decision:
     if not stale:
         return NOTHING_CHANGED
     return Accepted((RequestsExpired(stale, command.at),))
+
+
+# The selection service's rules live in their own module and share this dispatcher.
+_decide.register(selection_rules.decide_upsert)
+_decide.register(selection_rules.decide_remove)
+_decide.register(selection_rules.decide_ingest)
+_decide.register(selection_rules.decide_reset)
+_decide.register(selection_rules.decide_select)
+_decide.register(selection_rules.decide_reserve)
+_decide.register(selection_rules.decide_output_block)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 
@@ -15,12 +16,14 @@ class Reason(enum.Enum):
     INVALID = "invalid"  # 400
     NOT_FOUND = "not_found"  # 404
     CONFLICT = "conflict"  # 409
+    UNAVAILABLE = "unavailable"  # 503: nothing schedulable
 
 
 @attrs.frozen
 class Accepted:
     events: tuple[Event, ...] = ()
     created: bool = False  # the command created something (HTTP 201)
+    reply: Any = None  # what the client is told beyond ok/created (e.g. a selection)
 
 
 @attrs.frozen

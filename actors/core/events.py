@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import attrs
 
+from actors.core.catalog import WorkerRecord
+
 
 @attrs.frozen
 class WorkerRegistered:
@@ -47,11 +49,81 @@ class RequestsExpired:
     at: int
 
 
+# -- selection service ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class WorkerUpserted:
+    """A catalog record replaced (or created); ``partition_block_size`` is the partition's after it."""
+
+    record: WorkerRecord
+    partition_block_size: int | None
+
+
+@attrs.frozen
+class WorkerRemoved:
+    worker_id: int
+
+
+@attrs.frozen
+class KvStoredOp:
+    tier: int
+    parent_hash: int | None
+    blocks: tuple[tuple[int, int], ...]  # (external hash, local hash), parent first
+
+
+@attrs.frozen
+class KvRemovedOp:
+    tier: int
+    block_hashes: tuple[int, ...]
+
+
+@attrs.frozen
+class KvClearedOp:
+    pass
+
+
+KvOp = KvStoredOp | KvRemovedOp | KvClearedOp
+KV_OP_TAGS: dict[type, str] = {KvStoredOp: "stored", KvRemovedOp: "removed", KvClearedOp: "cleared"}
+
+
+@attrs.frozen
+class KvIndexed:
+    """One worker KV-event batch, converted. ``dp_rank`` is where the blocks live (a batch may name
+    it); ``stream_rank`` is the listener it came from, whose watermark becomes ``seq``."""
+
+    worker_id: int
+    dp_rank: int
+    stream_rank: int
+    seq: int | None
+    ops: tuple[KvOp, ...]
+
+
+@attrs.frozen
+class KvStreamReset:
+    """The rank's publisher restarted: its blocks are gone and its sequence starts again."""
+
+    worker_id: int
+    dp_rank: int
+
+
+@attrs.frozen
+class OutputBlockAdded:
+    request_id: str
+    decay_fraction: float | None
+
+
 Event = (
     WorkerRegistered | WorkerUnregistered | RequestAdded | PrefillCompleted | RequestFreed | RequestsExpired
+    | WorkerUpserted | WorkerRemoved | KvIndexed | KvStreamReset | OutputBlockAdded
 )
 
 EVENT_TAGS: dict[type, str] = {
+    WorkerUpserted: "worker_upserted",
+    WorkerRemoved: "worker_removed",
+    KvIndexed: "kv_indexed",
+    KvStreamReset: "kv_stream_reset",
+    OutputBlockAdded: "output_block_added",
     WorkerRegistered: "worker_registered",
     WorkerUnregistered: "worker_unregistered",
     RequestAdded: "request_added",

@@ -236,7 +236,7 @@ class KvIndex:
     # ------------------------------------------------------------------------------------ reads
 
     def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerRank, Overlap]:
-        """Overlap of every rank with a non-zero match for the query's local block hashes.
+        """Overlap of every rank with a non-zero match for the query's local block hashes (unsigned).
 
         One walk down the device tree: the covering mask can only shrink along a path (covered
         sets are prefix-closed), so a rank's depth is where its bit leaves the mask.
@@ -246,7 +246,7 @@ class KvIndex:
         cover = self._cover
         n_query = len(local_hashes)
         if n_query:
-            node = child.get(local_hashes[0] & U64_MASK)
+            node = child.get(local_hashes[0])
             if node is not None:
                 active = cover[node]
                 pos = 1
@@ -282,7 +282,7 @@ class KvIndex:
                 edges = lower.edges
                 start = pos
                 while pos < n_query:
-                    ext = edges.get((key_parent << 64) | (local_hashes[pos] & U64_MASK))
+                    ext = edges.get((key_parent << 64) | local_hashes[pos])
                     if ext is None:
                         break
                     key_parent = ext + 1
@@ -401,26 +401,20 @@ class KvIndex:
             local &= U64_MASK
             key = (node << 64) | local
             nxt = child.get(key)
-            if nxt is None:
-                nxt = self._new_node(node, local, key)
-            elif cover[nxt] & mask:
-                old = node_ext[nxt]
-                if old == ext:
-                    node = nxt
-                    continue
-                del ext_node[old]  # rename: one external hash per (rank, position)
-                ext_node[ext] = nxt
-                node_ext[nxt] = ext
-                node = nxt
+            if nxt is not None and cover[nxt] & mask and node_ext[nxt] == ext:
+                node = nxt  # already held: idempotent
                 continue
             moved = ext_node.get(ext)
-            if moved is not None:  # the hash names another position: move it there
+            if moved is not None:  # the hash names another position of this rank: move it here
                 if self._is_ancestor_or_self(moved, node):
-                    if not cover[nxt]:
-                        self._free(nxt)
-                    break
-                self._truncate(r, moved)
-            cover[nxt] |= mask
+                    break  # would cut the path being stored; keep what is stored so far
+                self._truncate(r, moved)  # cannot free ``node`` or ``nxt``: neither is under ``moved``
+            if nxt is None:
+                nxt = self._new_node(node, local, key)
+            if cover[nxt] & mask:
+                del ext_node[node_ext[nxt]]  # rename: one external hash per (rank, position)
+            else:
+                cover[nxt] |= mask
             ext_node[ext] = nxt
             node_ext[nxt] = ext
             node = nxt

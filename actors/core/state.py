@@ -8,11 +8,14 @@ only workers and requests.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 
+from actors.core.catalog import WorkerRecord
 from actors.core.ids import ScopeKey, WorkerRank
+from actors.core.kv_index import KvIndex
 from actors.core.trie import PrefixTrie
 
 
@@ -27,7 +30,7 @@ class ActiveRequest:
 class RankState:
     """Loads of one (worker, dp_rank)."""
 
-    __slots__ = ("prefill", "prefill_tokens", "requests", "trie")
+    __slots__ = ("outputs", "prefill", "prefill_tokens", "requests", "trie")
 
     def __init__(self) -> None:
         self.requests: dict[str, ActiveRequest] = {}
@@ -35,14 +38,19 @@ class RankState:
         # FIFO of requests still prefilling (insertion order = admission order) and their sum.
         self.prefill: dict[str, int] = {}
         self.prefill_tokens = 0
+        # Selection service: generated blocks per request, as (count, weight of each).
+        self.outputs: dict[str, tuple[int, float]] = {}
 
     @property
     def active_decode_blocks(self) -> int:
-        return self.trie.size
+        if not self.outputs and not self.trie.has_fractions:
+            return self.trie.size
+        total = self.trie.weighted_size() + math.fsum(count * weight for count, weight in self.outputs.values())
+        return math.floor(total + 0.5)  # Rust's round(): half away from zero (totals are never negative)
 
 
 class ScopeState:
-    __slots__ = ("block_size", "ranks", "requests", "scope", "workers")
+    __slots__ = ("block_size", "catalog", "index", "kv_watermarks", "ranks", "requests", "scope", "workers")
 
     def __init__(self, scope: ScopeKey) -> None:
         self.scope = scope
@@ -50,11 +58,16 @@ class ScopeState:
         self.workers: dict[int, tuple[int, int]] = {}  # worker_id -> (dp_start, dp_size)
         self.ranks: dict[WorkerRank, RankState] = {}
         self.requests: dict[str, ActiveRequest] = {}  # admission order, scope-wide index
+        # Selection service only: catalog records, the KV block index, and per-rank KV-event
+        # watermarks (so a restarted service resumes each stream where the journal left it).
+        self.catalog: dict[int, WorkerRecord] = {}
+        self.index = KvIndex()
+        self.kv_watermarks: dict[WorkerRank, int] = {}
 
     @property
     def exists(self) -> bool:
         """A scope exists while it has a worker; the last unregistration dissolves it."""
-        return bool(self.workers)
+        return bool(self.workers) or bool(self.catalog)
 
     def to_snapshot(self) -> dict[str, Any]:
         """Plain, JSON-ready, canonical form (dict order is part of the state's meaning)."""
@@ -71,9 +84,20 @@ class ScopeState:
                     list(r.sequence_hashes),
                     r.started_at,
                     self.ranks[r.rank].prefill.get(r.request_id, 0),
+                    list(self.ranks[r.rank].outputs.get(r.request_id, (0, 1.0))),
                 ]
                 for r in self.requests.values()
             ],
+            "fractions": [
+                [rank_key.worker_id, rank_key.dp_rank, entries]
+                for rank_key, rank in self.ranks.items()
+                if (entries := rank.trie.fraction_entries(
+                    (request_id, request.sequence_hashes) for request_id, request in rank.requests.items()
+                ))
+            ],
+            "catalog": [record.to_plain() for record in self.catalog.values()],
+            "index": self.index.to_snapshot(),
+            "kv_watermarks": [[r.worker_id, r.dp_rank, seq] for r, seq in self.kv_watermarks.items()],
         }
 
     @classmethod
@@ -84,9 +108,20 @@ class ScopeState:
             state.workers[worker_id] = (start, size)
             for dp_rank in range(start, start + size):
                 state.ranks[WorkerRank(worker_id, dp_rank)] = RankState()
-        for request_id, worker_id, dp_rank, hashes, started_at, prefill in data["requests"]:
+        for request_id, worker_id, dp_rank, hashes, started_at, prefill, (count, weight) in data["requests"]:
             request = ActiveRequest(request_id, WorkerRank(worker_id, dp_rank), tuple(hashes), started_at)
             admit(state, request, prefill)
+            if count:
+                state.ranks[request.rank].outputs[request_id] = (count, weight)
+        for worker_id, dp_rank, entries in data["fractions"]:
+            rank = state.ranks[WorkerRank(worker_id, dp_rank)]
+            for request_id, depth, fraction in entries:
+                rank.trie.set_fraction(rank.requests[request_id].sequence_hashes, depth, fraction)
+        for plain in data["catalog"]:
+            record = WorkerRecord.from_plain(plain)
+            state.catalog[record.worker_id] = record
+        state.index = KvIndex.from_snapshot(data["index"])
+        state.kv_watermarks = {WorkerRank(w, r): seq for w, r, seq in data["kv_watermarks"]}
         return state
 
 

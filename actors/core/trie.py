@@ -14,23 +14,73 @@ dead subtree, so removal cuts the rest of the path in one step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 
 ROOT = 0
 
 
 class PrefixTrie:
-    __slots__ = ("_counts", "_next_id", "_nodes")
+    __slots__ = ("_counts", "_fractions", "_next_id", "_nodes")
 
     def __init__(self) -> None:
         self._nodes: dict[tuple[int, int], int] = {}  # (parent id, hash) -> node id
         self._counts: dict[int, int] = {}  # node id -> live requests passing through it
+        # Sparse per-node weights set by output-block decay (selection service only). A node keeps
+        # its fraction when another request later shares it, as in the reference.
+        self._fractions: dict[int, float] = {}
         self._next_id = ROOT + 1
 
     @property
     def size(self) -> int:
         """Number of live positions == active prompt blocks on the rank."""
         return len(self._counts)
+
+    @property
+    def has_fractions(self) -> bool:
+        return bool(self._fractions)
+
+    def weighted_size(self) -> float:
+        """Positions weighted by their decay fraction (exactly summed: independent of order)."""
+        if not self._fractions:
+            return float(len(self._counts))
+        return len(self._counts) - math.fsum(1.0 - f for f in self._fractions.values())
+
+    def path(self, hashes: Sequence[int]) -> Iterator[int]:
+        """Node ids along a live path (stops where the path ends)."""
+        nodes = self._nodes
+        parent = ROOT
+        for h in hashes:
+            node = nodes.get((parent, h))
+            if node is None:
+                return
+            yield node
+            parent = node
+
+    def decay_exclusive_tail(self, hashes: Sequence[int], fraction: float) -> None:
+        """Give ``fraction`` to the tail of this path that no other live request shares."""
+        for node in reversed(list(self.path(hashes))):
+            if self._counts[node] != 1:
+                break
+            self._fractions[node] = fraction
+
+    def fraction_entries(self, paths: Iterable[tuple[str, Sequence[int]]]) -> list[tuple[str, int, float]]:
+        """``(owner, depth, fraction)`` naming every fractional node by a live path through it."""
+        if not self._fractions:
+            return []
+        seen: set[int] = set()
+        entries = []
+        for owner, hashes in paths:
+            for depth, node in enumerate(self.path(hashes), 1):
+                fraction = self._fractions.get(node)
+                if fraction is not None and node not in seen:
+                    seen.add(node)
+                    entries.append((owner, depth, fraction))
+        return entries
+
+    def set_fraction(self, hashes: Sequence[int], depth: int, fraction: float) -> None:
+        node = list(self.path(hashes[:depth]))[-1]
+        self._fractions[node] = fraction
 
     def insert(self, hashes: Sequence[int]) -> None:
         nodes, counts = self._nodes, self._counts
@@ -62,9 +112,12 @@ class PrefixTrie:
                 remaining = counts[node] - 1
                 if remaining:
                     counts[node] = remaining
-                else:
-                    del nodes[key], counts[node]
-                    dead = True
+                    parent = node
+                    continue
+                del nodes[key], counts[node]
+                dead = True
+            if self._fractions:
+                self._fractions.pop(node, None)
             parent = node
 
     def overlap_depth(self, hashes: Sequence[int]) -> int:

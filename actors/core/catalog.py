@@ -1,0 +1,147 @@
+"""The selection service's worker catalog: records as clients send them, and their lifecycle.
+
+A record is accepted with whatever metadata it has; what is missing is reported, not refused
+(``lifecycle: "incomplete"`` with ``not_schedulable_reasons``), as the reference does. Lifecycle is
+derived from the record, the partition's block size and whether KV events are in use, so it is
+never stored and can never go stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from actors.core.ids import ScopeKey, WorkerRank
+
+
+@attrs.frozen
+class WorkerRecord:
+    worker_id: int
+    model_name: str = "default"
+    tenant_id: str = "default"
+    endpoint: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_endpoints: tuple[tuple[int, str], ...] | None = None  # (dp_rank, endpoint), sorted
+    replay_endpoint: str | None = None
+    block_size: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    total_kv_blocks: int | None = None
+    stable_routing_id: str | None = None
+    is_eagle: bool | None = None
+    taints: tuple[str, ...] = ()
+    topology_domains: tuple[tuple[str, str], ...] = ()
+    kv_transfer_domain: str | None = None
+    kv_transfer_enforcement: str | None = None
+    kv_transfer_preferred_weight: float | None = None
+
+    def to_plain(self) -> dict[str, Any]:
+        """JSON-ready form for snapshots (tuples become lists)."""
+        return attrs.asdict(self, recurse=True)
+
+    @classmethod
+    def from_plain(cls, data: Mapping[str, Any]) -> WorkerRecord:
+        fields = dict(data)
+        if fields.get("kv_events_endpoints") is not None:
+            fields["kv_events_endpoints"] = tuple((r, e) for r, e in fields["kv_events_endpoints"])
+        fields["taints"] = tuple(fields["taints"])
+        fields["topology_domains"] = tuple((k, v) for k, v in fields["topology_domains"])
+        return cls(**fields)
+
+    @property
+    def scope(self) -> ScopeKey:
+        return ScopeKey(self.model_name, self.tenant_id)
+
+    @property
+    def dp_start(self) -> int:
+        return self.data_parallel_start_rank or 0
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.data_parallel_size is None else self.data_parallel_size
+
+    def ranks(self) -> list[WorkerRank]:
+        return [WorkerRank(self.worker_id, r) for r in range(self.dp_start, self.dp_start + self.dp_size)]
+
+    def kv_events_endpoint_for(self, dp_rank: int) -> str | None:
+        """The ZMQ endpoint publishing ``dp_rank``'s KV events (``kv_events_endpoint`` only for DP 1)."""
+        if self.kv_events_endpoints is not None:
+            for rank, endpoint in self.kv_events_endpoints:
+                if rank == dp_rank and endpoint:
+                    return endpoint
+        if self.kv_events_endpoint and self.dp_size == 1:
+            return self.kv_events_endpoint
+        return None
+
+    def replay_endpoint_for(self, dp_rank: int) -> str | None:
+        """vLLM serves rank r's replay on the replay port + (r - start); the reference refuses DP > 1."""
+        if not self.replay_endpoint:
+            return None
+        offset = dp_rank - self.dp_start
+        if offset == 0:
+            return self.replay_endpoint
+        head, sep, port = self.replay_endpoint.rpartition(":")
+        return f"{head}{sep}{int(port) + offset}" if sep and port.isdigit() else None
+
+
+def not_schedulable_reasons(
+    record: WorkerRecord, *, use_kv_events: bool, partition_block_size: int | None
+) -> list[str]:
+    reasons = []
+    if not record.endpoint:
+        reasons.append("endpoint is required")
+    if not record.block_size:
+        reasons.append("block_size must be greater than 0")
+    if record.dp_size <= 0:
+        reasons.append("data_parallel_size must be greater than 0")
+    if use_kv_events:
+        for rank in record.ranks():
+            if record.kv_events_endpoint_for(rank.dp_rank) is None:
+                reasons.append(f"kv_events endpoint is required for dp_rank {rank.dp_rank}")
+    if not reasons and partition_block_size is not None and record.block_size != partition_block_size:
+        reasons.append(
+            f"reconciliation failed: block_size mismatch for {record.scope.describe()}: "
+            f"existing={partition_block_size} requested={record.block_size}"
+        )
+    return reasons
+
+
+def record_view(record: WorkerRecord, lifecycle: str, reasons: list[str]) -> dict[str, Any]:
+    """The catalog record as the API shows it (the reference's field order; both scope names)."""
+    view: dict[str, Any] = {
+        "worker_id": record.worker_id,
+        "model_name": record.model_name,
+        "tenant_id": record.tenant_id,
+        "routing_group": record.tenant_id,
+        "lifecycle": lifecycle,
+        "endpoint": record.endpoint,
+        "kv_events_endpoint": record.kv_events_endpoint,
+    }
+    if record.kv_events_endpoints is not None:
+        view["kv_events_endpoints"] = {str(rank): endpoint for rank, endpoint in record.kv_events_endpoints}
+    view.update(
+        replay_endpoint=record.replay_endpoint,
+        block_size=record.block_size,
+        data_parallel_start_rank=record.data_parallel_start_rank,
+        data_parallel_size=record.data_parallel_size,
+        max_num_batched_tokens=record.max_num_batched_tokens,
+        total_kv_blocks=record.total_kv_blocks,
+        stable_routing_id=record.stable_routing_id,
+        is_eagle=record.is_eagle,
+        taints=list(record.taints),
+        topology_domains=dict(record.topology_domains),
+        kv_transfer_domain=record.kv_transfer_domain,
+        kv_transfer_enforcement=record.kv_transfer_enforcement,
+        kv_transfer_preferred_weight=record.kv_transfer_preferred_weight,
+    )
+    if reasons:
+        view["not_schedulable_reasons"] = reasons
+    return view
+
+
+def merge_patch(record: WorkerRecord, changes: Mapping[str, Any]) -> WorkerRecord:
+    """PATCH: replace only the supplied fields (maps and lists wholesale)."""
+    return attrs.evolve(record, **changes)
