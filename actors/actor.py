@@ -10,15 +10,20 @@ queued meanwhile (group commit) without ever acknowledging a write the journal c
 
 from __future__ import annotations
 
+import random
+import uuid
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
+from actors.core.commands import Command, Reserve, ReserveSelection, SelectWorker
 from actors.core.decide import decide
-from actors.core.decisions import Accepted
+from actors.core.decisions import Accepted, Decision, Reason, Rejected
 from actors.core.evolve import fold
 from actors.core.state import ScopeState
 from actors.mailbox import MAILBOX_SIZE, Envelope
+from actors.pending import PendingSelections
 from journal.codec import encode_record
 
 if TYPE_CHECKING:
@@ -30,12 +35,16 @@ MAX_TURN = 256
 
 
 class ScopeActor:
-    __slots__ = ("_inbox", "outbox", "state", "system")
+    __slots__ = ("_inbox", "outbox", "pending", "rng", "state", "system")
 
     def __init__(self, system: ActorSystem, state: ScopeState) -> None:
         self.system = system
         self.state = state
         self.outbox, self._inbox = trio.open_memory_channel[Envelope](MAILBOX_SIZE)
+        # The scope's own random source (selection tie-breaks, softmax, generated reservation
+        # ids), seeded from the system seed and the scope so that a simulation replays exactly.
+        self.rng = random.Random(f"{system.seed}:{state.scope.model_name}:{state.scope.tenant_id}")
+        self.pending = PendingSelections(**system.pending_options)
 
     async def run(self) -> None:
         journal = self.system.journal
@@ -59,11 +68,60 @@ class ScopeActor:
                     return
 
     def _handle(self, envelope: Envelope) -> None:
-        decision = decide(self.state, envelope.command)
+        command = envelope.command
+        if isinstance(command, SelectWorker):
+            command = self._with_draw(command)
+        elif isinstance(command, ReserveSelection):
+            self._replay_selection(envelope, command)
+            return
+        decision, lsn = self._apply(command)
+        if isinstance(command, SelectWorker) and isinstance(decision, Accepted):
+            self._remember_selection(command, decision)
+        elif isinstance(command, Reserve):
+            self.pending.discard(command.reservation_id)
+        envelope.settle(decision, lsn)
+
+    def _apply(self, command: Command) -> tuple[Decision, int]:
+        decision = decide(self.state, command)
         lsn = 0
         if isinstance(decision, Accepted) and decision.events:
             lsn = self.system.journal.append(encode_record(self.state.scope, decision.events))
             fold(self.state, decision.events)
+        return decision, lsn
+
+    def _with_draw(self, command: SelectWorker) -> SelectWorker:
+        reservation_id = command.reservation_id
+        if command.reserve and reservation_id is None:
+            reservation_id = command.selection_id or str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        return attrs.evolve(command, draw=self.rng.random(), reservation_id=reservation_id)
+
+    def _remember_selection(self, command: SelectWorker, decision: Accepted) -> None:
+        if command.reserve:
+            if command.selection_id:
+                self.pending.discard(command.selection_id)
+            return
+        if not command.selection_id:
+            return
+        chosen = decision.reply
+        template = Reserve(
+            "", chosen.worker_id, chosen.dp_rank, chosen.sequence_hashes, chosen.isl_tokens,
+            effective_prefill_tokens=chosen.effective_prefill_tokens if chosen.track_prefill_tokens else None,
+            track_prefill_tokens=chosen.track_prefill_tokens,
+        )
+        self.pending.put(command.selection_id, template, command.at)
+
+    def _replay_selection(self, envelope: Envelope, command: ReserveSelection) -> None:
+        template = self.pending.take(command.selection_id, command.at)
+        if template is None:
+            message = (
+                f"no pending selection {command.selection_id} for {self.state.scope.describe()} "
+                "(expired, already used, or never selected)"
+            )
+            envelope.settle(Rejected(Reason.NOT_FOUND, message), 0)
+            return
+        decision, lsn = self._apply(attrs.evolve(template, reservation_id=command.selection_id, at=command.at))
+        if not isinstance(decision, Accepted):
+            self.pending.give_back(command.selection_id, template, command.at)
         envelope.settle(decision, lsn)
 
     def mailbox_statistics(self) -> trio.MemoryChannelStatistics:

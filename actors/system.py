@@ -6,7 +6,9 @@ the snapshot policy, so that recovery time stays bounded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Any
 
 import orjson
 import trio
@@ -42,6 +44,8 @@ class ActorSystem:
         snapshot_every_bytes: int = SNAPSHOT_EVERY_BYTES,
         expiry_sweep_seconds: float = EXPIRY_SWEEP_SECONDS,
         encode_snapshots_in_thread: bool = True,
+        seed: int | str = 0,
+        pending_options: dict[str, Any] | None = None,
     ) -> None:
         self.journal = journal
         self.clock = clock
@@ -53,6 +57,8 @@ class ActorSystem:
         self._snapshot_every_bytes = snapshot_every_bytes
         self._expiry_sweep_seconds = expiry_sweep_seconds
         self.snapshots_taken = 0
+        self.seed = seed  # root of every scope's random source
+        self.pending_options = pending_options or {}
         # Production encodes big snapshots off the loop; simulations encode inline so that a
         # snapshot completes at a deterministic point of virtual time.
         self._encode_in_thread = encode_snapshots_in_thread
@@ -94,16 +100,13 @@ class ActorSystem:
         assert envelope.decision is not None
         return envelope.decision
 
-    def tell(self, scope: ScopeKey, command: Command) -> bool:
-        """Fire and forget; False if the scope is gone or its mailbox is full (caller's policy)."""
+    async def submit(self, scope: ScopeKey, command: Command) -> None:
+        """Enqueue without waiting for the decision; waits while the mailbox is full (policy:
+        block the producer). Dropped if the scope is gone (its worker left)."""
         actor = self.actors.get(scope)
-        if actor is None:
-            return False
-        try:
-            actor.outbox.send_nowait(Envelope(command))
-        except trio.WouldBlock:
-            return False
-        return True
+        if actor is not None:
+            with contextlib.suppress(trio.ClosedResourceError):  # retired while we waited
+                await actor.outbox.send(Envelope(command))
 
     # -- reads ------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from api.http import HttpError, Request, Response, Route, error_response
 log = logging.getLogger("kvrouter.api")
 
 ASGIScope = dict[str, Any]
+UNSUPPORTED_MEDIA = "Expected request with `Content-Type: application/json`"
 
 
 class RouteTable:
@@ -103,16 +104,16 @@ def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
             return error_response(405, "method not allowed", ((b"allow", allowed.encode()),))
         try:
             body = b""
-            if route.json_body:
+            if route.json_body or route.optional_body:
                 content_type = None
                 for name, value in scope["headers"]:
                     if name == b"content-type":
                         content_type = value
-                if not _is_json(content_type):
-                    return error_response(
-                        415, "Expected request with `Content-Type: application/json`"
-                    )
+                if route.json_body and not _is_json(content_type):
+                    return error_response(415, UNSUPPORTED_MEDIA)
                 body = await _read_body(receive, body_limit)
+                if body and not _is_json(content_type):
+                    return error_response(415, UNSUPPORTED_MEDIA)
             request = Request(method, scope["path"], scope["query_string"], body, params)
             return await route.handler(request)
         except HttpError as exc:
@@ -121,6 +122,11 @@ def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
             return error_response(exc.status, exc.message, exc.headers)
         except Overloaded as exc:
             return error_response(503, str(exc), ((b"retry-after", b"1"),))
+        except Exception:
+            # A bug in a handler: answer in the API's shape and keep serving (actor bugs are
+            # fail-stop instead, since they may have left state half-applied).
+            log.exception("unhandled error in %s %s", method, scope["path"])
+            return error_response(500, "internal error")
 
     return app
 

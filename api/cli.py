@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
+import attrs
 import trio
 
-from api.main import ServiceOptions, run_until_signal
-from api.routes import slot_tracker_routes
+from actors.core.router_config import RouterConfig
+from api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions, run_until_signal, slot_tracker_app
+from api.select_routes import SELECTION_BODY_LIMIT
+from api.select_service import builder as select_service_builder
 from journal.store import CorruptJournal, Durability
 
 
@@ -34,16 +38,64 @@ def _common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def _seed_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--seed", type=int, default=None,
+        help="seed of the scopes' random sources (tie-breaks, softmax); default: fresh per process",
+    )
+
+
+def _router_flags(parser: argparse.ArgumentParser) -> None:
+    """Router knobs; each overrides the reference's DYN_* environment variable of the same meaning."""
+    knobs = parser.add_argument_group("router knobs (default: the DYN_* environment, then 1.6.1's defaults)")
+    knobs.add_argument("--overlap-score-credit", type=float, help="DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT (1.0)")
+    knobs.add_argument("--overlap-score-weight", type=float,
+                       help="deprecated DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT: sets the prefill load scale")
+    knobs.add_argument("--prefill-load-scale", type=float, help="DYN_ROUTER_PREFILL_LOAD_SCALE (1.0)")
+    knobs.add_argument("--router-temperature", type=float, help="DYN_ROUTER_TEMPERATURE (0.0)")
+    knobs.add_argument("--host-cache-hit-weight", type=float, help="DYN_ROUTER_HOST_CACHE_HIT_WEIGHT (0.75)")
+    knobs.add_argument("--disk-cache-hit-weight", type=float, help="DYN_ROUTER_DISK_CACHE_HIT_WEIGHT (0.25)")
+    knobs.add_argument("--use-kv-events", action=argparse.BooleanOptionalAction, default=None,
+                       help="DYN_USE_KV_EVENTS (true): index from worker KV events")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     services = parser.add_subparsers(dest="service", required=True)
     slot = services.add_parser("slot-tracker", help="active-request accounting service (Dynamo slot tracker)")
     _common_flags(slot, 8091)
+    select = services.add_parser("select-service", help="KV-aware worker selection service (Dynamo select_service)")
+    _common_flags(select, 8092)
+    select.add_argument("--threads", type=int, default=4, help="accepted for compatibility (single-threaded)")
+    select.add_argument("--indexer-peers", default="", help="comma-separated HTTP URLs: recover the index from /dump")
+    select.add_argument("--selection-cache-ttl-secs", type=float, default=120.0)
+    select.add_argument("--selection-cache-max-entries", type=int, default=4096)
+    _seed_flag(select)
+    _router_flags(select)
     return parser
 
 
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The DYN_* environment first, then flags; fail fast on values that do not parse."""
+    config = RouterConfig.from_env(os.environ)
+    flags = {
+        "overlap_score_credit": args.overlap_score_credit,
+        "prefill_load_scale": args.prefill_load_scale,
+        "router_temperature": args.router_temperature,
+        "host_cache_hit_weight": args.host_cache_hit_weight,
+        "disk_cache_hit_weight": args.disk_cache_hit_weight,
+        "use_kv_events": args.use_kv_events,
+    }
+    if args.overlap_score_weight is not None:
+        flags["prefill_load_scale"] = args.overlap_score_weight
+        if args.overlap_score_weight == 0:
+            flags["overlap_score_credit"] = 0.0
+    return attrs.evolve(config, **{k: v for k, v in flags.items() if v is not None})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -53,10 +105,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_dir=args.data_dir,
         durability=Durability(args.durability),
         fresh=args.fresh,
+        body_limit=SLOT_TRACKER_BODY_LIMIT if args.service == "slot-tracker" else SELECTION_BODY_LIMIT,
+        seed=getattr(args, "seed", None),
+        selection_cache_ttl_secs=getattr(args, "selection_cache_ttl_secs", 120.0),
+        selection_cache_max_entries=getattr(args, "selection_cache_max_entries", 4096),
     )
+    if args.service == "slot-tracker":
+        name, build = "slot tracker", slot_tracker_app
+    else:
+        try:
+            config = router_config(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        name, build = "selection service", select_service_builder(config)
     status = 0
     try:
-        trio.run(partial(run_until_signal, "slot tracker", options, slot_tracker_routes))
+        trio.run(partial(run_until_signal, name, options, build))
     except* CorruptJournal as group:
         for exc in group.exceptions:
             logging.getLogger("kvrouter").error("cannot start: %s", exc)

@@ -83,3 +83,4 @@ class Route:
     path: str  # literal segments, or "{name}" for a path parameter
     handler: Handler
     json_body: bool = False  # requires a JSON content type and a body within the limit
+    optional_body: bool = False  # reads a body if one is sent (JSON content type then required)

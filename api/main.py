@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from actors.ports import WallClock
 from actors.system import ActorSystem
 from api.app import make_app
 from api.http import Route
+from api.routes import slot_tracker_routes
 from api.server import hypercorn_config, serve_http
 from journal.file import FileJournal
 from journal.recovery import recover
@@ -40,6 +42,17 @@ class ServiceOptions:
     durability: Durability = Durability.ALWAYS
     fresh: bool = False
     body_limit: int = SLOT_TRACKER_BODY_LIMIT
+    seed: int | None = None  # root of the scopes' random sources; None = fresh per process
+    selection_cache_ttl_secs: float = 120.0
+    selection_cache_max_entries: int = 4096
+
+
+# Builds a service's routes once the actor system runs; may start more components in the nursery.
+RouteBuilder = Callable[[ActorSystem, trio.Nursery], Awaitable[list[Route]]]
+
+
+async def slot_tracker_app(system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
+    return slot_tracker_routes(system)
 
 
 @attrs.frozen
@@ -52,7 +65,7 @@ class ServiceHandle:
 async def run_service(
     name: str,
     options: ServiceOptions,
-    build_routes: Callable[[ActorSystem], list[Route]],
+    build_routes: RouteBuilder,
     *,
     task_status: trio.TaskStatus[ServiceHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -68,9 +81,14 @@ async def run_service(
     async with trio.open_nursery() as outer:
         await outer.start(journal.run)
         async with trio.open_nursery() as inner:
-            system = ActorSystem(journal, WallClock(), recovered.states)
+            system = ActorSystem(
+                journal, WallClock(), recovered.states,
+                seed=secrets.randbits(64) if options.seed is None else options.seed,
+                pending_options={"ttl_seconds": options.selection_cache_ttl_secs,
+                                 "max_entries": options.selection_cache_max_entries},
+            )
             await inner.start(system.run)
-            app = make_app(build_routes(system), body_limit=options.body_limit)
+            app = make_app(await build_routes(system, inner), body_limit=options.body_limit)
 
             async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
                 config = hypercorn_config(options.host, options.port)
@@ -87,9 +105,7 @@ async def run_service(
         outer.cancel_scope.cancel()
 
 
-async def run_until_signal(
-    name: str, options: ServiceOptions, build_routes: Callable[[ActorSystem], list[Route]]
-) -> None:
+async def run_until_signal(name: str, options: ServiceOptions, build_routes: RouteBuilder) -> None:
     async with trio.open_nursery() as nursery:
         handle: ServiceHandle = await nursery.start(run_service, name, options, build_routes)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -26,7 +26,7 @@ from api.schemas import (
     parse,
 )
 
-REASON_STATUS = {Reason.INVALID: 400, Reason.NOT_FOUND: 404, Reason.CONFLICT: 409}
+REASON_STATUS = {Reason.INVALID: 400, Reason.NOT_FOUND: 404, Reason.CONFLICT: 409, Reason.UNAVAILABLE: 503}
 
 
 def reply(decision: Decision) -> Response:

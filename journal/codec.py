@@ -54,6 +54,12 @@ def _exact_bool(value: Any, _: Any = None) -> bool:
     return value
 
 
+def _exact_float(value: Any, _: Any = None) -> float:
+    if type(value) is float or type(value) is int:
+        return float(value)
+    raise WireTypeError(f"invalid type: {_json_kind(value)}, expected f64")
+
+
 def _ranged(kind: Any) -> Any:
     low, high = _RANGES[kind]
     name = _RANGE_NAMES[kind]
@@ -92,6 +98,7 @@ def make_converter(*, strict: bool) -> cattrs.Converter:
         converter.register_structure_hook(int, _exact_int)
         converter.register_structure_hook(str, _exact_str)
         converter.register_structure_hook(bool, _exact_bool)
+        converter.register_structure_hook(float, _exact_float)
         for kind in _RANGES:
             converter.register_structure_hook(kind, _ranged(kind))
     else:

@@ -9,15 +9,17 @@ import httpx
 import pytest
 import trio
 
-from api.main import ServiceHandle, ServiceOptions, run_service
-from api.routes import slot_tracker_routes
+from actors.core.router_config import RouterConfig
+from api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
+from api.select_routes import SELECTION_BODY_LIMIT
+from api.select_service import builder as select_service_builder
 from journal.store import Durability
 
 
 @pytest.fixture
 async def slot_tracker(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[ServiceHandle]:
     options = ServiceOptions(port=0, data_dir=tmp_path / "data", durability=Durability.ALWAYS)
-    handle: ServiceHandle = await nursery.start(run_service, "slot tracker", options, slot_tracker_routes)
+    handle: ServiceHandle = await nursery.start(run_service, "slot tracker", options, slot_tracker_app)
     yield handle
     handle.stop()
 
@@ -26,3 +28,22 @@ async def slot_tracker(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[S
 async def client(slot_tracker: ServiceHandle) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=slot_tracker.urls[0], timeout=10) as http:
         yield http
+
+
+async def start_select_service(
+    nursery: trio.Nursery, data_dir: Path, config: RouterConfig | None = None, seed: int = 7
+) -> ServiceHandle:
+    options = ServiceOptions(port=0, data_dir=data_dir, durability=Durability.ALWAYS, seed=seed,
+                             body_limit=SELECTION_BODY_LIMIT)
+    build = select_service_builder(config or RouterConfig())
+    handle: ServiceHandle = await nursery.start(run_service, "selection service", options, build)
+    return handle
+
+
+@pytest.fixture
+async def selector(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """A selection service (KV events on) and an HTTP client for it."""
+    handle = await start_select_service(nursery, tmp_path / "data")
+    async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http:
+        yield http
+    handle.stop()

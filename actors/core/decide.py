@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import singledispatch
 
+from actors.core import selection_rules
 from actors.core.commands import (
     AddRequest,
     Command,
@@ -27,7 +28,6 @@ from actors.core.events import (
     WorkerUnregistered,
 )
 from actors.core.ids import U32_MAX, U64_MASK, WorkerRank
-from actors.core import selection_rules
 from actors.core.state import ScopeState
 
 MAX_DP_SIZE = 4096  # the reference's cap on one registration's DP range

@@ -1,0 +1,361 @@
+"""THE route table of the selection service (seed ``selection-service.md``).
+
+Catalog, selection and reservation writes are commands to the scope actor (journaled, durable
+before the reply); inspection routes read actor state between awaits and pass a read barrier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_view
+from actors.core.commands import (
+    AddOutputBlock,
+    CompletePrefill,
+    FreeRequest,
+    RemoveWorker,
+    Reserve,
+    ReserveSelection,
+    SelectWorker,
+    UpsertWorker,
+)
+from actors.core.decisions import Accepted, Decision, Rejected
+from actors.core.ids import ScopeKey, to_i64
+from actors.core.router_config import RouterConfig
+from actors.core.selection import (
+    TierOverlap,
+    effective_cached_tokens,
+    potential_decode_blocks,
+    potential_prefill_tokens,
+)
+from actors.core.selection_rules import NormalizedPrompt, Selection, normalize, schedulable
+from actors.core.state import ScopeState
+from actors.kv_ingest import KvIngest
+from actors.system import ActorSystem
+from api.http import HttpError, Request, Response, Route, json_response
+from api.routes import REASON_STATUS
+from api.schemas import parse
+from api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, patched_record
+
+SELECTION_BODY_LIMIT = 8 * 1024 * 1024  # REQUEST_BODY_LIMIT_BYTES of the reference selection service
+OK_STATUS = {"status": "ok"}
+
+
+def refuse(decision: Rejected) -> HttpError:
+    return HttpError(REASON_STATUS[decision.reason], decision.message)
+
+
+def accepted(decision: Decision) -> Accepted:
+    if isinstance(decision, Rejected):
+        raise refuse(decision)
+    return decision
+
+
+def selection_view(selection: Selection, scope: ScopeKey, selection_id: str | None, reserved: bool) -> dict[str, Any]:
+    """The reference's field order; ``reservation_id`` (seed) beside ``selection_id`` (1.6.1)."""
+    view: dict[str, Any] = {}
+    booking = selection.reservation_id if reserved else selection_id
+    if booking is not None:
+        view["selection_id"] = booking
+        if reserved:
+            view["reservation_id"] = booking
+    if reserved:
+        view["sequence_hashes"] = [to_i64(h) for h in selection.sequence_hashes]
+        view["isl_tokens"] = selection.isl_tokens
+        view["track_prefill_tokens"] = selection.track_prefill_tokens
+    view.update(
+        model_name=scope.model_name, tenant_id=scope.tenant_id, routing_group=scope.tenant_id,
+        worker_id=selection.worker_id, dp_rank=selection.dp_rank, endpoint=selection.endpoint,
+        block_size=selection.block_size, overlap=selection.overlap,
+        effective_prefill_tokens=selection.effective_prefill_tokens,
+        potential_decode_blocks=selection.potential_decode_blocks,
+    )
+    return view
+
+
+def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterConfig) -> list[Route]:
+    now = system.clock.now_ns
+    use_kv_events = config.use_kv_events
+
+    def view(record: WorkerRecord, state: ScopeState | None) -> dict[str, Any]:
+        reasons = not_schedulable_reasons(
+            record, use_kv_events=use_kv_events, partition_block_size=state.block_size if state else None
+        )
+        shown = record_view(record, "incomplete" if reasons else "schedulable", reasons)
+        listeners = ingest.status(record.worker_id)
+        if listeners:
+            shown["kv_listeners"] = listeners
+        return shown
+
+    def find_worker(worker_id: int) -> ScopeState | None:
+        for state in system.states():
+            if worker_id in state.catalog:
+                return state
+        return None
+
+    def find_reservation(reservation_id: str) -> ScopeKey:
+        for state in system.states():
+            if reservation_id in state.requests:
+                return state.scope
+        raise HttpError(404, f"reservation {reservation_id} not found")
+
+    def worker_id_param(request: Request) -> int:
+        raw = request.path_params["worker_id"]
+        if not raw.isdigit() or int(raw) >= 1 << 64:
+            raise HttpError(400, f"Invalid URL: Cannot parse `{raw}` to a `u64`")
+        return int(raw)
+
+    async def store(record: WorkerRecord) -> dict[str, Any]:
+        home = find_worker(record.worker_id)
+        if home is not None and home.scope != record.scope:
+            # worker_id is service-wide: a record naming another partition moves the worker.
+            accepted(await system.ask(home.scope, RemoveWorker(record.worker_id, at=now())))
+        accepted(await system.ask(record.scope, UpsertWorker(record, use_kv_events, at=now())))
+        ingest.reconcile()
+        return view(record, system.state(record.scope))
+
+    async def post_worker(request: Request) -> Response:
+        record = parse(WorkerBody, request.json()).to_record()
+        return json_response(201, await store(record))
+
+    async def patch_worker(request: Request) -> Response:
+        worker_id = worker_id_param(request)
+        home = find_worker(worker_id)
+        if home is None:
+            raise HttpError(404, f"worker {worker_id} not found")
+        record = patched_record(home.catalog[worker_id], request.json())
+        return json_response(200, await store(record))
+
+    async def delete_worker(request: Request) -> Response:
+        worker_id = worker_id_param(request)
+        home = find_worker(worker_id)
+        if home is None:
+            raise HttpError(404, f"worker {worker_id} not found")
+        record = home.catalog[worker_id]
+        accepted(await system.ask(home.scope, RemoveWorker(worker_id, at=now())))
+        ingest.reconcile()
+        return json_response(200, record_view(record, "unschedulable", []))
+
+    def scope_filter(request: Request) -> Callable[[ScopeState], bool]:
+        query = request.query(("model_name", "tenant_id", "routing_group"))
+        model = query.get("model_name")
+        tenant = query.get("tenant_id", query.get("routing_group"))
+        return lambda s: (model is None or s.scope.model_name == model) and (
+            tenant is None or s.scope.tenant_id == tenant
+        )
+
+    async def list_workers(request: Request) -> Response:
+        wanted = scope_filter(request)
+        rows = [
+            view(record, state)
+            for state in system.states() if wanted(state)
+            for _, record in sorted(state.catalog.items())
+        ]
+        await system.read_barrier()
+        return json_response(200, rows)
+
+    async def ready(request: Request) -> Response:
+        rows, count = [], 0
+        for state in system.states():
+            for _, record in sorted(state.catalog.items()):
+                shown = view(record, state)
+                count += shown["lifecycle"] == "schedulable"
+                rows.append(shown)
+        await system.read_barrier()
+        return json_response(200 if count else 503, {"ready": count > 0, "schedulable_workers": count,
+                                                     "workers": rows})
+
+    async def health(request: Request) -> Response:
+        return json_response(200, OK_STATUS)
+
+    def effective_config(body: SelectBody) -> RouterConfig:
+        override = body.override()
+        return override.apply(config) if override is not None else config
+
+    async def select(request: Request, reserve: bool) -> Response:
+        body = parse(SelectBody, request.json())
+        scope = body.scope()
+        command = SelectWorker(
+            body.prompt(), effective_config(body), body.options(), reserve=reserve,
+            reservation_id=body.reservation_id if reserve else None, selection_id=body.selection_id, at=now(),
+        )
+        decision = accepted(await system.ask(scope, command))
+        return json_response(200, selection_view(decision.reply, scope, body.selection_id, reserve))
+
+    async def post_select(request: Request) -> Response:
+        return await select(request, False)
+
+    async def post_select_and_reserve(request: Request) -> Response:
+        return await select(request, True)
+
+    async def post_reservation(request: Request) -> Response:
+        body = parse(ReservationBody, request.json())
+        scope = body.scope()
+        booking = body.booking_id()
+        if body.worker_id is None:
+            decision = accepted(await system.ask(scope, ReserveSelection(booking, at=now())))
+        else:
+            if body.sequence_hashes is None or body.isl_tokens is None:
+                missing = "sequence_hashes" if body.sequence_hashes is None else "isl_tokens"
+                raise HttpError(422, f"Failed to deserialize the JSON body into the target type: missing field "
+                                     f"`{missing}`")
+            command = Reserve(
+                booking, body.worker_id, body.dp_rank, body.sequence_hashes, body.isl_tokens,
+                body.effective_prefill_tokens, body.track_prefill_tokens,
+                config_tracks_prefill=config.router_track_prefill_tokens, at=now(),
+            )
+            decision = accepted(await system.ask(scope, command))
+        state = system.state(scope)
+        request_row = state.requests.get(booking) if state else None
+        worker_id = request_row.rank.worker_id if request_row else body.worker_id
+        dp_rank = request_row.rank.dp_rank if request_row else body.dp_rank
+        record = state.catalog.get(worker_id) if state and worker_id is not None else None
+        del decision
+        return json_response(201, {
+            "selection_id": booking, "reservation_id": booking, "model_name": scope.model_name,
+            "tenant_id": scope.tenant_id, "routing_group": scope.tenant_id, "worker_id": worker_id,
+            "dp_rank": dp_rank, "endpoint": record.endpoint if record else None,
+        })
+
+    async def reservation_prefill_complete(request: Request) -> Response:
+        reservation_id = request.path_params["reservation_id"]
+        scope = find_reservation(reservation_id)
+        accepted(await system.ask(scope, CompletePrefill(reservation_id, at=now(), reservation=True)))
+        return json_response(200, OK_STATUS)
+
+    async def reservation_output_block(request: Request) -> Response:
+        reservation_id = request.path_params["reservation_id"]
+        body = parse(OutputBlockBody, request.json() if request.body.strip() else {})
+        if body.decay_fraction is not None and not 0.0 <= body.decay_fraction <= 1.0:
+            raise HttpError(400, "decay_fraction must be between 0.0 and 1.0")
+        scope = find_reservation(reservation_id)
+        accepted(await system.ask(scope, AddOutputBlock(reservation_id, body.decay_fraction, at=now())))
+        return json_response(200, OK_STATUS)
+
+    async def delete_reservation(request: Request) -> Response:
+        reservation_id = request.path_params["reservation_id"]
+        scope = find_reservation(reservation_id)
+        accepted(await system.ask(scope, FreeRequest(reservation_id, at=now(), reservation=True)))
+        return json_response(200, OK_STATUS)
+
+    async def loads(request: Request) -> Response:
+        wanted = scope_filter(request)
+        partitions = []
+        for state in system.states():
+            if not wanted(state):
+                continue
+            rows = [
+                {"worker_id": rank.worker_id, "dp_rank": rank.dp_rank,
+                 "potential_prefill_tokens": r.prefill_tokens, "potential_decode_blocks": r.active_decode_blocks,
+                 "active_requests": len(r.requests)}
+                for rank, r in sorted(state.ranks.items())
+            ]
+            partitions.append({"model_name": state.scope.model_name, "tenant_id": state.scope.tenant_id,
+                               "routing_group": state.scope.tenant_id, "loads": rows, "pending_count": 0,
+                               "pending_isl_tokens": 0})
+        await system.read_barrier()
+        return json_response(200, partitions)
+
+    def prompt_read(request: Request) -> tuple[ScopeState, NormalizedPrompt, RouterConfig, list[WorkerRecord]]:
+        body = parse(SelectBody, request.json())
+        effective = effective_config(body)
+        state = system.state(body.scope())
+        workers = schedulable(state, use_kv_events) if state is not None else []
+        if state is None or not workers or state.block_size is None:
+            scope = body.scope()
+            raise HttpError(503, f"no schedulable workers for {scope.describe()}")
+        prompt = normalize(body.prompt(), state.block_size)
+        if isinstance(prompt, str):
+            raise HttpError(400, prompt)
+        return state, prompt, effective, workers
+
+    async def post_potential_loads(request: Request) -> Response:
+        state, prompt, effective, workers = prompt_read(request)
+        matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
+        rows = []
+        for record in workers:
+            for rank in record.ranks():
+                r = state.ranks[rank]
+                found = matches.get(rank)
+                overlap = TierOverlap(*found) if found else TierOverlap()
+                cached = effective_cached_tokens(overlap, effective, state.block_size or 1)
+                rows.append({
+                    "worker_id": rank.worker_id, "dp_rank": rank.dp_rank,
+                    "potential_prefill_tokens": potential_prefill_tokens(
+                        r.prefill_tokens, prompt.isl_tokens, cached, effective.router_track_prefill_tokens),
+                    "potential_decode_blocks": potential_decode_blocks(
+                        r.active_decode_blocks, len(prompt.sequence_hashes),
+                        r.trie.overlap_depth(prompt.sequence_hashes)),
+                    "active_requests": len(r.requests),
+                })
+        await system.read_barrier()
+        return json_response(200, rows)
+
+    async def post_overlap_scores(request: Request) -> Response:
+        state, prompt, _, workers = prompt_read(request)
+        matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
+        rows = []
+        for record in sorted(workers, key=lambda r: r.worker_id):
+            for rank in record.ranks():
+                found = matches.get(rank)
+                o = TierOverlap(*found) if found else TierOverlap()
+                host = o.device + o.host_ext
+                rows.append({
+                    "worker_id": rank.worker_id, "dp_rank": rank.dp_rank, "device_blocks": o.device,
+                    "host_pinned_blocks": host, "disk_blocks": host + o.disk_ext + o.external_ext,
+                    "host_pinned_extension_blocks": o.host_ext,
+                    "disk_extension_blocks": o.disk_ext + o.external_ext, "shared_beyond_device_blocks": None,
+                })
+        await system.read_barrier()
+        return json_response(200, {
+            "block_size": state.block_size, "num_blocks": len(prompt.local_hashes), "workers": rows,
+            "shared_cache": {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None},
+        })
+
+    async def dump(request: Request) -> Response:
+        document = {}
+        for state in system.states():
+            events = []
+            for event_id, run in enumerate(state.index.dump_events()):
+                events.append({
+                    "worker_id": run.rank.worker_id,
+                    "storage_tier": run.tier.label,
+                    "residency_domain": "worker",
+                    "event": {
+                        "event_id": event_id,
+                        "data": {"stored": {
+                            "parent_hash": None if run.parent_hash is None else to_i64(run.parent_hash),
+                            "start_position": None,
+                            "blocks": [{"block_hash": to_i64(ext), "tokens_hash": to_i64(local),
+                                        "mm_extra_info": None} for ext, local in run.blocks],
+                        }},
+                        "dp_rank": run.rank.dp_rank,
+                    },
+                })
+            document[f"{state.scope.model_name}:{state.scope.tenant_id}"] = {
+                "block_size": state.block_size, "events": events}
+        await system.read_barrier()
+        return json_response(200, document)
+
+    return [
+        Route("POST", "/workers", post_worker, json_body=True),
+        Route("GET", "/workers", list_workers),
+        Route("PATCH", "/workers/{worker_id}", patch_worker, json_body=True),
+        Route("DELETE", "/workers/{worker_id}", delete_worker, optional_body=True),
+        Route("GET", "/ready", ready),
+        Route("GET", "/health", health),
+        Route("POST", "/select", post_select, json_body=True),
+        Route("POST", "/select_and_reserve", post_select_and_reserve, json_body=True),
+        Route("POST", "/reservations", post_reservation, json_body=True),
+        Route("POST", "/reservations/{reservation_id}/prefill_complete", reservation_prefill_complete,
+              optional_body=True),
+        Route("POST", "/reservations/{reservation_id}/output_block", reservation_output_block, optional_body=True),
+        Route("DELETE", "/reservations/{reservation_id}", delete_reservation, optional_body=True),
+        Route("GET", "/loads", loads),
+        Route("POST", "/potential_loads", post_potential_loads, json_body=True),
+        Route("POST", "/overlap_scores", post_overlap_scores, json_body=True),
+        Route("GET", "/dump", dump),
+    ]
+
+

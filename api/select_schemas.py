@@ -1,0 +1,214 @@
+"""Wire DTOs of the selection service (seed ``selection-service.md``; 1.6.1 where it is silent).
+
+As in ``api/schemas.py``: strict JSON types, serde-like 422 messages, unknown fields ignored,
+``tenant_id`` with ``routing_group`` as an alias, ``reservation_id`` with ``selection_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NewType
+
+import attrs
+
+from actors.core.catalog import WorkerRecord
+from actors.core.commands import Prompt, SelectionOptions
+from actors.core.ids import U32_MAX, ScopeKey
+from actors.core.router_config import RouterConfigOverride
+from api.http import HttpError
+from api.schemas import (
+    API_CONVERTER,
+    DEFAULT_TENANT,
+    HashListError,
+    SequenceHashes,
+    WireTypeError,
+    _deserialize_failed,
+    _json_kind,
+    parse,
+)
+from journal.codec import U32, U64, USize
+
+TokenIds = NewType("TokenIds", tuple)
+
+
+def _structure_tokens(value: Any, _: Any = None) -> tuple[int, ...]:
+    if type(value) is not list:
+        raise WireTypeError(f"invalid type: {_json_kind(value)}, expected a sequence")
+    for index, token in enumerate(value):
+        if type(token) is not int or not 0 <= token <= U32_MAX:
+            raise HashListError(index, f"invalid value: {_json_kind(token)}, expected u32")
+    return tuple(value)
+
+
+API_CONVERTER.register_structure_hook(TokenIds, _structure_tokens)
+
+
+def _scope(model_name: str, tenant_id: str | None, routing_group: str | None) -> ScopeKey:
+    tenant = tenant_id if tenant_id is not None else routing_group
+    return ScopeKey(model_name, DEFAULT_TENANT if tenant is None else tenant)
+
+
+@attrs.frozen
+class WorkerBody:
+    worker_id: U64
+    model_name: str = "default"
+    tenant_id: str = attrs.field(default=None)  # absent = default; null is a 422
+    routing_group: str = attrs.field(default=None)
+    endpoint: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_endpoints: dict[str, str] | None = None
+    replay_endpoint: str | None = None
+    block_size: U32 | None = None
+    data_parallel_start_rank: U32 | None = None
+    data_parallel_size: U32 | None = None
+    max_num_batched_tokens: U64 | None = None
+    total_kv_blocks: U64 | None = None
+    stable_routing_id: str | None = None
+    is_eagle: bool | None = None
+    taints: list[str] | None = None
+    topology_domains: dict[str, str] | None = None
+    kv_transfer_domain: str | None = None
+    kv_transfer_enforcement: str | None = None
+    kv_transfer_preferred_weight: float | None = None
+
+    def to_record(self) -> WorkerRecord:
+        endpoints = None
+        if self.kv_events_endpoints is not None:
+            ranks = []
+            for key, endpoint in self.kv_events_endpoints.items():
+                if not key.isdigit() or int(key) > U32_MAX:
+                    raise HttpError(422, _deserialize_failed(
+                        f"kv_events_endpoints: invalid dp_rank key {key!r}, expected a u32"))
+                ranks.append((int(key), endpoint))
+            endpoints = tuple(sorted(ranks))
+        start = self.data_parallel_start_rank or 0
+        if start + (1 if self.data_parallel_size is None else self.data_parallel_size) > U32_MAX + 1:
+            raise HttpError(400, f"data parallel range overflows u32: start={start} size={self.data_parallel_size}")
+        scope = _scope(self.model_name, self.tenant_id, self.routing_group)
+        return WorkerRecord(
+            worker_id=self.worker_id, model_name=scope.model_name, tenant_id=scope.tenant_id,
+            endpoint=self.endpoint, kv_events_endpoint=self.kv_events_endpoint, kv_events_endpoints=endpoints,
+            replay_endpoint=self.replay_endpoint, block_size=self.block_size,
+            data_parallel_start_rank=self.data_parallel_start_rank, data_parallel_size=self.data_parallel_size,
+            max_num_batched_tokens=self.max_num_batched_tokens, total_kv_blocks=self.total_kv_blocks,
+            stable_routing_id=self.stable_routing_id, is_eagle=self.is_eagle,
+            taints=tuple(self.taints or ()), topology_domains=tuple(sorted((self.topology_domains or {}).items())),
+            kv_transfer_domain=self.kv_transfer_domain, kv_transfer_enforcement=self.kv_transfer_enforcement,
+            kv_transfer_preferred_weight=self.kv_transfer_preferred_weight,
+        )
+
+
+def patched_record(current: WorkerRecord, changes: Any) -> WorkerRecord:
+    """PATCH: supplied fields replace the record's (maps and lists wholesale), then re-validate."""
+    if type(changes) is not dict:
+        raise HttpError(422, _deserialize_failed(f"invalid type: {_json_kind(changes)}, expected a JSON object"))
+    plain = current.to_plain()
+    plain["kv_events_endpoints"] = (
+        None if current.kv_events_endpoints is None else {str(r): e for r, e in current.kv_events_endpoints}
+    )
+    plain["topology_domains"] = dict(current.topology_domains)
+    known = {field.name for field in attrs.fields(WorkerBody)}
+    plain.update({k: v for k, v in changes.items() if k in known and k != "worker_id"})
+    if "routing_group" in changes and "tenant_id" not in changes:
+        plain.pop("tenant_id")
+    return parse(WorkerBody, plain).to_record()
+
+
+@attrs.frozen
+class PinnedWorker:
+    worker_id: U64
+    dp_rank: U32 = 0  # type: ignore[assignment]
+
+
+@attrs.frozen
+class RoutingConstraints:
+    required_taints: list[str] | None = None
+    preferred_taints: dict[str, float] | None = None
+
+
+@attrs.frozen
+class Override:
+    overlap_score_credit: float | None = None
+    prefill_load_scale: float | None = None
+    overlap_score_weight: float | None = None
+    router_temperature: float | None = None
+    assume_kv_reuse: bool | None = None
+    track_prefill_tokens: bool | None = None
+    shared_cache_multiplier: float | None = None
+
+
+@attrs.frozen
+class PromptBody:
+    model_name: str = "default"
+    tenant_id: str = attrs.field(default=None)
+    routing_group: str = attrs.field(default=None)
+    token_ids: TokenIds | None = None
+    lora_name: str | None = None
+    block_hashes: SequenceHashes | None = None
+    sequence_hashes: SequenceHashes | None = None
+    isl_tokens: USize | None = None
+
+    def scope(self) -> ScopeKey:
+        return _scope(self.model_name, self.tenant_id, self.routing_group)
+
+    def prompt(self) -> Prompt:
+        return Prompt(self.token_ids, self.lora_name, self.block_hashes, self.sequence_hashes, self.isl_tokens)
+
+
+@attrs.frozen
+class SelectBody(PromptBody):
+    selection_id: str | None = None
+    reservation_id: str | None = None
+    router_config_override: Override | None = None
+    expected_output_tokens: U32 | None = None
+    pinned_worker: PinnedWorker | None = None
+    allowed_worker_ids: list[U64] | None = None
+    routing_constraints: RoutingConstraints | None = None
+
+    def override(self) -> RouterConfigOverride | None:
+        if self.router_config_override is None:
+            return None
+        override = RouterConfigOverride(**attrs.asdict(self.router_config_override))
+        problem = override.validate()
+        if problem:
+            raise HttpError(422, _deserialize_failed(f"router_config_override: {problem}"))
+        return override
+
+    def options(self) -> SelectionOptions:
+        constraints = self.routing_constraints or RoutingConstraints()
+        return SelectionOptions(
+            allowed_worker_ids=None if self.allowed_worker_ids is None else frozenset(self.allowed_worker_ids),
+            required_taints=frozenset(constraints.required_taints or ()),
+            preferred_taints=tuple(sorted((constraints.preferred_taints or {}).items())),
+            pinned_worker=None if self.pinned_worker is None else (self.pinned_worker.worker_id,
+                                                                    self.pinned_worker.dp_rank),
+            expected_output_tokens=self.expected_output_tokens,
+        )
+
+
+@attrs.frozen
+class ReservationBody:
+    model_name: str = "default"
+    tenant_id: str = attrs.field(default=None)
+    routing_group: str = attrs.field(default=None)
+    reservation_id: str | None = None
+    selection_id: str | None = None
+    worker_id: U64 | None = None
+    dp_rank: U32 = 0  # type: ignore[assignment]
+    sequence_hashes: SequenceHashes | None = None
+    isl_tokens: USize | None = None
+    effective_prefill_tokens: USize | None = None
+    track_prefill_tokens: bool | None = None
+
+    def scope(self) -> ScopeKey:
+        return _scope(self.model_name, self.tenant_id, self.routing_group)
+
+    def booking_id(self) -> str:
+        booking = self.reservation_id if self.reservation_id is not None else self.selection_id
+        if booking is None:
+            raise HttpError(422, _deserialize_failed("missing field `reservation_id`"))
+        return booking
+
+
+@attrs.frozen
+class OutputBlockBody:
+    decay_fraction: float | None = None
