@@ -87,6 +87,8 @@ class ScopeActor:
         if isinstance(decision, Accepted) and decision.events:
             lsn = self.system.journal.append(encode_record(self.state.scope, decision.events))
             fold(self.state, decision.events)
+            for observe in self.system.observers:
+                observe(self.state, command, decision.events)
         return decision, lsn
 
     def _with_draw(self, command: SelectWorker) -> SelectWorker:

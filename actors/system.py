@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -17,6 +18,7 @@ from actors.actor import ScopeActor
 from actors.core.commands import SCOPE_CREATING, Command, ExpireStale
 from actors.core.decide import decide
 from actors.core.decisions import Decision
+from actors.core.events import Event
 from actors.core.ids import ScopeKey
 from actors.core.state import ScopeState
 from actors.mailbox import ENQUEUE_TIMEOUT, Envelope, Overloaded
@@ -58,6 +60,9 @@ class ActorSystem:
         self._expiry_sweep_seconds = expiry_sweep_seconds
         self.snapshots_taken = 0
         self.seed = seed  # root of every scope's random source
+        # Observers of applied decisions (the replica publisher): called synchronously by the
+        # actor right after fold, so they must not block; each keeps its own bounded queue.
+        self.observers: list[Callable[[ScopeState, Command, tuple[Event, ...]], None]] = []
         self.pending_options = pending_options or {}
         # Production encodes big snapshots off the loop; simulations encode inline so that a
         # snapshot completes at a deterministic point of virtual time.

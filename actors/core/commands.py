@@ -37,6 +37,7 @@ class AddRequest:
     sequence_hashes: tuple[int, ...]  # unsigned 64-bit chained hashes, one per prompt block
     isl_tokens: int  # new prompt tokens to account as prefill load; 0 = no prefill tracking
     at: int = 0
+    remote: bool = False  # came from a replica peer: applied and journaled, never re-broadcast
 
 
 @attrs.frozen
@@ -44,6 +45,7 @@ class CompletePrefill:
     request_id: str
     at: int = 0
     reservation: bool = False  # the selection service's wording and 404 for unknown ids
+    remote: bool = False
 
 
 @attrs.frozen
@@ -51,6 +53,7 @@ class FreeRequest:
     request_id: str
     at: int = 0
     reservation: bool = False  # selection service: an unknown reservation is a 404, not a no-op
+    remote: bool = False
 
 
 @attrs.frozen
