@@ -116,6 +116,7 @@ class KvListener:
         resume_from: int | None = None,
         on_restart: OnRestart | None = None,
         replay_timeout: float = REPLAY_IDLE_TIMEOUT,
+        catch_up_on_connect: bool = True,
     ) -> None:
         self.status = ListenerStatus(endpoint=endpoint, replay_endpoint=replay_endpoint, last_seq=resume_from)
         self._on_batch = on_batch
@@ -126,6 +127,11 @@ class KvListener:
         # "start": a new socket has no backlog, so the first batch settles it. "disconnect": the old
         # connection's backlog may still be draining, so the first batch that is not last + 1 does.
         self._restart_check: Literal["start", "disconnect"] | None = "start"
+        # Set by the connection watcher on every (re)connection; the listen loop then replays
+        # whatever the publisher buffered after our watermark.
+        self._catch_up_on_connect = catch_up_on_connect
+        self._catch_up_due = False
+        self._recv_scope = trio.CancelScope()
 
     def resume_from(self, seq: int | None) -> None:
         """Continue after ``seq`` (a journaled watermark): the next expected batch is seq + 1.
@@ -178,6 +184,11 @@ class KvListener:
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.status.state = "active"
                 log.info("kv listener %s: connected", self.status.endpoint)
+                if self.status.replay_endpoint is not None and self._catch_up_on_connect:
+                    # Batches published before this connection never reach the SUB: ask for them
+                    # now instead of waiting for the next live batch to reveal the gap.
+                    self._catch_up_due = True
+                    self._recv_scope.cancel()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.status.state = "connecting"
                 self._restart_check = "disconnect"
@@ -191,7 +202,16 @@ class KvListener:
     async def _listen(self, sub: TrioZmqSocket) -> None:
         """Owns the SUB socket (and, while a replay runs, a DEALER): strictly one batch at a time."""
         while True:
-            frames = await sub.recv_multipart()
+            if self._catch_up_due:
+                self._catch_up_due = False
+                last = -1 if self.status.last_seq is None else self.status.last_seq
+                await self._fill_gap(last + 1, None)
+            self._recv_scope = trio.CancelScope()
+            frames = None
+            with self._recv_scope:
+                frames = await sub.recv_multipart()
+            if frames is None:
+                continue  # woken for a catch-up
             if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == _END_MARKER:
                 self.status.malformed += 1
                 log.debug("kv listener %s: ignored a %d-frame message", self.status.endpoint, len(frames))
@@ -228,21 +248,27 @@ class KvListener:
         if replayed:
             self.status.replayed_batches += 1
 
-    async def _fill_gap(self, start: int, end: int) -> None:
-        """Deliver what the replay endpoint has of ``[start, end)``; count and log the rest as lost."""
+    async def _fill_gap(self, start: int, end: int | None) -> None:
+        """Deliver what the replay endpoint has of ``[start, end)``; count and log the rest as lost.
+
+        ``end=None`` is a catch-up after a (re)connection: take everything buffered from ``start``
+        until the end marker; nothing is known to be missing, so nothing is counted as lost.
+        """
         replay_endpoint = self.status.replay_endpoint
         if replay_endpoint is None:
-            self._lost(start, end, "no replay endpoint")
+            if end is not None:
+                self._lost(start, end, "no replay endpoint")
             return
         next_seq, problem = start, "ended early"
         with open_socket(zmq.DEALER, sndhwm=16, rcvhwm=REPLAY_RCVHWM) as dealer:
             try:
                 dealer.socket.connect(replay_endpoint)
             except zmq.ZMQError as exc:
-                self._lost(start, end, f"cannot connect to {replay_endpoint}: {exc}")
+                if end is not None:
+                    self._lost(start, end, f"cannot connect to {replay_endpoint}: {exc}")
                 return
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while next_seq < end:
+            while end is None or next_seq < end:
                 frames: list[bytes] | None = None
                 with trio.move_on_after(self._replay_timeout):
                     frames = await dealer.recv_multipart()
@@ -258,16 +284,20 @@ class KvListener:
                     break
                 if seq < next_seq:
                     continue  # before what we asked for: nothing to do with it
-                if seq >= end:
+                if end is not None and seq >= end:
                     problem = f"buffer jumped to {seq}"
                     break
                 if seq > next_seq:
+                    if end is None and next_seq == start and start > 0:
+                        # The publisher's buffer starts after our watermark (or it restarted): the
+                        # live stream settles which, as for any first batch.
+                        break
                     self._lost(next_seq, seq, "replay not contiguous")
                 await self._deliver(seq, payload, replayed=True)
                 next_seq = seq + 1
         # Leaving the block closed the DEALER (linger 0): replies past ``end`` are simply dropped,
         # since the live socket is delivering those.
-        if next_seq < end:
+        if end is not None and next_seq < end:
             self._lost(next_seq, end, f"replay incomplete ({problem})")
 
     def _lost(self, start: int, end: int, why: str) -> None:

@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = router_config(args)
         except ValueError as exc:
             parser.error(str(exc))
-        name, build = "selection service", select_service_builder(config)
+        peers = [url.strip() for url in args.indexer_peers.split(",") if url.strip()]
+        name, build = "selection service", select_service_builder(config, peers)
     status = 0
     try:
         trio.run(partial(run_until_signal, name, options, build))

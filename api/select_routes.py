@@ -21,6 +21,7 @@ from actors.core.commands import (
     UpsertWorker,
 )
 from actors.core.decisions import Accepted, Decision, Rejected
+from actors.core.dump import dump_scope
 from actors.core.ids import ScopeKey, to_i64
 from actors.core.router_config import RouterConfig
 from actors.core.selection import (
@@ -314,27 +315,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         })
 
     async def dump(request: Request) -> Response:
-        document = {}
-        for state in system.states():
-            events = []
-            for event_id, run in enumerate(state.index.dump_events()):
-                events.append({
-                    "worker_id": run.rank.worker_id,
-                    "storage_tier": run.tier.label,
-                    "residency_domain": "worker",
-                    "event": {
-                        "event_id": event_id,
-                        "data": {"stored": {
-                            "parent_hash": None if run.parent_hash is None else to_i64(run.parent_hash),
-                            "start_position": None,
-                            "blocks": [{"block_hash": to_i64(ext), "tokens_hash": to_i64(local),
-                                        "mm_extra_info": None} for ext, local in run.blocks],
-                        }},
-                        "dp_rank": run.rank.dp_rank,
-                    },
-                })
-            document[f"{state.scope.model_name}:{state.scope.tenant_id}"] = {
-                "block_size": state.block_size, "events": events}
+        document = {f"{s.scope.model_name}:{s.scope.tenant_id}": dump_scope(s) for s in system.states()}
         await system.read_barrier()
         return json_response(200, document)
 

@@ -14,6 +14,9 @@ import httpx
 import pytest
 import trio
 
+from actors.core.kv_wire import encode_batch
+from tests.support.kv_publisher import open_kv_publisher
+
 pytestmark = pytest.mark.slow
 
 
@@ -24,9 +27,10 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self, data_dir: Path, durability: str) -> None:
+    def __init__(self, data_dir: Path, durability: str, module: str = "api.slot_tracker") -> None:
         self.data_dir = data_dir
         self.durability = durability
+        self.module = module
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir.parent / f"service-{durability}.log"
@@ -35,7 +39,7 @@ class Service:
     async def start(self) -> None:
         with self.log.open("ab") as log:
             self.process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "api.slot_tracker", "--port", str(self.port), "--data-dir",
+                [sys.executable, "-m", self.module, "--port", str(self.port), "--data-dir",
                  str(self.data_dir), "--durability", self.durability, "--log-level", "warning"],
                 stdout=subprocess.DEVNULL, stderr=log,
             )
@@ -152,3 +156,58 @@ async def test_restart_without_crash_keeps_state(tmp_path: Path) -> None:
             assert await snapshot_reads(http) == before
     finally:
         await service.kill9()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_selection_service_survives_kill_9(tmp_path: Path) -> None:
+    """Catalog, KV index and every acknowledged reservation are back after kill -9."""
+    service = Service(tmp_path / "data", "always", module="api.select_service")
+    tokens = list(range(64))
+    acknowledged: list[str] = []
+    async with open_kv_publisher() as publisher:
+        worker = {"worker_id": 3, "model_name": "m", "endpoint": "http://w3", "block_size": 4,
+                  "kv_events_endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+        await service.start()
+        try:
+            async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
+                assert (await http.post("/workers", json=worker)).status_code == 201
+                publisher.publish(encode_batch([["BlockStored", [1, 2, 3, 4], None, tokens[:16], 4, None, None]]))
+                query = {"model_name": "m", "token_ids": tokens}
+                with trio.fail_after(10):
+                    scores = "/overlap_scores"
+                    while (await http.post(scores, json=query)).json()["workers"][0]["device_blocks"] < 4:  # noqa: ASYNC110
+                        await trio.sleep(0.02)
+                workers_before = (await http.get("/workers")).json()
+
+                async def reserve(client_id: int) -> None:
+                    for n in range(10_000):
+                        body = {**query, "reservation_id": f"c{client_id}-{n}"}
+                        try:
+                            response = await http.post("/select_and_reserve", json=body)
+                        except httpx.TransportError:
+                            return
+                        if response.status_code == 200:
+                            acknowledged.append(body["reservation_id"])
+
+                async with trio.open_nursery() as nursery:
+                    for client_id in range(4):
+                        nursery.start_soon(reserve, client_id)
+                    await trio.sleep(0.5)
+                    await service.kill9()
+        finally:
+            if service.process and service.process.poll() is None:
+                await service.kill9()
+        assert len(acknowledged) > 10
+        await service.start()
+        try:
+            async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
+                workers_after = (await http.get("/workers")).json()
+                for row in workers_before + workers_after:
+                    row.pop("kv_listeners", None)
+                assert workers_after == workers_before
+                scores = (await http.post("/overlap_scores", json={"model_name": "m", "token_ids": tokens})).json()
+                assert scores["workers"][0]["device_blocks"] == 4
+                for reservation_id in acknowledged:
+                    assert (await http.delete(f"/reservations/{reservation_id}")).status_code == 200
+        finally:
+            await service.kill9()

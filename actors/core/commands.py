@@ -92,6 +92,26 @@ class IngestKvBatch:
 
 
 @attrs.frozen
+class RecoveredRun:
+    """One stored run from a peer's ``/dump``: blocks of (external hash, local hash), parent first."""
+
+    worker_id: int
+    dp_rank: int
+    tier: int
+    parent_hash: int | None
+    blocks: tuple[tuple[int, int], ...]
+
+
+@attrs.frozen
+class RecoverKv:
+    """Seed the index from a peer (``--indexer-peers``): applied whether or not the workers are in
+    the catalog yet, since a new replica learns its catalog after it starts."""
+
+    runs: tuple[RecoveredRun, ...]
+    at: int = 0
+
+
+@attrs.frozen
 class ResetKvStream:
     worker_id: int
     dp_rank: int
@@ -169,9 +189,9 @@ class AddOutputBlock:
 Command = (
     RegisterWorker | UnregisterWorker | AddRequest | CompletePrefill | FreeRequest | ExpireStale
     | UpsertWorker | RemoveWorker | IngestKvBatch | ResetKvStream | SelectWorker | Reserve | ReserveSelection
-    | AddOutputBlock
+    | AddOutputBlock | RecoverKv
 )
 
 # Commands that may bring a scope into existence; every other command to a missing scope is
 # answered by the core from an empty state (a "not found" rejection or a no-op).
-SCOPE_CREATING = (RegisterWorker, UpsertWorker)
+SCOPE_CREATING = (RegisterWorker, UpsertWorker, RecoverKv)

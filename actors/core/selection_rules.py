@@ -16,6 +16,7 @@ from actors.core.commands import (
     AddOutputBlock,
     IngestKvBatch,
     Prompt,
+    RecoverKv,
     RemoveWorker,
     Reserve,
     ResetKvStream,
@@ -155,6 +156,15 @@ def decide_ingest(command: IngestKvBatch, state: ScopeState) -> Decision:
         elif isinstance(event, AllBlocksCleared):
             ops.append(KvClearedOp())
     return Accepted((KvIndexed(command.worker_id, dp_rank, command.dp_rank, command.seq, tuple(ops)),))
+
+
+def decide_recover(command: RecoverKv, state: ScopeState) -> Decision:
+    events = tuple(
+        KvIndexed(run.worker_id, run.dp_rank, run.dp_rank, None, (KvStoredOp(run.tier, run.parent_hash, run.blocks),))
+        for run in command.runs
+        if run.blocks
+    )
+    return Accepted(events)
 
 
 def decide_reset(command: ResetKvStream, state: ScopeState) -> Decision:

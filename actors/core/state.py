@@ -67,7 +67,7 @@ class ScopeState:
     @property
     def exists(self) -> bool:
         """A scope exists while it has a worker; the last unregistration dissolves it."""
-        return bool(self.workers) or bool(self.catalog)
+        return bool(self.workers) or bool(self.catalog) or self.index.block_count() > 0
 
     def to_snapshot(self) -> dict[str, Any]:
         """Plain, JSON-ready, canonical form (dict order is part of the state's meaning)."""

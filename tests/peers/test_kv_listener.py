@@ -62,6 +62,9 @@ class Sink:
 async def start_listener(
     nursery: trio.Nursery, publisher: KvPublisher | None, sink: Sink, **options: object
 ) -> KvListener:
+    """A listener whose replay requests come only from gaps in the live stream (the catch-up on
+    connect is tested on its own), so each test can assert the exact replay requests."""
+    options.setdefault("catch_up_on_connect", False)
     endpoint = options.pop("endpoint", None) or (publisher and publisher.endpoint)
     replay = options.pop("replay_endpoint", None) or (publisher and publisher.replay_endpoint)
     assert isinstance(endpoint, str)
@@ -368,3 +371,32 @@ async def test_cancellation_closes_every_socket() -> None:
             assert open_zmq_sockets() > before
             nursery.cancel_scope.cancel()
     assert open_zmq_sockets() == before
+
+
+async def test_catch_up_on_connect_recovers_batches_before_any_live_one(nursery: trio.Nursery) -> None:
+    """A worker that published while nobody listened (service down, or listener not yet up) is
+    caught up as soon as the connection is made, without waiting for its next live batch."""
+    sink = Sink()
+    with trio.fail_after(5):
+        async with open_kv_publisher() as pub:
+            for seq in range(5):
+                pub.publish(payload(seq))
+            listener = await start_listener(nursery, pub, sink, catch_up_on_connect=True)
+            await sink.wait_for(5)
+            assert pub.replay_requests == [0]
+            pub.publish(payload(5))  # live traffic continues after the replayed batches
+            await sink.wait_for(6)
+    assert sink.seqs == [0, 1, 2, 3, 4, 5]
+    assert (listener.status.replayed_batches, listener.status.lost_batches) == (5, 0)
+
+
+async def test_catch_up_resumes_after_the_journaled_watermark(nursery: trio.Nursery) -> None:
+    sink = Sink()
+    with trio.fail_after(5):
+        async with open_kv_publisher() as pub:
+            for seq in range(6):
+                pub.publish(payload(seq))
+            await start_listener(nursery, pub, sink, catch_up_on_connect=True, resume_from=2)
+            await sink.wait_for(3)
+            assert pub.replay_requests == [3]
+    assert sink.seqs == [3, 4, 5]

@@ -1,0 +1,78 @@
+"""``GET /dump``: the KV index as the reference's recovery format, and its parsing.
+
+Format (spec §2.8, the standalone indexer's): ``{"<model>:<tenant>": {"block_size": N, "events":
+[RouterEvent]}}`` where each RouterEvent is ``{worker_id, storage_tier, residency_domain, event:
+{event_id, data: {"stored": {parent_hash, start_position, blocks: [{block_hash, tokens_hash,
+mm_extra_info}]}}, dp_rank}}``; hashes are signed 64-bit. A kvrouter replica recovers from a
+reference selector or indexer and vice versa.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.core.commands import RecoveredRun
+from actors.core.ids import ScopeKey, to_i64, to_u64
+from actors.core.kv_index import Tier
+from actors.core.state import ScopeState
+
+TIERS_BY_LABEL = {tier.label: tier for tier in Tier}
+
+
+class DumpError(ValueError):
+    """A peer's /dump that is not in the recovery format."""
+
+
+def dump_scope(state: ScopeState) -> dict[str, Any]:
+    events = []
+    for event_id, run in enumerate(state.index.dump_events()):
+        blocks = [{"block_hash": to_i64(ext), "tokens_hash": to_i64(local), "mm_extra_info": None}
+                  for ext, local in run.blocks]
+        parent = None if run.parent_hash is None else to_i64(run.parent_hash)
+        events.append({
+            "worker_id": run.rank.worker_id,
+            "storage_tier": run.tier.label,
+            "residency_domain": "worker",
+            "event": {
+                "event_id": event_id,
+                "data": {"stored": {"parent_hash": parent, "start_position": None, "blocks": blocks}},
+                "dp_rank": run.rank.dp_rank,
+            },
+        })
+    return {"block_size": state.block_size, "events": events}
+
+
+def scope_key(name: str) -> ScopeKey:
+    model, sep, tenant = name.rpartition(":")
+    if not sep:
+        raise DumpError(f"dump key {name!r} is not <model>:<tenant>")
+    return ScopeKey(model, tenant)
+
+
+def parse_dump(document: Any) -> dict[ScopeKey, tuple[int | None, list[RecoveredRun]]]:
+    """Stored runs per scope (with the peer's block size); removals and clears in a dump are
+    history the peer already applied, so only stores matter for a fresh index."""
+    if not isinstance(document, dict):
+        raise DumpError("a dump is a JSON object keyed by <model>:<tenant>")
+    scopes = {}
+    for name, section in document.items():
+        if not isinstance(section, dict) or not isinstance(section.get("events"), list):
+            raise DumpError(f"dump section {name!r} has no events list")
+        runs = []
+        for router_event in section["events"]:
+            try:
+                event = router_event["event"]
+                stored = event["data"]["stored"] if isinstance(event["data"], dict) else None
+                if stored is None:
+                    continue
+                tier = TIERS_BY_LABEL.get(router_event.get("storage_tier", "device"), Tier.DEVICE)
+                parent = stored.get("parent_hash")
+                blocks = tuple((to_u64(b["block_hash"]), to_u64(b["tokens_hash"])) for b in stored["blocks"])
+                runs.append(RecoveredRun(
+                    int(router_event["worker_id"]), int(event.get("dp_rank") or 0), int(tier),
+                    None if parent is None else to_u64(parent), blocks,
+                ))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DumpError(f"malformed event in {name!r}: {exc!r}") from None
+        scopes[scope_key(name)] = (section.get("block_size"), runs)
+    return scopes
