@@ -109,6 +109,8 @@ class ScopeActor:
             "", chosen.worker_id, chosen.dp_rank, chosen.sequence_hashes, chosen.isl_tokens,
             effective_prefill_tokens=chosen.effective_prefill_tokens if chosen.track_prefill_tokens else None,
             track_prefill_tokens=chosen.track_prefill_tokens,
+            local_hashes=chosen.local_hashes,
+            approx_ttl_ns=chosen.approx_ttl_ns,
         )
         self.pending.put(command.selection_id, template, command.at)
 

@@ -169,6 +169,9 @@ class Reserve:
     track_prefill_tokens: bool | None = None
     config_tracks_prefill: bool = True
     at: int = 0
+    # Approximate mode: the prompt's local hashes, assumed cached on the rank for this long.
+    local_hashes: tuple[int, ...] = ()
+    approx_ttl_ns: int = 0
 
 
 @attrs.frozen

@@ -20,6 +20,8 @@ from actors.core.commands import (
 )
 from actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
 from actors.core.events import (
+    ApproxBlocksExpired,
+    Event,
     PrefillCompleted,
     RequestAdded,
     RequestFreed,
@@ -144,9 +146,12 @@ def _free(command: FreeRequest, state: ScopeState) -> Decision:
 def _expire(command: ExpireStale, state: ScopeState) -> Decision:
     cutoff = command.at - command.max_age_ns
     stale = tuple(r.request_id for r in state.requests.values() if r.started_at < cutoff)
-    if not stale:
-        return NOTHING_CHANGED
-    return Accepted((RequestsExpired(stale, command.at),))
+    events: list[Event] = [RequestsExpired(stale, command.at)] if stale else []
+    for rank, expiry in state.approx_expiry.items():
+        lapsed = tuple(h for h, expires_at in expiry.items() if expires_at <= command.at)
+        if lapsed:
+            events.append(ApproxBlocksExpired(rank.worker_id, rank.dp_rank, lapsed))
+    return Accepted(tuple(events)) if events else NOTHING_CHANGED
 
 
 # The selection service's rules live in their own module and share this dispatcher.

@@ -108,6 +108,24 @@ class KvStreamReset:
 
 
 @attrs.frozen
+class ApproxBlocksBooked:
+    """Approximate mode (no KV events): a booking's blocks count as cached on its rank until
+    ``expires_at``; ``blocks`` are (sequence hash, local hash) from the root."""
+
+    worker_id: int
+    dp_rank: int
+    blocks: tuple[tuple[int, int], ...]
+    expires_at: int
+
+
+@attrs.frozen
+class ApproxBlocksExpired:
+    worker_id: int
+    dp_rank: int
+    block_hashes: tuple[int, ...]  # sequence hashes whose time ran out
+
+
+@attrs.frozen
 class OutputBlockAdded:
     request_id: str
     decay_fraction: float | None
@@ -115,7 +133,8 @@ class OutputBlockAdded:
 
 Event = (
     WorkerRegistered | WorkerUnregistered | RequestAdded | PrefillCompleted | RequestFreed | RequestsExpired
-    | WorkerUpserted | WorkerRemoved | KvIndexed | KvStreamReset | OutputBlockAdded
+    | WorkerUpserted | WorkerRemoved | KvIndexed | KvStreamReset | OutputBlockAdded | ApproxBlocksBooked
+    | ApproxBlocksExpired
 )
 
 EVENT_TAGS: dict[type, str] = {
@@ -124,6 +143,8 @@ EVENT_TAGS: dict[type, str] = {
     KvIndexed: "kv_indexed",
     KvStreamReset: "kv_stream_reset",
     OutputBlockAdded: "output_block_added",
+    ApproxBlocksBooked: "approx_blocks_booked",
+    ApproxBlocksExpired: "approx_blocks_expired",
     WorkerRegistered: "worker_registered",
     WorkerUnregistered: "worker_unregistered",
     RequestAdded: "request_added",

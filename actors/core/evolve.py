@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from functools import singledispatch
 
 from actors.core.events import (
+    ApproxBlocksBooked,
+    ApproxBlocksExpired,
     Event,
     KvClearedOp,
     KvIndexed,
@@ -106,6 +108,7 @@ def _drop_rank(state: ScopeState, rank_key: WorkerRank) -> None:
         del state.requests[request_id]
     state.index.remove_rank(rank_key)
     state.kv_watermarks.pop(rank_key, None)
+    state.approx_expiry.pop(rank_key, None)
 
 
 # -- selection service ------------------------------------------------------------------------------
@@ -167,6 +170,26 @@ def _stream_reset(event: KvStreamReset, state: ScopeState) -> None:
     rank = WorkerRank(event.worker_id, event.dp_rank)
     state.index.apply_cleared(rank)
     state.kv_watermarks.pop(rank, None)
+
+
+@_evolve.register
+def _approx_booked(event: ApproxBlocksBooked, state: ScopeState) -> None:
+    rank = WorkerRank(event.worker_id, event.dp_rank)
+    state.index.apply_stored(rank, Tier.DEVICE, None, event.blocks)
+    expiry = state.approx_expiry.setdefault(rank, {})
+    for seq_hash, _ in event.blocks:
+        expiry[seq_hash] = event.expires_at
+
+
+@_evolve.register
+def _approx_expired(event: ApproxBlocksExpired, state: ScopeState) -> None:
+    rank = WorkerRank(event.worker_id, event.dp_rank)
+    state.index.apply_removed(rank, Tier.DEVICE, event.block_hashes)
+    expiry = state.approx_expiry.get(rank, {})
+    for seq_hash in event.block_hashes:
+        expiry.pop(seq_hash, None)
+    if not expiry:
+        state.approx_expiry.pop(rank, None)
 
 
 @_evolve.register

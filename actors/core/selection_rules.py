@@ -25,6 +25,7 @@ from actors.core.commands import (
 )
 from actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
 from actors.core.events import (
+    ApproxBlocksBooked,
     KvClearedOp,
     KvIndexed,
     KvOp,
@@ -80,6 +81,8 @@ class Selection:
     isl_tokens: int
     track_prefill_tokens: bool
     reservation_id: str | None = None
+    local_hashes: tuple[int, ...] = ()
+    approx_ttl_ns: int = 0  # > 0 in approximate mode: a booking counts as cached this long
 
 
 def schedulable(state: ScopeState, use_kv_events: bool) -> list[WorkerRecord]:
@@ -243,6 +246,8 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         isl_tokens=prompt.isl_tokens,
         track_prefill_tokens=track,
         reservation_id=command.reservation_id if command.reserve else None,
+        local_hashes=prompt.local_hashes,
+        approx_ttl_ns=0 if config.use_kv_events else int(config.router_ttl_secs * 1e9),
     )
     if not command.reserve:
         return Accepted(reply=selection)
@@ -253,7 +258,19 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         reservation_id, chosen_rank.worker_id, chosen_rank.dp_rank, prompt.sequence_hashes,
         effective if track else 0, command.at,
     )
-    return Accepted((event,), created=True, reply=selection)
+    return Accepted((event, *approx_booking(chosen_rank, prompt.sequence_hashes, prompt.local_hashes,
+                                            selection.approx_ttl_ns, command.at)), created=True, reply=selection)
+
+
+def approx_booking(
+    rank: WorkerRank, sequence_hashes: tuple[int, ...], local_hashes: tuple[int, ...], ttl_ns: int, at: int
+) -> tuple[ApproxBlocksBooked, ...]:
+    """Approximate mode (spec §3.2): without KV events, what was just booked on a rank is assumed
+    cached there for ``router_ttl_secs``. Nothing in KV-event mode or without local hashes."""
+    if ttl_ns <= 0 or not local_hashes or len(local_hashes) != len(sequence_hashes):
+        return ()
+    blocks = tuple(zip(sequence_hashes, local_hashes, strict=True))
+    return (ApproxBlocksBooked(rank.worker_id, rank.dp_rank, blocks, at + ttl_ns),)
 
 
 def already_reserved(reservation_id: str) -> Rejected:
@@ -286,7 +303,8 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
     event = RequestAdded(
         command.reservation_id, command.worker_id, command.dp_rank, command.sequence_hashes, prefill, command.at
     )
-    return Accepted((event,), created=True, reply=state.catalog[command.worker_id])
+    booked = approx_booking(rank, command.sequence_hashes, command.local_hashes, command.approx_ttl_ns, command.at)
+    return Accepted((event, *booked), created=True, reply=state.catalog[command.worker_id])
 
 
 def decide_output_block(command: AddOutputBlock, state: ScopeState) -> Decision:

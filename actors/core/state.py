@@ -50,7 +50,9 @@ class RankState:
 
 
 class ScopeState:
-    __slots__ = ("block_size", "catalog", "index", "kv_watermarks", "ranks", "requests", "scope", "workers")
+    __slots__ = (
+        "approx_expiry", "block_size", "catalog", "index", "kv_watermarks", "ranks", "requests", "scope", "workers",
+    )
 
     def __init__(self, scope: ScopeKey) -> None:
         self.scope = scope
@@ -63,6 +65,8 @@ class ScopeState:
         self.catalog: dict[int, WorkerRecord] = {}
         self.index = KvIndex()
         self.kv_watermarks: dict[WorkerRank, int] = {}
+        # Approximate mode: when each booked block stops counting as cached, per rank.
+        self.approx_expiry: dict[WorkerRank, dict[int, int]] = {}
 
     @property
     def exists(self) -> bool:
@@ -98,6 +102,8 @@ class ScopeState:
             "catalog": [record.to_plain() for record in self.catalog.values()],
             "index": self.index.to_snapshot(),
             "kv_watermarks": [[r.worker_id, r.dp_rank, seq] for r, seq in self.kv_watermarks.items()],
+            "approx_expiry": [[r.worker_id, r.dp_rank, list(map(list, expiry.items()))]
+                              for r, expiry in self.approx_expiry.items()],
         }
 
     @classmethod
@@ -122,6 +128,7 @@ class ScopeState:
             state.catalog[record.worker_id] = record
         state.index = KvIndex.from_snapshot(data["index"])
         state.kv_watermarks = {WorkerRank(w, r): seq for w, r, seq in data["kv_watermarks"]}
+        state.approx_expiry = {WorkerRank(w, r): {h: t for h, t in items} for w, r, items in data["approx_expiry"]}
         return state
 
 

@@ -143,3 +143,23 @@ async def test_selection_errors(selector: httpx.AsyncClient) -> None:
     filtered = await selector.post("/select", json={"model_name": "m", "token_ids": [1],
                                                      "routing_constraints": {"required_taints": ["gpu-a100"]}})
     assert filtered.status_code == 503
+
+
+async def test_approximate_mode_counts_bookings_as_cached(nursery: trio.Nursery, tmp_path) -> None:
+    """DYN_USE_KV_EVENTS=false (edge cases 31 and 49): workers need no ZMQ endpoint, and a booked
+    prompt counts as cached on its rank for a later prompt sharing its first blocks."""
+    from actors.core.router_config import RouterConfig
+    from tests.conftest import start_select_service
+
+    handle = await start_select_service(nursery, tmp_path / "data", RouterConfig(use_kv_events=False))
+    async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http:
+        for worker_id in (1, 2):
+            body = {"worker_id": worker_id, "model_name": "m", "endpoint": f"http://w{worker_id}", "block_size": 4}
+            assert (await http.post("/workers", json=body)).json()["lifecycle"] == "schedulable"
+        first = list(range(16))
+        booked = (await http.post("/select_and_reserve", json={"model_name": "m", "token_ids": first})).json()
+        later = first[:8] + [900, 901, 902, 903]
+        scores = (await http.post("/overlap_scores", json={"model_name": "m", "token_ids": later})).json()
+        device = {row["worker_id"]: row["device_blocks"] for row in scores["workers"]}
+        assert device == {booked["worker_id"]: 2, 3 - booked["worker_id"]: 0}
+    handle.stop()

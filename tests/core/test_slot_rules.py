@@ -207,3 +207,21 @@ def test_expiry_drops_requests_older_than_the_cutoff(scope: Scope) -> None:
     assert [e.request_ids for e in expired.events] == [("old",)]
     assert scope.load() == (7, 2)
     assert list(scope.state.requests) == ["young"]
+
+
+def test_approximate_bookings_expire_after_their_ttl() -> None:
+    from actors.core.catalog import WorkerRecord
+    from actors.core.commands import Prompt, SelectWorker, UpsertWorker
+    from actors.core.router_config import RouterConfig
+
+    s = Scope()
+    s.ok(UpsertWorker(WorkerRecord(1, "llama", "default", endpoint="http://w", block_size=4), use_kv_events=False))
+    config = RouterConfig(use_kv_events=False, router_ttl_secs=120.0)
+    prompt = Prompt(token_ids=tuple(range(8)))
+    s.ok(SelectWorker(prompt, config, reserve=True, reservation_id="r", at=0))
+    assert s.state.index.block_count() == 2
+    s.ok(FreeRequest("r", at=SECOND))  # the cache outlives the request
+    assert s.state.index.block_count() == 2
+    assert s.ok(ExpireStale(300 * SECOND, at=119 * SECOND)).events == ()
+    s.ok(ExpireStale(300 * SECOND, at=120 * SECOND))
+    assert s.state.index.block_count() == 0 and s.state.approx_expiry == {}
