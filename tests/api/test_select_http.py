@@ -158,7 +158,7 @@ async def test_approximate_mode_counts_bookings_as_cached(nursery: trio.Nursery,
             assert (await http.post("/workers", json=body)).json()["lifecycle"] == "schedulable"
         first = list(range(16))
         booked = (await http.post("/select_and_reserve", json={"model_name": "m", "token_ids": first})).json()
-        later = first[:8] + [900, 901, 902, 903]
+        later = [*first[:8], 900, 901, 902, 903]
         scores = (await http.post("/overlap_scores", json={"model_name": "m", "token_ids": later})).json()
         device = {row["worker_id"]: row["device_blocks"] for row in scores["workers"]}
         assert device == {booked["worker_id"]: 2, 3 - booked["worker_id"]: 0}
