@@ -59,7 +59,7 @@ async def simulate(seed: int, options: SimulationOptions) -> SimulationResult:
             await nursery.start(journal.run)
             system = ActorSystem(
                 journal, clock, states, snapshot_every_records=options.snapshot_every_records,
-                encode_snapshots_in_thread=False,
+                encode_snapshots_in_thread=False, seed=seed,
             )
             await nursery.start(system.run)
             for index, step in enumerate(steps):

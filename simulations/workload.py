@@ -11,15 +11,25 @@ from collections.abc import Iterator
 
 import attrs
 
+from actors.core.catalog import WorkerRecord
 from actors.core.commands import (
+    AddOutputBlock,
     AddRequest,
     Command,
     CompletePrefill,
     FreeRequest,
+    IngestKvBatch,
+    Prompt,
     RegisterWorker,
+    RemoveWorker,
+    SelectWorker,
     UnregisterWorker,
+    UpsertWorker,
 )
 from actors.core.ids import ScopeKey
+from actors.core.kv_index import Tier
+from actors.core.kv_wire import BlockRemoved, BlockStored, KvBatch
+from actors.core.router_config import RouterConfig
 
 
 @attrs.frozen
@@ -38,16 +48,94 @@ class WorkloadOptions:
     prefix_pool: int = 32  # distinct shared prefixes, so tries share nodes
     max_blocks: int = 12
     mean_gap_seconds: float = 2.0  # long enough that expiry (300 s) happens in long runs
+    selection_scopes: int = 2  # scopes driven like the selection service (catalog, KV events, selections)
 
 
 def trace(seed: int, steps: int, options: WorkloadOptions) -> Iterator[Step]:
+    """Slot-tracker and selection-service steps, interleaved by their own seeded generators."""
+    mix = random.Random(f"{seed}:mix")
+    slots = slot_tracker_trace(seed, options)
+    selection = selection_trace(seed, options)
+    for _ in range(steps):
+        yield next(selection) if options.selection_scopes and mix.random() < 0.5 else next(slots)
+
+
+def selection_trace(seed: int, options: WorkloadOptions) -> Iterator[Step]:
+    """Workers publish KV events (stores with parent links, removals), clients select, reserve,
+    stream output blocks and free, under temperatures that make the seeded draws matter."""
+    rng = random.Random(f"{seed}:selection")
+    bs = options.block_size
+    scopes = [ScopeKey(f"sel-model-{i}", "default") for i in range(options.selection_scopes)]
+    chains = [[rng.randrange(1 << 32) for _ in range(options.max_blocks * bs)] for _ in range(options.prefix_pool)]
+    catalog: dict[ScopeKey, set[int]] = {s: set() for s in scopes}
+    stored: dict[tuple[ScopeKey, int], list[int]] = {}  # (scope, worker) -> external hashes it holds, in order
+    seqs: dict[tuple[ScopeKey, int], int] = {}
+    live: dict[ScopeKey, list[str]] = {s: [] for s in scopes}
+    counter = 0
+    while True:
+        scope = rng.choice(scopes)
+        gap = rng.expovariate(1 / options.mean_gap_seconds)
+        workers = catalog[scope]
+        roll = rng.random()
+        command: Command
+        if not workers or roll < 0.03:
+            worker = rng.randrange(options.workers_per_scope)
+            workers.add(worker)
+            record = WorkerRecord(worker, scope.model_name, scope.tenant_id, endpoint=f"http://w{worker}",
+                                  kv_events_endpoint=f"tcp://w{worker}:5557", block_size=bs)
+            command = UpsertWorker(record)
+        elif roll < 0.04 and len(workers) > 1:
+            worker = rng.choice(sorted(workers))
+            workers.discard(worker)
+            stored.pop((scope, worker), None)
+            command = RemoveWorker(worker)
+        elif roll < 0.35:
+            worker = rng.choice(sorted(workers))
+            held = stored.setdefault((scope, worker), [])
+            seq = seqs.get((scope, worker), -1) + 1
+            seqs[(scope, worker)] = seq
+            if held and rng.random() < 0.2:
+                cut = rng.randrange(len(held))
+                event: BlockStored | BlockRemoved = BlockRemoved((held[cut],), Tier.DEVICE)
+                del held[cut:]
+            else:
+                chain = rng.choice(chains)
+                start = len(held) if held and rng.random() < 0.5 else 0
+                if start == 0:
+                    held.clear()
+                count = rng.randint(1, 4)
+                tokens = tuple(chain[start * bs : (start + count) * bs])
+                hashes = tuple(rng.getrandbits(64) for _ in range(len(tokens) // bs))
+                event = BlockStored(hashes, held[-1] if held else None, tokens, bs)
+                held.extend(hashes)
+            command = IngestKvBatch(worker, 0, seq, KvBatch(0.0, (event,)))
+        elif roll < 0.65 or not live[scope]:
+            chain = rng.choice(chains)
+            prompt = Prompt(token_ids=tuple(chain[: rng.randint(1, options.max_blocks * bs)]))
+            config = RouterConfig(router_temperature=rng.choice((0.0, 0.0, 0.5, 2.0)))
+            reserve = rng.random() < 0.7
+            counter += 1
+            reservation = f"sel-{counter}" if reserve else None
+            if reserve:
+                live[scope].append(f"sel-{counter}")
+            command = SelectWorker(prompt, config, reserve=reserve, reservation_id=reservation)
+        elif roll < 0.8:
+            command = AddOutputBlock(rng.choice(live[scope]), rng.choice((None, 0.5, 0.0)))
+        elif roll < 0.88:
+            command = CompletePrefill(rng.choice(live[scope]), reservation=True)
+        else:
+            command = FreeRequest(live[scope].pop(rng.randrange(len(live[scope]))), reservation=True)
+        yield Step(scope, command, gap)
+
+
+def slot_tracker_trace(seed: int, options: WorkloadOptions) -> Iterator[Step]:
     rng = random.Random(f"{seed}:workload")
     scopes = [ScopeKey(f"model-{i}", "default" if i % 2 == 0 else "tenant-b") for i in range(options.scopes)]
     registered: dict[ScopeKey, set[int]] = {s: set() for s in scopes}
     live: dict[ScopeKey, list[str]] = {s: [] for s in scopes}
     prefixes = [tuple(rng.getrandbits(64) for _ in range(options.max_blocks)) for _ in range(options.prefix_pool)]
     counter = 0
-    for _ in range(steps):
+    while True:
         scope = rng.choice(scopes)
         gap = rng.expovariate(1 / options.mean_gap_seconds)
         workers = registered[scope]

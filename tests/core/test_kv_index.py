@@ -514,22 +514,25 @@ LOCALS = [0, 1, 2]  # a small alphabet, so ranks share positions and walks branc
 QUERIES = [list(q) for n in range(1, 5) for q in product(LOCALS, repeat=n)] + [[0, 1, 2, 0, 1], [2, 1, 0, 2, 1]]
 
 
-def draw_operation(data: st.DataObject, recent: list[int]) -> tuple:  # type: ignore[type-arg]
-    """Mostly stores, with parents usually drawn from recently stored hashes so chains grow deep."""
+def draw_operation(data: st.DataObject, recent: dict[WorkerRank, list[int]]) -> tuple:  # type: ignore[type-arg]
+    """Mostly stores; parents and removals usually name the rank's recently stored hashes, so chains grow deep
+    and lower-tier edges hang off device blocks."""
     kind = data.draw(st.sampled_from(["store"] * 5 + ["remove", "remove", "clear", "remove_worker"]))
     rank = data.draw(st.sampled_from(RANKS))
     tier = data.draw(st.sampled_from([DEV, DEV, DEV, HOST, DISK, EXT]))
     hashes = st.sampled_from(EXTS)
+    mine = recent.setdefault(rank, [])
+    known = st.sampled_from(mine) | hashes if mine else hashes
     if kind == "store":
-        parent = data.draw(st.none() | st.sampled_from(recent) if recent else st.none() | hashes)
+        parent = data.draw(st.none() | known)
         unique = data.draw(st.integers(0, 9)) > 0  # now and then a duplicate, which must be a no-op
         pairs = st.tuples(hashes, st.sampled_from(LOCALS))
         blocks = data.draw(st.lists(pairs, min_size=1, max_size=4, unique_by=(lambda p: p[0]) if unique else None))
-        recent.extend(ext for ext, _ in blocks)
-        del recent[:-6]
+        mine.extend(ext for ext, _ in blocks)
+        del mine[:-6]
         return ("store", rank, tier, parent, blocks)
     if kind == "remove":
-        return ("remove", rank, tier, data.draw(st.lists(st.sampled_from(recent) if recent else hashes, max_size=2)))
+        return ("remove", rank, tier, data.draw(st.lists(known, max_size=2)))
     if kind == "clear":
         return ("clear", rank)
     return ("remove_worker", data.draw(st.sampled_from([1, 2])))
@@ -539,7 +542,7 @@ def draw_operation(data: st.DataObject, recent: list[int]) -> tuple:  # type: ig
 @given(st.data())
 def test_find_matches_equals_a_naive_model(data: st.DataObject) -> None:
     index, model = KvIndex(), NaiveIndex()
-    recent: list[int] = []
+    recent: dict[WorkerRank, list[int]] = {}
     for _ in range(data.draw(st.integers(1, 40), label="operations")):
         op = draw_operation(data, recent)
         if op[0] == "store":
