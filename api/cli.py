@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from actors.core.router_config import RouterConfig
+from actors.peers.replicator import validate_endpoint
 from api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions, run_until_signal, slot_tracker_app
 from api.select_routes import SELECTION_BODY_LIMIT
 from api.select_service import builder as select_service_builder
@@ -36,6 +37,17 @@ def _common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     )
     parser.add_argument("--fresh", action="store_true", help="start empty, discarding the journal")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--replica-sync-port", type=_port, default=None,
+                        help="bind a ZMQ PUB on this port for replica sync (on --host)")
+    parser.add_argument("--replica-sync-peers", default=None,
+                        help="comma-separated ZMQ PUB endpoints of peer replicas (requires --replica-sync-port)")
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port <= 65535:
+        raise argparse.ArgumentTypeError("port must be greater than zero and at most 65535")
+    return port
 
 
 def _seed_flag(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +108,12 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    peers = tuple(p.strip() for p in (args.replica_sync_peers or "").split(",") if p.strip())
+    if args.replica_sync_peers is not None and args.replica_sync_port is None:
+        parser.error("--replica-sync-peers requires --replica-sync-port")
+    for peer in peers:
+        if validate_endpoint(peer) is not None:
+            parser.error(f"invalid replica peer endpoint `{peer}`: {validate_endpoint(peer)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -109,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=getattr(args, "seed", None),
         selection_cache_ttl_secs=getattr(args, "selection_cache_ttl_secs", 120.0),
         selection_cache_max_entries=getattr(args, "selection_cache_max_entries", 4096),
+        replica_sync_port=args.replica_sync_port,
+        replica_sync_peers=peers,
     )
     if args.service == "slot-tracker":
         name, build = "slot tracker", slot_tracker_app

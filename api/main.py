@@ -22,6 +22,7 @@ from actors.ports import WallClock
 from actors.system import ActorSystem
 from api.app import make_app
 from api.http import Route
+from api.replica_routes import replica_routes, start_replication
 from api.routes import slot_tracker_routes
 from api.server import hypercorn_config, serve_http
 from journal.file import FileJournal
@@ -45,14 +46,23 @@ class ServiceOptions:
     seed: int | None = None  # root of the scopes' random sources; None = fresh per process
     selection_cache_ttl_secs: float = 120.0
     selection_cache_max_entries: int = 4096
+    replica_sync_port: int | None = None  # None: replica sync disabled
+    replica_sync_peers: tuple[str, ...] = ()
 
 
 # Builds a service's routes once the actor system runs; may start more components in the nursery.
-RouteBuilder = Callable[[ActorSystem, trio.Nursery], Awaitable[list[Route]]]
+RouteBuilder = Callable[[ServiceOptions, ActorSystem, trio.Nursery], Awaitable[list[Route]]]
 
 
-async def slot_tracker_app(system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
-    return slot_tracker_routes(system)
+async def start_replication_for(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
+    replicator = await start_replication(
+        system, nursery, host=options.host, port=options.replica_sync_port, peers=options.replica_sync_peers
+    )
+    return replica_routes(replicator)
+
+
+async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
+    return slot_tracker_routes(system) + await start_replication_for(options, system, nursery)
 
 
 @attrs.frozen
@@ -88,7 +98,7 @@ async def run_service(
                                  "max_entries": options.selection_cache_max_entries},
             )
             await inner.start(system.run)
-            app = make_app(await build_routes(system, inner), body_limit=options.body_limit)
+            app = make_app(await build_routes(options, system, inner), body_limit=options.body_limit)
 
             async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
                 config = hypercorn_config(options.host, options.port)

@@ -22,7 +22,7 @@ from actors.core.router_config import RouterConfig
 from actors.kv_ingest import KvIngest
 from actors.system import ActorSystem
 from api.http import Route
-from api.main import RouteBuilder
+from api.main import RouteBuilder, ServiceOptions, start_replication_for
 from api.select_routes import select_service_routes
 
 log = logging.getLogger("kvrouter.select_service")
@@ -58,11 +58,12 @@ async def recover_from_peers(system: ActorSystem, peers: Sequence[str]) -> str |
 
 
 async def select_service_app(
-    config: RouterConfig, peers: Sequence[str], system: ActorSystem, nursery: trio.Nursery
+    config: RouterConfig, peers: Sequence[str], options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery
 ) -> list[Route]:
     await recover_from_peers(system, peers)
     ingest: KvIngest = await nursery.start(KvIngest(system).run)
-    return select_service_routes(system, ingest, config)
+    replication = await start_replication_for(options, system, nursery)
+    return select_service_routes(system, ingest, config) + replication
 
 
 def builder(config: RouterConfig, indexer_peers: Sequence[str] = ()) -> RouteBuilder:

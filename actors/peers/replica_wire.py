@@ -169,7 +169,7 @@ def decode_payload(payload: bytes) -> ReplicaEvent:
             payload, raw=False, use_list=True, strict_map_key=True, object_pairs_hook=_map, timestamp=0
         )
     except (ValueError, TypeError, msgpack.UnpackException) as error:  # ExtraData, FormatError, bad UTF-8 …
-        raise ReplicaWireError(f"not a msgpack replica payload: {error}") from None
+        raise ReplicaWireError(f"not a msgpack replica payload: {type(error).__name__}: {error}") from None
     top = _struct(document, "payload", ("model_name", "routing_group", "block_size", "event"))
     event = _struct(top["event"], "event", ("request_id", "worker", "data", "router_id", "lora_name"))
     worker = _struct(event["worker"], "event.worker", ("worker_id", "dp_rank"))
@@ -205,6 +205,8 @@ def _struct(value: Any, path: str, fields: tuple[str, ...]) -> dict[str, Any]:
         if len(value) != len(fields):
             raise ReplicaWireError(f"{path}: expected an array of {len(fields)} fields, got {len(value)}")
         return dict(zip(fields, value, strict=True))
+    if value is _ABSENT:
+        raise ReplicaWireError(f"{path}: missing field")
     raise ReplicaWireError(f"{path}: expected a map, got {_kind(value)}")
 
 

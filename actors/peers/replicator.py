@@ -1,0 +1,429 @@
+"""Replica sync with Dynamo 1.6.1 peers (spec §1.6): publish local lifecycle decisions, apply peers'.
+
+Outbound: an observer of the actor system turns every *local* applied admission, prefill completion
+and free into a 1.6.1 message and drops it into a bounded outbox; one task owns the PUB socket and
+drains it. Expiry, worker (un)registration, the catalog, output blocks and KV events are never
+published, exactly as in 1.6.1. Inbound: one task per peer owns a SUB socket, decodes, applies 1.6.1's
+drop rules and hands the command to the scope's actor marked ``remote`` (so it is journaled but never
+re-published, which is what keeps two peered replicas from echoing forever).
+
+Replica sync is best-effort by design, in 1.6.1 and here: no acks, no replay, no ordering across
+publishers, and a subscriber misses what was published before it connected (ZMQ slow joiner). Each
+replica's journal is its own truth; this only keeps peers' load views close.
+
+Deliberate differences from 1.6.1 (observed on a live 1.6.1 slot tracker): a repeated prefill-complete
+is a no-op decision here and is not re-published (1.6.1 publishes it again; receivers ignore it either
+way), and an inbound free or prefill-complete is applied by request id, whereas 1.6.1 ignores one that
+names a rank other than the request's (request ids are unique per scope, so only a confused publisher
+can tell the difference, and checking the rank here would race with adds still queued in the mailbox).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from typing import Any, Final
+
+import attrs
+import trio
+import zmq
+
+from actors.core.commands import AddRequest, Command, CompletePrefill, FreeRequest, SelectWorker
+from actors.core.events import (
+    Event,
+    PrefillCompleted,
+    RequestAdded,
+    RequestFreed,
+    RequestsExpired,
+    WorkerRemoved,
+    WorkerUnregistered,
+    WorkerUpserted,
+)
+from actors.core.ids import ScopeKey, WorkerRank
+from actors.core.state import ScopeState
+from actors.peers.replica_wire import (
+    TOPIC,
+    AddRequestData,
+    EventData,
+    Free,
+    MarkPrefillCompleted,
+    PrefillLoadHint,
+    ReplicaEvent,
+    ReplicaWireError,
+    decode,
+    encode,
+)
+from actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from actors.system import ActorSystem
+
+log = logging.getLogger("kvrouter.replica")
+
+# Encoded messages waiting for the PUB owner task. The observer runs inside an actor's turn and must
+# never wait, so on overflow the newest message is dropped and counted (policy: drop newest). That
+# loses load information a peer would have had, which 1.6.1 also does (it is best-effort); a burst
+# this large means the PUB task is starved, and peers' views heal as requests are freed or expire.
+OUTBOX_SIZE: Final = 10_000
+
+# ZMQ high-water marks (messages per peer pipe), explicit on both ends. A PUB drops silently at
+# SNDHWM; a full SUB (RCVHWM) makes the publisher drop. 1.6.1 buffers up to 100 000 inbound events
+# before dropping; ours wait in the kernel/zmq instead, because the reader blocks on the mailbox.
+REPLICA_HWM: Final = 10_000
+
+_SCHEMES: Final = ("tcp", "ipc", "inproc")
+
+
+class DropReason:
+    """Why an inbound message was not applied (1.6.1's receiver rules, plus undecodable input)."""
+
+    MALFORMED = "malformed"
+    OWN_ROUTER = "own_router"
+    UNKNOWN_SCOPE = "unknown_scope"
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    UNREGISTERED_RANK = "unregistered_rank"
+
+
+@attrs.define
+class ReplicaStats:
+    """Counters for metrics and tests. ``applied`` means handed to the scope's actor: the core may
+    still find it a no-op (a duplicate add, a free of an unknown request), as 1.6.1 ignores those."""
+
+    published: int = 0  # handed to the PUB socket (zmq may still drop at SNDHWM or without subscribers)
+    outbox_dropped: int = 0  # outbox full: newest dropped
+    unpublishable: int = 0  # a prefill-complete/free whose request's rank is unknown here
+    received: int = 0
+    applied: int = 0
+    dropped: dict[str, int] = attrs.Factory(dict)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def random_router_id() -> int:
+    """A random non-zero u64 process id, as 1.6.1 generates one per process."""
+    return secrets.randbits(64) or 1
+
+
+def validate_endpoint(text: str) -> str | None:
+    """None if ``text`` is a peer endpoint 1.6.1 would accept, else its exact error message."""
+    problem = _endpoint_problem(text)
+    return None if problem is None else f"invalid ZMQ endpoint `{text}`: {problem}"
+
+
+def _endpoint_problem(text: str) -> str | None:
+    scheme, separator, address = text.partition("://")
+    if not separator:
+        return "missing scheme"
+    if scheme not in _SCHEMES:
+        return f"unsupported scheme `{scheme}`"
+    if not address:
+        return "missing address"
+    if scheme != "tcp":
+        return None
+    host, separator, port = address.rpartition(":")
+    if not separator:
+        return "missing TCP port"
+    if not host:
+        return "missing TCP host"
+    if host.startswith("["):
+        if not host.endswith("]"):
+            return "missing closing `]`"
+    elif ":" in host:
+        return "missing TCP port"  # an unbracketed IPv6 address (or a stray colon) is ambiguous
+    return _port_problem(port)
+
+
+def _port_problem(port: str) -> str | None:
+    """Rust's ``u16::from_str`` verdict, worded as 1.6.1 reports it."""
+    if not port:
+        return "invalid TCP port: cannot parse integer from empty string"
+    digits = port[1:] if port.startswith("+") else port
+    if not digits or not all("0" <= c <= "9" for c in digits):
+        return "invalid TCP port: invalid digit found in string"
+    if int(digits) > 65535:
+        return "invalid TCP port: number too large to fit in target type"
+    return None
+
+
+class Replicator:
+    """Replica sync for one ActorSystem: a PUB on ``tcp://{host}:{port}`` and a SUB per peer.
+
+    ``port=0`` binds an ephemeral port (kvrouter's extension, for tests); ``run`` reports the bound
+    endpoint through ``task_status``. Peers may be added and removed while running.
+    """
+
+    def __init__(
+        self,
+        system: ActorSystem,
+        *,
+        port: int,
+        peers: Sequence[str],
+        router_id: int,
+        host: str = "0.0.0.0",
+        outbox_size: int = OUTBOX_SIZE,
+        hwm: int = REPLICA_HWM,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"replica sync port {port} is not in 0..=65535")
+        if not 0 < router_id < 1 << 64:
+            raise ValueError("router_id must be a non-zero unsigned 64-bit integer")
+        for endpoint in peers:
+            if validate_endpoint(endpoint) is not None:
+                raise ValueError(f"invalid replica peer endpoint `{endpoint}`")  # 1.6.1's startup error
+        if outbox_size <= 0:
+            raise ValueError("the outbox must hold at least one message")
+        self._system = system
+        self._port = port
+        self._host = host
+        self._hwm = hwm
+        self.router_id = router_id
+        self.endpoint: str | None = None  # the PUB's bound endpoint, once running
+        self.stats = ReplicaStats()
+        # endpoint -> the cancel scope of its SUB task (None while not running)
+        self._peers: dict[str, trio.CancelScope | None] = dict.fromkeys(peers)
+        self._outbox_send, self._outbox_receive = trio.open_memory_channel[list[bytes]](outbox_size)
+        # request id -> (rank, lora) per scope: a free's event names only the request, but the wire
+        # (and a 1.6.1 receiver, which ignores a free naming the wrong rank) needs its rank.
+        self._requests: dict[ScopeKey, dict[str, tuple[WorkerRank, str | None]]] = {}
+        self._nursery: trio.Nursery | None = None
+        self._ran = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        assert not self._ran, "a Replicator runs once"
+        self._ran = True
+        pub = open_socket(zmq.PUB, sndhwm=self._hwm, rcvhwm=self._hwm)
+        with pub:
+            pub.socket.bind(f"tcp://{self._host}:{self._port or '*'}")
+            endpoint = self.endpoint = pub.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            # Connect every configured peer before anything runs: one zmq refuses fails startup, as in
+            # 1.6.1, with a plain exception rather than one wrapped by a nursery.
+            subs: list[tuple[str, TrioZmqSocket]] = []
+            try:
+                for peer in self._peers:
+                    subs.append((peer, self._connect(peer)))
+            except BaseException:
+                for _, sub in subs:
+                    sub.close()
+                raise
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    for peer, sub in subs:
+                        self._spawn(peer, sub)
+                    self._seed_requests()
+                    self._system.observers.append(self._observe)
+                    nursery.start_soon(self._drain, pub)
+                    log.info("replica sync on %s (router_id %d), peers %s", self.endpoint, self.router_id,
+                             self.peers())
+                    task_status.started(endpoint)
+            finally:
+                self._nursery = None
+                if self._observe in self._system.observers:
+                    self._system.observers.remove(self._observe)
+                self._peers = dict.fromkeys(self._peers)
+
+    # -- peers ------------------------------------------------------------------------------------
+
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+    def register_peer(self, endpoint: str) -> bool:
+        """True if newly added (a SUB starts at once when running), False if already present.
+
+        Raises ValueError with 1.6.1's message for an invalid endpoint or one zmq refuses.
+        """
+        problem = validate_endpoint(endpoint)
+        if problem is not None:
+            raise ValueError(problem)
+        if endpoint in self._peers:
+            return False
+        if self._nursery is not None:
+            self._spawn(endpoint, self._connect(endpoint))
+        self._peers.setdefault(endpoint, None)
+        return True
+
+    def deregister_peer(self, endpoint: str) -> bool:
+        """False if ``endpoint`` is not a peer. Raises ValueError for an invalid endpoint (1.6.1 does)."""
+        problem = validate_endpoint(endpoint)
+        if problem is not None:
+            raise ValueError(problem)
+        if endpoint not in self._peers:
+            return False
+        scope = self._peers.pop(endpoint)
+        if scope is not None:
+            scope.cancel()  # the SUB task closes its socket on the way out
+        return True
+
+    def _connect(self, endpoint: str) -> TrioZmqSocket:
+        """A connected SUB, created by the caller so that an endpoint zmq refuses fails the caller."""
+        sub = open_socket(zmq.SUB, sndhwm=self._hwm, rcvhwm=self._hwm, options={zmq.SUBSCRIBE: TOPIC})
+        try:
+            sub.socket.connect(endpoint)
+        except zmq.ZMQError as error:
+            sub.close()
+            log.warning("replica peer %s refused by zmq: %s", endpoint, error)
+            raise ValueError(f"failed to register replica peer `{endpoint}`") from None
+        return sub
+
+    def _spawn(self, endpoint: str, sub: TrioZmqSocket) -> None:
+        """Hand ``sub`` to its own task, which owns (and closes) it from now on."""
+        assert self._nursery is not None
+        scope = trio.CancelScope()
+        self._peers[endpoint] = scope
+        self._nursery.start_soon(self._subscribe, endpoint, sub, scope)
+
+    # -- outbound ---------------------------------------------------------------------------------
+
+    def _observe(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
+        """Called by the actor right after it applied a decision: never blocks, never raises.
+
+        An exception here would strand the actor between its journal append and its reply, so a bug in
+        replication costs one message (logged and counted), never the scope.
+        """
+        try:
+            self._publish_decision(state, command, events)
+        except Exception:
+            log.exception("replica publication failed for %s", state.scope.describe())
+            self.stats.unpublishable += 1
+
+    def _publish_decision(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
+        index = self._requests.setdefault(state.scope, {})
+        local = not getattr(command, "remote", False)
+        lora_name, expected_output = _origin_details(command)
+        prune = False
+        for event in events:
+            if isinstance(event, RequestAdded):
+                rank = WorkerRank(event.worker_id, event.dp_rank)
+                index[event.request_id] = (rank, lora_name)
+                if local:
+                    tokens = event.prefill_tokens
+                    data: EventData = AddRequestData(
+                        token_sequence=event.sequence_hashes,
+                        track_prefill_tokens=tokens > 0,
+                        expected_output_tokens=expected_output,
+                        prefill_load_hint=PrefillLoadHint(tokens) if tokens > 0 else None,
+                    )
+                    self._offer(state, event.request_id, rank, data, lora_name)
+            elif isinstance(event, PrefillCompleted | RequestFreed):
+                entry = index.get(event.request_id)
+                if isinstance(event, RequestFreed):
+                    index.pop(event.request_id, None)
+                if not local:
+                    continue
+                if entry is None:
+                    self.stats.unpublishable += 1
+                    continue
+                data = MarkPrefillCompleted() if isinstance(event, PrefillCompleted) else Free()
+                self._offer(state, event.request_id, entry[0], data, entry[1])
+            elif isinstance(event, RequestsExpired):
+                for request_id in event.request_ids:
+                    index.pop(request_id, None)
+            elif isinstance(event, WorkerUnregistered | WorkerRemoved | WorkerUpserted):
+                prune = True  # these take a worker's requests with them
+        if not state.exists:
+            self._requests.pop(state.scope, None)
+        elif prune or len(index) > 2 * len(state.requests) + 1024:
+            # The size check is a safety net against request-removing events this module does not know.
+            self._requests[state.scope] = {rid: entry for rid, entry in index.items() if rid in state.requests}
+
+    def _offer(
+        self, state: ScopeState, request_id: str, rank: WorkerRank, data: EventData, lora_name: str | None
+    ) -> None:
+        if state.block_size is None:
+            self.stats.unpublishable += 1
+            return
+        message = ReplicaEvent(
+            model_name=state.scope.model_name,
+            routing_group=state.scope.tenant_id,
+            block_size=state.block_size,
+            request_id=request_id,
+            worker_id=rank.worker_id,
+            dp_rank=rank.dp_rank,
+            data=data,
+            router_id=self.router_id,
+            lora_name=lora_name,
+        )
+        try:
+            self._outbox_send.send_nowait(encode(message))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.stats.outbox_dropped += 1  # policy: drop newest (see OUTBOX_SIZE)
+
+    def _seed_requests(self) -> None:
+        """Requests already active when replication starts (recovered from the journal): their frees
+        must still name the right rank."""
+        for state in self._system.states():
+            index = self._requests.setdefault(state.scope, {})
+            for request_id, request in state.requests.items():
+                index.setdefault(request_id, (request.rank, None))
+
+    async def _drain(self, pub: TrioZmqSocket) -> None:
+        while True:
+            frames = await self._outbox_receive.receive()
+            await pub.send_multipart(frames)  # a PUB never waits: it drops at SNDHWM
+            self.stats.published += 1
+
+    def outbox_statistics(self) -> trio.MemoryChannelStatistics:
+        return self._outbox_receive.statistics()
+
+    # -- inbound ----------------------------------------------------------------------------------
+
+    async def _subscribe(self, endpoint: str, sub: TrioZmqSocket, scope: trio.CancelScope) -> None:
+        with sub, scope:
+            while True:
+                await self._receive(await sub.recv_multipart())
+
+    async def _receive(self, frames: list[bytes]) -> None:
+        """Apply one peer message, or drop it by 1.6.1's rules. Waiting in ``submit`` blocks this
+        peer's reader (policy: block; zmq's RCVHWM then makes the publisher drop)."""
+        stats = self.stats
+        stats.received += 1
+        try:
+            event = decode(frames)
+        except ReplicaWireError as error:
+            stats.drop(DropReason.MALFORMED)
+            log.debug("replica message dropped: %s", error)
+            return
+        reason = self._drop_reason(event)
+        if reason is not None:
+            stats.drop(reason)
+            log.debug("replica event %s for %s dropped: %s", event.request_id, event.scope.describe(), reason)
+            return
+        await self._system.submit(event.scope, self._command(event))
+        stats.applied += 1
+
+    def _drop_reason(self, event: ReplicaEvent) -> str | None:
+        if event.router_id == self.router_id:
+            return DropReason.OWN_ROUTER
+        state = self._system.state(event.scope)
+        if state is None:
+            return DropReason.UNKNOWN_SCOPE
+        if state.block_size != event.block_size:
+            return DropReason.BLOCK_SIZE_MISMATCH
+        if event.rank not in state.ranks:
+            return DropReason.UNREGISTERED_RANK  # replica traffic never creates workers
+        return None
+
+    def _command(self, event: ReplicaEvent) -> Command:
+        at = self._system.clock.now_ns()  # the receiver's clock, as in 1.6.1
+        data = event.data
+        if isinstance(data, AddRequestData):
+            return AddRequest(
+                event.request_id, event.worker_id, event.dp_rank, data.token_sequence or (), data.prefill_tokens,
+                at=at, remote=True,
+            )
+        if isinstance(data, MarkPrefillCompleted):
+            return CompletePrefill(event.request_id, at=at, remote=True)
+        # reservation=False: an unknown request is a silent no-op, for the selection service too.
+        return FreeRequest(event.request_id, at=at, reservation=False, remote=True)
+
+
+def _origin_details(command: Command) -> tuple[str | None, int | None]:
+    """(lora_name, expected_output_tokens) that 1.6.1's selection service puts on the wire."""
+    if isinstance(command, SelectWorker):
+        return command.prompt.lora_name, command.options.expected_output_tokens
+    return None, None

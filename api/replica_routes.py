@@ -1,0 +1,67 @@
+"""Replica sync for both services: starting the replicator and its ``/replica_sync/*`` routes.
+
+Same paths, bodies, statuses and messages as 1.6.1 (spec §1.5, §1.6): without
+``--replica-sync-port`` the write routes answer 409 ``replica sync is disabled`` and the peer
+list is ``[]``. Dynamic peers are in memory: after a restart only ``--replica-sync-peers`` return.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from actors.peers.replicator import Replicator, random_router_id
+from actors.system import ActorSystem
+from api.http import HttpError, Request, Response, Route, json_response
+from api.schemas import parse
+
+
+@attrs.frozen
+class PeerBody:
+    endpoint: str
+
+
+async def start_replication(
+    system: ActorSystem, nursery: trio.Nursery, *, host: str, port: int | None, peers: tuple[str, ...]
+) -> Replicator | None:
+    if port is None:
+        return None
+    replicator = Replicator(system, port=port, peers=peers, router_id=random_router_id(), host=host)
+    await nursery.start(replicator.run)
+    return replicator
+
+
+def replica_routes(replicator: Replicator | None) -> list[Route]:
+    def enabled() -> Replicator:
+        if replicator is None:
+            raise HttpError(409, "replica sync is disabled")
+        return replicator
+
+    async def register_peer(request: Request) -> Response:
+        body = parse(PeerBody, request.json())
+        active = enabled()
+        try:
+            added = active.register_peer(body.endpoint)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        return json_response(201 if added else 200, {"status": "ok"})
+
+    async def deregister_peer(request: Request) -> Response:
+        body = parse(PeerBody, request.json())
+        active = enabled()
+        try:
+            removed = active.deregister_peer(body.endpoint)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        if not removed:
+            raise HttpError(404, "peer not found")
+        return json_response(200, {"status": "ok"})
+
+    async def list_peers(request: Request) -> Response:
+        return json_response(200, replicator.peers() if replicator is not None else [])
+
+    return [
+        Route("POST", "/replica_sync/register_peer", register_peer, json_body=True),
+        Route("POST", "/replica_sync/deregister_peer", deregister_peer, json_body=True),
+        Route("GET", "/replica_sync/peers", list_peers),
+    ]
