@@ -143,7 +143,7 @@ def _first_problem(exc: BaseException, path: str = "") -> str:
         located.sort(key=lambda item: isinstance(item[1], KeyError))
         name, first = located[0]
         if isinstance(first, KeyError):
-            return f"missing field `{name}`"
+            return f"{path}: missing field `{name}`" if path else f"missing field `{name}`"
         return _first_problem(first, f"{path}.{name}" if path else name)
     if isinstance(exc, HashListError):
         return f"{path}[{exc.index}]: {exc}"

@@ -25,6 +25,7 @@ from actors.core.dump import dump_scope
 from actors.core.ids import ScopeKey, to_i64
 from actors.core.router_config import RouterConfig
 from actors.core.selection import (
+    NO_SCHEDULABLE_WORKERS_ANYWHERE,
     TierOverlap,
     effective_cached_tokens,
     potential_decode_blocks,
@@ -170,6 +171,11 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
     async def health(request: Request) -> Response:
         return json_response(200, OK_STATUS)
 
+    def require_any_schedulable() -> None:
+        """1.6.1 answers differently when the whole service has no schedulable worker."""
+        if not any(schedulable(state, use_kv_events) for state in system.states()):
+            raise HttpError(503, NO_SCHEDULABLE_WORKERS_ANYWHERE)
+
     def effective_config(body: SelectBody) -> RouterConfig:
         override = body.override()
         return override.apply(config) if override is not None else config
@@ -177,8 +183,10 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
     async def select(request: Request, reserve: bool) -> Response:
         body = parse(SelectBody, request.json())
         scope = body.scope()
+        config_for_request = effective_config(body)
+        require_any_schedulable()
         command = SelectWorker(
-            body.prompt(), effective_config(body), body.options(), reserve=reserve,
+            body.prompt(), config_for_request, body.options(), reserve=reserve,
             reservation_id=body.reservation_id if reserve else None, selection_id=body.selection_id, at=now(),
         )
         decision = accepted(await system.ask(scope, command))
@@ -261,6 +269,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
     def prompt_read(request: Request) -> tuple[ScopeState, NormalizedPrompt, RouterConfig, list[WorkerRecord]]:
         body = parse(SelectBody, request.json())
         effective = effective_config(body)
+        require_any_schedulable()
         state = system.state(body.scope())
         workers = schedulable(state, use_kv_events) if state is not None else []
         if state is None or not workers or state.block_size is None:

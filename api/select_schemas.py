@@ -116,7 +116,7 @@ def patched_record(current: WorkerRecord, changes: Any) -> WorkerRecord:
 @attrs.frozen
 class PinnedWorker:
     worker_id: U64
-    dp_rank: U32 = 0  # type: ignore[assignment]
+    dp_rank: U32
 
 
 @attrs.frozen

@@ -3,8 +3,9 @@
 Format (spec §2.8, the standalone indexer's): ``{"<model>:<tenant>": {"block_size": N, "events":
 [RouterEvent]}}`` where each RouterEvent is ``{worker_id, storage_tier, residency_domain, event:
 {event_id, data: {"stored": {parent_hash, start_position, blocks: [{block_hash, tokens_hash,
-mm_extra_info}]}}, dp_rank}}``; hashes are signed 64-bit. A kvrouter replica recovers from a
-reference selector or indexer and vice versa.
+mm_extra_info}]}}, dp_rank}}``; hashes are unsigned 64-bit here (unlike the rest of the API,
+as 1.6.1 writes them; signed ones are accepted too). A kvrouter replica recovers from a reference
+selector or indexer and vice versa.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.core.commands import RecoveredRun
-from actors.core.ids import ScopeKey, to_i64, to_u64
+from actors.core.ids import ScopeKey, to_u64
 from actors.core.kv_index import Tier
 from actors.core.state import ScopeState
 
@@ -26,16 +27,14 @@ class DumpError(ValueError):
 def dump_scope(state: ScopeState) -> dict[str, Any]:
     events = []
     for event_id, run in enumerate(state.index.dump_events()):
-        blocks = [{"block_hash": to_i64(ext), "tokens_hash": to_i64(local), "mm_extra_info": None}
-                  for ext, local in run.blocks]
-        parent = None if run.parent_hash is None else to_i64(run.parent_hash)
+        blocks = [{"block_hash": ext, "tokens_hash": local, "mm_extra_info": None} for ext, local in run.blocks]
         events.append({
             "worker_id": run.rank.worker_id,
             "storage_tier": run.tier.label,
             "residency_domain": "worker",
             "event": {
                 "event_id": event_id,
-                "data": {"stored": {"parent_hash": parent, "start_position": None, "blocks": blocks}},
+                "data": {"stored": {"parent_hash": run.parent_hash, "start_position": None, "blocks": blocks}},
                 "dp_rank": run.rank.dp_rank,
             },
         })

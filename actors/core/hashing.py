@@ -5,12 +5,13 @@ same function, so any difference here silently turns every cache hit into a miss
 vectors pinned in ``tests/core/test_hashing.py``, checked against the 1.6.1 reference.
 
 All values are unsigned 64-bit ints; the HTTP boundary converts to signed (``ids.to_i64``).
+A request's ``cache_salt`` takes no part: the spec does not say how it would enter the hash (1.6.1
+does change the hashes for a non-empty salt, so salted prompts hash differently there).
 """
 
 from __future__ import annotations
 
 import struct
-import sys
 from array import array
 from collections.abc import Sequence
 from functools import lru_cache
@@ -21,7 +22,7 @@ from actors.core.ids import U64_MASK
 
 SEED = 1337
 _PAIR = struct.Struct("<QQ")
-_NEEDS_SWAP = sys.byteorder != "little"
+_NEEDS_SWAP = array("I", [1]).tobytes()[0] != 1  # big-endian host
 
 
 def lora_seed(lora_name: str | None) -> int:

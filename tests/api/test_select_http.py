@@ -125,9 +125,11 @@ async def test_select_then_reserve_flows(selector: httpx.AsyncClient) -> None:
 
 async def test_selection_errors(selector: httpx.AsyncClient) -> None:
     empty = await selector.post("/select", json={"model_name": "nope", "token_ids": [1]})
-    assert (empty.status_code, empty.json()) == (
-        503, {"error": "no schedulable workers for model=nope tenant_id=default"})
+    assert (empty.status_code, empty.json()) == (503, {"error": "no schedulable workers are available"})
     await selector.post("/workers", json=worker(1, "tcp://127.0.0.1:1"))
+    other = await selector.post("/select", json={"model_name": "nope", "token_ids": [1]})
+    assert (other.status_code, other.json()) == (
+        503, {"error": "no schedulable workers for model=nope tenant_id=default"})
     for body, message in [
         ({"model_name": "m", "sequence_hashes": [1], "isl_tokens": 4}, "block_hashes is required without token_ids"),
         ({"model_name": "m", "block_hashes": [1], "sequence_hashes": [1], "isl_tokens": 0},

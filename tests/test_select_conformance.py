@@ -1,0 +1,162 @@
+"""Conformance with the Dynamo 1.6.1 reference selection service (optional: skipped unless the
+reference is installed, see tests/test_conformance.py). Both run without KV events
+(DYN_USE_KV_EVENTS=false / --no-use-kv-events) so the catalog needs no ZMQ publishers; the same
+requests must give the same statuses and bodies, modulo the documented differences: kvrouter's
+records and rows also carry ``tenant_id``, its error texts say ``tenant_id=``, and 1.6.1 appends
+serde positions. Then each recovers its index from the other's /dump (--indexer-peers)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.test_conformance import REFERENCE
+
+pytestmark = pytest.mark.conformance
+
+TOKENS = list(range(1, 41))
+M = {"model_name": "m"}
+SCENARIO: list[tuple[str, str, Any]] = [
+    ("GET", "/ready", None),
+    ("POST", "/select", {**M, "token_ids": TOKENS}),
+    ("POST", "/workers", {"worker_id": 1, "model_name": "m"}),
+    ("POST", "/workers", {"worker_id": 2, "model_name": "m", "endpoint": "http://w2", "block_size": 4}),
+    ("PATCH", "/workers/1", {"endpoint": "http://w1", "block_size": 4}),
+    ("PATCH", "/workers/9", {"endpoint": "x"}),
+    ("GET", "/workers", None),
+    ("GET", "/ready", None),
+    ("POST", "/select", {**M, "token_ids": TOKENS, "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
+    ("POST", "/select", {**M, "sequence_hashes": [1], "isl_tokens": 4}),
+    ("POST", "/select", {**M, "block_hashes": [1, 2], "sequence_hashes": [1], "isl_tokens": 4}),
+    ("POST", "/select", {**M, "block_hashes": [1], "sequence_hashes": [1], "isl_tokens": 0}),
+    ("POST", "/select", {**M, "token_ids": TOKENS, "allowed_worker_ids": [99]}),
+    ("POST", "/select", {**M, "token_ids": TOKENS, "routing_constraints": {"required_taints": ["x"]}}),
+    ("POST", "/select_and_reserve", {**M, "token_ids": TOKENS, "selection_id": "r1",
+                                     "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
+    ("POST", "/select_and_reserve", {**M, "token_ids": TOKENS, "selection_id": "r1",
+                                     "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
+    ("GET", "/loads", None),
+    ("POST", "/potential_loads", {**M, "token_ids": TOKENS[:24] + [999] * 8}),
+    ("POST", "/overlap_scores", {**M, "token_ids": TOKENS[:24] + [999] * 8}),
+    ("POST", "/select", {**M, "token_ids": TOKENS, "selection_id": "s2", "pinned_worker": {"worker_id": 2}}),
+    ("POST", "/select", {**M, "token_ids": TOKENS, "selection_id": "s2",
+                         "pinned_worker": {"worker_id": 2, "dp_rank": 0}}),
+    ("POST", "/reservations", {**M, "selection_id": "s2"}),
+    ("POST", "/reservations", {**M, "selection_id": "s2"}),
+    ("POST", "/reservations/r1/output_block", {"decay_fraction": 1.5}),
+    ("POST", "/reservations/r1/output_block", {"decay_fraction": 0.5}),
+    ("POST", "/reservations/r1/prefill_complete", {}),
+    ("GET", "/loads", None),
+    ("DELETE", "/reservations/r1", None),
+    ("DELETE", "/reservations/r1", None),
+    ("DELETE", "/reservations/s2", None),
+    ("DELETE", "/workers/1", None),
+    ("DELETE", "/workers/1", None),
+    ("GET", "/health", None),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def normalise(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: normalise(v) for k, v in value.items() if k not in ("tenant_id", "kv_listeners", "reservation_id")}
+    if isinstance(value, list):
+        return [normalise(v) for v in value]
+    if isinstance(value, str):
+        return re.sub(r" at line \d+ column \d+", "", value).replace("routing_group=", "tenant_id=")
+    return value
+
+
+async def play(url: str) -> list[tuple[int, Any]]:
+    results = []
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        for method, path, body in SCENARIO:
+            response = await http.request(method, path, json=body)
+            results.append((response.status_code, normalise(response.json()) if response.content else None))
+    return results
+
+
+async def running(argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> trio.Process:
+    with log.open("wb") as stderr:
+        process = await trio.lowlevel.open_process(argv, stdout=subprocess.DEVNULL, stderr=stderr,
+                                                   env={**os.environ, **(env or {})})
+    with trio.fail_after(30):
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    return process
+            except OSError:
+                await trio.sleep(0.05)
+
+
+def ours(port: int, data: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "api.select_service", "--port", str(port), "--data-dir", str(data),
+            "--no-use-kv-events", "--log-level", "warning", *extra]
+
+
+def theirs(port: int, *extra: str) -> list[str]:
+    return [REFERENCE or "", "-m", "dynamo.select_service", "--port", str(port), *extra]
+
+
+async def test_same_requests_same_answers(tmp_path: Path) -> None:
+    mine_port, ref_port = free_port(), free_port()
+    processes = [
+        await running(ours(mine_port, tmp_path / "data"), mine_port, tmp_path / "ours.log"),
+        await running(theirs(ref_port), ref_port, tmp_path / "ref.log", {"DYN_USE_KV_EVENTS": "false"}),
+    ]
+    try:
+        mine = await play(f"http://127.0.0.1:{mine_port}")
+        reference = await play(f"http://127.0.0.1:{ref_port}")
+    finally:
+        for process in processes:
+            process.kill()
+            await process.wait()
+    for (method, path, body), a, b in zip(SCENARIO, mine, reference, strict=True):
+        assert a == b, f"{method} {path} {body}\nkvrouter:  {a}\nreference: {b}"
+
+
+async def test_index_recovery_both_ways(tmp_path: Path) -> None:
+    """A reference replica recovers kvrouter's approximate-mode index from /dump, and back."""
+    first, second, third = free_port(), free_port(), free_port()
+    worker = {"worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4}
+    processes = [await running(ours(first, tmp_path / "a"), first, tmp_path / "a.log")]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{first}", timeout=10) as http:
+            await http.post("/workers", json=worker)
+            await http.post("/select_and_reserve", json={**M, "token_ids": TOKENS})
+            dump = (await http.get("/dump")).json()
+        assert len(dump["m:default"]["events"]) == 1
+        processes.append(await running(theirs(second, "--indexer-peers", f"http://127.0.0.1:{first}"), second,
+                                       tmp_path / "b.log", {"DYN_USE_KV_EVENTS": "false"}))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{second}", timeout=10) as http:
+            await http.post("/workers", json=worker)
+            with trio.fail_after(10):
+                while True:
+                    scores = (await http.post("/overlap_scores", json={**M, "token_ids": TOKENS})).json()
+                    if scores["workers"][0]["device_blocks"] == 10:
+                        break
+                    await trio.sleep(0.1)
+        processes.append(await running(ours(third, tmp_path / "c", "--indexer-peers", f"http://127.0.0.1:{second}"),
+                                       third, tmp_path / "c.log"))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{third}", timeout=10) as http:
+            await http.post("/workers", json=worker)
+            scores = (await http.post("/overlap_scores", json={**M, "token_ids": TOKENS})).json()
+            assert scores["workers"][0]["device_blocks"] == 10
+    finally:
+        for process in processes:
+            process.kill()
+            await process.wait()
