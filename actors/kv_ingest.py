@@ -61,7 +61,7 @@ class KvIngest:
         wanted: set[ListenerKey] = set()
         for state in self._system.states():
             for record in state.catalog.values():
-                for rank in record.ranks():
+                for rank in record.ranks:
                     endpoint = record.kv_events_endpoint_for(rank.dp_rank)
                     if endpoint:
                         wanted.add(ListenerKey(state.scope, rank, endpoint, record.replay_endpoint_for(rank.dp_rank)))

@@ -35,11 +35,12 @@ class HashListError(WireTypeError):
 def _structure_hashes(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
         raise WireTypeError(f"invalid type: {_json_kind(value)}, expected an array of signed 64-bit sequence hashes")
-    for index, h in enumerate(value):
-        if type(h) is not int:
-            raise HashListError(index, f"invalid type: {_json_kind(h)}, expected i64")
-        if not I64_MIN <= h <= I64_MAX:
-            raise HashListError(index, f"invalid value: {_json_kind(h)}, expected i64")
+    if value and (set(map(type, value)) != {int} or min(value) < I64_MIN or max(value) > I64_MAX):
+        for index, h in enumerate(value):  # name the first bad element, as serde does
+            if type(h) is not int:
+                raise HashListError(index, f"invalid type: {_json_kind(h)}, expected i64")
+            if not I64_MIN <= h <= I64_MAX:
+                raise HashListError(index, f"invalid value: {_json_kind(h)}, expected i64")
     return tuple([h & U64_MASK for h in value])
 
 

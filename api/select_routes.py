@@ -285,7 +285,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
         rows = []
         for record in workers:
-            for rank in record.ranks():
+            for rank in record.ranks:
                 r = state.ranks[rank]
                 found = matches.get(rank)
                 overlap = TierOverlap(*found) if found else TierOverlap()
@@ -307,7 +307,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
         rows = []
         for record in sorted(workers, key=lambda r: r.worker_id):
-            for rank in record.ranks():
+            for rank in record.ranks:
                 found = matches.get(rank)
                 o = TierOverlap(*found) if found else TierOverlap()
                 host = o.device + o.host_ext

@@ -33,9 +33,14 @@ TokenIds = NewType("TokenIds", tuple)
 def _structure_tokens(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
         raise WireTypeError(f"invalid type: {_json_kind(value)}, expected a sequence")
-    for index, token in enumerate(value):
-        if type(token) is not int or not 0 <= token <= U32_MAX:
-            raise HashListError(index, f"invalid value: {_json_kind(token)}, expected u32")
+    # Prompts run to thousands of tokens: check types and range with C-level passes, and walk
+    # element by element only to name the first bad one.
+    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > U32_MAX):
+        for index, token in enumerate(value):
+            if type(token) is not int:
+                raise HashListError(index, f"invalid type: {_json_kind(token)}, expected u32")
+            if not 0 <= token <= U32_MAX:
+                raise HashListError(index, f"invalid value: {_json_kind(token)}, expected u32")
     return tuple(value)
 
 

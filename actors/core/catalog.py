@@ -8,6 +8,7 @@ never stored and can never go stale.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,8 +64,13 @@ class WorkerRecord:
     def dp_size(self) -> int:
         return 1 if self.data_parallel_size is None else self.data_parallel_size
 
-    def ranks(self) -> list[WorkerRank]:
-        return [WorkerRank(self.worker_id, r) for r in range(self.dp_start, self.dp_start + self.dp_size)]
+    @functools.cached_property
+    def taint_set(self) -> frozenset[str]:
+        return frozenset(self.taints)
+
+    @functools.cached_property
+    def ranks(self) -> tuple[WorkerRank, ...]:
+        return tuple(WorkerRank(self.worker_id, r) for r in range(self.dp_start, self.dp_start + self.dp_size))
 
     def kv_events_endpoint_for(self, dp_rank: int) -> str | None:
         """The ZMQ endpoint publishing ``dp_rank``'s KV events (``kv_events_endpoint`` only for DP 1)."""
@@ -98,7 +104,7 @@ def not_schedulable_reasons(
     if record.dp_size <= 0:
         reasons.append("data_parallel_size must be greater than 0")
     if use_kv_events:
-        for rank in record.ranks():
+        for rank in record.ranks:
             if record.kv_events_endpoint_for(rank.dp_rank) is None:
                 reasons.append(f"kv_events endpoint is required for dp_rank {rank.dp_rank}")
     if not reasons and partition_block_size is not None and record.block_size != partition_block_size:

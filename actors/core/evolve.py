@@ -117,10 +117,11 @@ def _drop_rank(state: ScopeState, rank_key: WorkerRank) -> None:
 @_evolve.register
 def _upserted(event: WorkerUpserted, state: ScopeState) -> None:
     record = event.record
+    state.schedulable_cache.clear()
     previous = state.catalog.get(record.worker_id)
     state.catalog[record.worker_id] = record
     state.block_size = event.partition_block_size
-    wanted = set(record.ranks()) if record.dp_size > 0 else set()
+    wanted = set(record.ranks) if record.dp_size > 0 else set()
     for rank_key in [r for r in state.ranks if r.worker_id == record.worker_id]:
         stream_changed = previous is not None and (
             previous.kv_events_endpoint_for(rank_key.dp_rank) != record.kv_events_endpoint_for(rank_key.dp_rank)
@@ -142,6 +143,7 @@ def _upserted(event: WorkerUpserted, state: ScopeState) -> None:
 
 @_evolve.register
 def _removed(event: WorkerRemoved, state: ScopeState) -> None:
+    state.schedulable_cache.clear()
     del state.catalog[event.worker_id]
     for rank_key in [r for r in state.ranks if r.worker_id == event.worker_id]:
         _drop_rank(state, rank_key)

@@ -42,6 +42,7 @@ from actors.core.hashing import sequence_hashes as chain_hashes
 from actors.core.ids import WorkerRank
 from actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
 from actors.core.selection import (
+    NO_OVERLAP,
     RankCandidate,
     Refusal,
     TierOverlap,
@@ -85,12 +86,15 @@ class Selection:
     approx_ttl_ns: int = 0  # > 0 in approximate mode: a booking counts as cached this long
 
 
-def schedulable(state: ScopeState, use_kv_events: bool) -> list[WorkerRecord]:
-    return [
-        record
-        for record in state.catalog.values()
-        if not not_schedulable_reasons(record, use_kv_events=use_kv_events, partition_block_size=state.block_size)
-    ]
+def schedulable(state: ScopeState, use_kv_events: bool) -> tuple[WorkerRecord, ...]:
+    cached = state.schedulable_cache.get(use_kv_events)
+    if cached is None:
+        cached = state.schedulable_cache[use_kv_events] = tuple(
+            record
+            for record in state.catalog.values()
+            if not not_schedulable_reasons(record, use_kv_events=use_kv_events, partition_block_size=state.block_size)
+        )
+    return cached
 
 
 def normalize(prompt: Prompt, block_size: int) -> NormalizedPrompt | str:
@@ -188,18 +192,18 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
     candidates = []
     for record in workers:
-        taints = frozenset(record.taints)
-        for rank in record.ranks():
+        taints = record.taint_set
+        for rank in record.ranks:
             loads = state.ranks[rank]
             found = matches.get(rank)
             candidates.append(
                 RankCandidate(
                     rank,
-                    TierOverlap(*found) if found else TierOverlap(),
+                    TierOverlap(*found) if found else NO_OVERLAP,
                     loads.prefill_tokens,
                     loads.active_decode_blocks,
                     len(loads.requests),
-                    loads.trie.overlap_depth(prompt.sequence_hashes),
+                    loads.trie.overlap_depth(prompt.sequence_hashes) if loads.requests else 0,
                     taints,
                 )
             )
@@ -213,23 +217,28 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         return Rejected(REFUSAL_REASON[kept.reason], kept.message)
     min_prefill = min(c.active_prefill_tokens for c in kept)
     preferred = dict(options.preferred_taints)
-    costs = [
-        (
-            c.rank,
-            cost(c, isl=prompt.isl_tokens, num_seq_hashes=len(prompt.sequence_hashes), block_size=block_size,
-                 config=config, min_active_prefill=min_prefill, preferred_taints=preferred),
-        )
-        for c in kept
-    ]
+    # Ranks in the same situation (typically idle and cold) cost the same: compute each once.
+    memo: dict[tuple[object, ...], float] = {}
+    costs = []
+    for c in kept:
+        key = (c.overlap, c.active_prefill_tokens, c.active_decode_blocks, c.active_requests,
+               c.prompt_overlap_depth, c.taints)
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = cost(
+                c, isl=prompt.isl_tokens, num_seq_hashes=len(prompt.sequence_hashes), block_size=block_size,
+                config=config, min_active_prefill=min_prefill, preferred_taints=preferred,
+            )
+        costs.append((c.rank, value))
     chosen_rank = pick(costs, temperature=config.router_temperature, draw=command.draw)
     chosen = next(c for c in kept if c.rank == chosen_rank)
     cached = effective_cached_tokens(chosen.overlap, config, block_size)
     effective = effective_prefill_tokens(prompt.isl_tokens, cached)
     record = state.catalog[chosen_rank.worker_id]
     per_rank = {}
-    for rank in record.ranks():
+    for rank in record.ranks:
         found = matches.get(rank)
-        per_rank[rank.dp_rank] = TierOverlap(*found) if found else TierOverlap()
+        per_rank[rank.dp_rank] = TierOverlap(*found) if found else NO_OVERLAP
     track = config.router_track_prefill_tokens
     selection = Selection(
         worker_id=chosen_rank.worker_id,

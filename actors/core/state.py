@@ -51,7 +51,8 @@ class RankState:
 
 class ScopeState:
     __slots__ = (
-        "approx_expiry", "block_size", "catalog", "index", "kv_watermarks", "ranks", "requests", "scope", "workers",
+        "approx_expiry", "block_size", "catalog", "index", "kv_watermarks", "ranks", "requests", "schedulable_cache",
+        "scope", "workers",
     )
 
     def __init__(self, scope: ScopeKey) -> None:
@@ -67,6 +68,9 @@ class ScopeState:
         self.kv_watermarks: dict[WorkerRank, int] = {}
         # Approximate mode: when each booked block stops counting as cached, per rank.
         self.approx_expiry: dict[WorkerRank, dict[int, int]] = {}
+        # Derived, never snapshotted: schedulable records per use_kv_events setting, dropped by
+        # evolve whenever the catalog or the partition's block size changes.
+        self.schedulable_cache: dict[bool, tuple[WorkerRecord, ...]] = {}
 
     @property
     def exists(self) -> bool:
