@@ -79,7 +79,15 @@ class ScopeActor:
             self._remember_selection(command, decision)
         elif isinstance(command, Reserve):
             self.pending.discard(command.reservation_id)
+        self._settle(envelope, decision, lsn)
+
+    def _settle(self, envelope: Envelope, decision: Decision, lsn: int) -> None:
+        """The requester wakes once the decision is durable (one wake-up, no polling)."""
         envelope.settle(decision, lsn)
+        if lsn:
+            self.system.journal.call_when_durable(lsn, envelope.done.set)
+        else:
+            envelope.done.set()
 
     def _apply(self, command: Command) -> tuple[Decision, int]:
         decision = decide(self.state, command)
@@ -121,12 +129,12 @@ class ScopeActor:
                 f"no pending selection {command.selection_id} for {self.state.scope.describe()} "
                 "(expired, already used, or never selected)"
             )
-            envelope.settle(Rejected(Reason.NOT_FOUND, message), 0)
+            self._settle(envelope, Rejected(Reason.NOT_FOUND, message), 0)
             return
         decision, lsn = self._apply(attrs.evolve(template, reservation_id=command.selection_id, at=command.at))
         if not isinstance(decision, Accepted):
             self.pending.give_back(command.selection_id, template, command.at)
-        envelope.settle(decision, lsn)
+        self._settle(envelope, decision, lsn)
 
     def mailbox_statistics(self) -> trio.MemoryChannelStatistics:
         return self._inbox.statistics()

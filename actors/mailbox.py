@@ -28,9 +28,9 @@ class Envelope:
         self.done = trio.Event()
 
     def settle(self, decision: Decision, lsn: int) -> None:
+        """Record the decision; ``done`` is set by whoever knows it is durable (the actor)."""
         self.decision = decision
         self.lsn = lsn
-        self.done.set()
 
 
 class Overloaded(Exception):

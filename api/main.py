@@ -112,6 +112,7 @@ async def run_service(
             )
             task_status.started(ServiceHandle(urls, system, stopping.set))
         await journal.aclose()
+        log.info("journal closed: %s", journal.statistics())
         outer.cancel_scope.cancel()
 
 

@@ -26,6 +26,7 @@ Why it is shaped like this:
 from __future__ import annotations
 
 import array
+import collections
 import enum
 import itertools
 import logging
@@ -33,13 +34,14 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final, final
 
 import attrs
 import trio
 
+from journal.io_thread import IoThread
 from journal.store import CorruptJournal, Durability, Snapshot, check_snapshot
 
 logger = logging.getLogger("kvrouter.journal")
@@ -95,6 +97,8 @@ class JournalStatistics:
     segments: int
 
 
+# ALWAYS: scheduling turns the writer yields before taking a batch (see _write_loop).
+GATHER_CHECKPOINTS = 0
 # BATCH and OFF write batches up to this size from the loop itself (see _write_pending).
 INLINE_WRITE_BYTES = 256 * 1024
 
@@ -150,6 +154,12 @@ class FileJournal:
         self._io_lock = trio.Lock()
         self._fd: int | None = None
         self._fd_first: int | None = scan.tail_first  # the segment the next unsplit chunk goes to
+        self._offset = 0  # where the next frame goes in the open segment
+        self._io: IoThread | None = None  # the writer's thread for write + fsync, started on first use
+        # (lsn, callback) to call once lsn is durable, in lsn order; bounded by the append backlog.
+        self._durable_callbacks: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        # Segments are preallocated (fsync then need not grow the file); OFF never fsyncs.
+        self._preallocate_bytes = segment_bytes if durability is not Durability.OFF else 0
         self._dirty = False
 
         self._snapshot_lock = trio.Lock()
@@ -281,6 +291,12 @@ class FileJournal:
             self._raise_if_failed()
             await self._progress.wait()
 
+    def call_when_durable(self, lsn: int, callback: Callable[[], None]) -> None:
+        if self._durable_lsn >= lsn or self._failed is not None:
+            callback()
+        else:
+            self._durable_callbacks.append((lsn, callback))  # lsns only grow: the deque stays sorted
+
     def read(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
         """Yield the records after ``after_lsn`` and after the snapshot, up to ``durable_lsn`` as of now.
 
@@ -392,6 +408,9 @@ class FileJournal:
                 self._synced_lsn = self._durable_lsn
                 self._closed = True
                 self._notify_progress()
+                if self._io is not None:
+                    self._io.close()
+                    self._io = None
 
     def statistics(self) -> JournalStatistics:
         return JournalStatistics(
@@ -409,6 +428,11 @@ class FileJournal:
         batch_mode = self._durability is Durability.BATCH
         while not self._closing:
             if self._pending:
+                if self._durability is Durability.ALWAYS:
+                    # Group commit: let the tasks that are already runnable (other requests being
+                    # decided right now) append before this fsync, instead of waiting for the next.
+                    for _ in range(GATHER_CHECKPOINTS):
+                        await trio.lowlevel.checkpoint()
                 await self._write_pending()
             elif batch_mode and self._synced_lsn < self._durable_lsn:
                 # A write is not yet covered by an fsync: make sure one happens within batch_interval
@@ -435,7 +459,7 @@ class FileJournal:
             try:
                 inline = not always and batch.nbytes <= INLINE_WRITE_BYTES
                 if not inline or any(first is not None for first, _ in batch.chunks):
-                    created, fsyncs = await trio.to_thread.run_sync(self._write_sync, batch, always)
+                    created, fsyncs = await self._io_thread().run(self._write_sync, batch, always)
                 else:
                     # A small write(2) into the page cache takes microseconds; a thread round trip
                     # costs ~80 µs of this loop's time. Segment creation and fsync stay in threads.
@@ -455,7 +479,7 @@ class FileJournal:
                 return
             target = self._durable_lsn
             try:
-                fsyncs = await trio.to_thread.run_sync(self._fsync_sync)
+                fsyncs = await self._io_thread().run(self._fsync_sync)
             except OSError as exc:
                 self._fail(exc)
                 raise
@@ -491,9 +515,18 @@ class FileJournal:
         self._fsyncs += fsyncs
         self._notify_progress()
 
+    def _io_thread(self) -> IoThread:
+        if self._io is None:
+            self._io = IoThread()
+        return self._io
+
     def _notify_progress(self) -> None:
         event, self._progress = self._progress, trio.Event()
         event.set()
+        callbacks = self._durable_callbacks
+        failed = self._failed is not None
+        while callbacks and (failed or callbacks[0][0] <= self._durable_lsn):
+            callbacks.popleft()[1]()
 
     def _fail(self, exc: OSError) -> None:
         self._failed = exc
@@ -518,14 +551,18 @@ class FileJournal:
             if first is not None:
                 fsyncs += self._close_segment_sync(True)
                 path = self._dir / segment_name(first)
-                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                self._offset = 0
+                self._preallocate()
                 self._fd_first = first
                 _fsync_dir(self._dir)  # the new name itself must survive a crash
                 created.append(first)
             elif self._fd is None:
                 assert self._fd_first is not None, "a chunk without a segment to continue"
-                self._fd = os.open(self._dir / segment_name(self._fd_first), os.O_WRONLY | os.O_APPEND)
-            _write_all(self._fd, data)
+                self._fd = os.open(self._dir / segment_name(self._fd_first), os.O_WRONLY)
+                self._offset = os.fstat(self._fd).st_size
+                self._preallocate()
+            self._offset = _write_all_at(self._fd, data, self._offset)
             self._dirty = True
         if sync:
             fsyncs += self._fsync_sync()
@@ -538,10 +575,27 @@ class FileJournal:
         self._dirty = False
         return 1
 
+    def _preallocate(self) -> None:
+        """Reserve the segment's blocks up front: an fsync that need not also grow the file takes
+        about half as long (measured here: ~110 µs instead of ~210 µs). The zeros past the last
+        frame are cut when the segment is closed, and by recovery after a crash."""
+        assert self._fd is not None
+        target = self._offset + self._preallocate_bytes
+        if self._preallocate_bytes and os.fstat(self._fd).st_size < target:
+            try:
+                os.posix_fallocate(self._fd, self._offset, self._preallocate_bytes)
+                os.fsync(self._fd)
+            except OSError:  # a filesystem without fallocate: write as it grows
+                self._preallocate_bytes = 0
+
     def _close_segment_sync(self, sync: bool) -> int:
-        """Close the current segment; with ``sync``, fsync it first (a closed segment is final)."""
+        """Close the current segment, cutting its unused preallocated tail; with ``sync``, fsync it
+        first (a closed segment is final)."""
         if self._fd is None:
             return 0
+        if self._preallocate_bytes and os.fstat(self._fd).st_size > self._offset:
+            os.ftruncate(self._fd, self._offset)
+            self._dirty = True
         fsyncs = self._fsync_sync() if sync else 0
         os.close(self._fd)
         self._fd = None
@@ -644,7 +698,7 @@ def _torn_tail(data: bytes, offset: int, expected_lsn: int, bad: _BadFrame) -> s
     """
     rest = len(data) - offset
     if data.count(0, offset) == rest:
-        return f"{rest} zero bytes"
+        return f"{rest} zero bytes: preallocated space or a torn append left by a crash"
     if bad.kind is _Bad.CHECKSUM:
         end = offset + _HEAD.size + bad.length
         return "a final frame that fails its checksum" if data.count(0, end) == len(data) - end else None
@@ -791,6 +845,17 @@ def _list_segments(directory: Path) -> list[tuple[int, Path]]:
         if match := _SEGMENT_RE.fullmatch(path.name):
             found.append((int(match[1]), path))
     return sorted(found)
+
+
+def _write_all_at(fd: int, data: memoryview | bytes, offset: int) -> int:
+    """pwrite all of ``data`` at ``offset`` (preallocated files are written in place, not appended);
+    returns the offset after it."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+    return offset
 
 
 def _write_all(fd: int, data: memoryview | bytes) -> None:

@@ -7,7 +7,7 @@ hook: it returns what a restarted process would find (the durable records and th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import final
 
 import trio
@@ -66,6 +66,9 @@ class MemoryJournal:
             raise ValueError(f"lsn {lsn} has not been appended (last_lsn is {self._last_lsn})")
         # Already durable; still checkpoint so a caller in a loop stays cancellable under sims.
         await trio.lowlevel.checkpoint()
+
+    def call_when_durable(self, lsn: int, callback: Callable[[], None]) -> None:
+        callback()  # every append is durable at once
 
     def read(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
         start = max(after_lsn + 1, self._first_lsn)

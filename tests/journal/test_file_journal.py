@@ -417,11 +417,11 @@ async def test_a_write_error_stops_the_writer_for_good(
 ) -> None:
     calls = []
 
-    def failing_write(fd: int, data: object) -> None:
+    def failing_write(fd: int, data: object, offset: int) -> int:
         calls.append(fd)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(file_module, "_write_all", failing_write)
+    monkeypatch.setattr(file_module, "_write_all_at", failing_write)
     journal = FileJournal.open(tmp_path, Durability.ALWAYS)
     with trio.fail_after(TIMEOUT), pytest.RaisesGroup(pytest.RaisesExc(OSError, match="Input/output")):
         async with trio.open_nursery() as nursery:
