@@ -92,6 +92,10 @@ def _json_kind(value: Any) -> str:
     return type(value).__name__
 
 
+def _is_int_tuple(cls: Any) -> bool:
+    return cls in (tuple[int, ...], tuple[tuple[int, int], ...])
+
+
 def make_converter(*, strict: bool) -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=False, detailed_validation=strict)
     if strict:
@@ -104,6 +108,9 @@ def make_converter(*, strict: bool) -> cattrs.Converter:
     else:
         for kind in _RANGES:
             converter.register_structure_hook(kind, lambda v, _: v)
+    # orjson writes tuples as arrays: hand hash tuples (the bulk of every record) over untouched
+    # instead of rebuilding them element by element.
+    converter.register_unstructure_hook_func(_is_int_tuple, lambda value: value)
     configure_tagged_union(KvOp, converter, tag_name="op", tag_generator=KV_OP_TAGS.__getitem__)
     configure_tagged_union(Event, converter, tag_name="type", tag_generator=EVENT_TAGS.__getitem__)
     # Warm the generated hooks so the first request does not pay for code generation.

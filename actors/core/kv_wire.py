@@ -290,10 +290,12 @@ def _non_local(locality: Any) -> str:
 def _hashes(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise WireError(f"{name} must be an array, got {_kind(value)}")
-    for h in value:
-        if not _is_int(h) or not _I64_MIN <= h <= U64_MASK:
-            raise WireError(f"{name} must hold 64-bit integers, got {h!r}")
-    return tuple(h & U64_MASK for h in value)
+    # The common case checked with C-level passes; walk one by one only to name the bad value.
+    if value and (set(map(type, value)) != {int} or min(value) < _I64_MIN or max(value) > U64_MASK):
+        for h in value:
+            if not _is_int(h) or not _I64_MIN <= h <= U64_MASK:
+                raise WireError(f"{name} must hold 64-bit integers, got {h!r}")
+    return tuple([h & U64_MASK for h in value])
 
 
 def _mm_hashes(value: Any) -> tuple[tuple[int, ...] | None, ...] | None:
