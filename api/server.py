@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import trio
@@ -14,7 +15,8 @@ def hypercorn_config(host: str, port: int) -> Config:
     bind_host = f"[{host}]" if ":" in host else host
     config.bind = [f"{bind_host}:{port}"]
     config.accesslog = None  # the access log costs ~25% of throughput; off by default
-    config.errorlog = "-"
+    # Through our logging setup (one line per message, our format and level), not a second handler.
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_max_requests = 1 << 62  # never recycle healthy keep-alive connections
     config.graceful_timeout = 3.0
     config.websocket_ping_interval = None
