@@ -5,36 +5,20 @@ kvrouter's ``tenant_id``; the reference appends serde's "at line L column C" to 
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import trio
+
+from tests.support.processes import free_port, require_reference, start_process
 
 pytestmark = pytest.mark.conformance
 
 
-def reference_python() -> str | None:
-    for python in (os.environ.get("KVROUTER_REFERENCE_PYTHON"), sys.executable):
-        if python and subprocess.run([python, "-c", "import dynamo.slot_tracker"], capture_output=True,
-                                     check=False).returncode == 0:
-            return python
-    return None
-
-
-REFERENCE = reference_python()
-if REFERENCE is None:
-    pytest.skip(
-        "the Dynamo 1.6.1 reference is not installed (pip install ai-dynamo-runtime==1.6.1 in a venv and "
-        "set KVROUTER_REFERENCE_PYTHON to its python)",
-        allow_module_level=True,
-    )
+REFERENCE = require_reference()
 
 R = {"model_name": "m", "routing_group": "g"}
 SCENARIO: list[tuple[str, str, Any]] = [
@@ -94,12 +78,6 @@ SCENARIO: list[tuple[str, str, Any]] = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def normalise(body: bytes) -> Any:
     if not body:
         return None
@@ -124,23 +102,11 @@ async def play(url: str) -> list[tuple[int, Any]]:
     return results
 
 
-async def running(argv: list[str], port: int, log: Path) -> trio.Process:
-    with log.open("wb") as stderr:
-        process = await trio.lowlevel.open_process(argv, stdout=subprocess.DEVNULL, stderr=stderr)
-    with trio.fail_after(30):
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return process
-            except OSError:
-                await trio.sleep(0.05)
-
-
 async def test_same_requests_same_answers(tmp_path: Path) -> None:
     ours_port, ref_port = free_port(), free_port()
-    ours = await running([sys.executable, "-m", "api.slot_tracker", "--port", str(ours_port), "--data-dir",
+    ours = await start_process([sys.executable, "-m", "api.slot_tracker", "--port", str(ours_port), "--data-dir",
                           str(tmp_path / "data"), "--log-level", "warning"], ours_port, tmp_path / "ours.log")
-    reference = await running([REFERENCE, "-m", "dynamo.slot_tracker", "--port", str(ref_port)],  # type: ignore[list-item]
+    reference = await start_process([REFERENCE, "-m", "dynamo.slot_tracker", "--port", str(ref_port)],  # type: ignore[list-item]
                               ref_port, tmp_path / "reference.log")
     try:
         ours_results = await play(f"http://127.0.0.1:{ours_port}")

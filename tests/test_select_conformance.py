@@ -7,10 +7,7 @@ serde positions. Then each recovers its index from the other's /dump (--indexer-
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,9 +16,10 @@ import httpx
 import pytest
 import trio
 
-from tests.test_conformance import REFERENCE
+from tests.support.processes import free_port, require_reference, start_process
 
 pytestmark = pytest.mark.conformance
+REFERENCE = require_reference()
 
 TOKENS = list(range(1, 41))
 M = {"model_name": "m"}
@@ -65,12 +63,6 @@ SCENARIO: list[tuple[str, str, Any]] = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def normalise(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: normalise(v) for k, v in value.items() if k not in ("tenant_id", "kv_listeners", "reservation_id")}
@@ -90,19 +82,6 @@ async def play(url: str) -> list[tuple[int, Any]]:
     return results
 
 
-async def running(argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> trio.Process:
-    with log.open("wb") as stderr:
-        process = await trio.lowlevel.open_process(argv, stdout=subprocess.DEVNULL, stderr=stderr,
-                                                   env={**os.environ, **(env or {})})
-    with trio.fail_after(30):
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return process
-            except OSError:
-                await trio.sleep(0.05)
-
-
 def ours(port: int, data: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "api.select_service", "--port", str(port), "--data-dir", str(data),
             "--no-use-kv-events", "--log-level", "warning", *extra]
@@ -115,8 +94,8 @@ def theirs(port: int, *extra: str) -> list[str]:
 async def test_same_requests_same_answers(tmp_path: Path) -> None:
     mine_port, ref_port = free_port(), free_port()
     processes = [
-        await running(ours(mine_port, tmp_path / "data"), mine_port, tmp_path / "ours.log"),
-        await running(theirs(ref_port), ref_port, tmp_path / "ref.log", {"DYN_USE_KV_EVENTS": "false"}),
+        await start_process(ours(mine_port, tmp_path / "data"), mine_port, tmp_path / "ours.log"),
+        await start_process(theirs(ref_port), ref_port, tmp_path / "ref.log", {"DYN_USE_KV_EVENTS": "false"}),
     ]
     try:
         mine = await play(f"http://127.0.0.1:{mine_port}")
@@ -133,14 +112,14 @@ async def test_index_recovery_both_ways(tmp_path: Path) -> None:
     """A reference replica recovers kvrouter's approximate-mode index from /dump, and back."""
     first, second, third = free_port(), free_port(), free_port()
     worker = {"worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4}
-    processes = [await running(ours(first, tmp_path / "a"), first, tmp_path / "a.log")]
+    processes = [await start_process(ours(first, tmp_path / "a"), first, tmp_path / "a.log")]
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{first}", timeout=10) as http:
             await http.post("/workers", json=worker)
             await http.post("/select_and_reserve", json={**M, "token_ids": TOKENS})
             dump = (await http.get("/dump")).json()
         assert len(dump["m:default"]["events"]) == 1
-        processes.append(await running(theirs(second, "--indexer-peers", f"http://127.0.0.1:{first}"), second,
+        processes.append(await start_process(theirs(second, "--indexer-peers", f"http://127.0.0.1:{first}"), second,
                                        tmp_path / "b.log", {"DYN_USE_KV_EVENTS": "false"}))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{second}", timeout=10) as http:
             await http.post("/workers", json=worker)
@@ -150,7 +129,7 @@ async def test_index_recovery_both_ways(tmp_path: Path) -> None:
                     if scores["workers"][0]["device_blocks"] == 10:
                         break
                     await trio.sleep(0.1)
-        processes.append(await running(ours(third, tmp_path / "c", "--indexer-peers", f"http://127.0.0.1:{second}"),
+        processes.append(await start_process(ours(third, tmp_path / "c", "--indexer-peers", f"http://127.0.0.1:{second}"),
                                        third, tmp_path / "c.log"))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{third}", timeout=10) as http:
             await http.post("/workers", json=worker)

@@ -6,9 +6,7 @@ Optional: runs only when the reference is importable in the Python named by KVRO
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -23,25 +21,12 @@ from actors.ports import WallClock
 from actors.system import ActorSystem
 from journal.memory import MemoryJournal
 from tests.support.kv_publisher import free_tcp_port
+from tests.support.processes import require_reference
 
 pytestmark = pytest.mark.conformance
 
 
-def reference_python() -> str | None:
-    for python in (os.environ.get("KVROUTER_REFERENCE_PYTHON"), sys.executable):
-        if python and subprocess.run([python, "-c", "import dynamo.slot_tracker"], capture_output=True,
-                                     check=False).returncode == 0:
-            return python
-    return None
-
-
-REFERENCE = reference_python()
-if REFERENCE is None:
-    pytest.skip(
-        "the Dynamo 1.6.1 reference is not installed (pip install ai-dynamo-runtime==1.6.1 in a venv and "
-        "set KVROUTER_REFERENCE_PYTHON to its python)",
-        allow_module_level=True,
-    )
+REFERENCE = require_reference()
 
 SCOPE = ScopeKey("m", "g")  # routing_group "g" on the reference's side
 GROUP = {"model_name": "m", "routing_group": "g"}
