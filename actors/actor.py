@@ -81,6 +81,21 @@ class ScopeActor:
             self.pending.discard(command.reservation_id)
         self._settle(envelope, decision, lsn)
 
+    def query(self, command: SelectWorker) -> Decision:
+        """A selection that books nothing, answered at once from the current state.
+
+        Trio runs one task at a time, so this is atomic with respect to the mailbox: it sees every
+        applied (and so every acknowledged) command. It draws from the same seeded source as queued
+        selections, and remembers the choice for a later replayed reservation.
+        """
+        assert not command.reserve, "bookings go through the mailbox and the journal"
+        command = self._with_draw(command)
+        decision = decide(self.state, command)
+        assert not (isinstance(decision, Accepted) and decision.events), "a query must not change state"
+        if isinstance(decision, Accepted):
+            self._remember_selection(command, decision)
+        return decision
+
     def _settle(self, envelope: Envelope, decision: Decision, lsn: int) -> None:
         """The requester wakes once the decision is durable (one wake-up, no polling)."""
         envelope.settle(decision, lsn)

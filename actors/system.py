@@ -15,7 +15,7 @@ import orjson
 import trio
 
 from actors.actor import ScopeActor
-from actors.core.commands import SCOPE_CREATING, Command, ExpireStale
+from actors.core.commands import SCOPE_CREATING, Command, ExpireStale, SelectWorker
 from actors.core.decide import decide
 from actors.core.decisions import Decision
 from actors.core.events import Event
@@ -104,6 +104,13 @@ class ActorSystem:
             await self.journal.wait_durable(envelope.lsn)  # only after a journal failure: raises
         assert envelope.decision is not None
         return envelope.decision
+
+    def query(self, scope: ScopeKey, command: SelectWorker) -> Decision:
+        """Answer a non-booking selection without a mailbox round trip (see ScopeActor.query)."""
+        actor = self.actors.get(scope)
+        if actor is None:
+            return decide(ScopeState(scope), command)
+        return actor.query(command)
 
     async def submit(self, scope: ScopeKey, command: Command) -> None:
         """Enqueue without waiting for the decision; waits while the mailbox is full (policy:

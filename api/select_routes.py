@@ -189,7 +189,11 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
             body.prompt(), config_for_request, body.options(), reserve=reserve,
             reservation_id=body.reservation_id if reserve else None, selection_id=body.selection_id, at=now(),
         )
-        decision = accepted(await system.ask(scope, command))
+        if reserve:
+            decision = accepted(await system.ask(scope, command))
+        else:
+            decision = accepted(system.query(scope, command))
+            await system.read_barrier()
         return json_response(200, selection_view(decision.reply, scope, body.selection_id, reserve))
 
     async def post_select(request: Request) -> Response:

@@ -6,6 +6,7 @@ As in ``api/schemas.py``: strict JSON types, serde-like 422 messages, unknown fi
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, NewType
 
 import attrs
@@ -33,9 +34,15 @@ TokenIds = NewType("TokenIds", tuple)
 def _structure_tokens(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
         raise WireTypeError(f"invalid type: {_json_kind(value)}, expected a sequence")
-    # Prompts run to thousands of tokens: check types and range with C-level passes, and walk
-    # element by element only to name the first bad one.
-    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > U32_MAX):
+    # Prompts run to thousands of tokens: check types and range with C-level passes (array('I')
+    # refuses floats, strings and anything outside u32; bools need the type scan), and walk element
+    # by element only to name the first bad one.
+    try:
+        array("I", value)
+        valid = bool not in set(map(type, value))
+    except (TypeError, OverflowError):
+        valid = False
+    if not valid:
         for index, token in enumerate(value):
             if type(token) is not int:
                 raise HashListError(index, f"invalid type: {_json_kind(token)}, expected u32")
