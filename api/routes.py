@@ -17,7 +17,6 @@ from actors.core.state import ScopeState
 from actors.system import ActorSystem
 from api.http import CREATED, OK, HttpError, Request, Response, Route, error_response, json_response
 from api.schemas import (
-    DEFAULT_TENANT,
     AddBody,
     PotentialLoadsBody,
     RegisterBody,
@@ -140,5 +139,3 @@ def slot_tracker_routes(system: ActorSystem) -> list[Route]:
         Route("GET", "/health", health),
     ]
 
-
-__all__ = ["DEFAULT_TENANT", "REASON_STATUS", "reply", "slot_tracker_routes"]

@@ -207,7 +207,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         scope = body.scope()
         booking = body.booking_id()
         if body.worker_id is None:
-            decision = accepted(await system.ask(scope, ReserveSelection(booking, at=now())))
+            accepted(await system.ask(scope, ReserveSelection(booking, at=now())))
         else:
             if body.sequence_hashes is None or body.isl_tokens is None:
                 missing = "sequence_hashes" if body.sequence_hashes is None else "isl_tokens"
@@ -218,13 +218,12 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
                 body.effective_prefill_tokens, body.track_prefill_tokens,
                 config_tracks_prefill=config.router_track_prefill_tokens, at=now(),
             )
-            decision = accepted(await system.ask(scope, command))
+            accepted(await system.ask(scope, command))
         state = system.state(scope)
         request_row = state.requests.get(booking) if state else None
         worker_id = request_row.rank.worker_id if request_row else body.worker_id
         dp_rank = request_row.rank.dp_rank if request_row else body.dp_rank
         record = state.catalog.get(worker_id) if state and worker_id is not None else None
-        del decision
         return json_response(201, {
             "selection_id": booking, "reservation_id": booking, "model_name": scope.model_name,
             "tenant_id": scope.tenant_id, "routing_group": scope.tenant_id, "worker_id": worker_id,

@@ -146,8 +146,3 @@ def record_view(record: WorkerRecord, lifecycle: str, reasons: list[str]) -> dic
     if reasons:
         view["not_schedulable_reasons"] = reasons
     return view
-
-
-def merge_patch(record: WorkerRecord, changes: Mapping[str, Any]) -> WorkerRecord:
-    """PATCH: replace only the supplied fields (maps and lists wholesale)."""
-    return attrs.evolve(record, **changes)

@@ -313,7 +313,7 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
         command.reservation_id, command.worker_id, command.dp_rank, command.sequence_hashes, prefill, command.at
     )
     booked = approx_booking(rank, command.sequence_hashes, command.local_hashes, command.approx_ttl_ns, command.at)
-    return Accepted((event, *booked), created=True, reply=state.catalog[command.worker_id])
+    return Accepted((event, *booked), created=True)
 
 
 def decide_output_block(command: AddOutputBlock, state: ScopeState) -> Decision:
