@@ -139,3 +139,43 @@ async def test_index_recovery_both_ways(tmp_path: Path) -> None:
         for process in processes:
             process.kill()
             await process.wait()
+
+
+async def test_replica_sync_with_the_reference_selection_service(tmp_path: Path) -> None:
+    """Bookings on a 1.6.1 selector show up in a kvrouter selector's loads and back."""
+    ours_http, ours_sync, ref_http, ref_sync = free_port(), free_port(), free_port(), free_port()
+    processes = [
+        await start_process(ours(ours_http, tmp_path / "a", "--replica-sync-port", str(ours_sync),
+                                 "--replica-sync-peers", f"tcp://127.0.0.1:{ref_sync}"), ours_http, tmp_path / "a.log"),
+        await start_process(theirs(ref_http, "--replica-sync-port", str(ref_sync), "--replica-sync-peers",
+                                   f"tcp://127.0.0.1:{ours_sync}"), ref_http, tmp_path / "ref.log",
+                            {"DYN_USE_KV_EVENTS": "false"}),
+    ]
+    worker = {"worker_id": 7, "model_name": "m", "endpoint": "http://w7", "block_size": 4}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ours_http}", timeout=10) as mine, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{ref_http}", timeout=10) as ref:
+            for http in (mine, ref):
+                assert (await http.post("/workers", json=worker)).status_code == 201
+
+            async def active(http: httpx.AsyncClient) -> int:
+                return (await http.get("/loads")).json()[0]["loads"][0]["active_requests"]
+
+            for source, target, tag in ((ref, mine, "from-ref"), (mine, ref, "from-kvrouter")):
+                # Repeat until the peer's subscription has joined (ZMQ's slow joiner), then clean up.
+                booked = []
+                with trio.fail_after(20):
+                    while await active(target) == 0:
+                        booking = f"{tag}-{len(booked)}"
+                        booked.append(booking)
+                        body = {**M, "token_ids": TOKENS, "selection_id": booking, "reservation_id": booking}
+                        assert (await source.post("/select_and_reserve", json=body)).status_code == 200
+                        await trio.sleep(0.2)
+                    for booking in booked:
+                        assert (await source.delete(f"/reservations/{booking}")).status_code == 200
+                    while await active(target) != 0:  # noqa: ASYNC110 - polled over HTTP
+                        await trio.sleep(0.05)
+    finally:
+        for process in processes:
+            process.kill()
+            await process.wait()
