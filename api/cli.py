@@ -18,7 +18,7 @@ from actors.peers.replicator import validate_endpoint
 from api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions, run_until_signal, slot_tracker_app
 from api.select_routes import SELECTION_BODY_LIMIT
 from api.select_service import builder as select_service_builder
-from journal.store import CorruptJournal, Durability
+from journal.store import CorruptJournal, DataDirectoryInUse, Durability
 
 
 def _common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     try:
         trio.run(partial(run_until_signal, name, options, build))
-    except* CorruptJournal as group:
+    except* (CorruptJournal, DataDirectoryInUse) as group:
         for exc in group.exceptions:
             logging.getLogger("kvrouter").error("cannot start: %s", exc)
         status = 2

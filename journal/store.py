@@ -27,6 +27,10 @@ class Durability(enum.Enum):
     OFF = "off"  # after write(2); never fsync (the OS decides)
 
 
+class DataDirectoryInUse(Exception):
+    """Another process holds the data directory: startup must stop."""
+
+
 class CorruptJournal(Exception):
     """A record in the middle of the log failed its checksum: startup must stop."""
 

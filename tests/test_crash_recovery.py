@@ -205,3 +205,20 @@ async def test_selection_service_survives_kill_9(tmp_path: Path) -> None:
                     assert (await http.delete(f"/reservations/{reservation_id}")).status_code == 200
         finally:
             await service.kill9()
+
+
+async def test_a_second_process_on_the_same_data_dir_refuses_to_start(tmp_path: Path) -> None:
+    first = Service(tmp_path / "data", "always")
+    await first.start()
+    try:
+        second = await trio.run_process(
+            [sys.executable, "-m", "api.slot_tracker", "--port", str(free_port()), "--data-dir",
+             str(tmp_path / "data")],
+            capture_stderr=True, check=False,
+        )
+        assert second.returncode == 2
+        assert b"is in use by another kvrouter process" in second.stderr
+    finally:
+        await first.kill9()
+    await first.start()  # the lock died with the first process
+    await first.kill9()
