@@ -6,7 +6,6 @@ before the reply); inspection routes read actor state between awaits and pass a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_view
@@ -36,7 +35,7 @@ from actors.core.state import ScopeState
 from actors.kv_ingest import KvIngest
 from actors.system import ActorSystem
 from api.http import HttpError, Request, Response, Route, json_response
-from api.routes import REASON_STATUS
+from api.routes import REASON_STATUS, scope_filter
 from api.schemas import parse
 from api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, patched_record
 
@@ -138,14 +137,6 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         accepted(await system.ask(home.scope, RemoveWorker(worker_id, at=now())))
         ingest.reconcile()
         return json_response(200, record_view(record, "unschedulable", []))
-
-    def scope_filter(request: Request) -> Callable[[ScopeState], bool]:
-        query = request.query(("model_name", "tenant_id", "routing_group"))
-        model = query.get("model_name")
-        tenant = query.get("tenant_id", query.get("routing_group"))
-        return lambda s: (model is None or s.scope.model_name == model) and (
-            tenant is None or s.scope.tenant_id == tenant
-        )
 
     async def list_workers(request: Request) -> Response:
         wanted = scope_filter(request)
