@@ -177,15 +177,19 @@ class ActorSystem:
     async def snapshot(self) -> Snapshot:
         """Capture every scope at the journal's last LSN (no await in between), persist it."""
         lsn = self.journal.last_lsn
+        # Only the copy happens on the loop (it must see one consistent state); hashing and encoding
+        # the copy (the larger part: ~0.5 s of a 1M-block index) happen off it.
         scopes = [s.to_snapshot() for s in self.states()]
-        document = {"v": 1, "lsn": lsn, "state_hash": digest(scopes), "scopes": scopes}
         if self._encode_in_thread:
-            payload = await trio.to_thread.run_sync(orjson.dumps, document)
+            payload = await trio.to_thread.run_sync(encode_snapshot, lsn, scopes)
         else:
-            payload = orjson.dumps(document)
+            payload = encode_snapshot(lsn, scopes)
         snapshot = Snapshot(lsn, payload)
         await self.journal.write_snapshot(snapshot)
         self.snapshots_taken += 1
         log.info("snapshot at lsn %d: %d scopes, %d bytes", lsn, len(scopes), len(payload))
         return snapshot
 
+
+def encode_snapshot(lsn: int, scopes: list[dict[str, Any]]) -> bytes:
+    return orjson.dumps({"v": 1, "lsn": lsn, "state_hash": digest(scopes), "scopes": scopes})
