@@ -87,8 +87,9 @@ async def test_restart_recovers_state_and_fills_the_stream_gap(tmp_path: Path) -
 async def test_indexer_peer_dump_seeds_a_new_replica(tmp_path: Path) -> None:
     async with open_kv_publisher() as publisher, trio.open_nursery() as nursery:
         first = await start_select_service(nursery, tmp_path / "a")
+        # With a replay endpoint, a batch published before the listener connects is caught up.
         worker = {"worker_id": 5, "model_name": "m", "endpoint": "http://w5", "block_size": BLOCK,
-                  "kv_events_endpoint": publisher.endpoint}
+                  "kv_events_endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
         async with httpx.AsyncClient(base_url=first.urls[0], timeout=10) as http:
             await http.post("/workers", json=worker)
             publisher.publish(store([1, 2, 3, 4], TOKENS[:16]))
@@ -104,7 +105,8 @@ async def test_indexer_peer_dump_seeds_a_new_replica(tmp_path: Path) -> None:
             # Same blocks; the block size is fixed later, by the partition's first schedulable worker.
             assert (await http.get("/dump")).json()["m:default"]["events"] == dump["m:default"]["events"]
             # Once the worker joins the new replica's catalog, selection sees the recovered blocks.
-            await http.post("/workers", json={**worker, "kv_events_endpoint": "tcp://127.0.0.1:1"})
+            await http.post("/workers", json={**worker, "kv_events_endpoint": "tcp://127.0.0.1:1",
+                                              "replay_endpoint": None})
             assert await device_blocks(second.urls[0]) == 4
         first.stop()
         second.stop()
