@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import trio
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, reference_python, rss_bytes
 from http_client import Connection
 
 REPO = Path(__file__).resolve().parent.parent
@@ -158,20 +158,6 @@ class Publishers:
 
 
 # ---------------------------------------------------------------------------------------- service
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def dir_bytes(path: Path) -> int:
@@ -693,16 +679,6 @@ def print_table(ours: Report, ref: Report | None, args: argparse.Namespace) -> N
             print(f"  {line}")
 
 
-def reference_python(explicit: str | None) -> str | None:
-    candidates = [explicit] if explicit else [os.environ.get("KVROUTER_REFERENCE_PYTHON"), sys.executable]
-    for python in candidates:
-        if python and subprocess.run(
-            [python, "-c", "import dynamo.select_service"], capture_output=True, check=False
-        ).returncode == 0:
-            return python
-    return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--durability", choices=["always", "batch", "off"], default="always")
@@ -718,7 +694,7 @@ def main() -> None:
     for name in ("blocks_small", "blocks_large"):
         if getattr(args, name) < WORKERS * CHAIN_BLOCKS:
             parser.error(f"--{name.replace('_', '-')} must be at least {WORKERS * CHAIN_BLOCKS}")
-    python = None if args.no_reference else reference_python(args.reference_python)
+    python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
 
     print(f"selection service benchmark: {WORKERS} workers, block size {BLOCK_SIZE}, chains of {CHAIN_BLOCKS} "
           f"blocks, 64-block prompts; sets of {args.blocks_small:,} and {args.blocks_large:,} blocks; "

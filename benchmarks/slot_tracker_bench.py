@@ -26,6 +26,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, reference_python, rss_bytes
 from http_client import Connection
 
 WORKERS, RANKS, BLOCKS, BLOCK_SIZE = 8, 2, 64, 16
@@ -44,20 +45,6 @@ class Result:
     def percentile(self, q: float) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6 if ordered else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 class Server:
@@ -174,7 +161,7 @@ def measure(
         for round_index in range(rounds):
             cycles.append(trio.run(drive, port, clients, seconds / rounds, lifecycle(2 + round_index)))
             ceilings.append(trio.run(drive, port, clients, seconds / rounds, health))
-        rss = rss_kib(server.process.pid)
+        rss = rss_bytes(server.process.pid) // 1024
     finally:
         server.stop()
     cycle, ceiling = merged(cycles), merged(ceilings)
@@ -185,16 +172,6 @@ def measure(
         flush=True,
     )
     return {"lifecycle": cycle, "health": ceiling, "rss": rss}
-
-
-def reference_python(explicit: str | None) -> str | None:
-    candidates = [explicit, os.environ.get("KVROUTER_REFERENCE_PYTHON"), sys.executable]
-    for python in candidates:
-        if python and subprocess.run(
-            [python, "-c", "import dynamo.slot_tracker"], capture_output=True, check=False
-        ).returncode == 0:
-            return python
-    return None
 
 
 def main() -> None:
@@ -217,7 +194,7 @@ def main() -> None:
             results[mode] = measure(argv, port, args.seconds, args.clients, f"kvrouter ({mode})", args.rounds)
         finally:
             shutil.rmtree(data, ignore_errors=True)
-    python = reference_python(args.reference_python)
+    python = reference_python(args.reference_python, "dynamo.slot_tracker")
     if python is None:
         print("reference: not installed (set KVROUTER_REFERENCE_PYTHON to a python with ai-dynamo-runtime)")
     else:
