@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from actors.core.commands import Command, Reserve, ReserveSelection, SelectWorker
-from actors.core.decide import decide
-from actors.core.decisions import Accepted, Decision, Reason, Rejected
-from actors.core.evolve import fold
-from actors.core.state import ScopeState
-from actors.mailbox import MAILBOX_SIZE, Envelope
-from actors.pending import PendingSelections
-from journal.codec import encode_record
+from kvrouter.actors.core.commands import Command, Reserve, ReserveSelection, SelectWorker
+from kvrouter.actors.core.decide import decide
+from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
+from kvrouter.actors.core.evolve import fold
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.mailbox import MAILBOX_SIZE, Envelope
+from kvrouter.actors.pending import PendingSelections
+from kvrouter.journal.codec import encode_record
 
 if TYPE_CHECKING:
-    from actors.system import ActorSystem
+    from kvrouter.actors.system import ActorSystem
 
 # Commands taken from the mailbox per scheduling turn. Bounds how long one busy scope holds the
 # loop before others (and the journal writer) get a turn.
@@ -129,7 +129,11 @@ class ScopeActor:
             return
         chosen = decision.reply
         template = Reserve(
-            "", chosen.worker_id, chosen.dp_rank, chosen.sequence_hashes, chosen.isl_tokens,
+            "",
+            chosen.worker_id,
+            chosen.dp_rank,
+            chosen.sequence_hashes,
+            chosen.isl_tokens,
             effective_prefill_tokens=chosen.effective_prefill_tokens if chosen.track_prefill_tokens else None,
             track_prefill_tokens=chosen.track_prefill_tokens,
             local_hashes=chosen.local_hashes,

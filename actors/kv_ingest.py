@@ -17,11 +17,11 @@ import logging
 import attrs
 import trio
 
-from actors.core.commands import IngestKvBatch, ResetKvStream
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.core.kv_wire import WireError, decode_batch
-from actors.kv_listener import KvListener, ListenerStatus
-from actors.system import ActorSystem
+from kvrouter.actors.core.commands import IngestKvBatch, ResetKvStream
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.kv_wire import WireError, decode_batch
+from kvrouter.actors.kv_listener import KvListener, ListenerStatus
+from kvrouter.actors.system import ActorSystem
 
 log = logging.getLogger("kvrouter.kv_ingest")
 

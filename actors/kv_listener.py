@@ -42,7 +42,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
 
 log = logging.getLogger("kvrouter.kv_listener")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import trio
 
-from actors.core.commands import Command
-from actors.core.decisions import Decision
+from kvrouter.actors.core.commands import Command
+from kvrouter.actors.core.decisions import Decision
 
 # Mailbox size per scope. Large enough that 4-64 concurrent clients never wait in normal
 # operation, small enough that a stuck actor turns into 503s within a second instead of memory

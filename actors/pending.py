@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from actors.core.commands import Reserve
+from kvrouter.actors.core.commands import Reserve
 
 DEFAULT_TTL_SECONDS = 120.0
 DEFAULT_MAX_ENTRIES = 4096

@@ -14,17 +14,17 @@ from typing import Any
 import orjson
 import trio
 
-from actors.actor import ScopeActor
-from actors.core.commands import SCOPE_CREATING, Command, ExpireStale, SelectWorker
-from actors.core.decide import decide
-from actors.core.decisions import Decision
-from actors.core.events import Event
-from actors.core.ids import ScopeKey
-from actors.core.state import ScopeState
-from actors.mailbox import ENQUEUE_TIMEOUT, Envelope, Overloaded
-from actors.ports import Clock
-from journal.codec import digest
-from journal.store import Journal, Snapshot
+from kvrouter.actors.actor import ScopeActor
+from kvrouter.actors.core.commands import SCOPE_CREATING, Command, ExpireStale, SelectWorker
+from kvrouter.actors.core.decide import decide
+from kvrouter.actors.core.decisions import Decision
+from kvrouter.actors.core.events import Event
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, Overloaded
+from kvrouter.actors.ports import Clock
+from kvrouter.journal.codec import digest
+from kvrouter.journal.store import Journal, Snapshot
 
 log = logging.getLogger("kvrouter.actors")
 

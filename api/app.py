@@ -11,8 +11,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from actors.mailbox import Overloaded
-from api.http import HttpError, Request, Response, Route, error_response
+from kvrouter.actors.mailbox import Overloaded
+from kvrouter.api.http import HttpError, Request, Response, Route, error_response
 
 log = logging.getLogger("kvrouter.api")
 

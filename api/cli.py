@@ -13,12 +13,12 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors.core.router_config import RouterConfig
-from actors.peers.replicator import validate_endpoint
-from api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions, run_until_signal, slot_tracker_app
-from api.select_routes import SELECTION_BODY_LIMIT
-from api.select_service import builder as select_service_builder
-from journal.store import CorruptJournal, DataDirectoryInUse, Durability
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.peers.replicator import validate_endpoint
+from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions, run_until_signal, slot_tracker_app
+from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.select_service import builder as select_service_builder
+from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse, Durability
 
 
 def _common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -37,10 +37,14 @@ def _common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     )
     parser.add_argument("--fresh", action="store_true", help="start empty, discarding the journal")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--replica-sync-port", type=_port, default=None,
-                        help="bind a ZMQ PUB on this port for replica sync (on --host)")
-    parser.add_argument("--replica-sync-peers", default=None,
-                        help="comma-separated ZMQ PUB endpoints of peer replicas (requires --replica-sync-port)")
+    parser.add_argument(
+        "--replica-sync-port", type=_port, default=None, help="bind a ZMQ PUB on this port for replica sync (on --host)"
+    )
+    parser.add_argument(
+        "--replica-sync-peers",
+        default=None,
+        help="comma-separated ZMQ PUB endpoints of peer replicas (requires --replica-sync-port)",
+    )
 
 
 def _port(text: str) -> int:
@@ -52,7 +56,9 @@ def _port(text: str) -> int:
 
 def _seed_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--seed", type=int, default=None,
+        "--seed",
+        type=int,
+        default=None,
         help="seed of the scopes' random sources (tie-breaks, softmax); default: fresh per process",
     )
 
@@ -61,14 +67,21 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     """Router knobs; each overrides the reference's DYN_* environment variable of the same meaning."""
     knobs = parser.add_argument_group("router knobs (default: the DYN_* environment, then 1.6.1's defaults)")
     knobs.add_argument("--overlap-score-credit", type=float, help="DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT (1.0)")
-    knobs.add_argument("--overlap-score-weight", type=float,
-                       help="deprecated DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT: sets the prefill load scale")
+    knobs.add_argument(
+        "--overlap-score-weight",
+        type=float,
+        help="deprecated DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT: sets the prefill load scale",
+    )
     knobs.add_argument("--prefill-load-scale", type=float, help="DYN_ROUTER_PREFILL_LOAD_SCALE (1.0)")
     knobs.add_argument("--router-temperature", type=float, help="DYN_ROUTER_TEMPERATURE (0.0)")
     knobs.add_argument("--host-cache-hit-weight", type=float, help="DYN_ROUTER_HOST_CACHE_HIT_WEIGHT (0.75)")
     knobs.add_argument("--disk-cache-hit-weight", type=float, help="DYN_ROUTER_DISK_CACHE_HIT_WEIGHT (0.25)")
-    knobs.add_argument("--use-kv-events", action=argparse.BooleanOptionalAction, default=None,
-                       help="DYN_USE_KV_EVENTS (true): index from worker KV events")
+    knobs.add_argument(
+        "--use-kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DYN_USE_KV_EVENTS (true): index from worker KV events",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

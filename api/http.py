@@ -47,9 +47,7 @@ class Request:
         for name, value in parse_qsl(self.query_string.decode("latin-1"), keep_blank_values=True):
             if name in known:
                 if name in found:
-                    raise HttpError(
-                        400, f"Failed to deserialize query string: duplicate field `{name}`", plain=True
-                    )
+                    raise HttpError(400, f"Failed to deserialize query string: duplicate field `{name}`", plain=True)
                 found[name] = value
         return found
 

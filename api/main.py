@@ -21,16 +21,16 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors.ports import WallClock
-from actors.system import ActorSystem
-from api.app import make_app
-from api.http import Route
-from api.replica_routes import replica_routes, start_replication
-from api.routes import slot_tracker_routes
-from api.server import hypercorn_config, serve_http
-from journal.file import FileJournal
-from journal.recovery import recover
-from journal.store import DataDirectoryInUse, Durability
+from kvrouter.actors.ports import WallClock
+from kvrouter.actors.system import ActorSystem
+from kvrouter.api.app import make_app
+from kvrouter.api.http import Route
+from kvrouter.api.replica_routes import replica_routes, start_replication
+from kvrouter.api.routes import slot_tracker_routes
+from kvrouter.api.server import hypercorn_config, serve_http
+from kvrouter.journal.file import FileJournal
+from kvrouter.journal.recovery import recover
+from kvrouter.journal.store import DataDirectoryInUse, Durability
 
 log = logging.getLogger("kvrouter")
 
@@ -125,10 +125,14 @@ async def _run_service(
         await outer.start(journal.run)
         async with trio.open_nursery() as inner:
             system = ActorSystem(
-                journal, WallClock(), recovered.states,
+                journal,
+                WallClock(),
+                recovered.states,
                 seed=secrets.randbits(64) if options.seed is None else options.seed,
-                pending_options={"ttl_seconds": options.selection_cache_ttl_secs,
-                                 "max_entries": options.selection_cache_max_entries},
+                pending_options={
+                    "ttl_seconds": options.selection_cache_ttl_secs,
+                    "max_entries": options.selection_cache_max_entries,
+                },
             )
             await inner.start(system.run)
             app = make_app(await build_routes(options, system, inner), body_limit=options.body_limit)
@@ -141,7 +145,11 @@ async def _run_service(
             urls = await inner.start(http)
             log.info(
                 "kvrouter %s listening on %s (data dir %s, durability %s, %d scopes recovered)",
-                name, " ".join(urls), options.data_dir, options.durability.value, len(recovered.states),
+                name,
+                " ".join(urls),
+                options.data_dir,
+                options.durability.value,
+                len(recovered.states),
             )
             task_status.started(ServiceHandle(urls, system, stopping.set))
         await journal.aclose()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import attrs
 import trio
 
-from actors.peers.replicator import Replicator, random_router_id
-from actors.system import ActorSystem
-from api.http import HttpError, Request, Response, Route, json_response
-from api.schemas import parse
+from kvrouter.actors.peers.replicator import Replicator, random_router_id
+from kvrouter.actors.system import ActorSystem
+from kvrouter.api.http import HttpError, Request, Response, Route, json_response
+from kvrouter.api.schemas import parse
 
 
 @attrs.frozen

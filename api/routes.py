@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from actors.core.commands import AddRequest, CompletePrefill, FreeRequest, RegisterWorker, UnregisterWorker
-from actors.core.decide import no_tracker
-from actors.core.decisions import Accepted, Decision, Reason
-from actors.core.queries import loads, potential_loads
-from actors.core.state import ScopeState
-from actors.system import ActorSystem
-from api.http import CREATED, OK, HttpError, Request, Response, Route, error_response, json_response
-from api.schemas import (
+from kvrouter.actors.core.commands import AddRequest, CompletePrefill, FreeRequest, RegisterWorker, UnregisterWorker
+from kvrouter.actors.core.decide import no_tracker
+from kvrouter.actors.core.decisions import Accepted, Decision, Reason
+from kvrouter.actors.core.queries import loads, potential_loads
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.system import ActorSystem
+from kvrouter.api.http import CREATED, OK, HttpError, Request, Response, Route, error_response, json_response
+from kvrouter.api.schemas import (
     AddBody,
     PotentialLoadsBody,
     RegisterBody,
@@ -39,9 +39,7 @@ def scope_filter(request: Request) -> Callable[[ScopeState], bool]:
     query = request.query(("model_name", "tenant_id", "routing_group"))
     model = query.get("model_name")
     tenant = query.get("tenant_id", query.get("routing_group"))
-    return lambda s: (model is None or s.scope.model_name == model) and (
-        tenant is None or s.scope.tenant_id == tenant
-    )
+    return lambda s: (model is None or s.scope.model_name == model) and (tenant is None or s.scope.tenant_id == tenant)
 
 
 def scope_fields(state: ScopeState) -> dict[str, str]:
@@ -88,8 +86,13 @@ def slot_tracker_routes(system: ActorSystem) -> list[Route]:
                 fields = scope_fields(state)
                 for worker_id, (start, size) in sorted(state.workers.items()):
                     rows.append(
-                        {"worker_id": worker_id, **fields, "block_size": state.block_size,
-                         "dp_start": start, "dp_size": size}
+                        {
+                            "worker_id": worker_id,
+                            **fields,
+                            "block_size": state.block_size,
+                            "dp_start": start,
+                            "dp_size": size,
+                        }
                     )
         await system.read_barrier()
         return json_response(200, rows)
@@ -102,9 +105,13 @@ def slot_tracker_routes(system: ActorSystem) -> list[Route]:
                 fields = scope_fields(state)
                 for load in loads(state):
                     rows.append(
-                        {**fields, "worker_id": load.rank.worker_id, "dp_rank": load.rank.dp_rank,
-                         "active_prefill_tokens": load.active_prefill_tokens,
-                         "active_decode_blocks": load.active_decode_blocks}
+                        {
+                            **fields,
+                            "worker_id": load.rank.worker_id,
+                            "dp_rank": load.rank.dp_rank,
+                            "active_prefill_tokens": load.active_prefill_tokens,
+                            "active_decode_blocks": load.active_decode_blocks,
+                        }
                     )
         await system.read_barrier()
         return json_response(200, rows)
@@ -116,9 +123,13 @@ def slot_tracker_routes(system: ActorSystem) -> list[Route]:
         if state is None:
             raise HttpError(404, no_tracker(ScopeState(scope)).message)
         rows = [
-            {"worker_id": p.rank.worker_id, "dp_rank": p.rank.dp_rank,
-             "potential_prefill_tokens": p.potential_prefill_tokens,
-             "potential_decode_blocks": p.potential_decode_blocks, "active_requests": p.active_requests}
+            {
+                "worker_id": p.rank.worker_id,
+                "dp_rank": p.rank.dp_rank,
+                "potential_prefill_tokens": p.potential_prefill_tokens,
+                "potential_decode_blocks": p.potential_decode_blocks,
+                "active_requests": p.active_requests,
+            }
             for p in potential_loads(state, body.sequence_hashes, body.new_isl_tokens)
         ]
         await system.read_barrier()
@@ -138,4 +149,3 @@ def slot_tracker_routes(system: ActorSystem) -> list[Route]:
         Route("POST", "/potential_loads", get_potential_loads, json_body=True),
         Route("GET", "/health", health),
     ]
-

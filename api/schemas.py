@@ -14,9 +14,9 @@ import attrs
 import cattrs
 from cattrs.errors import AttributeValidationNote
 
-from actors.core.ids import I64_MAX, I64_MIN, U64_MASK, ScopeKey
-from api.http import HttpError
-from journal.codec import U32, U64, USize, WireTypeError, _json_kind, make_converter
+from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK, ScopeKey
+from kvrouter.api.http import HttpError
+from kvrouter.journal.codec import U32, U64, USize, WireTypeError, _json_kind, make_converter
 
 DEFAULT_TENANT = "default"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_view
-from actors.core.commands import (
+from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_view
+from kvrouter.actors.core.commands import (
     AddOutputBlock,
     CompletePrefill,
     FreeRequest,
@@ -19,25 +19,25 @@ from actors.core.commands import (
     SelectWorker,
     UpsertWorker,
 )
-from actors.core.decisions import Accepted, Decision, Rejected
-from actors.core.dump import dump_scope
-from actors.core.ids import ScopeKey, to_i64
-from actors.core.router_config import RouterConfig
-from actors.core.selection import (
+from kvrouter.actors.core.decisions import Accepted, Decision, Rejected
+from kvrouter.actors.core.dump import dump_scope
+from kvrouter.actors.core.ids import ScopeKey, to_i64
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.selection import (
     NO_SCHEDULABLE_WORKERS_ANYWHERE,
     TierOverlap,
     effective_cached_tokens,
     potential_decode_blocks,
     potential_prefill_tokens,
 )
-from actors.core.selection_rules import NormalizedPrompt, Selection, normalize, schedulable
-from actors.core.state import ScopeState
-from actors.kv_ingest import KvIngest
-from actors.system import ActorSystem
-from api.http import HttpError, Request, Response, Route, json_response
-from api.routes import REASON_STATUS, scope_filter
-from api.schemas import parse
-from api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, patched_record
+from kvrouter.actors.core.selection_rules import NormalizedPrompt, Selection, normalize, schedulable
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.kv_ingest import KvIngest
+from kvrouter.actors.system import ActorSystem
+from kvrouter.api.http import HttpError, Request, Response, Route, json_response
+from kvrouter.api.routes import REASON_STATUS, scope_filter
+from kvrouter.api.schemas import parse
+from kvrouter.api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, patched_record
 
 SELECTION_BODY_LIMIT = 8 * 1024 * 1024  # REQUEST_BODY_LIMIT_BYTES of the reference selection service
 OK_STATUS = {"status": "ok"}
@@ -66,9 +66,14 @@ def selection_view(selection: Selection, scope: ScopeKey, selection_id: str | No
         view["isl_tokens"] = selection.isl_tokens
         view["track_prefill_tokens"] = selection.track_prefill_tokens
     view.update(
-        model_name=scope.model_name, tenant_id=scope.tenant_id, routing_group=scope.tenant_id,
-        worker_id=selection.worker_id, dp_rank=selection.dp_rank, endpoint=selection.endpoint,
-        block_size=selection.block_size, overlap=selection.overlap,
+        model_name=scope.model_name,
+        tenant_id=scope.tenant_id,
+        routing_group=scope.tenant_id,
+        worker_id=selection.worker_id,
+        dp_rank=selection.dp_rank,
+        endpoint=selection.endpoint,
+        block_size=selection.block_size,
+        overlap=selection.overlap,
         effective_prefill_tokens=selection.effective_prefill_tokens,
         potential_decode_blocks=selection.potential_decode_blocks,
     )
@@ -142,7 +147,8 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         wanted = scope_filter(request)
         rows = [
             view(record, state)
-            for state in system.states() if wanted(state)
+            for state in system.states()
+            if wanted(state)
             for _, record in sorted(state.catalog.items())
         ]
         await system.read_barrier()
@@ -156,8 +162,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
                 count += shown["lifecycle"] == "schedulable"
                 rows.append(shown)
         await system.read_barrier()
-        return json_response(200 if count else 503, {"ready": count > 0, "schedulable_workers": count,
-                                                     "workers": rows})
+        return json_response(200 if count else 503, {"ready": count > 0, "schedulable_workers": count, "workers": rows})
 
     async def health(request: Request) -> Response:
         return json_response(200, OK_STATUS)
@@ -177,8 +182,13 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         config_for_request = effective_config(body)
         require_any_schedulable()
         command = SelectWorker(
-            body.prompt(), config_for_request, body.options(), reserve=reserve,
-            reservation_id=body.reservation_id if reserve else None, selection_id=body.selection_id, at=now(),
+            body.prompt(),
+            config_for_request,
+            body.options(),
+            reserve=reserve,
+            reservation_id=body.reservation_id if reserve else None,
+            selection_id=body.selection_id,
+            at=now(),
         )
         if reserve:
             decision = accepted(await system.ask(scope, command))
@@ -202,12 +212,19 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         else:
             if body.sequence_hashes is None or body.isl_tokens is None:
                 missing = "sequence_hashes" if body.sequence_hashes is None else "isl_tokens"
-                raise HttpError(422, f"Failed to deserialize the JSON body into the target type: missing field "
-                                     f"`{missing}`")
+                raise HttpError(
+                    422, f"Failed to deserialize the JSON body into the target type: missing field `{missing}`"
+                )
             command = Reserve(
-                booking, body.worker_id, body.dp_rank, body.sequence_hashes, body.isl_tokens,
-                body.effective_prefill_tokens, body.track_prefill_tokens,
-                config_tracks_prefill=config.router_track_prefill_tokens, at=now(),
+                booking,
+                body.worker_id,
+                body.dp_rank,
+                body.sequence_hashes,
+                body.isl_tokens,
+                body.effective_prefill_tokens,
+                body.track_prefill_tokens,
+                config_tracks_prefill=config.router_track_prefill_tokens,
+                at=now(),
             )
             accepted(await system.ask(scope, command))
         state = system.state(scope)
@@ -215,11 +232,19 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         worker_id = request_row.rank.worker_id if request_row else body.worker_id
         dp_rank = request_row.rank.dp_rank if request_row else body.dp_rank
         record = state.catalog.get(worker_id) if state and worker_id is not None else None
-        return json_response(201, {
-            "selection_id": booking, "reservation_id": booking, "model_name": scope.model_name,
-            "tenant_id": scope.tenant_id, "routing_group": scope.tenant_id, "worker_id": worker_id,
-            "dp_rank": dp_rank, "endpoint": record.endpoint if record else None,
-        })
+        return json_response(
+            201,
+            {
+                "selection_id": booking,
+                "reservation_id": booking,
+                "model_name": scope.model_name,
+                "tenant_id": scope.tenant_id,
+                "routing_group": scope.tenant_id,
+                "worker_id": worker_id,
+                "dp_rank": dp_rank,
+                "endpoint": record.endpoint if record else None,
+            },
+        )
 
     async def reservation_prefill_complete(request: Request) -> Response:
         reservation_id = request.path_params["reservation_id"]
@@ -249,14 +274,25 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
             if not wanted(state):
                 continue
             rows = [
-                {"worker_id": rank.worker_id, "dp_rank": rank.dp_rank,
-                 "potential_prefill_tokens": r.prefill_tokens, "potential_decode_blocks": r.active_decode_blocks,
-                 "active_requests": len(r.requests)}
+                {
+                    "worker_id": rank.worker_id,
+                    "dp_rank": rank.dp_rank,
+                    "potential_prefill_tokens": r.prefill_tokens,
+                    "potential_decode_blocks": r.active_decode_blocks,
+                    "active_requests": len(r.requests),
+                }
                 for rank, r in sorted(state.ranks.items())
             ]
-            partitions.append({"model_name": state.scope.model_name, "tenant_id": state.scope.tenant_id,
-                               "routing_group": state.scope.tenant_id, "loads": rows, "pending_count": 0,
-                               "pending_isl_tokens": 0})
+            partitions.append(
+                {
+                    "model_name": state.scope.model_name,
+                    "tenant_id": state.scope.tenant_id,
+                    "routing_group": state.scope.tenant_id,
+                    "loads": rows,
+                    "pending_count": 0,
+                    "pending_isl_tokens": 0,
+                }
+            )
         await system.read_barrier()
         return json_response(200, partitions)
 
@@ -284,15 +320,21 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
                 found = matches.get(rank)
                 overlap = TierOverlap(*found) if found else TierOverlap()
                 cached = effective_cached_tokens(overlap, effective, state.block_size or 1)
-                rows.append({
-                    "worker_id": rank.worker_id, "dp_rank": rank.dp_rank,
-                    "potential_prefill_tokens": potential_prefill_tokens(
-                        r.prefill_tokens, prompt.isl_tokens, cached, effective.router_track_prefill_tokens),
-                    "potential_decode_blocks": potential_decode_blocks(
-                        r.active_decode_blocks, len(prompt.sequence_hashes),
-                        r.trie.overlap_depth(prompt.sequence_hashes)),
-                    "active_requests": len(r.requests),
-                })
+                rows.append(
+                    {
+                        "worker_id": rank.worker_id,
+                        "dp_rank": rank.dp_rank,
+                        "potential_prefill_tokens": potential_prefill_tokens(
+                            r.prefill_tokens, prompt.isl_tokens, cached, effective.router_track_prefill_tokens
+                        ),
+                        "potential_decode_blocks": potential_decode_blocks(
+                            r.active_decode_blocks,
+                            len(prompt.sequence_hashes),
+                            r.trie.overlap_depth(prompt.sequence_hashes),
+                        ),
+                        "active_requests": len(r.requests),
+                    }
+                )
         await system.read_barrier()
         return json_response(200, rows)
 
@@ -305,17 +347,28 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
                 found = matches.get(rank)
                 o = TierOverlap(*found) if found else TierOverlap()
                 host = o.device + o.host_ext
-                rows.append({
-                    "worker_id": rank.worker_id, "dp_rank": rank.dp_rank, "device_blocks": o.device,
-                    "host_pinned_blocks": host, "disk_blocks": host + o.disk_ext + o.external_ext,
-                    "host_pinned_extension_blocks": o.host_ext,
-                    "disk_extension_blocks": o.disk_ext + o.external_ext, "shared_beyond_device_blocks": None,
-                })
+                rows.append(
+                    {
+                        "worker_id": rank.worker_id,
+                        "dp_rank": rank.dp_rank,
+                        "device_blocks": o.device,
+                        "host_pinned_blocks": host,
+                        "disk_blocks": host + o.disk_ext + o.external_ext,
+                        "host_pinned_extension_blocks": o.host_ext,
+                        "disk_extension_blocks": o.disk_ext + o.external_ext,
+                        "shared_beyond_device_blocks": None,
+                    }
+                )
         await system.read_barrier()
-        return json_response(200, {
-            "block_size": state.block_size, "num_blocks": len(prompt.local_hashes), "workers": rows,
-            "shared_cache": {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None},
-        })
+        return json_response(
+            200,
+            {
+                "block_size": state.block_size,
+                "num_blocks": len(prompt.local_hashes),
+                "workers": rows,
+                "shared_cache": {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None},
+            },
+        )
 
     async def dump(request: Request) -> Response:
         document = {f"{s.scope.model_name}:{s.scope.tenant_id}": dump_scope(s) for s in system.states()}
@@ -332,8 +385,9 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         Route("POST", "/select", post_select, json_body=True),
         Route("POST", "/select_and_reserve", post_select_and_reserve, json_body=True),
         Route("POST", "/reservations", post_reservation, json_body=True),
-        Route("POST", "/reservations/{reservation_id}/prefill_complete", reservation_prefill_complete,
-              optional_body=True),
+        Route(
+            "POST", "/reservations/{reservation_id}/prefill_complete", reservation_prefill_complete, optional_body=True
+        ),
         Route("POST", "/reservations/{reservation_id}/output_block", reservation_output_block, optional_body=True),
         Route("DELETE", "/reservations/{reservation_id}", delete_reservation, optional_body=True),
         Route("GET", "/loads", loads),
@@ -341,5 +395,3 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         Route("POST", "/overlap_scores", post_overlap_scores, json_body=True),
         Route("GET", "/dump", dump),
     ]
-
-

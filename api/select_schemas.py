@@ -11,12 +11,12 @@ from typing import Any, NewType
 
 import attrs
 
-from actors.core.catalog import WorkerRecord
-from actors.core.commands import Prompt, SelectionOptions
-from actors.core.ids import U32_MAX, ScopeKey
-from actors.core.router_config import RouterConfigOverride
-from api.http import HttpError
-from api.schemas import (
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.commands import Prompt, SelectionOptions
+from kvrouter.actors.core.ids import U32_MAX, ScopeKey
+from kvrouter.actors.core.router_config import RouterConfigOverride
+from kvrouter.api.http import HttpError
+from kvrouter.api.schemas import (
     API_CONVERTER,
     DEFAULT_TENANT,
     HashListError,
@@ -26,7 +26,7 @@ from api.schemas import (
     _json_kind,
     parse,
 )
-from journal.codec import U32, U64, USize
+from kvrouter.journal.codec import U32, U64, USize
 
 TokenIds = NewType("TokenIds", tuple)
 
@@ -88,8 +88,9 @@ class WorkerBody:
             ranks = []
             for key, endpoint in self.kv_events_endpoints.items():
                 if not key.isdigit() or int(key) > U32_MAX:
-                    raise HttpError(422, _deserialize_failed(
-                        f"kv_events_endpoints: invalid dp_rank key {key!r}, expected a u32"))
+                    raise HttpError(
+                        422, _deserialize_failed(f"kv_events_endpoints: invalid dp_rank key {key!r}, expected a u32")
+                    )
                 ranks.append((int(key), endpoint))
             endpoints = tuple(sorted(ranks))
         start = self.data_parallel_start_rank or 0
@@ -97,14 +98,24 @@ class WorkerBody:
             raise HttpError(400, f"data parallel range overflows u32: start={start} size={self.data_parallel_size}")
         scope = _scope(self.model_name, self.tenant_id, self.routing_group)
         return WorkerRecord(
-            worker_id=self.worker_id, model_name=scope.model_name, tenant_id=scope.tenant_id,
-            endpoint=self.endpoint, kv_events_endpoint=self.kv_events_endpoint, kv_events_endpoints=endpoints,
-            replay_endpoint=self.replay_endpoint, block_size=self.block_size,
-            data_parallel_start_rank=self.data_parallel_start_rank, data_parallel_size=self.data_parallel_size,
-            max_num_batched_tokens=self.max_num_batched_tokens, total_kv_blocks=self.total_kv_blocks,
-            stable_routing_id=self.stable_routing_id, is_eagle=self.is_eagle,
-            taints=tuple(self.taints or ()), topology_domains=tuple(sorted((self.topology_domains or {}).items())),
-            kv_transfer_domain=self.kv_transfer_domain, kv_transfer_enforcement=self.kv_transfer_enforcement,
+            worker_id=self.worker_id,
+            model_name=scope.model_name,
+            tenant_id=scope.tenant_id,
+            endpoint=self.endpoint,
+            kv_events_endpoint=self.kv_events_endpoint,
+            kv_events_endpoints=endpoints,
+            replay_endpoint=self.replay_endpoint,
+            block_size=self.block_size,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_size=self.data_parallel_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            total_kv_blocks=self.total_kv_blocks,
+            stable_routing_id=self.stable_routing_id,
+            is_eagle=self.is_eagle,
+            taints=tuple(self.taints or ()),
+            topology_domains=tuple(sorted((self.topology_domains or {}).items())),
+            kv_transfer_domain=self.kv_transfer_domain,
+            kv_transfer_enforcement=self.kv_transfer_enforcement,
             kv_transfer_preferred_weight=self.kv_transfer_preferred_weight,
         )
 
@@ -191,8 +202,9 @@ class SelectBody(PromptBody):
             allowed_worker_ids=None if self.allowed_worker_ids is None else frozenset(self.allowed_worker_ids),
             required_taints=frozenset(constraints.required_taints or ()),
             preferred_taints=tuple(sorted((constraints.preferred_taints or {}).items())),
-            pinned_worker=None if self.pinned_worker is None else (self.pinned_worker.worker_id,
-                                                                    self.pinned_worker.dp_rank),
+            pinned_worker=None
+            if self.pinned_worker is None
+            else (self.pinned_worker.worker_id, self.pinned_worker.dp_rank),
             expected_output_tokens=self.expected_output_tokens,
         )
 

@@ -16,14 +16,14 @@ from typing import Any
 import orjson
 import trio
 
-from actors.core.commands import RecoverKv
-from actors.core.dump import DumpError, parse_dump
-from actors.core.router_config import RouterConfig
-from actors.kv_ingest import KvIngest
-from actors.system import ActorSystem
-from api.http import Route
-from api.main import RouteBuilder, ServiceOptions, start_replication_for
-from api.select_routes import select_service_routes
+from kvrouter.actors.core.commands import RecoverKv
+from kvrouter.actors.core.dump import DumpError, parse_dump
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.kv_ingest import KvIngest
+from kvrouter.actors.system import ActorSystem
+from kvrouter.api.http import Route
+from kvrouter.api.main import RouteBuilder, ServiceOptions, start_replication_for
+from kvrouter.api.select_routes import select_service_routes
 
 log = logging.getLogger("kvrouter.select_service")
 
@@ -71,6 +71,6 @@ def builder(config: RouterConfig, indexer_peers: Sequence[str] = ()) -> RouteBui
 
 
 if __name__ == "__main__":
-    from api.cli import main
+    from kvrouter.api.cli import main
 
     sys.exit(main(["select-service", *sys.argv[1:]]))

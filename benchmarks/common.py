@@ -27,7 +27,9 @@ def reference_python(explicit: str | None, module: str) -> str | None:
     else $KVROUTER_REFERENCE_PYTHON, else this interpreter."""
     candidates = [explicit] if explicit else [os.environ.get("KVROUTER_REFERENCE_PYTHON"), sys.executable]
     for python in candidates:
-        if python and subprocess.run([python, "-c", f"import {module}"], capture_output=True,
-                                     check=False).returncode == 0:
+        if (
+            python
+            and subprocess.run([python, "-c", f"import {module}"], capture_output=True, check=False).returncode == 0
+        ):
             return python
     return None

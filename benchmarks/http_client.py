@@ -30,8 +30,11 @@ class Connection:
             return head + b"\r\n\r\n"
         payload = orjson.dumps(body)
         return (
-            head + b"\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(payload)).encode() + b"\r\n\r\n" + payload
+            head
+            + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(payload)).encode()
+            + b"\r\n\r\n"
+            + payload
         )
 
     async def send(self, raw: bytes) -> tuple[int, bytes]:

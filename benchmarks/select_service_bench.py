@@ -49,8 +49,13 @@ MODEL = "bench"
 PUBLISHER_HWM = 1_000_000  # nothing may be dropped: the whole data set can sit in the publisher's queue
 HOST = "127.0.0.1"
 ISSUE_REFERENCE = {  # the reference's figures quoted in the issue, used when it is not installed here
-    "ingest_small": 1.05e6, "ingest_large": 1.05e6, "bytes_per_block": 190.0, "select_p50": 271.0,
-    "health_p50": 143.0, "select_rate": 12_500.0, "reserve_rate": 7_600.0,
+    "ingest_small": 1.05e6,
+    "ingest_large": 1.05e6,
+    "bytes_per_block": 190.0,
+    "select_p50": 271.0,
+    "health_p50": 143.0,
+    "select_rate": 12_500.0,
+    "reserve_rate": 7_600.0,
 }
 
 
@@ -246,8 +251,13 @@ async def wait_status(service: Service, path: str, limit: float) -> float:
 
 async def register(port: int, publishers: Publishers) -> None:
     for worker in range(WORKERS):
-        body = {"worker_id": worker, "model_name": MODEL, "endpoint": f"http://127.0.0.1:{9000 + worker}/v1",
-                "block_size": BLOCK_SIZE, "kv_events_endpoint": publishers.endpoint(worker)}
+        body = {
+            "worker_id": worker,
+            "model_name": MODEL,
+            "endpoint": f"http://127.0.0.1:{9000 + worker}/v1",
+            "block_size": BLOCK_SIZE,
+            "kv_events_endpoint": publishers.endpoint(worker),
+        }
         status, answer = await call(port, "POST", "/workers", body)
         if status not in (200, 201):
             raise RuntimeError(f"POST /workers -> {status}: {answer}")
@@ -266,8 +276,9 @@ async def indexed_chains(port: int, chains: list[int]) -> int:
     complete = 0
     try:
         for chain in chains:
-            status, raw = await connection.send(connection.encode(
-                "POST", "/overlap_scores", {"model_name": MODEL, "token_ids": chain_tokens(chain)}))
+            status, raw = await connection.send(
+                connection.encode("POST", "/overlap_scores", {"model_name": MODEL, "token_ids": chain_tokens(chain)})
+            )
             if status == 200 and device_blocks(orjson.loads(raw), Workload.owner(chain)) == CHAIN_BLOCKS:
                 complete += 1
     finally:
@@ -308,8 +319,10 @@ async def ingest(service: Service, publishers: Publishers, workload: Workload, l
     pending = {w: c for w in range(WORKERS) if (c := workload.last_chain(w)) is not None}
     order = sorted(pending, key=lambda w: -pending[w])
     connection = await Connection.open(HOST, service.port)
-    probes = {w: connection.encode("POST", "/overlap_scores", {"model_name": MODEL, "token_ids": chain_tokens(c)})
-              for w, c in pending.items()}
+    probes = {
+        w: connection.encode("POST", "/overlap_scores", {"model_name": MODEL, "token_ids": chain_tokens(c)})
+        for w, c in pending.items()
+    }
     rss_before = rss_bytes(service.pid)
     publish_seconds = 0.0
     probes_sent = 0
@@ -341,8 +354,9 @@ async def ingest(service: Service, publishers: Publishers, workload: Workload, l
     finally:
         await connection.aclose()
     await trio.sleep(0.2)  # let transient buffers go before reading RSS
-    return Ingest(workload.blocks, elapsed, rss_before, rss_bytes(service.pid), WORKERS - len(order),
-                  publish_seconds, probes_sent)
+    return Ingest(
+        workload.blocks, elapsed, rss_before, rss_bytes(service.pid), WORKERS - len(order), publish_seconds, probes_sent
+    )
 
 
 @dataclass
@@ -429,8 +443,10 @@ async def selection_check(port: int, workload: Workload, count: int) -> tuple[in
         owner = workload.owner(chain)
         got = (answer.get("worker_id"), overlap_blocks(answer)) if status == 200 else None
         if got != (owner, shared * BLOCK_SIZE):  # overlap counts tokens in both services
-            wrong.append(f"chain {chain} shared {shared} blocks: expected worker {owner} overlap "
-                         f"{shared * BLOCK_SIZE} tokens, got {status} {str(answer)[:200]}")
+            wrong.append(
+                f"chain {chain} shared {shared} blocks: expected worker {owner} overlap "
+                f"{shared * BLOCK_SIZE} tokens, got {status} {str(answer)[:200]}"
+            )
     return count - len(wrong), wrong
 
 
@@ -482,13 +498,18 @@ def ingest_timeout(blocks: int) -> float:
 
 def print_ingest(label: str, result: Ingest) -> None:
     if result.seconds is None:
-        print(f"  {label}: ingest of {result.blocks} blocks TIMED OUT ({result.workers_done}/{WORKERS} workers "
-              f"complete)", flush=True)
+        print(
+            f"  {label}: ingest of {result.blocks} blocks TIMED OUT ({result.workers_done}/{WORKERS} workers complete)",
+            flush=True,
+        )
         return
-    print(f"  {label}: ingest {result.blocks:,} blocks in {result.seconds:.2f} s = {result.rate:,.0f} blocks/s "
-          f"(publisher done after {result.publish_seconds:.2f} s; {result.probes} completion probes); "
-          f"RSS {result.rss_before / 2**20:.0f} -> {result.rss_after / 2**20:.0f} MiB = "
-          f"{result.bytes_per_block:.0f} B/block", flush=True)
+    print(
+        f"  {label}: ingest {result.blocks:,} blocks in {result.seconds:.2f} s = {result.rate:,.0f} blocks/s "
+        f"(publisher done after {result.publish_seconds:.2f} s; {result.probes} completion probes); "
+        f"RSS {result.rss_before / 2**20:.0f} -> {result.rss_after / 2**20:.0f} MiB = "
+        f"{result.bytes_per_block:.0f} B/block",
+        flush=True,
+    )
 
 
 def measure(flavor: Flavor, args: argparse.Namespace, workdir: Path) -> Report:
@@ -532,45 +553,64 @@ def measure(flavor: Flavor, args: argparse.Namespace, workdir: Path) -> Report:
         select_lat = trio.run(sequential, service.port, selects, args.seconds)
         health_lat = trio.run(sequential, service.port, health, args.seconds)
         report.values.update(
-            select_p50=select_lat.percentile(0.5), select_p99=select_lat.percentile(0.99),
-            health_p50=health_lat.percentile(0.5), health_p99=health_lat.percentile(0.99),
+            select_p50=select_lat.percentile(0.5),
+            select_p99=select_lat.percentile(0.99),
+            health_p50=health_lat.percentile(0.5),
+            health_p99=health_lat.percentile(0.99),
         )
         report.values["work_p50"] = report.values["select_p50"] - report.values["health_p50"]  # type: ignore[operator]
-        print(f"  /select p50 {select_lat.percentile(0.5):.0f} us p99 {select_lat.percentile(0.99):.0f} us "
-              f"({len(select_lat.samples)} requests); /health p50 {health_lat.percentile(0.5):.0f} us "
-              f"p99 {health_lat.percentile(0.99):.0f} us; selection work = select p50 - health p50 = "
-              f"{report.values['work_p50']:.0f} us", flush=True)
+        print(
+            f"  /select p50 {select_lat.percentile(0.5):.0f} us p99 {select_lat.percentile(0.99):.0f} us "
+            f"({len(select_lat.samples)} requests); /health p50 {health_lat.percentile(0.5):.0f} us "
+            f"p99 {health_lat.percentile(0.99):.0f} us; selection work = select p50 - health p50 = "
+            f"{report.values['work_p50']:.0f} us",
+            flush=True,
+        )
 
         def select_cycle(connection: Connection, index: int, n: int) -> list[bytes]:
             return [selects[(index * 7919 + n) % len(selects)]]
 
         rate, lat = trio.run(concurrent, service.port, 32, args.seconds, select_cycle)
         report.values["select_rate"] = rate
-        print(f"  /select with 32 connections: {rate:,.0f} req/s (p50 {lat.percentile(0.5):.0f} us, "
-              f"p99 {lat.percentile(0.99):.0f} us)", flush=True)
+        print(
+            f"  /select with 32 connections: {rate:,.0f} req/s (p50 {lat.percentile(0.5):.0f} us, "
+            f"p99 {lat.percentile(0.99):.0f} us)",
+            flush=True,
+        )
 
         def reserve_cycle(connection: Connection, index: int, n: int) -> list[bytes]:
             booking = f"bench-{index}-{n}"
-            body = {"model_name": MODEL, "token_ids": prompts[(index * 31 + n) % len(prompts)],
-                    flavor.reservation_field: booking}
-            return [connection.encode("POST", "/select_and_reserve", body),
-                    connection.encode("DELETE", f"/reservations/{booking}")]
+            body = {
+                "model_name": MODEL,
+                "token_ids": prompts[(index * 31 + n) % len(prompts)],
+                flavor.reservation_field: booking,
+            }
+            return [
+                connection.encode("POST", "/select_and_reserve", body),
+                connection.encode("DELETE", f"/reservations/{booking}"),
+            ]
 
         rate, lat = trio.run(concurrent, service.port, 4, args.seconds, reserve_cycle)
         report.values["reserve_rate"] = rate
-        print(f"  select_and_reserve + DELETE with 4 connections: {rate:,.0f} cycles/s (request p50 "
-              f"{lat.percentile(0.5):.0f} us, p99 {lat.percentile(0.99):.0f} us)", flush=True)
+        print(
+            f"  select_and_reserve + DELETE with 4 connections: {rate:,.0f} cycles/s (request p50 "
+            f"{lat.percentile(0.5):.0f} us, p99 {lat.percentile(0.99):.0f} us)",
+            flush=True,
+        )
 
         restart(flavor, service, publishers, large, report, result.seconds is not None)
     shutil.rmtree(data, ignore_errors=True)
     return report
 
 
-def restart(flavor: Flavor, service: Service, publishers: Publishers, workload: Workload, report: Report,
-            complete: bool) -> None:
+def restart(
+    flavor: Flavor, service: Service, publishers: Publishers, workload: Workload, report: Report, complete: bool
+) -> None:
     rng = random.Random(3)
-    sample = sorted({c for w in range(WORKERS) if (c := workload.last_chain(w)) is not None}
-                    | {rng.randrange(workload.chains) for _ in range(16)})
+    sample = sorted(
+        {c for w in range(WORKERS) if (c := workload.last_chain(w)) is not None}
+        | {rng.randrange(workload.chains) for _ in range(16)}
+    )
     again = [arg for arg in service.argv if arg != "--fresh"]
     ways = ("SIGTERM", "kill -9") if flavor.durable else ("SIGTERM",)
     for way in ways:
@@ -659,18 +699,24 @@ def print_table(ours: Report, ref: Report | None, args: argparse.Namespace) -> N
 
     for key, name in (("ingest_small", f"{args.blocks_small:,}"), ("ingest_large", f"{args.blocks_large:,}")):
         rate = ours.values.get(key)
-        check(None if rate is None else rate >= 200_000,
-              f"ingest ({name} blocks) >= 200,000 blocks/s: {show(rate, '{:,.0f}')}")
+        check(
+            None if rate is None else rate >= 200_000,
+            f"ingest ({name} blocks) >= 200,000 blocks/s: {show(rate, '{:,.0f}')}",
+        )
     per_block = ours.values.get("bytes_per_block")
-    check(None if per_block is None else per_block <= 2 * ref_bytes,
-          f"RSS per block <= 2 x reference ({source} {ref_bytes:.0f} B): {show(per_block, '{:.0f}')} B")
+    check(
+        None if per_block is None else per_block <= 2 * ref_bytes,
+        f"RSS per block <= 2 x reference ({source} {ref_bytes:.0f} B): {show(per_block, '{:.0f}')} B",
+    )
     work = ours.values.get("work_p50")
     check(None if work is None else work <= 150, f"/select p50 - /health p50 <= 150 us: {show(work, '{:.0f}')} us")
     for key, how in (("restart_term", "SIGTERM"), ("restart_kill", "kill -9")):
         ready, intact = ours.values.get(key), ours.values.get(key + "_intact")
-        check(None if ready is None else ready <= 5.0 and bool(intact),
-              f"restart after {how} with {args.blocks_large:,} blocks ready <= 5 s, index intact: "
-              f"{show(ready, '{:.2f}')} s, {show(intact, 'bool')}")
+        check(
+            None if ready is None else ready <= 5.0 and bool(intact),
+            f"restart after {how} with {args.blocks_large:,} blocks ready <= 5 s, index intact: "
+            f"{show(ready, '{:.2f}')} s, {show(intact, 'bool')}",
+        )
     problems = ours.problems + (ref.problems if ref else [])
     if problems:
         print()
@@ -682,11 +728,18 @@ def print_table(ours: Report, ref: Report | None, args: argparse.Namespace) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--durability", choices=["always", "batch", "off"], default="always")
-    parser.add_argument("--reference-python", help="a python with ai-dynamo-runtime==1.6.1 installed "
-                        "(default: $KVROUTER_REFERENCE_PYTHON, else this python if it has dynamo.select_service)")
+    parser.add_argument(
+        "--reference-python",
+        help="a python with ai-dynamo-runtime==1.6.1 installed "
+        "(default: $KVROUTER_REFERENCE_PYTHON, else this python if it has dynamo.select_service)",
+    )
     parser.add_argument("--no-reference", action="store_true", help="measure kvrouter only")
-    parser.add_argument("--reference-log", default="warn", help="DYN_LOG for the reference (default warn, as "
-                        "kvrouter's --log-level warning; at info it logs every selection)")
+    parser.add_argument(
+        "--reference-log",
+        default="warn",
+        help="DYN_LOG for the reference (default warn, as "
+        "kvrouter's --log-level warning; at info it logs every selection)",
+    )
     parser.add_argument("--blocks-small", type=int, default=200_000)
     parser.add_argument("--blocks-large", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each request measurement")
@@ -696,23 +749,42 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least {WORKERS * CHAIN_BLOCKS}")
     python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
 
-    print(f"selection service benchmark: {WORKERS} workers, block size {BLOCK_SIZE}, chains of {CHAIN_BLOCKS} "
-          f"blocks, 64-block prompts; sets of {args.blocks_small:,} and {args.blocks_large:,} blocks; "
-          f"{args.seconds:g} s per request measurement")
-    print(f"machine: cpus={os.cpu_count()}, load average {os.getloadavg()[0]:.2f} (other processes compete for "
-          f"the cores when it is above ~0); python {sys.version.split()[0]}; kvrouter --durability "
-          f"{args.durability}; reference: {python or 'not installed'}"
-          + (f" (DYN_LOG={args.reference_log})" if python else ""), flush=True)
+    print(
+        f"selection service benchmark: {WORKERS} workers, block size {BLOCK_SIZE}, chains of {CHAIN_BLOCKS} "
+        f"blocks, 64-block prompts; sets of {args.blocks_small:,} and {args.blocks_large:,} blocks; "
+        f"{args.seconds:g} s per request measurement"
+    )
+    print(
+        f"machine: cpus={os.cpu_count()}, load average {os.getloadavg()[0]:.2f} (other processes compete for "
+        f"the cores when it is above ~0); python {sys.version.split()[0]}; kvrouter --durability "
+        f"{args.durability}; reference: {python or 'not installed'}"
+        + (f" (DYN_LOG={args.reference_log})" if python else ""),
+        flush=True,
+    )
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     kvrouter = Flavor(
         label=f"kvrouter ({args.durability})",
         argv=lambda port, data, fresh: [
-            sys.executable, "-m", "api.select_service", "--port", str(port), "--data-dir", str(data),
-            "--durability", args.durability, "--log-level", "warning", *(["--fresh"] if fresh else []),
+            sys.executable,
+            "-m",
+            "kvrouter.api.select_service",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data),
+            "--durability",
+            args.durability,
+            "--log-level",
+            "warning",
+            *(["--fresh"] if fresh else []),
         ],
-        env=env, cwd=REPO, reservation_field="reservation_id", ready_path="/ready", durable=True,
+        env=env,
+        cwd=REPO,
+        reservation_field="reservation_id",
+        ready_path="/ready",
+        durable=True,
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvrouter-select-bench-"))
     try:
@@ -724,7 +796,11 @@ def main() -> None:
             reference = Flavor(
                 label="reference 1.6.1",
                 argv=lambda port, data, fresh: [python, "-m", "dynamo.select_service", "--port", str(port)],
-                env=ref_env, cwd=workdir, reservation_field="selection_id", ready_path="/health", durable=False,
+                env=ref_env,
+                cwd=workdir,
+                reservation_field="selection_id",
+                ready_path="/health",
+                durable=False,
             )
             ref = measure(reference, args, workdir)
         print_table(ours, ref, args)

@@ -126,10 +126,17 @@ def lifecycle(seed: int) -> Callable[[Connection, int], list[bytes]]:
         hashes = rng.choice(prefixes)[:shared] + [rng.getrandbits(63) for _ in range(BLOCKS - shared)]
         ref = {"model_name": "bench", "request_id": request_id}
         return [
-            connection.encode("POST", "/add", {
-                **ref, "worker_id": rng.randrange(WORKERS), "dp_rank": rng.randrange(RANKS),
-                "sequence_hashes": hashes, "new_isl_tokens": 1024,
-            }),
+            connection.encode(
+                "POST",
+                "/add",
+                {
+                    **ref,
+                    "worker_id": rng.randrange(WORKERS),
+                    "dp_rank": rng.randrange(RANKS),
+                    "sequence_hashes": hashes,
+                    "new_isl_tokens": 1024,
+                },
+            ),
             connection.encode("POST", "/prefill_complete", ref),
             connection.encode("POST", "/free", ref),
         ]
@@ -182,15 +189,29 @@ def main() -> None:
     parser.add_argument("--reference-python", help="a python with ai-dynamo-runtime==1.6.1 installed")
     parser.add_argument("--modes", default="always,batch,off")
     args = parser.parse_args()
-    print(f"slot tracker benchmark: {WORKERS} workers x {RANKS} ranks, {BLOCKS}-block prompts, "
-          f"{args.clients} clients, {args.seconds:.0f} s per measurement, cpus={os.cpu_count()}")
+    print(
+        f"slot tracker benchmark: {WORKERS} workers x {RANKS} ranks, {BLOCKS}-block prompts, "
+        f"{args.clients} clients, {args.seconds:.0f} s per measurement, cpus={os.cpu_count()}"
+    )
     results = {}
     for mode in args.modes.split(","):
         port = free_port()
         data = Path(tempfile.mkdtemp(prefix="kvrouter-bench-"))
         try:
-            argv = [sys.executable, "-m", "api.slot_tracker", "--port", str(port), "--data-dir", str(data),
-                    "--durability", mode, "--fresh", "--log-level", os.environ.get("BENCH_LOG", "warning")]
+            argv = [
+                sys.executable,
+                "-m",
+                "kvrouter.api.slot_tracker",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data),
+                "--durability",
+                mode,
+                "--fresh",
+                "--log-level",
+                os.environ.get("BENCH_LOG", "warning"),
+            ]
             results[mode] = measure(argv, port, args.seconds, args.clients, f"kvrouter ({mode})", args.rounds)
         finally:
             shutil.rmtree(data, ignore_errors=True)
@@ -199,8 +220,14 @@ def main() -> None:
         print("reference: not installed (set KVROUTER_REFERENCE_PYTHON to a python with ai-dynamo-runtime)")
     else:
         port = free_port()
-        ref = measure([python, "-m", "dynamo.slot_tracker", "--port", str(port)], port, args.seconds,
-                      args.clients, "reference 1.6.1", args.rounds)
+        ref = measure(
+            [python, "-m", "dynamo.slot_tracker", "--port", str(port)],
+            port,
+            args.seconds,
+            args.clients,
+            "reference 1.6.1",
+            args.rounds,
+        )
         for mode, result in results.items():
             ratio = result["lifecycle"].rate / ref["lifecycle"].rate  # type: ignore[union-attr]
             print(f"kvrouter ({mode}) / reference lifecycle rate: {ratio:.3f}")

@@ -19,8 +19,8 @@ import cattrs
 import orjson
 from cattrs.strategies import configure_tagged_union
 
-from actors.core.events import EVENT_TAGS, KV_OP_TAGS, Event, KvOp
-from actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK, ScopeKey
+from kvrouter.actors.core.events import EVENT_TAGS, KV_OP_TAGS, Event, KvOp
+from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK, ScopeKey
 
 # Wire integer types: the API checks ranges exactly as the reference's serde types do.
 U64 = NewType("U64", int)

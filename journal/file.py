@@ -41,8 +41,8 @@ from typing import Final, final
 import attrs
 import trio
 
-from journal.io_thread import IoThread
-from journal.store import CorruptJournal, Durability, Snapshot, check_snapshot
+from kvrouter.journal.io_thread import IoThread
+from kvrouter.journal.store import CorruptJournal, Durability, Snapshot, check_snapshot
 
 logger = logging.getLogger("kvrouter.journal")
 

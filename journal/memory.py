@@ -12,7 +12,7 @@ from typing import final
 
 import trio
 
-from journal.store import Snapshot, check_snapshot
+from kvrouter.journal.store import Snapshot, check_snapshot
 
 
 @final

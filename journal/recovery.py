@@ -13,11 +13,11 @@ from collections.abc import Iterable
 import attrs
 import orjson
 
-from actors.core.evolve import fold
-from actors.core.ids import ScopeKey
-from actors.core.state import ScopeState
-from journal.codec import decode_record, digest
-from journal.store import CorruptJournal, Journal
+from kvrouter.actors.core.evolve import fold
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.journal.codec import decode_record, digest
+from kvrouter.journal.store import CorruptJournal, Journal
 
 log = logging.getLogger("kvrouter.journal")
 
@@ -70,6 +70,10 @@ def recover(journal: Journal) -> Recovered:
     seconds = time.perf_counter() - started
     log.info(
         "recovered %d scopes: snapshot lsn %d + %d journal records (last lsn %d) in %.3f s",
-        len(states), after, count, journal.last_lsn, seconds,
+        len(states),
+        after,
+        count,
+        journal.last_lsn,
+        seconds,
     )
     return Recovered(states, after, count, journal.last_lsn, seconds)

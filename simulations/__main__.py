@@ -13,7 +13,7 @@ from functools import partial
 import trio
 import trio.testing
 
-from simulations.harness import SimulationOptions, simulate
+from kvrouter.simulations.harness import SimulationOptions, simulate
 
 
 def main(argv: list[str] | None = None) -> int:

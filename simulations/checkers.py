@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 
-from actors.core.ids import ScopeKey
-from actors.core.invariants import check
-from actors.core.state import ScopeState
-from journal.codec import digest
-from journal.recovery import recover
-from journal.store import Journal
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.invariants import check
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.journal.codec import digest
+from kvrouter.journal.recovery import recover
+from kvrouter.journal.store import Journal
 
 
 def invariant_failures(states: list[ScopeState]) -> list[str]:

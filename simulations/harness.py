@@ -13,13 +13,13 @@ import attrs
 import trio
 import trio.testing
 
-from actors.core.decisions import Accepted
-from actors.ports import TrioClock
-from actors.system import ActorSystem
-from journal.memory import MemoryJournal
-from journal.recovery import recover
-from simulations.checkers import invariant_failures, journal_digest, replay_mismatch, states_digest
-from simulations.workload import WorkloadOptions, trace
+from kvrouter.actors.core.decisions import Accepted
+from kvrouter.actors.ports import TrioClock
+from kvrouter.actors.system import ActorSystem
+from kvrouter.journal.memory import MemoryJournal
+from kvrouter.journal.recovery import recover
+from kvrouter.simulations.checkers import invariant_failures, journal_digest, replay_mismatch, states_digest
+from kvrouter.simulations.workload import WorkloadOptions, trace
 
 
 @attrs.frozen
@@ -58,8 +58,12 @@ async def simulate(seed: int, options: SimulationOptions) -> SimulationResult:
         async with trio.open_nursery() as nursery:
             await nursery.start(journal.run)
             system = ActorSystem(
-                journal, clock, states, snapshot_every_records=options.snapshot_every_records,
-                encode_snapshots_in_thread=False, seed=seed,
+                journal,
+                clock,
+                states,
+                snapshot_every_records=options.snapshot_every_records,
+                encode_snapshots_in_thread=False,
+                seed=seed,
             )
             await nursery.start(system.run)
             for index, step in enumerate(steps):
@@ -87,6 +91,14 @@ async def simulate(seed: int, options: SimulationOptions) -> SimulationResult:
         journal = journal.crash_copy()
         states = recover(journal).states
     return SimulationResult(
-        seed, options.steps, accepted, rejected, crashes, snapshots, journal.last_lsn,
-        journal_digest(journal), states_digest(list(states.values())), tuple(failures),
+        seed,
+        options.steps,
+        accepted,
+        rejected,
+        crashes,
+        snapshots,
+        journal.last_lsn,
+        journal_digest(journal),
+        states_digest(list(states.values())),
+        tuple(failures),
     )

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import attrs
 
-from actors.core.catalog import WorkerRecord
-from actors.core.commands import (
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.commands import (
     AddOutputBlock,
     AddRequest,
     Command,
@@ -26,10 +26,10 @@ from actors.core.commands import (
     UnregisterWorker,
     UpsertWorker,
 )
-from actors.core.ids import ScopeKey
-from actors.core.kv_index import Tier
-from actors.core.kv_wire import BlockRemoved, BlockStored, KvBatch
-from actors.core.router_config import RouterConfig
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.kv_index import Tier
+from kvrouter.actors.core.kv_wire import BlockRemoved, BlockStored, KvBatch
+from kvrouter.actors.core.router_config import RouterConfig
 
 
 @attrs.frozen
@@ -81,8 +81,14 @@ def selection_trace(seed: int, options: WorkloadOptions) -> Iterator[Step]:
         if not workers or roll < 0.03:
             worker = rng.randrange(options.workers_per_scope)
             workers.add(worker)
-            record = WorkerRecord(worker, scope.model_name, scope.tenant_id, endpoint=f"http://w{worker}",
-                                  kv_events_endpoint=f"tcp://w{worker}:5557", block_size=bs)
+            record = WorkerRecord(
+                worker,
+                scope.model_name,
+                scope.tenant_id,
+                endpoint=f"http://w{worker}",
+                kv_events_endpoint=f"tcp://w{worker}:5557",
+                block_size=bs,
+            )
             command = UpsertWorker(record)
         elif roll < 0.04 and len(workers) > 1:
             worker = rng.choice(sorted(workers))

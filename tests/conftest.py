@@ -9,11 +9,11 @@ import httpx
 import pytest
 import trio
 
-from actors.core.router_config import RouterConfig
-from api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
-from api.select_routes import SELECTION_BODY_LIMIT
-from api.select_service import builder as select_service_builder
-from journal.store import Durability
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
+from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.select_service import builder as select_service_builder
+from kvrouter.journal.store import Durability
 
 
 @pytest.fixture
@@ -33,8 +33,9 @@ async def client(slot_tracker: ServiceHandle) -> AsyncIterator[httpx.AsyncClient
 async def start_select_service(
     nursery: trio.Nursery, data_dir: Path, config: RouterConfig | None = None, seed: int = 7
 ) -> ServiceHandle:
-    options = ServiceOptions(port=0, data_dir=data_dir, durability=Durability.ALWAYS, seed=seed,
-                             body_limit=SELECTION_BODY_LIMIT)
+    options = ServiceOptions(
+        port=0, data_dir=data_dir, durability=Durability.ALWAYS, seed=seed, body_limit=SELECTION_BODY_LIMIT
+    )
     build = select_service_builder(config or RouterConfig())
     handle: ServiceHandle = await nursery.start(run_service, "selection service", options, build)
     return handle

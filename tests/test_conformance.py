@@ -35,18 +35,23 @@ SCENARIO: list[tuple[str, str, Any]] = [
     ("GET", "/workers", None),
     ("GET", "/workers?model_name=m", None),
     ("GET", "/loads", None),
-    ("POST", "/add", {**R, "request_id": "a", "worker_id": 7, "dp_rank": 0, "sequence_hashes": [1, 2, 3, 4],
-                      "new_isl_tokens": 12}),
+    (
+        "POST",
+        "/add",
+        {**R, "request_id": "a", "worker_id": 7, "dp_rank": 0, "sequence_hashes": [1, 2, 3, 4], "new_isl_tokens": 12},
+    ),
     ("POST", "/add", {**R, "request_id": "b", "worker_id": 7, "dp_rank": 0, "sequence_hashes": [1, 2, 5]}),
-    ("POST", "/add", {**R, "request_id": "c", "worker_id": 7, "dp_rank": 0, "sequence_hashes": [9, 2, 3],
-                      "new_isl_tokens": 4}),
+    (
+        "POST",
+        "/add",
+        {**R, "request_id": "c", "worker_id": 7, "dp_rank": 0, "sequence_hashes": [9, 2, 3], "new_isl_tokens": 4},
+    ),
     ("POST", "/add", {**R, "request_id": "d", "worker_id": 7, "dp_rank": 0, "sequence_hashes": [1, 1, 1]}),
     ("POST", "/add", {**R, "request_id": "e", "worker_id": 7, "dp_rank": 1, "sequence_hashes": [-1]}),
     ("POST", "/add", {**R, "request_id": "e", "worker_id": 3, "dp_rank": 2, "sequence_hashes": []}),
     ("POST", "/add", {**R, "request_id": "f", "worker_id": 3, "dp_rank": 9, "sequence_hashes": []}),
     ("POST", "/add", {**R, "request_id": "f", "worker_id": 3, "dp_rank": 3, "sequence_hashes": [2**63]}),
-    ("POST", "/add", {"model_name": "nope", "request_id": "f", "worker_id": 3, "dp_rank": 3,
-                      "sequence_hashes": []}),
+    ("POST", "/add", {"model_name": "nope", "request_id": "f", "worker_id": 3, "dp_rank": 3, "sequence_hashes": []}),
     ("POST", "/add", {**R, "request_id": "f", "worker_id": 3, "dp_rank": 3}),
     ("GET", "/loads", None),
     ("POST", "/potential_loads", {**R, "sequence_hashes": [1, 2, 3, 4, 6], "new_isl_tokens": 5}),
@@ -104,10 +109,26 @@ async def play(url: str) -> list[tuple[int, Any]]:
 
 async def test_same_requests_same_answers(tmp_path: Path) -> None:
     ours_port, ref_port = free_port(), free_port()
-    ours = await start_process([sys.executable, "-m", "api.slot_tracker", "--port", str(ours_port), "--data-dir",
-                          str(tmp_path / "data"), "--log-level", "warning"], ours_port, tmp_path / "ours.log")
-    reference = await start_process([REFERENCE, "-m", "dynamo.slot_tracker", "--port", str(ref_port)],  # type: ignore[list-item]
-                              ref_port, tmp_path / "reference.log")
+    ours = await start_process(
+        [
+            sys.executable,
+            "-m",
+            "kvrouter.api.slot_tracker",
+            "--port",
+            str(ours_port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--log-level",
+            "warning",
+        ],
+        ours_port,
+        tmp_path / "ours.log",
+    )
+    reference = await start_process(
+        [REFERENCE, "-m", "dynamo.slot_tracker", "--port", str(ref_port)],  # type: ignore[list-item]
+        ref_port,
+        tmp_path / "reference.log",
+    )
     try:
         ours_results = await play(f"http://127.0.0.1:{ours_port}")
         ref_results = await play(f"http://127.0.0.1:{ref_port}")

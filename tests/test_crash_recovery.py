@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from actors.core.kv_wire import encode_batch
+from kvrouter.actors.core.kv_wire import encode_batch
 from tests.support.kv_publisher import open_kv_publisher
 from tests.support.processes import free_port
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 class Service:
-    def __init__(self, data_dir: Path, durability: str, module: str = "api.slot_tracker") -> None:
+    def __init__(self, data_dir: Path, durability: str, module: str = "kvrouter.api.slot_tracker") -> None:
         self.data_dir = data_dir
         self.durability = durability
         self.module = module
@@ -33,9 +33,21 @@ class Service:
     async def start(self) -> None:
         with self.log.open("ab") as log:
             self.process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", self.module, "--port", str(self.port), "--data-dir",
-                 str(self.data_dir), "--durability", self.durability, "--log-level", "warning"],
-                stdout=subprocess.DEVNULL, stderr=log,
+                [
+                    sys.executable,
+                    "-m",
+                    self.module,
+                    "--port",
+                    str(self.port),
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--durability",
+                    self.durability,
+                    "--log-level",
+                    "warning",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
             )
         async with httpx.AsyncClient(base_url=self.url) as http:
             with trio.fail_after(20):
@@ -55,9 +67,16 @@ class Service:
 
 
 async def snapshot_reads(http: httpx.AsyncClient) -> tuple:
-    potential = (await http.post("/potential_loads", json={
-        "model_name": "m", "sequence_hashes": [1, 2, 3, 4, 5], "new_isl_tokens": 9,
-    })).json()
+    potential = (
+        await http.post(
+            "/potential_loads",
+            json={
+                "model_name": "m",
+                "sequence_hashes": [1, 2, 3, 4, 5],
+                "new_isl_tokens": 9,
+            },
+        )
+    ).json()
     key = lambda r: (r["worker_id"], r["dp_rank"])  # noqa: E731 - order is unspecified, compare sorted
     return (await http.get("/workers")).json(), (await http.get("/loads")).json(), sorted(potential, key=key)
 
@@ -78,8 +97,14 @@ async def test_every_acknowledged_write_survives_kill_9(tmp_path: Path, durabili
                 assert (await http.post("/register", json=body)).status_code == 201
             for i in range(40):
                 hashes = [1, 2, 3, 100 + i][: 1 + i % 4]
-                body = {"model_name": "m", "request_id": f"q{i}", "worker_id": 1 + i % 2, "dp_rank": i % 2,
-                        "sequence_hashes": hashes, "new_isl_tokens": 10 * i}
+                body = {
+                    "model_name": "m",
+                    "request_id": f"q{i}",
+                    "worker_id": 1 + i % 2,
+                    "dp_rank": i % 2,
+                    "sequence_hashes": hashes,
+                    "new_isl_tokens": 10 * i,
+                }
                 assert (await http.post("/add", json=body)).status_code == 201
             for i in range(0, 40, 3):
                 await http.post("/prefill_complete", json={"model_name": "m", "request_id": f"q{i}"})
@@ -92,8 +117,14 @@ async def test_every_acknowledged_write_survives_kill_9(tmp_path: Path, durabili
                 for n in range(10_000):
                     request_id = f"c{client_id}-{n}"
                     attempted.append(request_id)
-                    body = {"model_name": "m", "request_id": request_id, "worker_id": 1, "dp_rank": 0,
-                            "sequence_hashes": [client_id, n], "new_isl_tokens": 1}
+                    body = {
+                        "model_name": "m",
+                        "request_id": request_id,
+                        "worker_id": 1,
+                        "dp_rank": 0,
+                        "sequence_hashes": [client_id, n],
+                        "new_isl_tokens": 1,
+                    }
                     try:
                         response = await http.post("/add", json=body)
                     except httpx.TransportError:
@@ -117,8 +148,13 @@ async def test_every_acknowledged_write_survives_kill_9(tmp_path: Path, durabili
             workers, _, _ = await snapshot_reads(http)
             assert workers == before[0]
             for request_id, hashes in acknowledged.items():
-                body = {"model_name": "m", "request_id": request_id, "worker_id": 1, "dp_rank": 0,
-                        "sequence_hashes": hashes}
+                body = {
+                    "model_name": "m",
+                    "request_id": request_id,
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": hashes,
+                }
                 response = await http.post("/add", json=body)
                 assert response.status_code == 409, f"acknowledged {request_id} was lost"
             # Free everything attempted during the crash (acknowledged or not: a write may be
@@ -136,8 +172,14 @@ async def test_restart_without_crash_keeps_state(tmp_path: Path) -> None:
     async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
         body = {"worker_id": 3, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
         await http.post("/register", json=body)
-        add = {"model_name": "m", "request_id": "a", "worker_id": 3, "dp_rank": 0, "sequence_hashes": [1, 2],
-               "new_isl_tokens": 5}
+        add = {
+            "model_name": "m",
+            "request_id": "a",
+            "worker_id": 3,
+            "dp_rank": 0,
+            "sequence_hashes": [1, 2],
+            "new_isl_tokens": 5,
+        }
         await http.post("/add", json=add)
         before = await snapshot_reads(http)
     assert service.process is not None
@@ -155,12 +197,18 @@ async def test_restart_without_crash_keeps_state(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_selection_service_survives_kill_9(tmp_path: Path) -> None:
     """Catalog, KV index and every acknowledged reservation are back after kill -9."""
-    service = Service(tmp_path / "data", "always", module="api.select_service")
+    service = Service(tmp_path / "data", "always", module="kvrouter.api.select_service")
     tokens = list(range(64))
     acknowledged: list[str] = []
     async with open_kv_publisher() as publisher:
-        worker = {"worker_id": 3, "model_name": "m", "endpoint": "http://w3", "block_size": 4,
-                  "kv_events_endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+        worker = {
+            "worker_id": 3,
+            "model_name": "m",
+            "endpoint": "http://w3",
+            "block_size": 4,
+            "kv_events_endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+        }
         await service.start()
         try:
             async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
@@ -212,9 +260,17 @@ async def test_a_second_process_on_the_same_data_dir_refuses_to_start(tmp_path: 
     await first.start()
     try:
         second = await trio.run_process(
-            [sys.executable, "-m", "api.slot_tracker", "--port", str(free_port()), "--data-dir",
-             str(tmp_path / "data")],
-            capture_stderr=True, check=False,
+            [
+                sys.executable,
+                "-m",
+                "kvrouter.api.slot_tracker",
+                "--port",
+                str(free_port()),
+                "--data-dir",
+                str(tmp_path / "data"),
+            ],
+            capture_stderr=True,
+            check=False,
         )
         assert second.returncode == 2
         assert b"is in use by another kvrouter process" in second.stderr

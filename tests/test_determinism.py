@@ -7,8 +7,8 @@ from functools import partial
 import trio
 import trio.testing
 
-from simulations.__main__ import main as simulations_main
-from simulations.harness import SimulationOptions, SimulationResult, simulate
+from kvrouter.simulations.__main__ import main as simulations_main
+from kvrouter.simulations.harness import SimulationOptions, SimulationResult, simulate
 
 
 def run(seed: int, steps: int = 1500) -> SimulationResult:

@@ -12,7 +12,21 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_is_clean() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_clean() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--no-cache", "--check", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -38,16 +38,25 @@ SCENARIO: list[tuple[str, str, Any]] = [
     ("POST", "/select", {**M, "block_hashes": [1], "sequence_hashes": [1], "isl_tokens": 0}),
     ("POST", "/select", {**M, "token_ids": TOKENS, "allowed_worker_ids": [99]}),
     ("POST", "/select", {**M, "token_ids": TOKENS, "routing_constraints": {"required_taints": ["x"]}}),
-    ("POST", "/select_and_reserve", {**M, "token_ids": TOKENS, "selection_id": "r1",
-                                     "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
-    ("POST", "/select_and_reserve", {**M, "token_ids": TOKENS, "selection_id": "r1",
-                                     "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
+    (
+        "POST",
+        "/select_and_reserve",
+        {**M, "token_ids": TOKENS, "selection_id": "r1", "pinned_worker": {"worker_id": 1, "dp_rank": 0}},
+    ),
+    (
+        "POST",
+        "/select_and_reserve",
+        {**M, "token_ids": TOKENS, "selection_id": "r1", "pinned_worker": {"worker_id": 1, "dp_rank": 0}},
+    ),
     ("GET", "/loads", None),
     ("POST", "/potential_loads", {**M, "token_ids": TOKENS[:24] + [999] * 8}),
     ("POST", "/overlap_scores", {**M, "token_ids": TOKENS[:24] + [999] * 8}),
     ("POST", "/select", {**M, "token_ids": TOKENS, "selection_id": "s2", "pinned_worker": {"worker_id": 2}}),
-    ("POST", "/select", {**M, "token_ids": TOKENS, "selection_id": "s2",
-                         "pinned_worker": {"worker_id": 2, "dp_rank": 0}}),
+    (
+        "POST",
+        "/select",
+        {**M, "token_ids": TOKENS, "selection_id": "s2", "pinned_worker": {"worker_id": 2, "dp_rank": 0}},
+    ),
     ("POST", "/reservations", {**M, "selection_id": "s2"}),
     ("POST", "/reservations", {**M, "selection_id": "s2"}),
     ("POST", "/reservations/r1/output_block", {"decay_fraction": 1.5}),
@@ -83,8 +92,19 @@ async def play(url: str) -> list[tuple[int, Any]]:
 
 
 def ours(port: int, data: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "api.select_service", "--port", str(port), "--data-dir", str(data),
-            "--no-use-kv-events", "--log-level", "warning", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "kvrouter.api.select_service",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data),
+        "--no-use-kv-events",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
 
 
 def theirs(port: int, *extra: str) -> list[str]:
@@ -119,8 +139,14 @@ async def test_index_recovery_both_ways(tmp_path: Path) -> None:
             await http.post("/select_and_reserve", json={**M, "token_ids": TOKENS})
             dump = (await http.get("/dump")).json()
         assert len(dump["m:default"]["events"]) == 1
-        processes.append(await start_process(theirs(second, "--indexer-peers", f"http://127.0.0.1:{first}"), second,
-                                       tmp_path / "b.log", {"DYN_USE_KV_EVENTS": "false"}))
+        processes.append(
+            await start_process(
+                theirs(second, "--indexer-peers", f"http://127.0.0.1:{first}"),
+                second,
+                tmp_path / "b.log",
+                {"DYN_USE_KV_EVENTS": "false"},
+            )
+        )
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{second}", timeout=10) as http:
             await http.post("/workers", json=worker)
             with trio.fail_after(10):
@@ -129,8 +155,11 @@ async def test_index_recovery_both_ways(tmp_path: Path) -> None:
                     if scores["workers"][0]["device_blocks"] == 10:
                         break
                     await trio.sleep(0.1)
-        processes.append(await start_process(ours(third, tmp_path / "c", "--indexer-peers", f"http://127.0.0.1:{second}"),
-                                       third, tmp_path / "c.log"))
+        processes.append(
+            await start_process(
+                ours(third, tmp_path / "c", "--indexer-peers", f"http://127.0.0.1:{second}"), third, tmp_path / "c.log"
+            )
+        )
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{third}", timeout=10) as http:
             await http.post("/workers", json=worker)
             scores = (await http.post("/overlap_scores", json={**M, "token_ids": TOKENS})).json()
@@ -145,16 +174,33 @@ async def test_replica_sync_with_the_reference_selection_service(tmp_path: Path)
     """Bookings on a 1.6.1 selector show up in a kvrouter selector's loads and back."""
     ours_http, ours_sync, ref_http, ref_sync = free_port(), free_port(), free_port(), free_port()
     processes = [
-        await start_process(ours(ours_http, tmp_path / "a", "--replica-sync-port", str(ours_sync),
-                                 "--replica-sync-peers", f"tcp://127.0.0.1:{ref_sync}"), ours_http, tmp_path / "a.log"),
-        await start_process(theirs(ref_http, "--replica-sync-port", str(ref_sync), "--replica-sync-peers",
-                                   f"tcp://127.0.0.1:{ours_sync}"), ref_http, tmp_path / "ref.log",
-                            {"DYN_USE_KV_EVENTS": "false"}),
+        await start_process(
+            ours(
+                ours_http,
+                tmp_path / "a",
+                "--replica-sync-port",
+                str(ours_sync),
+                "--replica-sync-peers",
+                f"tcp://127.0.0.1:{ref_sync}",
+            ),
+            ours_http,
+            tmp_path / "a.log",
+        ),
+        await start_process(
+            theirs(
+                ref_http, "--replica-sync-port", str(ref_sync), "--replica-sync-peers", f"tcp://127.0.0.1:{ours_sync}"
+            ),
+            ref_http,
+            tmp_path / "ref.log",
+            {"DYN_USE_KV_EVENTS": "false"},
+        ),
     ]
     worker = {"worker_id": 7, "model_name": "m", "endpoint": "http://w7", "block_size": 4}
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ours_http}", timeout=10) as mine, \
-                httpx.AsyncClient(base_url=f"http://127.0.0.1:{ref_http}", timeout=10) as ref:
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{ours_http}", timeout=10) as mine,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{ref_http}", timeout=10) as ref,
+        ):
             for http in (mine, ref):
                 assert (await http.post("/workers", json=worker)).status_code == 201
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 
 
 @attrs.frozen

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import attrs
 
-from actors.core.catalog import WorkerRecord
-from actors.core.kv_wire import KvBatch
-from actors.core.router_config import RouterConfig
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.kv_wire import KvBatch
+from kvrouter.actors.core.router_config import RouterConfig
 
 
 @attrs.frozen
@@ -190,9 +190,21 @@ class AddOutputBlock:
 
 
 Command = (
-    RegisterWorker | UnregisterWorker | AddRequest | CompletePrefill | FreeRequest | ExpireStale
-    | UpsertWorker | RemoveWorker | IngestKvBatch | ResetKvStream | SelectWorker | Reserve | ReserveSelection
-    | AddOutputBlock | RecoverKv
+    RegisterWorker
+    | UnregisterWorker
+    | AddRequest
+    | CompletePrefill
+    | FreeRequest
+    | ExpireStale
+    | UpsertWorker
+    | RemoveWorker
+    | IngestKvBatch
+    | ResetKvStream
+    | SelectWorker
+    | Reserve
+    | ReserveSelection
+    | AddOutputBlock
+    | RecoverKv
 )
 
 # Commands that may bring a scope into existence; every other command to a missing scope is

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from functools import singledispatch
 
-from actors.core import selection_rules
-from actors.core.commands import (
+from kvrouter.actors.core import selection_rules
+from kvrouter.actors.core.commands import (
     AddRequest,
     Command,
     CompletePrefill,
@@ -18,8 +18,8 @@ from actors.core.commands import (
     RegisterWorker,
     UnregisterWorker,
 )
-from actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
-from actors.core.events import (
+from kvrouter.actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
+from kvrouter.actors.core.events import (
     ApproxBlocksExpired,
     Event,
     PrefillCompleted,
@@ -29,8 +29,8 @@ from actors.core.events import (
     WorkerRegistered,
     WorkerUnregistered,
 )
-from actors.core.ids import U32_MAX, U64_MASK, WorkerRank
-from actors.core.state import ScopeState
+from kvrouter.actors.core.ids import U32_MAX, U64_MASK, WorkerRank
+from kvrouter.actors.core.state import ScopeState
 
 MAX_DP_SIZE = 4096  # the reference's cap on one registration's DP range
 
@@ -62,9 +62,7 @@ def _register(command: RegisterWorker, state: ScopeState) -> Decision:
     if command.dp_size > MAX_DP_SIZE:
         return Rejected(Reason.INVALID, f"dp_size {command.dp_size} exceeds the maximum {MAX_DP_SIZE}")
     if command.dp_start + command.dp_size > U32_MAX:
-        return Rejected(
-            Reason.INVALID, f"dp range overflows u32: start={command.dp_start} size={command.dp_size}"
-        )
+        return Rejected(Reason.INVALID, f"dp range overflows u32: start={command.dp_start} size={command.dp_size}")
     if state.exists and state.block_size != command.block_size:
         return Rejected(
             Reason.CONFLICT,
@@ -72,9 +70,7 @@ def _register(command: RegisterWorker, state: ScopeState) -> Decision:
             f"existing={state.block_size}, requested={command.block_size}",
         )
     if command.worker_id in state.workers:
-        return Rejected(
-            Reason.CONFLICT, f"worker {command.worker_id} already registered for {state.scope.describe()}"
-        )
+        return Rejected(Reason.CONFLICT, f"worker {command.worker_id} already registered for {state.scope.describe()}")
     event = WorkerRegistered(command.worker_id, command.block_size, command.dp_start, command.dp_size)
     return Accepted((event,), created=True)
 
@@ -104,8 +100,10 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
         )
     if state.ranks[rank].prefill_tokens + command.isl_tokens > U64_MASK:
         # The reference wraps and then panics on this rank; kvrouter refuses the request instead.
-        return Rejected(Reason.INVALID, f"new_isl_tokens {command.isl_tokens} would overflow the prefill load of "
-                        f"{describe_rank(rank)}")
+        return Rejected(
+            Reason.INVALID,
+            f"new_isl_tokens {command.isl_tokens} would overflow the prefill load of {describe_rank(rank)}",
+        )
     event = RequestAdded(
         command.request_id,
         command.worker_id,

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from actors.core.events import Event
+from kvrouter.actors.core.events import Event
 
 
 class Reason(enum.Enum):

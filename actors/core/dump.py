@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.core.commands import RecoveredRun
-from actors.core.ids import ScopeKey, to_u64
-from actors.core.kv_index import Tier
-from actors.core.state import ScopeState
+from kvrouter.actors.core.commands import RecoveredRun
+from kvrouter.actors.core.ids import ScopeKey, to_u64
+from kvrouter.actors.core.kv_index import Tier
+from kvrouter.actors.core.state import ScopeState
 
 TIERS_BY_LABEL = {tier.label: tier for tier in Tier}
 
@@ -28,16 +28,18 @@ def dump_scope(state: ScopeState) -> dict[str, Any]:
     events = []
     for event_id, run in enumerate(state.index.dump_events()):
         blocks = [{"block_hash": ext, "tokens_hash": local, "mm_extra_info": None} for ext, local in run.blocks]
-        events.append({
-            "worker_id": run.rank.worker_id,
-            "storage_tier": run.tier.label,
-            "residency_domain": "worker",
-            "event": {
-                "event_id": event_id,
-                "data": {"stored": {"parent_hash": run.parent_hash, "start_position": None, "blocks": blocks}},
-                "dp_rank": run.rank.dp_rank,
-            },
-        })
+        events.append(
+            {
+                "worker_id": run.rank.worker_id,
+                "storage_tier": run.tier.label,
+                "residency_domain": "worker",
+                "event": {
+                    "event_id": event_id,
+                    "data": {"stored": {"parent_hash": run.parent_hash, "start_position": None, "blocks": blocks}},
+                    "dp_rank": run.rank.dp_rank,
+                },
+            }
+        )
     return {"block_size": state.block_size, "events": events}
 
 
@@ -67,10 +69,15 @@ def parse_dump(document: Any) -> dict[ScopeKey, tuple[int | None, list[Recovered
                 tier = TIERS_BY_LABEL.get(router_event.get("storage_tier", "device"), Tier.DEVICE)
                 parent = stored.get("parent_hash")
                 blocks = tuple((to_u64(b["block_hash"]), to_u64(b["tokens_hash"])) for b in stored["blocks"])
-                runs.append(RecoveredRun(
-                    int(router_event["worker_id"]), int(event.get("dp_rank") or 0), int(tier),
-                    None if parent is None else to_u64(parent), blocks,
-                ))
+                runs.append(
+                    RecoveredRun(
+                        int(router_event["worker_id"]),
+                        int(event.get("dp_rank") or 0),
+                        int(tier),
+                        None if parent is None else to_u64(parent),
+                        blocks,
+                    )
+                )
             except (KeyError, TypeError, ValueError) as exc:
                 raise DumpError(f"malformed event in {name!r}: {exc!r}") from None
         scopes[scope_key(name)] = (section.get("block_size"), runs)

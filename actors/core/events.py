@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import attrs
 
-from actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.catalog import WorkerRecord
 
 
 @attrs.frozen
@@ -132,8 +132,18 @@ class OutputBlockAdded:
 
 
 Event = (
-    WorkerRegistered | WorkerUnregistered | RequestAdded | PrefillCompleted | RequestFreed | RequestsExpired
-    | WorkerUpserted | WorkerRemoved | KvIndexed | KvStreamReset | OutputBlockAdded | ApproxBlocksBooked
+    WorkerRegistered
+    | WorkerUnregistered
+    | RequestAdded
+    | PrefillCompleted
+    | RequestFreed
+    | RequestsExpired
+    | WorkerUpserted
+    | WorkerRemoved
+    | KvIndexed
+    | KvStreamReset
+    | OutputBlockAdded
+    | ApproxBlocksBooked
     | ApproxBlocksExpired
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import singledispatch
 
-from actors.core.events import (
+from kvrouter.actors.core.events import (
     ApproxBlocksBooked,
     ApproxBlocksExpired,
     Event,
@@ -28,9 +28,9 @@ from actors.core.events import (
     WorkerUnregistered,
     WorkerUpserted,
 )
-from actors.core.ids import WorkerRank
-from actors.core.kv_index import Tier
-from actors.core.state import ActiveRequest, RankState, ScopeState, admit
+from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.kv_index import Tier
+from kvrouter.actors.core.state import ActiveRequest, RankState, ScopeState, admit
 
 
 def evolve(state: ScopeState, event: Event) -> ScopeState:

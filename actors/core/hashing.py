@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from xxhash import xxh3_64_intdigest
 
-from actors.core.ids import U64_MASK
+from kvrouter.actors.core.ids import U64_MASK
 
 SEED = 1337
 _PAIR = struct.Struct("<QQ")

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from actors.core.state import ScopeState
-from actors.core.trie import PrefixTrie
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.core.trie import PrefixTrie
 
 
 def check(state: ScopeState) -> list[str]:
     problems: list[str] = []
     if state.workers and state.block_size is None:
         problems.append("scope has workers but no block size")
-    expected_ranks = {
-        (w, r) for w, (start, size) in state.workers.items() for r in range(start, start + size)
-    }
+    expected_ranks = {(w, r) for w, (start, size) in state.workers.items() for r in range(start, start + size)}
     if set(state.ranks) != expected_ranks:
         problems.append("ranks do not match the registered DP ranges")
     seen = 0

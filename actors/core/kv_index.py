@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from actors.core.ids import U64_MASK, WorkerRank
+from kvrouter.actors.core.ids import U64_MASK, WorkerRank
 
 SNAPSHOT_VERSION = 1
 _NONE = -1  # "no node" in the sibling/child link arrays
@@ -344,8 +344,11 @@ class KvIndex:
             for ext, local in run.blocks:
                 flat.append(ext)
                 flat.append(local)
-            if groups and groups[-1][0] == run.rank.worker_id and groups[-1][1] == run.rank.dp_rank and (
-                groups[-1][2] == int(run.tier)
+            if (
+                groups
+                and groups[-1][0] == run.rank.worker_id
+                and groups[-1][1] == run.rank.dp_rank
+                and (groups[-1][2] == int(run.tier))
             ):
                 groups[-1][3].append(flat)
             else:

@@ -29,9 +29,9 @@ from typing import Any
 import attrs
 import msgpack
 
-from actors.core.hashing import block_hashes as compute_block_hashes
-from actors.core.ids import U32_MAX, U64_MASK
-from actors.core.kv_index import Tier
+from kvrouter.actors.core.hashing import block_hashes as compute_block_hashes
+from kvrouter.actors.core.ids import U32_MAX, U64_MASK
+from kvrouter.actors.core.kv_index import Tier
 
 __all__ = [
     "AllBlocksCleared",
@@ -418,8 +418,14 @@ def _encode_event(event: Any, as_map: bool, signed: bool) -> Any:
         medium = _TIER_MEDIUM[event.tier]
         if not as_map:
             return [
-                "BlockStored", h(event.block_hashes), parent, list(event.token_ids), event.block_size,
-                event.lora_id, medium, event.lora_name,
+                "BlockStored",
+                h(event.block_hashes),
+                parent,
+                list(event.token_ids),
+                event.block_size,
+                event.lora_id,
+                medium,
+                event.lora_name,
             ]
         out: dict[str, Any] = {
             "type": "BlockStored",

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from actors.core.ids import U64_MASK, WorkerRank
-from actors.core.state import ScopeState
+from kvrouter.actors.core.ids import U64_MASK, WorkerRank
+from kvrouter.actors.core.state import ScopeState
 
 
 @attrs.frozen
@@ -31,10 +31,7 @@ class PotentialLoad:
 
 def loads(state: ScopeState) -> list[RankLoad]:
     """Every registered rank, idle ones included, sorted by (worker_id, dp_rank)."""
-    return [
-        RankLoad(rank, r.prefill_tokens, r.trie.size, len(r.requests))
-        for rank, r in sorted(state.ranks.items())
-    ]
+    return [RankLoad(rank, r.prefill_tokens, r.trie.size, len(r.requests)) for rank, r in sorted(state.ranks.items())]
 
 
 def potential_loads(state: ScopeState, sequence_hashes: Sequence[int], isl_tokens: int) -> list[PotentialLoad]:

@@ -14,8 +14,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.core.router_config import RouterConfig
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.router_config import RouterConfig
 
 
 @attrs.frozen

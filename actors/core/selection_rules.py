@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from actors.core.catalog import WorkerRecord, not_schedulable_reasons
-from actors.core.commands import (
+from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
+from kvrouter.actors.core.commands import (
     AddOutputBlock,
     IngestKvBatch,
     Prompt,
@@ -23,8 +23,8 @@ from actors.core.commands import (
     SelectWorker,
     UpsertWorker,
 )
-from actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
-from actors.core.events import (
+from kvrouter.actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
+from kvrouter.actors.core.events import (
     ApproxBlocksBooked,
     KvClearedOp,
     KvIndexed,
@@ -37,11 +37,11 @@ from actors.core.events import (
     WorkerRemoved,
     WorkerUpserted,
 )
-from actors.core.hashing import block_hashes as hash_blocks
-from actors.core.hashing import sequence_hashes as chain_hashes
-from actors.core.ids import WorkerRank
-from actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
-from actors.core.selection import (
+from kvrouter.actors.core.hashing import block_hashes as hash_blocks
+from kvrouter.actors.core.hashing import sequence_hashes as chain_hashes
+from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
+from kvrouter.actors.core.selection import (
     NO_OVERLAP,
     RankCandidate,
     Refusal,
@@ -55,7 +55,7 @@ from actors.core.selection import (
     pick,
     reported_decode_blocks,
 )
-from actors.core.state import ScopeState
+from kvrouter.actors.core.state import ScopeState
 
 REFUSAL_REASON = {Refusal.INVALID: Reason.INVALID, Refusal.UNAVAILABLE: Reason.UNAVAILABLE}
 
@@ -210,7 +210,9 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     options = command.options
     pinned = WorkerRank(*options.pinned_worker) if options.pinned_worker is not None else None
     kept = eligible(
-        candidates, allowed_worker_ids=options.allowed_worker_ids, required_taints=options.required_taints,
+        candidates,
+        allowed_worker_ids=options.allowed_worker_ids,
+        required_taints=options.required_taints,
         pinned=pinned,
     )
     if not isinstance(kept, list):
@@ -221,13 +223,24 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     memo: dict[tuple[object, ...], float] = {}
     costs = []
     for c in kept:
-        key = (c.overlap, c.active_prefill_tokens, c.active_decode_blocks, c.active_requests,
-               c.prompt_overlap_depth, c.taints)
+        key = (
+            c.overlap,
+            c.active_prefill_tokens,
+            c.active_decode_blocks,
+            c.active_requests,
+            c.prompt_overlap_depth,
+            c.taints,
+        )
         value = memo.get(key)
         if value is None:
             value = memo[key] = cost(
-                c, isl=prompt.isl_tokens, num_seq_hashes=len(prompt.sequence_hashes), block_size=block_size,
-                config=config, min_active_prefill=min_prefill, preferred_taints=preferred,
+                c,
+                isl=prompt.isl_tokens,
+                num_seq_hashes=len(prompt.sequence_hashes),
+                block_size=block_size,
+                config=config,
+                min_active_prefill=min_prefill,
+                preferred_taints=preferred,
             )
         costs.append((c.rank, value))
     chosen_rank = pick(costs, temperature=config.router_temperature, draw=command.draw)
@@ -248,8 +261,11 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         overlap=overlap_summary(per_rank, block_size),
         effective_prefill_tokens=effective,
         potential_decode_blocks=reported_decode_blocks(
-            chosen.active_decode_blocks, num_seq_hashes=len(prompt.sequence_hashes), isl=prompt.isl_tokens,
-            block_size=block_size, prompt_overlap_depth=chosen.prompt_overlap_depth,
+            chosen.active_decode_blocks,
+            num_seq_hashes=len(prompt.sequence_hashes),
+            isl=prompt.isl_tokens,
+            block_size=block_size,
+            prompt_overlap_depth=chosen.prompt_overlap_depth,
         ),
         sequence_hashes=prompt.sequence_hashes,
         isl_tokens=prompt.isl_tokens,
@@ -264,11 +280,23 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     if reservation_id in state.requests:
         return already_reserved(reservation_id)
     event = RequestAdded(
-        reservation_id, chosen_rank.worker_id, chosen_rank.dp_rank, prompt.sequence_hashes,
-        effective if track else 0, command.at,
+        reservation_id,
+        chosen_rank.worker_id,
+        chosen_rank.dp_rank,
+        prompt.sequence_hashes,
+        effective if track else 0,
+        command.at,
     )
-    return Accepted((event, *approx_booking(chosen_rank, prompt.sequence_hashes, prompt.local_hashes,
-                                            selection.approx_ttl_ns, command.at)), created=True, reply=selection)
+    return Accepted(
+        (
+            event,
+            *approx_booking(
+                chosen_rank, prompt.sequence_hashes, prompt.local_hashes, selection.approx_ttl_ns, command.at
+            ),
+        ),
+        created=True,
+        reply=selection,
+    )
 
 
 def approx_booking(

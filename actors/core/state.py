@@ -13,10 +13,10 @@ from typing import Any
 
 import attrs
 
-from actors.core.catalog import WorkerRecord
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.core.kv_index import KvIndex
-from actors.core.trie import PrefixTrie
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.kv_index import KvIndex
+from kvrouter.actors.core.trie import PrefixTrie
 
 
 @attrs.frozen
@@ -51,8 +51,16 @@ class RankState:
 
 class ScopeState:
     __slots__ = (
-        "approx_expiry", "block_size", "catalog", "index", "kv_watermarks", "ranks", "requests", "schedulable_cache",
-        "scope", "workers",
+        "approx_expiry",
+        "block_size",
+        "catalog",
+        "index",
+        "kv_watermarks",
+        "ranks",
+        "requests",
+        "schedulable_cache",
+        "scope",
+        "workers",
     )
 
     def __init__(self, scope: ScopeKey) -> None:
@@ -99,15 +107,18 @@ class ScopeState:
             "fractions": [
                 [rank_key.worker_id, rank_key.dp_rank, entries]
                 for rank_key, rank in self.ranks.items()
-                if (entries := rank.trie.fraction_entries(
-                    (request_id, request.sequence_hashes) for request_id, request in rank.requests.items()
-                ))
+                if (
+                    entries := rank.trie.fraction_entries(
+                        (request_id, request.sequence_hashes) for request_id, request in rank.requests.items()
+                    )
+                )
             ],
             "catalog": [record.to_plain() for record in self.catalog.values()],
             "index": self.index.to_snapshot(),
             "kv_watermarks": [[r.worker_id, r.dp_rank, seq] for r, seq in self.kv_watermarks.items()],
-            "approx_expiry": [[r.worker_id, r.dp_rank, list(map(list, expiry.items()))]
-                              for r, expiry in self.approx_expiry.items()],
+            "approx_expiry": [
+                [r.worker_id, r.dp_rank, list(map(list, expiry.items()))] for r, expiry in self.approx_expiry.items()
+            ],
         }
 
     @classmethod

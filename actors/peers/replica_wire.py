@@ -25,7 +25,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import msgpack
 
-from actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 
 TOPIC: Final = b"dynamo.slot-tracker.v1"
 
@@ -134,7 +134,9 @@ def _encode_data(data: EventData) -> Any:
             "token_sequence": None if data.token_sequence is None else list(data.token_sequence),
             "track_prefill_tokens": data.track_prefill_tokens,
             "expected_output_tokens": data.expected_output_tokens,
-            "prefill_load_hint": None if hint is None else {
+            "prefill_load_hint": None
+            if hint is None
+            else {
                 "initial_effective_prefill_tokens": hint.initial_effective_prefill_tokens,
                 "expected_prefill_duration": _encode_duration(hint.expected_prefill_duration_ns),
             },

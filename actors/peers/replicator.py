@@ -29,8 +29,8 @@ import attrs
 import trio
 import zmq
 
-from actors.core.commands import AddRequest, Command, CompletePrefill, FreeRequest, SelectWorker
-from actors.core.events import (
+from kvrouter.actors.core.commands import AddRequest, Command, CompletePrefill, FreeRequest, SelectWorker
+from kvrouter.actors.core.events import (
     Event,
     PrefillCompleted,
     RequestAdded,
@@ -40,9 +40,9 @@ from actors.core.events import (
     WorkerUnregistered,
     WorkerUpserted,
 )
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.core.state import ScopeState
-from actors.peers.replica_wire import (
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.peers.replica_wire import (
     TOPIC,
     AddRequestData,
     EventData,
@@ -54,8 +54,8 @@ from actors.peers.replica_wire import (
     decode,
     encode,
 )
-from actors.peers.zmq_socket import TrioZmqSocket, open_socket
-from actors.system import ActorSystem
+from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.actors.system import ActorSystem
 
 log = logging.getLogger("kvrouter.replica")
 
@@ -218,8 +218,7 @@ class Replicator:
                     self._seed_requests()
                     self._system.observers.append(self._observe)
                     nursery.start_soon(self._drain, pub)
-                    log.info("replica sync on %s (router_id %d), peers %s", self.endpoint, self.router_id,
-                             self.peers())
+                    log.info("replica sync on %s (router_id %d), peers %s", self.endpoint, self.router_id, self.peers())
                     task_status.started(endpoint)
             finally:
                 self._nursery = None
@@ -413,8 +412,13 @@ class Replicator:
         data = event.data
         if isinstance(data, AddRequestData):
             return AddRequest(
-                event.request_id, event.worker_id, event.dp_rank, data.token_sequence or (), data.prefill_tokens,
-                at=at, remote=True,
+                event.request_id,
+                event.worker_id,
+                event.dp_rank,
+                data.token_sequence or (),
+                data.prefill_tokens,
+                at=at,
+                remote=True,
             )
         if isinstance(data, MarkPrefillCompleted):
             return CompletePrefill(event.request_id, at=at, remote=True)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import trio
 
-from actors.core.commands import AddRequest, FreeRequest, RegisterWorker
-from actors.core.ids import ScopeKey
-from actors.ports import WallClock
-from actors.system import ActorSystem
-from journal.file import FileJournal
-from journal.recovery import recover
-from journal.store import Durability
-from simulations.checkers import states_digest
+from kvrouter.actors.core.commands import AddRequest, FreeRequest, RegisterWorker
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.ports import WallClock
+from kvrouter.actors.system import ActorSystem
+from kvrouter.journal.file import FileJournal
+from kvrouter.journal.recovery import recover
+from kvrouter.journal.store import Durability
+from kvrouter.simulations.checkers import states_digest
 
 SCOPE = ScopeKey("m", "default")
 

@@ -7,14 +7,14 @@ import pytest
 import trio
 import trio.testing
 
-from actors.core.commands import AddRequest, FreeRequest, RegisterWorker, UnregisterWorker
-from actors.core.decisions import Accepted, Rejected
-from actors.core.ids import ScopeKey
-from actors.core.queries import loads
-from actors.mailbox import ENQUEUE_TIMEOUT, MAILBOX_SIZE, Overloaded
-from actors.ports import TrioClock
-from actors.system import ActorSystem
-from journal.memory import MemoryJournal
+from kvrouter.actors.core.commands import AddRequest, FreeRequest, RegisterWorker, UnregisterWorker
+from kvrouter.actors.core.decisions import Accepted, Rejected
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.queries import loads
+from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, MAILBOX_SIZE, Overloaded
+from kvrouter.actors.ports import TrioClock
+from kvrouter.actors.system import ActorSystem
+from kvrouter.journal.memory import MemoryJournal
 
 SCOPE = ScopeKey("m", "default")
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import httpx
 import trio
 
-from api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
-from journal.store import Durability
+from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
+from kvrouter.journal.store import Durability
 from tests.support.kv_publisher import free_tcp_port
 
 
 async def start_replica(nursery: trio.Nursery, data: Path, port: int, peers: tuple[str, ...]) -> ServiceHandle:
-    options = ServiceOptions(port=0, data_dir=data, durability=Durability.ALWAYS, replica_sync_port=port,
-                             replica_sync_peers=peers)
+    options = ServiceOptions(
+        port=0, data_dir=data, durability=Durability.ALWAYS, replica_sync_port=port, replica_sync_peers=peers
+    )
     handle: ServiceHandle = await nursery.start(run_service, "slot tracker", options, slot_tracker_app)
     return handle
 
@@ -53,16 +54,27 @@ async def test_two_slot_tracker_replicas_share_admissions(nursery: trio.Nursery,
             return (await http.get("/loads")).json()[0]["active_decode_blocks"]
 
         def stats() -> str:
-            return repr([(o.__self__.endpoint, o.__self__.peers(), o.__self__.stats.as_dict())  # type: ignore[attr-defined]
-                         for h in (a, b) for o in h.system.observers])
+            return repr(
+                [
+                    (o.__self__.endpoint, o.__self__.peers(), o.__self__.stats.as_dict())  # type: ignore[attr-defined]
+                    for h in (a, b)
+                    for o in h.system.observers
+                ]
+            )
 
         # ZMQ subscriptions join asynchronously: repeat a probe admission until the peer hears it.
         with trio.move_on_after(10) as waited:
             n = 0
             while await blocks(http_b) == 0:
                 n += 1
-                body = {"model_name": "m", "request_id": f"probe-{n}", "worker_id": 1, "dp_rank": 0,
-                        "sequence_hashes": [n], "new_isl_tokens": 3}
+                body = {
+                    "model_name": "m",
+                    "request_id": f"probe-{n}",
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": [n],
+                    "new_isl_tokens": 3,
+                }
                 await http_a.post("/add", json=body)
                 await trio.sleep(0.05)
             for i in range(1, n + 1):
@@ -73,8 +85,14 @@ async def test_two_slot_tracker_replicas_share_admissions(nursery: trio.Nursery,
             n = 0
             while await blocks(http_a) == 0:
                 n += 1
-                body = {"model_name": "m", "request_id": f"from-b-{n}", "worker_id": 1, "dp_rank": 0,
-                        "sequence_hashes": [1, 2, 3], "new_isl_tokens": 7}
+                body = {
+                    "model_name": "m",
+                    "request_id": f"from-b-{n}",
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": [1, 2, 3],
+                    "new_isl_tokens": 7,
+                }
                 await http_b.post("/add", json=body)
                 await trio.sleep(0.05)
         assert not waited.cancelled_caught, stats()
@@ -87,8 +105,11 @@ async def test_two_slot_tracker_replicas_share_admissions(nursery: trio.Nursery,
 
 def test_peers_without_a_port_is_a_cli_error() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "api.slot_tracker", "--replica-sync-peers", "tcp://127.0.0.1:1"],
-        capture_output=True, text=True, timeout=30, check=False,
+        [sys.executable, "-m", "kvrouter.api.slot_tracker", "--replica-sync-peers", "tcp://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert result.returncode == 2
     assert "--replica-sync-peers requires --replica-sync-port" in result.stderr

@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import trio
 
-from actors.core.hashing import block_hashes, sequence_hashes
-from actors.core.ids import to_i64
-from actors.core.kv_wire import encode_batch
+from kvrouter.actors.core.hashing import block_hashes, sequence_hashes
+from kvrouter.actors.core.ids import to_i64
+from kvrouter.actors.core.kv_wire import encode_batch
 from tests.support.kv_publisher import open_kv_publisher
 
 BLOCK = 4
@@ -25,8 +25,15 @@ async def wait_for(predicate) -> None:
 
 
 def worker(worker_id: int, endpoint: str, replay: str | None = None, **extra: object) -> dict:
-    return {"worker_id": worker_id, "model_name": "m", "endpoint": f"http://w{worker_id}", "block_size": BLOCK,
-            "kv_events_endpoint": endpoint, "replay_endpoint": replay, **extra}
+    return {
+        "worker_id": worker_id,
+        "model_name": "m",
+        "endpoint": f"http://w{worker_id}",
+        "block_size": BLOCK,
+        "kv_events_endpoint": endpoint,
+        "replay_endpoint": replay,
+        **extra,
+    }
 
 
 async def test_catalog_lifecycle_and_readiness(selector: httpx.AsyncClient) -> None:
@@ -35,10 +42,13 @@ async def test_catalog_lifecycle_and_readiness(selector: httpx.AsyncClient) -> N
     assert incomplete.status_code == 201
     assert incomplete.json()["lifecycle"] == "incomplete"
     assert incomplete.json()["not_schedulable_reasons"] == [
-        "endpoint is required", "block_size must be greater than 0", "kv_events endpoint is required for dp_rank 0"
+        "endpoint is required",
+        "block_size must be greater than 0",
+        "kv_events endpoint is required for dp_rank 0",
     ]
-    patched = await selector.patch("/workers/1", json={"endpoint": "http://w1", "block_size": BLOCK,
-                                                       "kv_events_endpoint": "tcp://127.0.0.1:1"})
+    patched = await selector.patch(
+        "/workers/1", json={"endpoint": "http://w1", "block_size": BLOCK, "kv_events_endpoint": "tcp://127.0.0.1:1"}
+    )
     assert patched.status_code == 200 and patched.json()["lifecycle"] == "schedulable"
     ready = await selector.get("/ready")
     assert ready.status_code == 200 and ready.json()["schedulable_workers"] == 1
@@ -71,9 +81,15 @@ async def test_kv_events_steer_selection(selector: httpx.AsyncClient) -> None:
         assert choice["overlap"] == {"longest_matched": 12, "gpu": 12, "dp": {"0": 12}, "cpu": 12, "disk": 12}
         assert choice["effective_prefill_tokens"] == 4
         # The precomputed-hash path reaches the same index.
-        by_hash = await selector.post("/select", json={
-            "model_name": "m", "block_hashes": [to_i64(h) for h in local],
-            "sequence_hashes": [to_i64(h) for h in sequence_hashes(local)], "isl_tokens": 16})
+        by_hash = await selector.post(
+            "/select",
+            json={
+                "model_name": "m",
+                "block_hashes": [to_i64(h) for h in local],
+                "sequence_hashes": [to_i64(h) for h in sequence_hashes(local)],
+                "isl_tokens": 16,
+            },
+        )
         assert by_hash.json()["worker_id"] == 1
         workers = (await selector.get("/workers")).json()
         listener = workers[0]["kv_listeners"]["0"]
@@ -89,8 +105,7 @@ async def test_select_and_reserve_books_and_lifecycle(selector: httpx.AsyncClien
     booked = await selector.post("/select_and_reserve", json={**prompt, "reservation_id": "r1"})
     assert booked.status_code == 200 and booked.json()["reservation_id"] == "r1"
     loads = (await selector.get("/loads")).json()[0]["loads"][0]
-    assert (loads["active_requests"], loads["potential_prefill_tokens"], loads["potential_decode_blocks"]) == (
-        1, 17, 4)
+    assert (loads["active_requests"], loads["potential_prefill_tokens"], loads["potential_decode_blocks"]) == (1, 17, 4)
     duplicate = await selector.post("/select_and_reserve", json={**prompt, "reservation_id": "r1"})
     assert duplicate.status_code == 409
     assert (await selector.post("/reservations/r1/output_block", json={"decay_fraction": 1.5})).status_code == 400
@@ -112,8 +127,15 @@ async def test_select_then_reserve_flows(selector: httpx.AsyncClient) -> None:
     assert replay.status_code == 201 and replay.json()["worker_id"] == selected["worker_id"]
     again = await selector.post("/reservations", json={"model_name": "m", "selection_id": "s1"})
     assert again.status_code == 404 and "no pending selection s1" in again.json()["error"]
-    explicit = {"model_name": "m", "reservation_id": "e1", "worker_id": 1, "dp_rank": 0,
-                "sequence_hashes": [21, 22], "isl_tokens": 8, "effective_prefill_tokens": 3}
+    explicit = {
+        "model_name": "m",
+        "reservation_id": "e1",
+        "worker_id": 1,
+        "dp_rank": 0,
+        "sequence_hashes": [21, 22],
+        "isl_tokens": 8,
+        "effective_prefill_tokens": 3,
+    }
     assert (await selector.post("/reservations", json=explicit)).status_code == 201
     assert (await selector.post("/reservations", json=explicit)).status_code == 409
     too_much = {**explicit, "reservation_id": "e2", "effective_prefill_tokens": 9}
@@ -129,28 +151,36 @@ async def test_selection_errors(selector: httpx.AsyncClient) -> None:
     await selector.post("/workers", json=worker(1, "tcp://127.0.0.1:1"))
     other = await selector.post("/select", json={"model_name": "nope", "token_ids": [1]})
     assert (other.status_code, other.json()) == (
-        503, {"error": "no schedulable workers for model=nope tenant_id=default"})
+        503,
+        {"error": "no schedulable workers for model=nope tenant_id=default"},
+    )
     for body, message in [
         ({"model_name": "m", "sequence_hashes": [1], "isl_tokens": 4}, "block_hashes is required without token_ids"),
-        ({"model_name": "m", "block_hashes": [1], "sequence_hashes": [1], "isl_tokens": 0},
-         "isl_tokens must be greater than 0"),
-        ({"model_name": "m", "block_hashes": [1, 2], "sequence_hashes": [1], "isl_tokens": 4},
-         "block_hashes length 2 must match sequence_hashes length 1"),
+        (
+            {"model_name": "m", "block_hashes": [1], "sequence_hashes": [1], "isl_tokens": 0},
+            "isl_tokens must be greater than 0",
+        ),
+        (
+            {"model_name": "m", "block_hashes": [1, 2], "sequence_hashes": [1], "isl_tokens": 4},
+            "block_hashes length 2 must match sequence_hashes length 1",
+        ),
     ]:
         response = await selector.post("/select", json=body)
         assert (response.status_code, response.json()) == (400, {"error": message})
-    override = await selector.post("/select", json={"model_name": "m", "token_ids": [1],
-                                                     "router_config_override": {"overlap_score_credit": -1}})
+    override = await selector.post(
+        "/select", json={"model_name": "m", "token_ids": [1], "router_config_override": {"overlap_score_credit": -1}}
+    )
     assert override.status_code == 422
-    filtered = await selector.post("/select", json={"model_name": "m", "token_ids": [1],
-                                                     "routing_constraints": {"required_taints": ["gpu-a100"]}})
+    filtered = await selector.post(
+        "/select", json={"model_name": "m", "token_ids": [1], "routing_constraints": {"required_taints": ["gpu-a100"]}}
+    )
     assert filtered.status_code == 503
 
 
 async def test_approximate_mode_counts_bookings_as_cached(nursery: trio.Nursery, tmp_path) -> None:
     """DYN_USE_KV_EVENTS=false (edge cases 31 and 49): workers need no ZMQ endpoint, and a booked
     prompt counts as cached on its rank for a later prompt sharing its first blocks."""
-    from actors.core.router_config import RouterConfig
+    from kvrouter.actors.core.router_config import RouterConfig
     from tests.conftest import start_select_service
 
     handle = await start_select_service(nursery, tmp_path / "data", RouterConfig(use_kv_events=False))

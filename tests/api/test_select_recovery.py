@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 import trio
 
-from actors.core.kv_wire import encode_batch
-from actors.core.router_config import RouterConfig
-from api.main import ServiceHandle, ServiceOptions, run_service
-from api.select_routes import SELECTION_BODY_LIMIT
-from api.select_service import builder
-from journal.store import Durability
+from kvrouter.actors.core.kv_wire import encode_batch
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service
+from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.select_service import builder
+from kvrouter.journal.store import Durability
 from tests.conftest import start_select_service
 from tests.support.kv_publisher import open_kv_publisher
 
@@ -51,8 +51,14 @@ async def wait_blocks(url: str, expected: int) -> None:
 async def test_restart_recovers_state_and_fills_the_stream_gap(tmp_path: Path) -> None:
     data = tmp_path / "data"
     async with open_kv_publisher() as publisher:
-        worker = {"worker_id": 5, "model_name": "m", "endpoint": "http://w5", "block_size": BLOCK,
-                  "kv_events_endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+        worker = {
+            "worker_id": 5,
+            "model_name": "m",
+            "endpoint": "http://w5",
+            "block_size": BLOCK,
+            "kv_events_endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+        }
         async with trio.open_nursery() as nursery:
             handle = await start_select_service(nursery, data)
             url = handle.urls[0]
@@ -88,8 +94,14 @@ async def test_indexer_peer_dump_seeds_a_new_replica(tmp_path: Path) -> None:
     async with open_kv_publisher() as publisher, trio.open_nursery() as nursery:
         first = await start_select_service(nursery, tmp_path / "a")
         # With a replay endpoint, a batch published before the listener connects is caught up.
-        worker = {"worker_id": 5, "model_name": "m", "endpoint": "http://w5", "block_size": BLOCK,
-                  "kv_events_endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+        worker = {
+            "worker_id": 5,
+            "model_name": "m",
+            "endpoint": "http://w5",
+            "block_size": BLOCK,
+            "kv_events_endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+        }
         async with httpx.AsyncClient(base_url=first.urls[0], timeout=10) as http:
             await http.post("/workers", json=worker)
             publisher.publish(store([1, 2, 3, 4], TOKENS[:16]))
@@ -97,16 +109,18 @@ async def test_indexer_peer_dump_seeds_a_new_replica(tmp_path: Path) -> None:
             dump = (await http.get("/dump")).json()
         assert dump["m:default"]["block_size"] == BLOCK and len(dump["m:default"]["events"]) == 1
 
-        options = ServiceOptions(port=0, data_dir=tmp_path / "b", durability=Durability.ALWAYS, seed=1,
-                                 body_limit=SELECTION_BODY_LIMIT)
+        options = ServiceOptions(
+            port=0, data_dir=tmp_path / "b", durability=Durability.ALWAYS, seed=1, body_limit=SELECTION_BODY_LIMIT
+        )
         build = builder(RouterConfig(), [first.urls[0]])
         second: ServiceHandle = await nursery.start(run_service, "selection service", options, build)
         async with httpx.AsyncClient(base_url=second.urls[0], timeout=10) as http:
             # Same blocks; the block size is fixed later, by the partition's first schedulable worker.
             assert (await http.get("/dump")).json()["m:default"]["events"] == dump["m:default"]["events"]
             # Once the worker joins the new replica's catalog, selection sees the recovered blocks.
-            await http.post("/workers", json={**worker, "kv_events_endpoint": "tcp://127.0.0.1:1",
-                                              "replay_endpoint": None})
+            await http.post(
+                "/workers", json={**worker, "kv_events_endpoint": "tcp://127.0.0.1:1", "replay_endpoint": None}
+            )
             assert await device_blocks(second.urls[0]) == 4
         first.stop()
         second.stop()

@@ -18,8 +18,12 @@ async def register(client: httpx.AsyncClient, **overrides: object) -> httpx.Resp
 
 def add_body(request_id: str, hashes: list[int], isl: int = 0, rank: int = 0, worker: int = 7) -> dict:
     return {
-        "model_name": "llama", "request_id": request_id, "worker_id": worker, "dp_rank": rank,
-        "sequence_hashes": hashes, "new_isl_tokens": isl,
+        "model_name": "llama",
+        "request_id": request_id,
+        "worker_id": worker,
+        "dp_rank": rank,
+        "sequence_hashes": hashes,
+        "new_isl_tokens": isl,
     }
 
 
@@ -34,12 +38,20 @@ async def test_register_lists_workers_and_zero_loads(client: httpx.AsyncClient) 
     assert (response.status_code, response.json()) == (201, {"status": "ok"})
     workers = (await client.get("/workers")).json()
     assert workers == [
-        {"worker_id": 7, "model_name": "llama", "tenant_id": "default", "routing_group": "default",
-         "block_size": 16, "dp_start": 0, "dp_size": 2}
+        {
+            "worker_id": 7,
+            "model_name": "llama",
+            "tenant_id": "default",
+            "routing_group": "default",
+            "block_size": 16,
+            "dp_start": 0,
+            "dp_size": 2,
+        }
     ]
     loads = (await client.get("/loads")).json()
     assert [(r["dp_rank"], r["active_prefill_tokens"], r["active_decode_blocks"]) for r in loads] == [
-        (0, 0, 0), (1, 0, 0)
+        (0, 0, 0),
+        (1, 0, 0),
     ]
 
 
@@ -48,12 +60,21 @@ async def test_lifecycle_moves_loads(client: httpx.AsyncClient) -> None:
     assert (await post(client, "/add", add_body("r1", [101, -22, 303], isl=48))).status_code == 201
     row = (await client.get("/loads", params={"model_name": "llama"})).json()[0]
     assert (row["active_prefill_tokens"], row["active_decode_blocks"]) == (48, 3)
-    potential = (await post(client, "/potential_loads", {
-        "model_name": "llama", "sequence_hashes": [101, -22, 303, 404], "new_isl_tokens": 48
-    })).json()
+    potential = (
+        await post(
+            client,
+            "/potential_loads",
+            {"model_name": "llama", "sequence_hashes": [101, -22, 303, 404], "new_isl_tokens": 48},
+        )
+    ).json()
     by_rank = {p["dp_rank"]: p for p in potential}
-    assert by_rank[0] == {"worker_id": 7, "dp_rank": 0, "potential_prefill_tokens": 96,
-                          "potential_decode_blocks": 4, "active_requests": 1}
+    assert by_rank[0] == {
+        "worker_id": 7,
+        "dp_rank": 0,
+        "potential_prefill_tokens": 96,
+        "potential_decode_blocks": 4,
+        "active_requests": 1,
+    }
     assert by_rank[1]["potential_decode_blocks"] == 4 and by_rank[1]["potential_prefill_tokens"] == 48
     ref = {"model_name": "llama", "request_id": "r1"}
     assert (await post(client, "/prefill_complete", ref)).status_code == 200
@@ -71,19 +92,39 @@ async def test_write_errors_carry_the_reference_messages(client: httpx.AsyncClie
     cases = [
         ("/register", {**REG, "block_size": 0}, 400, "block_size must be greater than 0"),
         ("/register", {**REG, "dp_size": 0}, 400, "dp_size must be greater than 0"),
-        ("/register", {**REG, "dp_start": 4294967295, "dp_size": 1}, 400,
-         "dp range overflows u32: start=4294967295 size=1"),
+        (
+            "/register",
+            {**REG, "dp_start": 4294967295, "dp_size": 1},
+            400,
+            "dp range overflows u32: start=4294967295 size=1",
+        ),
         ("/register", REG, 409, "worker 7 already registered for model=llama tenant_id=default"),
-        ("/register", {**REG, "worker_id": 8, "block_size": 32}, 409,
-         "block_size mismatch for model=llama tenant_id=default: existing=16, requested=32"),
-        ("/unregister", {"worker_id": 9, "model_name": "llama"}, 404,
-         "worker 9 not found for model=llama tenant_id=default"),
-        ("/add", {**add_body("r", [1]), "model_name": "other"}, 404,
-         "no slot tracker for model=other tenant_id=default"),
+        (
+            "/register",
+            {**REG, "worker_id": 8, "block_size": 32},
+            409,
+            "block_size mismatch for model=llama tenant_id=default: existing=16, requested=32",
+        ),
+        (
+            "/unregister",
+            {"worker_id": 9, "model_name": "llama"},
+            404,
+            "worker 9 not found for model=llama tenant_id=default",
+        ),
+        (
+            "/add",
+            {**add_body("r", [1]), "model_name": "other"},
+            404,
+            "no slot tracker for model=other tenant_id=default",
+        ),
         ("/prefill_complete", {"model_name": "llama", "request_id": "nope"}, 404, "Request nope not found"),
         ("/free", {"model_name": "other", "request_id": "x"}, 404, "no slot tracker for model=other tenant_id=default"),
-        ("/potential_loads", {"model_name": "other", "sequence_hashes": []}, 404,
-         "no slot tracker for model=other tenant_id=default"),
+        (
+            "/potential_loads",
+            {"model_name": "other", "sequence_hashes": []},
+            404,
+            "no slot tracker for model=other tenant_id=default",
+        ),
     ]
     for path, body, status, message in cases:
         response = await post(client, path, body)
@@ -179,7 +220,10 @@ async def test_workers_and_loads_are_sorted(client: httpx.AsyncClient) -> None:
         await register(client, model_name=model, tenant_id=tenant, worker_id=worker, dp_size=1)
     rows = (await client.get("/workers")).json()
     assert [(r["model_name"], r["tenant_id"], r["worker_id"]) for r in rows] == [
-        ("m1", "a", 1), ("m1", "a", 9), ("m1", "z", 2), ("m2", "x", 3)
+        ("m1", "a", 1),
+        ("m1", "a", 9),
+        ("m1", "z", 2),
+        ("m2", "x", 3),
     ]
     loads = (await client.get("/loads", params={"model_name": "m1"})).json()
     assert [(r["tenant_id"], r["worker_id"]) for r in loads] == [("a", 1), ("a", 9), ("z", 2)]
@@ -211,7 +255,8 @@ async def test_reference_quirks_that_clients_see(client: httpx.AsyncClient) -> N
     null_group = await register(client, worker_id=9, tenant_id=None, routing_group=None)
     assert null_group.status_code == 422 and "null" in null_group.json()["error"]
     spaced = await client.post(
-        "/free", content=b'{"model_name":"llama","request_id":"x"}',
+        "/free",
+        content=b'{"model_name":"llama","request_id":"x"}',
         headers={"content-type": "application/json ; charset=utf-8"},
     )
     assert spaced.status_code == 415
@@ -222,7 +267,8 @@ async def test_prefill_load_never_overflows_u64(client: httpx.AsyncClient) -> No
     assert (await post(client, "/add", add_body("a", [1], isl=2**64 - 1))).status_code == 201
     overflow = await post(client, "/add", add_body("b", [2], isl=2))
     assert overflow.status_code == 400 and "overflow" in overflow.json()["error"]
-    potential = (await post(client, "/potential_loads", {"model_name": "llama", "sequence_hashes": [],
-                                                         "new_isl_tokens": 5})).json()
+    potential = (
+        await post(client, "/potential_loads", {"model_name": "llama", "sequence_hashes": [], "new_isl_tokens": 5})
+    ).json()
     assert max(p["potential_prefill_tokens"] for p in potential) == 2**64 - 1
     assert (await client.get("/loads")).status_code == 200

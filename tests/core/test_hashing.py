@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.core.hashing import block_hashes, lora_seed, next_sequence_hash, sequence_hashes
-from actors.core.ids import U64_MASK, to_i64, to_u64
+from kvrouter.actors.core.hashing import block_hashes, lora_seed, next_sequence_hash, sequence_hashes
+from kvrouter.actors.core.ids import U64_MASK, to_i64, to_u64
 
 TOKENS_1_16 = list(range(1, 17))
 BLOCKS_1_16 = [14643705804678351452, 16777012769546811212, 483935686894639516, 135165725823939817]  # spec §0
@@ -43,10 +43,16 @@ def test_partial_trailing_block_is_not_hashed() -> None:
 def test_lora_name_changes_the_seed() -> None:
     # spec §0 gives the first block; 1.6.1 select gave the whole chain and confirmed the locals.
     assert block_hashes(TOKENS_1_16, 4, lora_name="alpha") == [
-        4059692062493597942, 15935668989504354300, 18424144866122074201, 9820854955923902825,
+        4059692062493597942,
+        15935668989504354300,
+        18424144866122074201,
+        9820854955923902825,
     ]
     assert sequence_hashes(block_hashes(TOKENS_1_16, 4, lora_name="alpha")) == [
-        4059692062493597942, 17981444235514123243, 10073320649093446895, 5602423923747819848,
+        4059692062493597942,
+        17981444235514123243,
+        10073320649093446895,
+        5602423923747819848,
     ]
 
 
@@ -82,7 +88,11 @@ def test_block_size_one() -> None:
     # 1.6.1 select, block 1.
     blocks = block_hashes([0, 1, 65535, 65536, 4294967294], 1)
     assert sequence_hashes(blocks) == [
-        16451421758532862321, 5478772005252122579, 5901914752645013109, 2340433601102485835, 18109084259685940558,
+        16451421758532862321,
+        5478772005252122579,
+        5901914752645013109,
+        2340433601102485835,
+        18109084259685940558,
     ]
 
 
@@ -105,7 +115,8 @@ def test_eagle_windows_overlap_by_one_token() -> None:
     assert block_hashes(list(range(1, 5)), 4, eagle=True) == []
     assert len(block_hashes(list(range(1, 6)), 4, eagle=True)) == 1
     assert sequence_hashes(block_hashes(list(range(1, 10)), 4, eagle=True, lora_name="alpha")) == [
-        5254433303129818259, 16070678952714769838,
+        5254433303129818259,
+        16070678952714769838,
     ]
 
 

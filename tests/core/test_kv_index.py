@@ -12,11 +12,11 @@ from itertools import product
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.core.hashing import block_hashes
-from actors.core.ids import U64_MASK, WorkerRank
-from actors.core.kv_index import KvIndex, Overlap, StoredRun, Tier
-from actors.core.kv_wire import BlockStored as WireStored
-from actors.core.kv_wire import decode_batch, encode_batch, stored_blocks
+from kvrouter.actors.core.hashing import block_hashes
+from kvrouter.actors.core.ids import U64_MASK, WorkerRank
+from kvrouter.actors.core.kv_index import KvIndex, Overlap, StoredRun, Tier
+from kvrouter.actors.core.kv_wire import BlockStored as WireStored
+from kvrouter.actors.core.kv_wire import decode_batch, encode_batch, stored_blocks
 
 R0 = WorkerRank(1, 0)
 R1 = WorkerRank(1, 1)
@@ -241,11 +241,13 @@ def test_host_tier_counts_only_beyond_the_device_match() -> None:
     index = KvIndex()
     tokens = tuple(range(12))
     locals_ = block_hashes(list(tokens), 4)
-    payload = encode_batch([
-        WireStored((1, 2), None, tokens[:8], 4),
-        WireStored((3,), 2, tokens[8:], 4, tier=HOST),
-        ["BlockStored", [9], 3, list(tokens[:4]), 4, None, None, None, None, 0, None, None, "REMOTE"],
-    ])
+    payload = encode_batch(
+        [
+            WireStored((1, 2), None, tokens[:8], 4),
+            WireStored((3,), 2, tokens[8:], 4, tier=HOST),
+            ["BlockStored", [9], 3, list(tokens[:4]), 4, None, None, None, None, 0, None, None, "REMOTE"],
+        ]
+    )
     for event in decode_batch(payload).events:
         assert isinstance(event, WireStored)
         index.apply_stored(R0, event.tier, event.parent_hash, stored_blocks(event, 4))

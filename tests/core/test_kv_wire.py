@@ -7,9 +7,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from actors.core.hashing import block_hashes
-from actors.core.ids import to_i64
-from actors.core.kv_wire import (
+from kvrouter.actors.core.hashing import block_hashes
+from kvrouter.actors.core.ids import to_i64
+from kvrouter.actors.core.kv_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -55,8 +55,17 @@ def test_array_batch_with_array_events() -> None:
 def test_array_batch_with_map_events() -> None:
     """What vLLM 0.33 and SGLang 0.5 send (spec Appendix)."""
     events = [
-        {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": 10, "token_ids": TOKENS,
-         "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": "alpha", "cache_salt": "s"},
+        {
+            "type": "BlockStored",
+            "block_hashes": [11, 12],
+            "parent_block_hash": 10,
+            "token_ids": TOKENS,
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": "alpha",
+            "cache_salt": "s",
+        },
         {"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU_PINNED"},
         {"type": "AllBlocksCleared"},
     ]
@@ -101,8 +110,10 @@ def test_dp_rank_in_batch_is_reported_for_override() -> None:
         ((None, "CPU_PINNED"), BlockStored((11, 12), None, tuple(TOKENS), 4, tier=Tier.HOST)),  # after medium
         ((None, None, "alpha"), BlockStored((11, 12), None, tuple(TOKENS), 4, lora_name="alpha")),
         ((None, None, None, None, 0, "full", None, "LOCAL", "engine"), BlockStored((11, 12), None, tuple(TOKENS), 4)),
-        ((None, None, None, None, 0, "full", None, "LOCAL", "engine", "future"), BlockStored(
-            (11, 12), None, tuple(TOKENS), 4)),
+        (
+            (None, None, None, None, 0, "full", None, "LOCAL", "engine", "future"),
+            BlockStored((11, 12), None, tuple(TOKENS), 4),
+        ),
     ],
 )
 def test_older_and_newer_producers_block_stored_arrays(tail: tuple[Any, ...], expected: BlockStored) -> None:
@@ -110,8 +121,11 @@ def test_older_and_newer_producers_block_stored_arrays(tail: tuple[Any, ...], ex
 
 
 def test_block_removed_array_lengths() -> None:
-    for event in (["BlockRemoved", [5]], ["BlockRemoved", [5], None], ["BlockRemoved", [5], "DISK", 0, None, None,
-                                                                         "LOCAL", "x"]):
+    for event in (
+        ["BlockRemoved", [5]],
+        ["BlockRemoved", [5], None],
+        ["BlockRemoved", [5], "DISK", 0, None, None, "LOCAL", "x"],
+    ):
         assert only(decode_batch(pack([0.0, [event], None]))).block_hashes == (5,)
 
 
@@ -128,10 +142,21 @@ def test_signed_and_unsigned_hashes_mean_the_same_block() -> None:
 @pytest.mark.parametrize(
     ("medium", "tier"),
     [
-        (None, Tier.DEVICE), ("", Tier.DEVICE), ("GPU", Tier.DEVICE), ("DEVICE", Tier.DEVICE),
-        ("CPU_PINNED", Tier.HOST), ("CPU", Tier.HOST), ("CPU_TIER1", Tier.HOST), ("cpu_pinned", Tier.HOST),
-        ("DISK", Tier.DISK), ("NVME", Tier.DISK), ("CPU_TIER2", Tier.DISK),
-        ("EXTERNAL", Tier.EXTERNAL), ("SHARED", Tier.EXTERNAL), ("NETWORK", Tier.EXTERNAL), ("REMOTE", Tier.EXTERNAL),
+        (None, Tier.DEVICE),
+        ("", Tier.DEVICE),
+        ("GPU", Tier.DEVICE),
+        ("DEVICE", Tier.DEVICE),
+        ("CPU_PINNED", Tier.HOST),
+        ("CPU", Tier.HOST),
+        ("CPU_TIER1", Tier.HOST),
+        ("cpu_pinned", Tier.HOST),
+        ("DISK", Tier.DISK),
+        ("NVME", Tier.DISK),
+        ("CPU_TIER2", Tier.DISK),
+        ("EXTERNAL", Tier.EXTERNAL),
+        ("SHARED", Tier.EXTERNAL),
+        ("NETWORK", Tier.EXTERNAL),
+        ("REMOTE", Tier.EXTERNAL),
         ("SOMETHING_NEW", Tier.EXTERNAL),
     ],
 )
@@ -182,14 +207,25 @@ def test_eagle_bigram_token_ids_are_dropped() -> None:
 
 
 def test_map_event_multimodal_infos() -> None:
-    event = {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": TOKENS, "block_size": 4,
-             "block_mm_infos": [{"mm_objects": [{"mm_hash": -1, "offsets": [[0, 2]]}]}, None]}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "token_ids": TOKENS,
+        "block_size": 4,
+        "block_mm_infos": [{"mm_objects": [{"mm_hash": -1, "offsets": [[0, 2]]}]}, None],
+    }
     assert only(decode_batch(pack([0.0, [event], None]))).mm_hashes == ((BIG,), None)
 
 
 def test_empty_lora_name_and_cache_salt_are_absent() -> None:
-    event = {"type": "BlockStored", "block_hashes": [1], "token_ids": TOKENS[:4], "block_size": 4,
-             "lora_name": "", "cache_salt": ""}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "token_ids": TOKENS[:4],
+        "block_size": 4,
+        "lora_name": "",
+        "cache_salt": "",
+    }
     decoded = only(decode_batch(pack([0.0, [event], None])))
     assert decoded.lora_name is None
     assert decoded.cache_salt is None
@@ -228,8 +264,24 @@ MALFORMED: list[tuple[str, bytes]] = [
     ("stored lora name int", pack([0.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, None, None, 3]], None])),
     ("stored lora id text", pack([0.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, "x"]], None])),
     ("map stored without tokens", pack([0.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": 4}], None])),
-    ("map stored bad mm", pack([0.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2, 3, 4],
-                                       "block_size": 4, "block_mm_infos": [{"mm": 1}]}], None])),
+    (
+        "map stored bad mm",
+        pack(
+            [
+                0.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "token_ids": [1, 2, 3, 4],
+                        "block_size": 4,
+                        "block_mm_infos": [{"mm": 1}],
+                    }
+                ],
+                None,
+            ]
+        ),
+    ),
     ("removed without hashes", pack([0.0, [["BlockRemoved"]], None])),
     ("map removed without hashes", pack([0.0, [{"type": "BlockRemoved"}], None])),
     ("invalid utf-8", b"\x93\xcb" + b"\x00" * 8 + b"\x91\x91\xa2\xff\xfe\xc0"),
@@ -263,7 +315,11 @@ EVENTS = [
 @pytest.mark.parametrize("signed_hashes", [False, True])
 def test_encode_decode_round_trip(batch_as_map: bool, events_as_maps: bool, signed_hashes: bool) -> None:
     payload = encode_batch(
-        EVENTS, ts=9.5, dp_rank=2, batch_as_map=batch_as_map, events_as_maps=events_as_maps,
+        EVENTS,
+        ts=9.5,
+        dp_rank=2,
+        batch_as_map=batch_as_map,
+        events_as_maps=events_as_maps,
         signed_hashes=signed_hashes,
     )
     decoded = decode_batch(payload)

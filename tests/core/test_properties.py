@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.core.commands import (
+from kvrouter.actors.core.commands import (
     AddRequest,
     CompletePrefill,
     ExpireStale,
@@ -13,14 +13,14 @@ from actors.core.commands import (
     RegisterWorker,
     UnregisterWorker,
 )
-from actors.core.decide import decide
-from actors.core.decisions import Accepted
-from actors.core.evolve import fold
-from actors.core.ids import ScopeKey
-from actors.core.invariants import check
-from actors.core.queries import loads
-from actors.core.state import ScopeState
-from journal.codec import decode_record, digest, encode_record
+from kvrouter.actors.core.decide import decide
+from kvrouter.actors.core.decisions import Accepted
+from kvrouter.actors.core.evolve import fold
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.invariants import check
+from kvrouter.actors.core.queries import loads
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.journal.codec import decode_record, digest, encode_record
 
 SCOPE = ScopeKey("m", "t")
 request_ids = st.sampled_from([f"r{i}" for i in range(8)])
@@ -29,7 +29,12 @@ commands = st.one_of(
     st.builds(RegisterWorker, st.integers(0, 3), st.just(16), st.integers(0, 2), st.integers(1, 3)),
     st.builds(UnregisterWorker, st.integers(0, 3)),
     st.builds(
-        AddRequest, request_ids, st.integers(0, 3), st.integers(0, 4), hashes, st.integers(0, 100),
+        AddRequest,
+        request_ids,
+        st.integers(0, 3),
+        st.integers(0, 4),
+        hashes,
+        st.integers(0, 100),
         at=st.integers(0, 1000),
     ),
     st.builds(CompletePrefill, request_ids),
@@ -65,8 +70,7 @@ def test_freeing_every_request_returns_all_loads_to_zero(sequence: list) -> None
     for request_id in list(state.requests):
         fold(state, decide(state, FreeRequest(request_id)).events)
     assert all(
-        (row.active_prefill_tokens, row.active_decode_blocks, row.active_requests) == (0, 0, 0)
-        for row in loads(state)
+        (row.active_prefill_tokens, row.active_decode_blocks, row.active_requests) == (0, 0, 0) for row in loads(state)
     )
 
 

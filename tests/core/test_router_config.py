@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.core.router_config import (
+from kvrouter.actors.core.router_config import (
     CREDIT_INVALID,
     SCALE_INVALID,
     SHARED_MULTIPLIER_INVALID,
@@ -216,8 +216,12 @@ def test_negative_zero_weight_counts_as_zero() -> None:
         # precedence: credit, then scale, then temperature, then shared multiplier
         ({"overlap_score_credit": -1, "prefill_load_scale": -1}, CREDIT_INVALID),
         (
-            {"overlap_score_credit": -1, "shared_cache_multiplier": 2, "router_temperature": -1,
-             "prefill_load_scale": -2},
+            {
+                "overlap_score_credit": -1,
+                "shared_cache_multiplier": 2,
+                "router_temperature": -1,
+                "prefill_load_scale": -2,
+            },
             CREDIT_INVALID,
         ),
         ({"prefill_load_scale": -1, "router_temperature": -1}, SCALE_INVALID),

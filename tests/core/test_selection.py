@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.core.router_config import RouterConfig
-from actors.core.selection import (
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.selection import (
     NO_ENDPOINTS,
     NO_OVERLAP,
     NO_SCHEDULABLE_WORKERS_ANYWHERE,
@@ -131,7 +131,11 @@ def test_cached_tokens_never_negative_nor_beyond_the_matched_blocks(
 def test_overlap_summary_spec_example() -> None:
     per_rank = {0: TierOverlap(device=2, host_ext=1, disk_ext=2), 1: TierOverlap(device=1, disk_ext=1)}
     assert overlap_summary(per_rank, 16) == {
-        "longest_matched": 80, "gpu": 32, "dp": {"0": 32, "1": 16}, "cpu": 48, "disk": 80,
+        "longest_matched": 80,
+        "gpu": 32,
+        "dp": {"0": 32, "1": 16},
+        "cpu": 48,
+        "disk": 80,
     }
 
 
@@ -152,18 +156,30 @@ def test_overlap_summary_lists_every_rank_of_the_worker() -> None:
     # prompt => {"longest_matched": 12, "gpu": 12, "dp": {"0": 0, "1": 12, "2": 8}, "cpu": 12, "disk": 12}.
     cold = {r: NO_OVERLAP for r in range(3)}
     assert overlap_summary(cold, 4) == {
-        "longest_matched": 0, "gpu": 0, "dp": {"0": 0, "1": 0, "2": 0}, "cpu": 0, "disk": 0,
+        "longest_matched": 0,
+        "gpu": 0,
+        "dp": {"0": 0, "1": 0, "2": 0},
+        "cpu": 0,
+        "disk": 0,
     }
     warm = {0: NO_OVERLAP, 1: TierOverlap(device=3), 2: TierOverlap(device=2)}
     assert overlap_summary(warm, 4) == {
-        "longest_matched": 12, "gpu": 12, "dp": {"0": 0, "1": 12, "2": 8}, "cpu": 12, "disk": 12,
+        "longest_matched": 12,
+        "gpu": 12,
+        "dp": {"0": 0, "1": 12, "2": 8},
+        "cpu": 12,
+        "disk": 12,
     }
 
 
 def test_overlap_summary_of_a_single_cold_rank() -> None:
     # verified against 1.6.1: a cold select => {"longest_matched": 0, "gpu": 0, "dp": {"0": 0}, "cpu": 0, "disk": 0}.
     assert overlap_summary({0: NO_OVERLAP}, 4) == {
-        "longest_matched": 0, "gpu": 0, "dp": {"0": 0}, "cpu": 0, "disk": 0,
+        "longest_matched": 0,
+        "gpu": 0,
+        "dp": {"0": 0},
+        "cpu": 0,
+        "disk": 0,
     }
 
 
@@ -171,7 +187,11 @@ def test_overlap_summary_lower_tier_only() -> None:
     # verified against 1.6.1 (block 2, one CPU_PINNED block at the root): cpu 2 and disk 2 but gpu 0; a DISK block
     # => cpu 0, disk 2 (edge case 58: CPU_PINNED counts in cpu, not gpu).
     assert overlap_summary({0: TierOverlap(host_ext=1)}, 2) == {
-        "longest_matched": 2, "gpu": 0, "dp": {"0": 0}, "cpu": 2, "disk": 2,
+        "longest_matched": 2,
+        "gpu": 0,
+        "dp": {"0": 0},
+        "cpu": 2,
+        "disk": 2,
     }
     assert overlap_summary({0: TierOverlap(disk_ext=1)}, 2)["cpu"] == 0
 
@@ -204,9 +224,10 @@ def test_overlap_summary_lower_tier_only() -> None:
 )
 def test_decode_block_projections(active: int, seq: int, isl: int, depth: int, reported: int, potential: int) -> None:
     assert potential_decode_blocks(active, seq, depth) == potential
-    assert reported_decode_blocks(
-        active, num_seq_hashes=seq, isl=isl, block_size=4, prompt_overlap_depth=depth
-    ) == reported
+    assert (
+        reported_decode_blocks(active, num_seq_hashes=seq, isl=isl, block_size=4, prompt_overlap_depth=depth)
+        == reported
+    )
 
 
 @pytest.mark.parametrize(
@@ -238,8 +259,11 @@ def test_request_blocks() -> None:
 def test_classic_cost_with_defaults() -> None:
     # max(0, (active_prefill + isl)/bs - device - 0.75 host - 0.25 disk) + active_decode + new blocks
     candidate = RankCandidate(
-        WorkerRank(1, 0), TierOverlap(device=2, host_ext=1, disk_ext=2), active_prefill_tokens=8,
-        active_decode_blocks=3, prompt_overlap_depth=1,
+        WorkerRank(1, 0),
+        TierOverlap(device=2, host_ext=1, disk_ext=2),
+        active_prefill_tokens=8,
+        active_decode_blocks=3,
+        prompt_overlap_depth=1,
     )
     expected = max(0.0, (8 + 20) / 4 - 2 - 0.75 - 0.5) + 3 + 5 - 1
     assert cost(candidate, isl=20, num_seq_hashes=5, block_size=4, config=DEFAULT, min_active_prefill=0) == expected
@@ -249,8 +273,14 @@ def test_own_booking_cancels_its_cache_credit() -> None:
     # verified against 1.6.1: tokens 1..8 booked on worker 20, then query tokens 1..12: worker 20 has active
     # prefill 8, 2 decode blocks, 2 device blocks cached and 2 prompt blocks held => cost 6; idle worker 21 => 6.
     # 1.6.1 split 17/13 between them.
-    warm = RankCandidate(W20, TierOverlap(device=2), active_prefill_tokens=8, active_decode_blocks=2,
-                         active_requests=1, prompt_overlap_depth=2)
+    warm = RankCandidate(
+        W20,
+        TierOverlap(device=2),
+        active_prefill_tokens=8,
+        active_decode_blocks=2,
+        active_requests=1,
+        prompt_overlap_depth=2,
+    )
     costs = costs_of([warm, RankCandidate(W21)], isl=12, num_seq_hashes=3)
     assert costs == {W20: 6.0, W21: 6.0}
 
@@ -260,10 +290,22 @@ def test_three_dp_ranks_tie() -> None:
     # the same prefix; a 4-block prompt costs 8 on every rank (1.6.1 picked rank 2 once, rank 0 when pinned).
     ranks = [
         RankCandidate(WorkerRank(3, 0)),
-        RankCandidate(WorkerRank(3, 1), TierOverlap(device=3), active_prefill_tokens=12, active_decode_blocks=3,
-                      active_requests=1, prompt_overlap_depth=3),
-        RankCandidate(WorkerRank(3, 2), TierOverlap(device=2), active_prefill_tokens=8, active_decode_blocks=2,
-                      active_requests=1, prompt_overlap_depth=2),
+        RankCandidate(
+            WorkerRank(3, 1),
+            TierOverlap(device=3),
+            active_prefill_tokens=12,
+            active_decode_blocks=3,
+            active_requests=1,
+            prompt_overlap_depth=3,
+        ),
+        RankCandidate(
+            WorkerRank(3, 2),
+            TierOverlap(device=2),
+            active_prefill_tokens=8,
+            active_decode_blocks=2,
+            active_requests=1,
+            prompt_overlap_depth=2,
+        ),
     ]
     assert set(costs_of(ranks, isl=16, num_seq_hashes=4).values()) == {8.0}
 
@@ -340,15 +382,23 @@ def test_lower_tiers_earn_weighted_credit() -> None:
         RankCandidate(WorkerRank(1, 2), TierOverlap(device=1)),
     ]
     assert costs_of(ranks, isl=20, num_seq_hashes=5) == {
-        WorkerRank(1, 0): 6.75, WorkerRank(1, 1): 9.0, WorkerRank(1, 2): 9.0,
+        WorkerRank(1, 0): 6.75,
+        WorkerRank(1, 1): 9.0,
+        WorkerRank(1, 2): 9.0,
     }
 
 
 def test_shared_cache_hits_earn_the_multiplier() -> None:
     candidate = RankCandidate(W20, TierOverlap(device=1, shared_beyond_device=4))
     base = cost(candidate, isl=32, num_seq_hashes=8, block_size=4, config=DEFAULT, min_active_prefill=0)
-    shared = cost(candidate, isl=32, num_seq_hashes=8, block_size=4,
-                  config=RouterConfig(shared_cache_multiplier=0.5), min_active_prefill=0)
+    shared = cost(
+        candidate,
+        isl=32,
+        num_seq_hashes=8,
+        block_size=4,
+        config=RouterConfig(shared_cache_multiplier=0.5),
+        min_active_prefill=0,
+    )
     assert base - shared == 2.0
 
 
@@ -360,14 +410,25 @@ def test_decode_pool_formula() -> None:
     assert cost(candidate, decode_pool=True, **kwargs) == (5 + 4 - 3) + 1.0  # type: ignore[arg-type]
     assert cost(candidate, decode_pool=False, **kwargs) == 4 - 3 + 9 + 1.0  # type: ignore[arg-type]
     zero_credit = RouterConfig(router_track_prefill_tokens=False, overlap_score_credit=0.0)
-    assert cost(candidate, decode_pool=True, isl=16, num_seq_hashes=4, block_size=4, config=zero_credit,
-                min_active_prefill=0) == 4 + 9
+    assert (
+        cost(
+            candidate,
+            decode_pool=True,
+            isl=16,
+            num_seq_hashes=4,
+            block_size=4,
+            config=zero_credit,
+            min_active_prefill=0,
+        )
+        == 4 + 9
+    )
 
 
 # Scenario T (verified against 1.6.1): worker 20 (taints p, q) carries an unrelated live booking of 4 tokens
 # (1 block); 21 is idle; query tokens 1..8 => costs 6 and 4. 20 wins iff exp(-tanh(w)) < 2/3, i.e. w > 0.4296.
-LOADED_TAINTED = RankCandidate(W20, active_prefill_tokens=4, active_decode_blocks=1, active_requests=1,
-                               taints=frozenset({"p", "q"}))
+LOADED_TAINTED = RankCandidate(
+    W20, active_prefill_tokens=4, active_decode_blocks=1, active_requests=1, taints=frozenset({"p", "q"})
+)
 
 
 @pytest.mark.parametrize(
@@ -398,12 +459,26 @@ def test_preferred_taint_multiplier_applies_to_the_decode_term_too() -> None:
 
 def test_case_47_preferred_weight_one() -> None:
     plain = cost(LOADED_TAINTED, isl=8, num_seq_hashes=2, block_size=4, config=DEFAULT, min_active_prefill=0)
-    preferred = cost(LOADED_TAINTED, isl=8, num_seq_hashes=2, block_size=4, config=DEFAULT, min_active_prefill=0,
-                     preferred_taints={"p": 1.0})
+    preferred = cost(
+        LOADED_TAINTED,
+        isl=8,
+        num_seq_hashes=2,
+        block_size=4,
+        config=DEFAULT,
+        min_active_prefill=0,
+        preferred_taints={"p": 1.0},
+    )
     assert preferred / plain == pytest.approx(math.exp(-math.tanh(1.0)))
     assert preferred / plain == pytest.approx(0.466, abs=1e-3)  # the spec's "about 0.466"
-    repelled = cost(LOADED_TAINTED, isl=8, num_seq_hashes=2, block_size=4, config=DEFAULT, min_active_prefill=0,
-                    preferred_taints={"p": -1.0})
+    repelled = cost(
+        LOADED_TAINTED,
+        isl=8,
+        num_seq_hashes=2,
+        block_size=4,
+        config=DEFAULT,
+        min_active_prefill=0,
+        preferred_taints={"p": -1.0},
+    )
     assert repelled / plain == pytest.approx(math.e ** math.tanh(1.0))
 
 
@@ -550,15 +625,23 @@ def ranks_of(result: list[RankCandidate] | Ineligible) -> list[WorkerRank] | Ine
         ({"pinned": WorkerRank(11, 5)}, UNAVAILABLE),  # rank out of range
         ({"pinned": WorkerRank(99, 0)}, UNAVAILABLE),  # unknown worker
         ({"pinned": R11_1}, [R11_1]),
-        ({"pinned": R11_1, "allowed_worker_ids": [10]},
-         Ineligible(Refusal.INVALID, "pinned worker 11 is not in allowed worker set")),
+        (
+            {"pinned": R11_1, "allowed_worker_ids": [10]},
+            Ineligible(Refusal.INVALID, "pinned worker 11 is not in allowed worker set"),
+        ),
         # the allow-list check comes before the existence check, and an empty list counts
-        ({"pinned": WorkerRank(99, 0), "allowed_worker_ids": [10]},
-         Ineligible(Refusal.INVALID, "pinned worker 99 is not in allowed worker set")),
-        ({"pinned": R10, "allowed_worker_ids": []},
-         Ineligible(Refusal.INVALID, "pinned worker 10 is not in allowed worker set")),
-        ({"pinned": R10, "allowed_worker_ids": [11], "required_taints": ["a"]},
-         Ineligible(Refusal.INVALID, "pinned worker 10 is not in allowed worker set")),
+        (
+            {"pinned": WorkerRank(99, 0), "allowed_worker_ids": [10]},
+            Ineligible(Refusal.INVALID, "pinned worker 99 is not in allowed worker set"),
+        ),
+        (
+            {"pinned": R10, "allowed_worker_ids": []},
+            Ineligible(Refusal.INVALID, "pinned worker 10 is not in allowed worker set"),
+        ),
+        (
+            {"pinned": R10, "allowed_worker_ids": [11], "required_taints": ["a"]},
+            Ineligible(Refusal.INVALID, "pinned worker 10 is not in allowed worker set"),
+        ),
         ({"pinned": R11_1, "required_taints": ["gpu=a100"]}, UNAVAILABLE),  # pinned worker lacks the taint
         ({"pinned": R10, "required_taints": ["gpu=a100"]}, [R10]),
         ({"pinned": R10, "allowed_worker_ids": [10, 11]}, [R10]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.core.commands import (
+from kvrouter.actors.core.commands import (
     AddRequest,
     CompletePrefill,
     ExpireStale,
@@ -12,13 +12,13 @@ from actors.core.commands import (
     RegisterWorker,
     UnregisterWorker,
 )
-from actors.core.decide import decide
-from actors.core.decisions import Accepted, Reason, Rejected
-from actors.core.evolve import fold
-from actors.core.ids import ScopeKey, WorkerRank, to_u64
-from actors.core.invariants import check
-from actors.core.queries import loads, potential_loads
-from actors.core.state import ScopeState
+from kvrouter.actors.core.decide import decide
+from kvrouter.actors.core.decisions import Accepted, Reason, Rejected
+from kvrouter.actors.core.evolve import fold
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank, to_u64
+from kvrouter.actors.core.invariants import check
+from kvrouter.actors.core.queries import loads, potential_loads
+from kvrouter.actors.core.state import ScopeState
 
 SCOPE = ScopeKey("llama", "default")
 SECOND = 1_000_000_000
@@ -172,7 +172,12 @@ def test_edge_case_19_block_and_token_sequence(scope: Scope) -> None:
 def test_appendix_prefix_trie_counts(scope: Scope) -> None:
     counts = []
     for request_id, hashes in [
-        ("a", [1, 2, 3, 4]), ("b", [1, 2, 5]), ("c", [9, 2, 3]), ("d", [1, 1, 1]), ("e", [1, 2, 3, 4]), ("f", [1, 2])
+        ("a", [1, 2, 3, 4]),
+        ("b", [1, 2, 5]),
+        ("c", [9, 2, 3]),
+        ("d", [1, 1, 1]),
+        ("e", [1, 2, 3, 4]),
+        ("f", [1, 2]),
     ]:
         scope.ok(add(request_id, hashes))
         counts.append(scope.load()[1])
@@ -210,9 +215,9 @@ def test_expiry_drops_requests_older_than_the_cutoff(scope: Scope) -> None:
 
 
 def test_approximate_bookings_expire_after_their_ttl() -> None:
-    from actors.core.catalog import WorkerRecord
-    from actors.core.commands import Prompt, SelectWorker, UpsertWorker
-    from actors.core.router_config import RouterConfig
+    from kvrouter.actors.core.catalog import WorkerRecord
+    from kvrouter.actors.core.commands import Prompt, SelectWorker, UpsertWorker
+    from kvrouter.actors.core.router_config import RouterConfig
 
     s = Scope()
     s.ok(UpsertWorker(WorkerRecord(1, "llama", "default", endpoint="http://w", block_size=4), use_kv_events=False))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from journal.store import Journal, Snapshot
+from kvrouter.journal.store import Journal, Snapshot
 
 TIMEOUT = 10  # seconds; real files under the real clock, so only a hang should ever reach it
 

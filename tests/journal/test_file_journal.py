@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import trio
 
-import journal.file as file_module
-from journal.file import FileJournal, encode_frame, segment_name, snapshot_name
-from journal.store import CorruptJournal, Durability, Snapshot
+import kvrouter.journal.file as file_module
+from kvrouter.journal.file import FileJournal, encode_frame, segment_name, snapshot_name
+from kvrouter.journal.store import CorruptJournal, Durability, Snapshot
 
 TIMEOUT = 10
 PAYLOADS = [f"record {i}".encode() * i for i in range(1, 6)]  # five frames of different sizes

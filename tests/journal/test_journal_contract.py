@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from contract import JournalContract
 
-from journal.file import FileJournal
-from journal.memory import MemoryJournal
-from journal.store import Durability, Journal
+from kvrouter.journal.file import FileJournal
+from kvrouter.journal.memory import MemoryJournal
+from kvrouter.journal.store import Durability, Journal
 
 
 class TestMemoryJournal(JournalContract):

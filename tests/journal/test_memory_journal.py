@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from journal.memory import MemoryJournal
-from journal.store import Snapshot
+from kvrouter.journal.memory import MemoryJournal
+from kvrouter.journal.store import Snapshot
 
 
 async def test_crash_copy_holds_the_durable_records_and_the_snapshot() -> None:

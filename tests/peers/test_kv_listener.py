@@ -9,8 +9,8 @@ import msgpack
 import pytest
 import trio
 
-from actors.kv_listener import KvListener, ListenerStatus
-from actors.peers.zmq_socket import zmq_context
+from kvrouter.actors.kv_listener import KvListener, ListenerStatus
+from kvrouter.actors.peers.zmq_socket import zmq_context
 from tests.support.kv_publisher import KvPublisher, free_tcp_port, open_kv_publisher, sample_payload
 
 

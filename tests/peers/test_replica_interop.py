@@ -14,12 +14,12 @@ import httpx
 import pytest
 import trio
 
-from actors.core.commands import AddRequest, CompletePrefill, FreeRequest, RegisterWorker
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.peers.replicator import Replicator, random_router_id
-from actors.ports import WallClock
-from actors.system import ActorSystem
-from journal.memory import MemoryJournal
+from kvrouter.actors.core.commands import AddRequest, CompletePrefill, FreeRequest, RegisterWorker
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.peers.replicator import Replicator, random_router_id
+from kvrouter.actors.ports import WallClock
+from kvrouter.actors.system import ActorSystem
+from kvrouter.journal.memory import MemoryJournal
 from tests.support.kv_publisher import free_tcp_port
 from tests.support.processes import require_reference
 
@@ -68,13 +68,28 @@ async def test_replica_sync_with_the_reference(tmp_path: Path) -> None:
             system = ActorSystem(journal, WallClock(), encode_snapshots_in_thread=False)
             await nursery.start(journal.run)
             await nursery.start(system.run)
-            replicator = Replicator(system, port=our_port, peers=[f"tcp://127.0.0.1:{reference_replica_port}"],
-                                    router_id=random_router_id(), host="127.0.0.1")
+            replicator = Replicator(
+                system,
+                port=our_port,
+                peers=[f"tcp://127.0.0.1:{reference_replica_port}"],
+                router_id=random_router_id(),
+                host="127.0.0.1",
+            )
             our_endpoint = await nursery.start(replicator.run)
             reference = await start_reference(
-                [REFERENCE, "-m", "dynamo.slot_tracker", "--port", str(http_port),  # type: ignore[list-item]
-                 "--replica-sync-port", str(reference_replica_port), "--replica-sync-peers", our_endpoint],
-                http_port, tmp_path / "reference.log",
+                [
+                    REFERENCE,
+                    "-m",
+                    "dynamo.slot_tracker",
+                    "--port",
+                    str(http_port),  # type: ignore[list-item]
+                    "--replica-sync-port",
+                    str(reference_replica_port),
+                    "--replica-sync-peers",
+                    our_endpoint,
+                ],
+                http_port,
+                tmp_path / "reference.log",
             )
             try:
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=10) as http:
@@ -87,8 +102,9 @@ async def test_replica_sync_with_the_reference(tmp_path: Path) -> None:
 
 async def exchange(http: httpx.AsyncClient, system: ActorSystem, replicator: Replicator, our_endpoint: str) -> None:
     assert (await http.get("/replica_sync/peers")).json() == [our_endpoint]
-    registered = await http.post("/register", json={**GROUP, "worker_id": WORKER, "block_size": 16, "dp_start": 0,
-                                                     "dp_size": 2})
+    registered = await http.post(
+        "/register", json={**GROUP, "worker_id": WORKER, "block_size": 16, "dp_start": 0, "dp_size": 2}
+    )
     assert registered.status_code == 201
     await system.ask(SCOPE, RegisterWorker(WORKER, block_size=16, dp_start=0, dp_size=2))
 
@@ -99,8 +115,14 @@ async def exchange(http: httpx.AsyncClient, system: ActorSystem, replicator: Rep
     # Reference -> kvrouter. Retry the first admission until kvrouter's SUB is live (slow joiner).
     for attempt in range(100):
         request_id = f"ref-{attempt}"
-        body = {**GROUP, "request_id": request_id, "worker_id": WORKER, "dp_rank": 1, "sequence_hashes": [1, 2, -1],
-                "new_isl_tokens": 12}
+        body = {
+            **GROUP,
+            "request_id": request_id,
+            "worker_id": WORKER,
+            "dp_rank": 1,
+            "sequence_hashes": [1, 2, -1],
+            "new_isl_tokens": 12,
+        }
         assert (await http.post("/add", json=body)).status_code == 201
 
         async def seen(r: str = request_id) -> bool:
@@ -136,6 +158,7 @@ async def exchange(http: httpx.AsyncClient, system: ActorSystem, replicator: Rep
     def load_is(expected: tuple[int, int]) -> Callable[[], Awaitable[bool]]:
         async def check() -> bool:
             return await load(0) == expected
+
         return check
 
     for attempt in range(100):
@@ -150,10 +173,13 @@ async def exchange(http: httpx.AsyncClient, system: ActorSystem, replicator: Rep
     await system.ask(SCOPE, CompletePrefill(request_id))
     await eventually(load_is((0, 3)))
     # The reference knows the request (with the right rank) by the id kvrouter published.
-    duplicate = await http.post("/add", json={**GROUP, "request_id": request_id, "worker_id": WORKER, "dp_rank": 1,
-                                              "sequence_hashes": []})
-    assert duplicate.json() == {"error": f"Request {request_id} already exists (assigned to worker "
-                                         f"WorkerWithDpRank {{ worker_id: {WORKER}, dp_rank: 0 }})"}
+    duplicate = await http.post(
+        "/add", json={**GROUP, "request_id": request_id, "worker_id": WORKER, "dp_rank": 1, "sequence_hashes": []}
+    )
+    assert duplicate.json() == {
+        "error": f"Request {request_id} already exists (assigned to worker "
+        f"WorkerWithDpRank {{ worker_id: {WORKER}, dp_rank: 0 }})"
+    }
     await system.ask(SCOPE, FreeRequest(request_id))
     await eventually(load_is((0, 0)))
 

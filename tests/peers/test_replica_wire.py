@@ -8,8 +8,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.peers.replica_wire import (
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.peers.replica_wire import (
     TOPIC,
     AddRequestData,
     Free,
@@ -118,7 +118,8 @@ def test_accepted_like_1_6_1() -> None:
     # Positional arrays (rmp_serde's unnamed form) for any struct, and the worker as [id, rank].
     array = ["m", "g", 16, ["a", [7, 0], {"AddRequest": [[1, 2, 3], True, None, [10, None]]}, 99, None]]
     assert decode_payload(pack(array)) == ReplicaEvent(
-        "m", "g", 16, "a", 7, 0, AddRequestData((1, 2, 3), True, None, PrefillLoadHint(10)), 99)
+        "m", "g", 16, "a", 7, 0, AddRequestData((1, 2, 3), True, None, PrefillLoadHint(10)), 99
+    )
     # Unit variants also as a one-entry map with nil; strings also as UTF-8 bin; lora as text.
     document = doc(GOLDEN_FREE)
     document["event"]["data"] = {"Free": None}
@@ -194,8 +195,9 @@ MALFORMED = {
     "tokens-not-array": mutate((*ADD, "token_sequence"), 5),
     "output-tokens-over-u32": mutate((*ADD, "expected_output_tokens"), 2**32),
     "hint-without-tokens": mutate((*ADD, "prefill_load_hint"), {"expected_prefill_duration": None}),
-    "duration-nanos-over-u32": mutate((*ADD, "prefill_load_hint", "expected_prefill_duration"),
-                                      {"secs": 1, "nanos": 2**32}),
+    "duration-nanos-over-u32": mutate(
+        (*ADD, "prefill_load_hint", "expected_prefill_duration"), {"secs": 1, "nanos": 2**32}
+    ),
     "duplicate-key": GOLDEN_FREE.replace(b"\x84\xaamodel_name", b"\x85\xaamodel_name\xa1m\xaamodel_name"),
     "int-key": pack({1: 2}),
     "ext-type": mutate(("event", "request_id"), msgpack.ExtType(5, b"x")),
@@ -208,13 +210,17 @@ def test_malformed_is_rejected(payload: bytes) -> None:
         decode([TOPIC, payload])
 
 
-@pytest.mark.parametrize("frames", [
-    [TOPIC + b"x", GOLDEN_FREE],  # passes a SUB prefix filter, but 1.6.1 drops it
-    [b"dynamo.slot-tracker.v", GOLDEN_FREE],
-    [TOPIC + GOLDEN_FREE],
-    [TOPIC, GOLDEN_FREE, b"extra"],
-    [],
-], ids=["longer-topic", "shorter-topic", "one-frame", "three-frames", "no-frames"])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [TOPIC + b"x", GOLDEN_FREE],  # passes a SUB prefix filter, but 1.6.1 drops it
+        [b"dynamo.slot-tracker.v", GOLDEN_FREE],
+        [TOPIC + GOLDEN_FREE],
+        [TOPIC, GOLDEN_FREE, b"extra"],
+        [],
+    ],
+    ids=["longer-topic", "shorter-topic", "one-frame", "three-frames", "no-frames"],
+)
 def test_bad_framing_is_rejected(frames: list[bytes]) -> None:
     with pytest.raises(ReplicaWireError):
         decode(frames)

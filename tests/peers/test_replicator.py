@@ -18,11 +18,11 @@ import pytest
 import trio
 import zmq
 
-from actors.core.commands import AddRequest, CompletePrefill, ExpireStale, FreeRequest, RegisterWorker
-from actors.core.events import RequestAdded
-from actors.core.ids import ScopeKey, WorkerRank
-from actors.core.state import ScopeState
-from actors.peers.replica_wire import (
+from kvrouter.actors.core.commands import AddRequest, CompletePrefill, ExpireStale, FreeRequest, RegisterWorker
+from kvrouter.actors.core.events import RequestAdded
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.peers.replica_wire import (
     TOPIC,
     AddRequestData,
     Free,
@@ -32,11 +32,11 @@ from actors.peers.replica_wire import (
     decode,
     encode,
 )
-from actors.peers.replicator import DropReason, Replicator, random_router_id, validate_endpoint
-from actors.peers.zmq_socket import TrioZmqSocket, open_socket
-from actors.ports import WallClock
-from actors.system import ActorSystem
-from journal.memory import MemoryJournal
+from kvrouter.actors.peers.replicator import DropReason, Replicator, random_router_id, validate_endpoint
+from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.actors.ports import WallClock
+from kvrouter.actors.system import ActorSystem
+from kvrouter.journal.memory import MemoryJournal
 from tests.peers.test_replica_wire import (
     GOLDEN_ADD,
     GOLDEN_ADD_NO_PREFILL,
@@ -210,8 +210,9 @@ async def test_free_of_a_request_active_before_start_names_its_rank() -> None:
             await drain(sub)
             await system.ask(SCOPE, CompletePrefill("pre"))
             await system.ask(SCOPE, FreeRequest("pre"))
-            expected = [ReplicaEvent("m", "g", 16, "pre", WORKER, 1, data, 9)
-                        for data in (MarkPrefillCompleted(), Free())]
+            expected = [
+                ReplicaEvent("m", "g", 16, "pre", WORKER, 1, data, 9) for data in (MarkPrefillCompleted(), Free())
+            ]
             assert [decode(await sub.recv_multipart()) for _ in expected] == expected
 
 
@@ -235,8 +236,16 @@ async def raw_peer() -> AsyncIterator[tuple[TrioZmqSocket, str]]:
         yield xpub, f"tcp://127.0.0.1:{port}"
 
 
-def add(request_id: str, *, router_id: int = 50, model: str = "m", group: str = "g", block_size: int = 16,
-        worker_id: int = WORKER, dp_rank: int = 0) -> list[bytes]:
+def add(
+    request_id: str,
+    *,
+    router_id: int = 50,
+    model: str = "m",
+    group: str = "g",
+    block_size: int = 16,
+    worker_id: int = WORKER,
+    dp_rank: int = 0,
+) -> list[bytes]:
     data = AddRequestData((1, 2), True, None, PrefillLoadHint(4))
     return encode(ReplicaEvent(model, group, block_size, request_id, worker_id, dp_rank, data, router_id))
 
@@ -325,8 +334,7 @@ async def test_peers_before_start_and_startup_errors() -> None:
         assert idle.deregister_peer("tcp://127.0.0.1:2") is True
         assert idle.peers() == ["tcp://127.0.0.1:3"]
 
-        refused = Replicator(system, port=0, peers=["tcp://127.0.0.1:2", "tcp://*:5"], router_id=1,
-                             host="127.0.0.1")
+        refused = Replicator(system, port=0, peers=["tcp://127.0.0.1:2", "tcp://*:5"], router_id=1, host="127.0.0.1")
         with pytest.raises(ValueError, match=r"failed to register replica peer `tcp://\*:5`"):
             await nursery.start(refused.run)
         assert system.observers == []

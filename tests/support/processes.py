@@ -23,8 +23,13 @@ REFERENCE_MISSING = (
 def reference_python() -> str | None:
     """A python with ``ai-dynamo-runtime`` importable: $KVROUTER_REFERENCE_PYTHON, or this one."""
     for python in (os.environ.get("KVROUTER_REFERENCE_PYTHON"), sys.executable):
-        if python and subprocess.run([python, "-c", "import dynamo.slot_tracker"], capture_output=True,
-                                     check=False).returncode == 0:
+        if (
+            python
+            and subprocess.run(
+                [python, "-c", "import dynamo.slot_tracker"], capture_output=True, check=False
+            ).returncode
+            == 0
+        ):
             return python
     return None
 
@@ -44,8 +49,9 @@ def free_port() -> int:
 async def start_process(argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> trio.Process:
     """Start ``argv`` (stderr to ``log``) and return once it accepts TCP connections on ``port``."""
     with log.open("wb") as stderr:
-        process = await trio.lowlevel.open_process(argv, stdout=subprocess.DEVNULL, stderr=stderr,
-                                                   env={**os.environ, **(env or {})})
+        process = await trio.lowlevel.open_process(
+            argv, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})}
+        )
     with trio.fail_after(30):
         while True:
             try:
