@@ -1,0 +1,149 @@
+"""One sample event per event tag, and a sample state, for the golden files.
+
+Every field holds a value unlike its default and unlike its neighbours, so that a renamed, dropped or
+swapped field changes the encoded bytes. The samples form a valid history when folded in the order
+of ``HISTORY`` (the golden snapshot is that history's state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.events import (
+    ApproxBlocksBooked,
+    ApproxBlocksExpired,
+    Event,
+    KvClearedOp,
+    KvIndexed,
+    KvRemovedOp,
+    KvStoredOp,
+    KvStreamReset,
+    OutputBlockAdded,
+    PrefillCompleted,
+    RequestAdded,
+    RequestFreed,
+    RequestsExpired,
+    WorkerRegistered,
+    WorkerRemoved,
+    WorkerUnregistered,
+    WorkerUpserted,
+)
+from kvrouter.actors.core.ids import ScopeKey
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+RECORDS = GOLDEN / "records"
+SNAPSHOTS = GOLDEN / "snapshots"
+
+SCOPE = ScopeKey("golden-model", "golden-tenant")
+SNAPSHOT_LSN = 4242
+
+SAMPLES: dict[str, Event] = {
+    "worker_registered": WorkerRegistered(worker_id=7, block_size=16, dp_start=2, dp_size=3),
+    "request_added": RequestAdded(
+        request_id="req-a",
+        worker_id=7,
+        dp_rank=3,
+        sequence_hashes=(11, 2**64 - 5, 13),
+        prefill_tokens=48,
+        at=1_700_000_000_000_000_001,
+    ),
+    "output_block_added": OutputBlockAdded(request_id="req-a", decay_fraction=0.25),
+    "prefill_completed": PrefillCompleted(request_id="req-a"),
+    "request_freed": RequestFreed(request_id="req-b"),
+    "requests_expired": RequestsExpired(request_ids=("req-c", "req-d"), at=1_700_000_000_000_000_002),
+    "worker_unregistered": WorkerUnregistered(worker_id=8),
+    "worker_upserted": WorkerUpserted(
+        record=WorkerRecord(
+            worker_id=9,
+            model_name="golden-model",
+            tenant_id="golden-tenant",
+            endpoint="http://10.0.0.9:8000",
+            kv_events_endpoint="tcp://10.0.0.9:5557",
+            kv_events_endpoints=((0, "tcp://10.0.0.9:5557"), (1, "tcp://10.0.0.9:5558")),
+            replay_endpoint="tcp://10.0.0.9:5560",
+            block_size=32,
+            data_parallel_start_rank=0,
+            data_parallel_size=2,
+            max_num_batched_tokens=8192,
+            total_kv_blocks=4096,
+            stable_routing_id="stable-9",
+            is_eagle=True,
+            taints=("gpu-old", "spot"),
+            topology_domains=(("rack", "r1"), ("zone", "z2")),
+            kv_transfer_domain="nvlink-a",
+            kv_transfer_enforcement="prefer",
+            kv_transfer_preferred_weight=0.75,
+        ),
+        partition_block_size=32,
+    ),
+    "kv_indexed": KvIndexed(
+        worker_id=9,
+        dp_rank=1,
+        stream_rank=0,
+        seq=17,
+        ops=(
+            KvStoredOp(tier=0, parent_hash=None, blocks=((101, 201), (102, 202))),
+            KvStoredOp(tier=1, parent_hash=102, blocks=((103, 203),)),
+            KvRemovedOp(tier=1, block_hashes=(103,)),
+            KvClearedOp(),
+        ),
+    ),
+    "kv_stream_reset": KvStreamReset(worker_id=9, dp_rank=1),
+    "approx_blocks_booked": ApproxBlocksBooked(
+        worker_id=9, dp_rank=0, blocks=((301, 401), (302, 402)), expires_at=1_700_000_000_000_000_003
+    ),
+    "approx_blocks_expired": ApproxBlocksExpired(worker_id=9, dp_rank=0, block_hashes=(302,)),
+    "worker_removed": WorkerRemoved(worker_id=10),
+}
+
+
+def record_path(tag: str, version: int) -> Path:
+    return RECORDS / f"{tag}.v{version}.json"
+
+
+def snapshot_path(version: int) -> Path:
+    return SNAPSHOTS / f"snapshot.v{version}.json"
+
+
+SELECTION_SCOPE = ScopeKey("golden-model", "selection-tenant")
+_AT = 1_700_000_000_000_000_000
+_WORKER_9 = SAMPLES["worker_upserted"].record  # type: ignore[attr-defined]
+
+# A valid history per scope (slot tracker and selection service), folded into the golden snapshot's state.
+HISTORY: dict[ScopeKey, tuple[Event, ...]] = {
+    SCOPE: (
+        WorkerRegistered(worker_id=7, block_size=16, dp_start=2, dp_size=3),
+        WorkerRegistered(worker_id=8, block_size=16, dp_start=0, dp_size=1),
+        SAMPLES["request_added"],
+        RequestAdded("req-b", worker_id=7, dp_rank=2, sequence_hashes=(11, 12), prefill_tokens=20, at=_AT + 5),
+        RequestAdded("req-c", worker_id=8, dp_rank=0, sequence_hashes=(21,), prefill_tokens=5, at=_AT + 6),
+        RequestAdded("req-d", worker_id=7, dp_rank=4, sequence_hashes=(31, 32), prefill_tokens=9, at=_AT + 7),
+        SAMPLES["output_block_added"],
+        OutputBlockAdded(request_id="req-a", decay_fraction=None),
+        PrefillCompleted(request_id="req-b"),
+        RequestFreed(request_id="req-d"),
+        RequestsExpired(request_ids=("req-c",), at=_AT + 9),
+        WorkerUnregistered(worker_id=8),
+    ),
+    SELECTION_SCOPE: (
+        WorkerUpserted(record=attrs.evolve(_WORKER_9, tenant_id="selection-tenant"), partition_block_size=32),
+        SAMPLES["kv_indexed"],
+        KvIndexed(
+            worker_id=9,
+            dp_rank=1,
+            stream_rank=1,
+            seq=18,
+            ops=(KvStoredOp(tier=0, parent_hash=None, blocks=((501, 601), (502, 602))),),
+        ),
+        SAMPLES["approx_blocks_booked"],
+        ApproxBlocksBooked(worker_id=9, dp_rank=0, blocks=((303, 403),), expires_at=_AT + 11),
+        SAMPLES["approx_blocks_expired"],
+        WorkerUpserted(
+            record=WorkerRecord(worker_id=10, tenant_id="selection-tenant", block_size=32), partition_block_size=32
+        ),
+        SAMPLES["worker_removed"],
+    ),
+}
