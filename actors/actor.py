@@ -24,7 +24,7 @@ from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Envelope
 from kvrouter.actors.pending import PendingSelections
-from kvrouter.journal.codec import encode_record
+from kvrouter.actors.persistence.codec import encode_record
 
 if TYPE_CHECKING:
     from kvrouter.actors.system import ActorSystem

@@ -11,7 +11,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 import trio
 
 from kvrouter.actors.actor import ScopeActor
@@ -22,8 +21,8 @@ from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, Overloaded
+from kvrouter.actors.persistence.snapshots import encode_snapshot
 from kvrouter.actors.ports import Clock
-from kvrouter.journal.codec import digest
 from kvrouter.journal.store import Journal, Snapshot
 
 log = logging.getLogger("kvrouter.actors")
@@ -189,7 +188,3 @@ class ActorSystem:
         self.snapshots_taken += 1
         log.info("snapshot at lsn %d: %d scopes, %d bytes", lsn, len(scopes), len(payload))
         return snapshot
-
-
-def encode_snapshot(lsn: int, scopes: list[dict[str, Any]]) -> bytes:
-    return orjson.dumps({"v": 1, "lsn": lsn, "state_hash": digest(scopes), "scopes": scopes})

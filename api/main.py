@@ -21,6 +21,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import WallClock
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.app import make_app
@@ -29,7 +30,6 @@ from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
 from kvrouter.api.server import hypercorn_config, serve_http
 from kvrouter.journal.file import FileJournal
-from kvrouter.journal.recovery import recover
 from kvrouter.journal.store import DataDirectoryInUse, Durability
 
 log = logging.getLogger("kvrouter")

@@ -16,7 +16,7 @@ from cattrs.errors import AttributeValidationNote
 
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK, ScopeKey
 from kvrouter.api.http import HttpError
-from kvrouter.journal.codec import U32, U64, USize, WireTypeError, _json_kind, make_converter
+from kvrouter.api.wire import U32, U64, USize, WireTypeError, json_kind, make_strict_converter
 
 DEFAULT_TENANT = "default"
 
@@ -34,13 +34,13 @@ class HashListError(WireTypeError):
 
 def _structure_hashes(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
-        raise WireTypeError(f"invalid type: {_json_kind(value)}, expected an array of signed 64-bit sequence hashes")
+        raise WireTypeError(f"invalid type: {json_kind(value)}, expected an array of signed 64-bit sequence hashes")
     if value and (set(map(type, value)) != {int} or min(value) < I64_MIN or max(value) > I64_MAX):
         for index, h in enumerate(value):  # name the first bad element, as serde does
             if type(h) is not int:
-                raise HashListError(index, f"invalid type: {_json_kind(h)}, expected i64")
+                raise HashListError(index, f"invalid type: {json_kind(h)}, expected i64")
             if not I64_MIN <= h <= I64_MAX:
-                raise HashListError(index, f"invalid value: {_json_kind(h)}, expected i64")
+                raise HashListError(index, f"invalid value: {json_kind(h)}, expected i64")
     return tuple([h & U64_MASK for h in value])
 
 
@@ -106,7 +106,7 @@ class PotentialLoadsBody(Scoped):
     routing_group: str = attrs.field(default=None)
 
 
-API_CONVERTER = make_converter(strict=True)
+API_CONVERTER = make_strict_converter()
 API_CONVERTER.register_structure_hook(SequenceHashes, _structure_hashes)
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ def parse(cls: type[T], value: Any) -> T:
     if hook is None:
         hook = _HOOKS[cls] = API_CONVERTER.get_structure_hook(cls)
     if type(value) is not dict:
-        raise HttpError(422, _deserialize_failed(f"invalid type: {_json_kind(value)}, expected a JSON object"))
+        raise HttpError(422, _deserialize_failed(f"invalid type: {json_kind(value)}, expected a JSON object"))
     try:
         return hook(value, cls)  # type: ignore[no-any-return]
     except Exception as exc:  # cattrs raises ExceptionGroups; turn them into one readable line

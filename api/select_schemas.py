@@ -21,19 +21,17 @@ from kvrouter.api.schemas import (
     DEFAULT_TENANT,
     HashListError,
     SequenceHashes,
-    WireTypeError,
     _deserialize_failed,
-    _json_kind,
     parse,
 )
-from kvrouter.journal.codec import U32, U64, USize
+from kvrouter.api.wire import U32, U64, USize, WireTypeError, json_kind
 
 TokenIds = NewType("TokenIds", tuple)
 
 
 def _structure_tokens(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
-        raise WireTypeError(f"invalid type: {_json_kind(value)}, expected a sequence")
+        raise WireTypeError(f"invalid type: {json_kind(value)}, expected a sequence")
     # Prompts run to thousands of tokens: check types and range with C-level passes (array('I')
     # refuses floats, strings and anything outside u32; bools need the type scan), and walk element
     # by element only to name the first bad one.
@@ -45,9 +43,9 @@ def _structure_tokens(value: Any, _: Any = None) -> tuple[int, ...]:
     if not valid:
         for index, token in enumerate(value):
             if type(token) is not int:
-                raise HashListError(index, f"invalid type: {_json_kind(token)}, expected u32")
+                raise HashListError(index, f"invalid type: {json_kind(token)}, expected u32")
             if not 0 <= token <= U32_MAX:
-                raise HashListError(index, f"invalid value: {_json_kind(token)}, expected u32")
+                raise HashListError(index, f"invalid value: {json_kind(token)}, expected u32")
     return tuple(value)
 
 
@@ -123,7 +121,7 @@ class WorkerBody:
 def patched_record(current: WorkerRecord, changes: Any) -> WorkerRecord:
     """PATCH: supplied fields replace the record's (maps and lists wholesale), then re-validate."""
     if type(changes) is not dict:
-        raise HttpError(422, _deserialize_failed(f"invalid type: {_json_kind(changes)}, expected a JSON object"))
+        raise HttpError(422, _deserialize_failed(f"invalid type: {json_kind(changes)}, expected a JSON object"))
     plain = current.to_plain()
     plain["kv_events_endpoints"] = (
         None if current.kv_events_endpoints is None else {str(r): e for r, e in current.kv_events_endpoints}

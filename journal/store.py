@@ -1,8 +1,9 @@
 """The journal contract shared by the file journal (production) and the memory journal (simulations).
 
-The journal knows nothing about the domain: it stores opaque payloads under a global, gap-free
-log sequence number (LSN) and one opaque snapshot payload. The domain codec lives in
-``journal/codec.py``; recovery (snapshot + fold of the tail) lives in ``journal/recovery.py``.
+The journal knows nothing about the domain (it imports nothing from ``actors`` or ``api``): it stores
+opaque payloads under a global, gap-free log sequence number (LSN) and opaque snapshot payloads. The
+domain's codec, snapshot encoding and recovery (snapshot + fold of the tail) live in
+``actors/persistence/``.
 
 Appending is synchronous (it only assigns the LSN and buffers the bytes) so that an actor can
 append and apply its events without an await in between. Durability is awaited separately with

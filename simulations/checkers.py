@@ -7,8 +7,8 @@ import hashlib
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.invariants import check
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.journal.codec import digest
-from kvrouter.journal.recovery import recover
+from kvrouter.actors.persistence.codec import digest
+from kvrouter.actors.persistence.recovery import recover
 from kvrouter.journal.store import Journal
 
 

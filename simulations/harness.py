@@ -14,10 +14,10 @@ import trio
 import trio.testing
 
 from kvrouter.actors.core.decisions import Accepted
+from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.memory import MemoryJournal
-from kvrouter.journal.recovery import recover
 from kvrouter.simulations.checkers import invariant_failures, journal_digest, replay_mismatch, states_digest
 from kvrouter.simulations.workload import WorkloadOptions, trace
 

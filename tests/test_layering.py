@@ -1,4 +1,5 @@
-"""The core stays pure: no I/O, clock, randomness, logging or trio; no unbounded channels anywhere."""
+"""Layers: the core stays pure (no I/O, clock, randomness, logging or trio); the journal is a generic log
+of bytes that knows nothing of the domain or the API; no unbounded channels anywhere."""
 
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def test_core_imports_nothing_impure() -> None:
     core_files = sorted((ROOT / "actors" / "core").rglob("*.py"))
     assert core_files
     offenders = {str(p.relative_to(ROOT)): sorted(imported_modules(p) & FORBIDDEN_IN_CORE) for p in core_files}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_journal_imports_neither_the_domain_nor_the_api() -> None:
+    journal_files = sorted((ROOT / "journal").rglob("*.py"))
+    assert journal_files
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(imported_modules(p) & {"actors", "api", "simulations"}) for p in journal_files
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_domains_persistence_does_not_reach_up_into_the_api() -> None:
+    files = sorted((ROOT / "actors" / "persistence").rglob("*.py"))
+    assert files
+    offenders = {str(p.relative_to(ROOT)): sorted(imported_modules(p) & {"api", "simulations"}) for p in files}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 

@@ -9,10 +9,10 @@ import trio
 
 from kvrouter.actors.core.commands import AddRequest, FreeRequest, RegisterWorker
 from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import WallClock
 from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.file import FileJournal
-from kvrouter.journal.recovery import recover
 from kvrouter.journal.store import Durability
 from kvrouter.simulations.checkers import states_digest
 

@@ -20,7 +20,7 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.invariants import check
 from kvrouter.actors.core.queries import loads
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.journal.codec import decode_record, digest, encode_record
+from kvrouter.actors.persistence.codec import decode_record, digest, encode_record
 
 SCOPE = ScopeKey("m", "t")
 request_ids = st.sampled_from([f"r{i}" for i in range(8)])

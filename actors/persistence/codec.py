@@ -1,0 +1,178 @@
+"""Journal records: the domain's events as bytes, versioned, and read back from any older version.
+
+A record is JSON (orjson)::
+
+    {"v": 1, "scope": [model, tenant], "events": [{"type": tag, ...fields}, ...]}
+
+``v`` is the record format version (``RECORD_VERSION``); records written before versions existed
+have no ``v`` and are version 0 (the same layout otherwise). Event tags come from ``EVENT_TAGS``, so
+renaming a class never orphans a journal; renaming a *field* changes the format, and the golden files
+in ``tests/persistence/golden`` fail until the change is made deliberately, like this:
+
+1. bump ``RECORD_VERSION`` to N+1;
+2. register one upcaster per event whose shape changed, turning its version-N fields into N+1::
+
+       @event_upcaster("request_added", from_version=N)
+       def _request_added_vN_to_vN1(fields: dict[str, Any]) -> dict[str, Any]:
+           fields["prompt_tokens"] = fields.pop("prefill_tokens")
+           return fields
+
+   (events without an upcaster for a step are unchanged by it);
+3. write the new golden files (``python tests/persistence/make_goldens.py``). The old ones stay: they
+   are how the tests prove old journals still decode.
+
+The journal converter is built whole by ``make_journal_converter`` (never derived from the API's with
+``Converter.copy()``, ARCHITECTURE.md pitfall 3.5.1) with ``detailed_validation=False``: replay is the
+hot path and the data is our own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any, Final
+
+import attrs
+import cattrs
+import orjson
+from cattrs.strategies import configure_tagged_union
+
+from kvrouter.actors.core.events import EVENT_TAGS, KV_OP_TAGS, Event, KvOp
+from kvrouter.actors.core.ids import ScopeKey
+
+RECORD_VERSION: Final = 1
+
+EventUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
+# (event tag, version it reads) -> a function turning that event's fields into the next version's.
+EVENT_UPCASTERS: dict[tuple[str, int], EventUpcaster] = {}
+_KNOWN_TAGS: Final = frozenset(EVENT_TAGS.values())
+
+
+def event_upcaster(tag: str, *, from_version: int) -> Callable[[EventUpcaster], EventUpcaster]:
+    """Register ``fn`` as the step from ``from_version`` to ``from_version + 1`` for events tagged ``tag``."""
+
+    def register(fn: EventUpcaster) -> EventUpcaster:
+        if not 0 <= from_version < RECORD_VERSION:
+            raise ValueError(f"an upcaster from version {from_version} must read a version below {RECORD_VERSION}")
+        if (tag, from_version) in EVENT_UPCASTERS:
+            raise ValueError(f"two upcasters for {tag!r} from version {from_version}")
+        EVENT_UPCASTERS[(tag, from_version)] = fn
+        return fn
+
+    return register
+
+
+class RecordFormatError(ValueError):
+    """A record this build cannot decode; the message says what is wrong with it."""
+
+
+def _is_int_tuple(cls: Any) -> bool:
+    return cls in (tuple[int, ...], tuple[tuple[int, int], ...])
+
+
+def make_journal_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=False, detailed_validation=False)
+    # orjson writes tuples as arrays: hand hash tuples (the bulk of every record) over untouched
+    # instead of rebuilding them element by element.
+    converter.register_unstructure_hook_func(_is_int_tuple, lambda value: value)
+    configure_tagged_union(KvOp, converter, tag_name="op", tag_generator=KV_OP_TAGS.__getitem__)
+    configure_tagged_union(Event, converter, tag_name="type", tag_generator=EVENT_TAGS.__getitem__)
+    # Warm the generated hooks so the first request does not pay for code generation.
+    converter.get_structure_hook(Event)
+    converter.get_unstructure_hook(Event)
+    return converter
+
+
+JOURNAL_CONVERTER: Final = make_journal_converter()
+_unstructure_event = JOURNAL_CONVERTER.get_unstructure_hook(Event)
+_structure_event = JOURNAL_CONVERTER.get_structure_hook(Event)
+
+
+@attrs.frozen
+class JournalRecord:
+    scope: ScopeKey
+    events: tuple[Event, ...]
+
+
+def encode_record(scope: ScopeKey, events: tuple[Event, ...]) -> bytes:
+    return orjson.dumps(
+        {"v": RECORD_VERSION, "scope": [scope[0], scope[1]], "events": [_unstructure_event(e) for e in events]}
+    )
+
+
+def decode_record(payload: bytes) -> JournalRecord:
+    """Decode a record of any version up to ``RECORD_VERSION``; ``RecordFormatError`` says why not."""
+    try:
+        data = orjson.loads(payload)
+        version = data.get("v", 0)
+        model, tenant = data["scope"]
+        raw_events = data["events"]
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise RecordFormatError(f"not a journal record ({_summary(exc)}): {_head(payload)}") from exc
+    if version != RECORD_VERSION:
+        raw_events = _upcast_events(raw_events, version)
+    try:
+        events = tuple([_structure_event(fields, Event) for fields in raw_events])
+    except Exception:
+        _raise_first_bad_event(raw_events)
+        raise
+    return JournalRecord(ScopeKey(model, tenant), events)
+
+
+def upcast_event(fields: dict[str, Any], version: int) -> dict[str, Any]:
+    """Bring one event's raw fields from ``version`` to ``RECORD_VERSION``, step by step."""
+    for step in range(version, RECORD_VERSION):
+        upcaster = EVENT_UPCASTERS.get((fields.get("type"), step))  # type: ignore[arg-type]
+        if upcaster is not None:
+            fields = upcaster(fields)
+    return fields
+
+
+def _upcast_events(raw_events: Any, version: Any) -> list[dict[str, Any]]:
+    if type(version) is not int or version < 0:
+        raise RecordFormatError(f"invalid record format version {version!r}")
+    if version > RECORD_VERSION:
+        raise RecordFormatError(
+            f"record format version {version} is newer than this build reads (up to {RECORD_VERSION}): "
+            "run the kvrouter version that wrote it, or a newer one"
+        )
+    if type(raw_events) is not list or not all(type(e) is dict for e in raw_events):
+        raise RecordFormatError("the record's events are not a list of JSON objects")
+    return [upcast_event(fields, version) for fields in raw_events]
+
+
+def _raise_first_bad_event(raw_events: Any) -> None:
+    """Structuring failed somewhere: name the first event that does not decode, and why."""
+    if type(raw_events) is not list:
+        raise RecordFormatError("the record's events are not a list")
+    for index, fields in enumerate(raw_events):
+        if type(fields) is not dict:
+            raise RecordFormatError(f"event {index} is not a JSON object")
+        tag = fields.get("type")
+        if tag is None:
+            raise RecordFormatError(f'event {index} has no "type" tag')
+        if tag not in _KNOWN_TAGS:
+            raise RecordFormatError(f"event {index} has an unknown event tag {tag!r}")
+        try:
+            _structure_event(fields, Event)
+        except KeyError as exc:
+            raise RecordFormatError(f"event {index} ({tag}): missing field or unknown tag {exc.args[0]!r}") from exc
+        except Exception as exc:
+            raise RecordFormatError(f"event {index} ({tag}): {_summary(exc)}") from exc
+
+
+def _summary(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _head(payload: bytes, limit: int = 48) -> str:
+    return repr(bytes(payload[:limit])) + ("..." if len(payload) > limit else "")
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """Canonical JSON (sorted keys) for hashing: equal states give equal bytes in any process."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(canonical_bytes(value)).hexdigest()

@@ -1,0 +1,128 @@
+"""Snapshots: every scope's state as one versioned document, and read back from older versions.
+
+A snapshot payload is JSON::
+
+    {"v": 1, "lsn": lsn, "state_hash": sha256 of the canonical scopes, "scopes": [ScopeState.to_snapshot(), ...]}
+
+To change the layout (say, ScopeState splits in two): bump ``SNAPSHOT_VERSION`` to N+1 and write ONE
+function that turns a version-N document into an N+1 document, registered for its version::
+
+    @snapshot_upcaster(from_version=N)
+    def _scopes_vN_to_vN1(document: dict[str, Any]) -> dict[str, Any]:
+        document["scopes"] = [split(scope) for scope in document["scopes"]]
+        return document
+
+then add the new golden snapshot (``python tests/persistence/make_goldens.py``). The upcaster only
+rewrites the document's ``scopes`` (and whatever else changed); ``v`` is advanced for it, and the
+state hash is checked against the bytes as stored, before any upcaster ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import orjson
+
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.persistence.codec import digest
+from kvrouter.journal.store import CorruptJournal
+
+SNAPSHOT_VERSION: Final = 1
+
+SnapshotUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
+# version it reads -> a function turning that version's document into the next version's.
+SNAPSHOT_UPCASTERS: dict[int, SnapshotUpcaster] = {}
+
+_RESTORE_HINT: Final = (
+    "start with --fresh to discard the data directory, or restore it from a backup "
+    "(if a newer kvrouter wrote it, run that one instead)"
+)
+
+
+def snapshot_upcaster(*, from_version: int) -> Callable[[SnapshotUpcaster], SnapshotUpcaster]:
+    """Register ``fn`` as the step from snapshot version ``from_version`` to ``from_version + 1``."""
+
+    def register(fn: SnapshotUpcaster) -> SnapshotUpcaster:
+        if not 1 <= from_version < SNAPSHOT_VERSION:
+            raise ValueError(f"a snapshot upcaster must read a version in 1..{SNAPSHOT_VERSION - 1}")
+        if from_version in SNAPSHOT_UPCASTERS:
+            raise ValueError(f"two snapshot upcasters from version {from_version}")
+        SNAPSHOT_UPCASTERS[from_version] = fn
+        return fn
+
+    return register
+
+
+class UnreadableSnapshot(CorruptJournal):
+    """A snapshot whose checksum is fine but whose content does not restore."""
+
+    def __init__(self, lsn: int | None, problem: str) -> None:
+        self.lsn = lsn
+        self.problem = problem
+        where = f"at lsn {lsn}" if lsn is not None else "(lsn unknown)"
+        super().__init__(f"snapshot {where} cannot be restored: {problem}; {_RESTORE_HINT}")
+
+
+def encode_snapshot(lsn: int, scopes: list[dict[str, Any]]) -> bytes:
+    """``scopes`` are ``ScopeState.to_snapshot()`` copies, sorted by scope."""
+    return orjson.dumps({"v": SNAPSHOT_VERSION, "lsn": lsn, "state_hash": digest(scopes), "scopes": scopes})
+
+
+def restore_snapshot(payload: bytes) -> dict[ScopeKey, ScopeState]:
+    """The states a snapshot payload of any version up to ``SNAPSHOT_VERSION`` holds.
+
+    Restoring must reproduce the recorded state hash, which catches drift between ``to_snapshot`` and
+    ``from_snapshot`` before the service serves a single request.
+    """
+    document = _load(payload)
+    lsn = document.get("lsn")
+    expected_hash = document.get("state_hash")
+    if document["v"] != SNAPSHOT_VERSION:
+        if digest(document["scopes"]) != expected_hash:
+            raise UnreadableSnapshot(lsn, "its scopes do not match its recorded state hash")
+        document = upcast_snapshot(document)
+        expected_hash = digest(document["scopes"])  # what restoring the upcast scopes must reproduce
+    try:
+        states = {}
+        for data in document["scopes"]:
+            state = ScopeState.from_snapshot(data)
+            states[state.scope] = state
+    except Exception as exc:
+        raise UnreadableSnapshot(lsn, f"a scope does not restore ({type(exc).__name__}: {exc})") from exc
+    restored = digest([s.to_snapshot() for s in sorted(states.values(), key=lambda s: s.scope)])
+    if restored != expected_hash:
+        raise UnreadableSnapshot(lsn, "it does not restore to its recorded state hash")
+    return states
+
+
+def upcast_snapshot(document: dict[str, Any]) -> dict[str, Any]:
+    """Bring a snapshot document to ``SNAPSHOT_VERSION`` through every upcaster from its version."""
+    version = document["v"]
+    while version < SNAPSHOT_VERSION:
+        upcaster = SNAPSHOT_UPCASTERS.get(version)
+        if upcaster is None:
+            raise UnreadableSnapshot(document.get("lsn"), f"no upcaster reads snapshot format version {version}")
+        document = upcaster(document)
+        version += 1
+        document["v"] = version
+    return document
+
+
+def _load(payload: bytes) -> dict[str, Any]:
+    try:
+        document = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise UnreadableSnapshot(None, f"not JSON ({exc})") from exc
+    if type(document) is not dict or not {"v", "scopes", "state_hash"} <= document.keys():
+        raise UnreadableSnapshot(None, 'not a snapshot document (it needs "v", "state_hash" and "scopes")')
+    version = document["v"]
+    if type(version) is not int or version < 1:
+        raise UnreadableSnapshot(document.get("lsn"), f"invalid snapshot format version {version!r}")
+    if version > SNAPSHOT_VERSION:
+        raise UnreadableSnapshot(
+            document.get("lsn"),
+            f"snapshot format version {version} is newer than this build reads ({SNAPSHOT_VERSION})",
+        )
+    return document
