@@ -31,7 +31,9 @@ from kvrouter.actors.core.events import (
     WorkerUnregistered,
     WorkerUpserted,
 )
+from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.state import ScopeState
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 RECORDS = GOLDEN / "records"
@@ -147,3 +149,8 @@ HISTORY: dict[ScopeKey, tuple[Event, ...]] = {
         SAMPLES["worker_removed"],
     ),
 }
+
+
+def sample_states() -> list[ScopeState]:
+    """``HISTORY`` folded, one state per scope, sorted by scope (the order snapshots use)."""
+    return sorted((fold(ScopeState(scope), events) for scope, events in HISTORY.items()), key=lambda s: s.scope)

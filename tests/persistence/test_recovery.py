@@ -1,0 +1,140 @@
+"""Recovery: old journals still recover, and a record it cannot use stops it with a named, one-line error."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import orjson
+import pytest
+import trio
+from golden_samples import HISTORY, SNAPSHOT_LSN, record_path, sample_states, snapshot_path
+
+from kvrouter.actors.core.events import EVENT_TAGS, PrefillCompleted
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.persistence.codec import digest, encode_record
+from kvrouter.actors.persistence.recovery import (
+    PoisonRecord,
+    RecordDoesNotApply,
+    UndecodableRecord,
+    recover,
+)
+from kvrouter.actors.persistence.snapshots import UnreadableSnapshot
+from kvrouter.api.cli import main as cli_main
+from kvrouter.journal.file import FileJournal
+from kvrouter.journal.memory import MemoryJournal
+from kvrouter.journal.store import CorruptJournal, Durability, Snapshot
+
+
+def history_records() -> list[bytes]:
+    return [encode_record(scope, (event,)) for scope, events in HISTORY.items() for event in events]
+
+
+def states_digest(states: dict[ScopeKey, object]) -> str:
+    return digest([states[scope].to_snapshot() for scope in sorted(states)])  # type: ignore[attr-defined]
+
+
+def memory_journal(payloads: list[bytes], snapshot: Snapshot | None = None) -> MemoryJournal:
+    journal = MemoryJournal()
+    for payload in payloads:
+        journal.append(payload)
+    if snapshot is not None:
+        trio.run(journal.write_snapshot, snapshot)
+    return journal
+
+
+def test_a_journal_of_version_zero_records_recovers_like_a_current_one() -> None:
+    """Records written before format versions existed (no "v") still recover, through the upcasters."""
+    v0_payloads = []
+    for scope, events in HISTORY.items():
+        for event in events:
+            v1 = orjson.loads(encode_record(scope, (event,)))
+            del v1["v"]
+            v0_payloads.append(orjson.dumps(v1))
+    assert orjson.loads(record_path("request_added", 0).read_bytes()).keys() == {"scope", "events"}
+
+    old = recover(memory_journal(v0_payloads))
+    new = recover(memory_journal(history_records()))
+
+    expected = {state.scope: state for state in sample_states()}
+    assert states_digest(old.states) == states_digest(new.states) == states_digest(expected)
+
+
+def test_recovery_starts_from_the_golden_snapshot() -> None:
+    payload = snapshot_path(1).read_bytes()
+    journal = memory_journal([b"covered by the snapshot"] * SNAPSHOT_LSN, Snapshot(SNAPSHOT_LSN, payload))
+    recovered = recover(journal)
+    assert (recovered.snapshot_lsn, recovered.replayed_records) == (SNAPSHOT_LSN, 0)
+    assert states_digest(recovered.states) == states_digest({s.scope: s for s in sample_states()})
+
+
+@pytest.mark.parametrize(
+    ("poison", "problem"),
+    [
+        (b'{"v":1,"scope":["m","t"],"events":[{"type":"teleported","worker_id":1}]}', "unknown event tag 'teleported'"),
+        (b'{"v":9,"scope":["m","t"],"events":[]}', "record format version 9 is newer than this build reads"),
+        (b"\xff\xfe not json", "not a journal record"),
+    ],
+    ids=["unknown-tag", "newer-version", "not-json"],
+)
+def test_an_undecodable_record_stops_recovery_naming_its_lsn(poison: bytes, problem: str) -> None:
+    payloads = history_records()[:3]
+    journal = memory_journal([*payloads, poison, *payloads])
+
+    with pytest.raises(UndecodableRecord) as raised:
+        recover(journal)
+
+    error = raised.value
+    assert isinstance(error, PoisonRecord) and isinstance(error, CorruptJournal)  # the CLI's exit-2 family
+    assert error.lsn == 4 and problem in error.problem
+    message = str(error)
+    assert message.startswith("journal record at lsn 4 cannot be decoded: ") and "\n" not in message
+    assert "truncate the journal after lsn 3" in message and "backup" in message
+
+
+def test_an_event_that_does_not_apply_stops_recovery_naming_its_lsn() -> None:
+    scope = next(iter(HISTORY))
+    records = history_records()[:3]  # two workers and request req-a on the slot tracker scope
+    poison = encode_record(scope, (PrefillCompleted("never-added"),))
+    journal = memory_journal([*records, poison])
+
+    with pytest.raises(RecordDoesNotApply) as raised:
+        recover(journal)
+
+    error = raised.value
+    assert error.lsn == 4
+    assert error.problem.startswith(f"event 0 ({EVENT_TAGS[PrefillCompleted]}) of {scope.describe()} raised KeyError")
+    assert str(error).startswith("journal record at lsn 4 cannot be applied: ")
+
+
+def test_a_snapshot_that_does_not_restore_stops_recovery_naming_its_lsn() -> None:
+    document = orjson.loads(snapshot_path(1).read_bytes())
+    document["state_hash"] = "f" * 64
+    journal = memory_journal([b"x"] * SNAPSHOT_LSN, Snapshot(SNAPSHOT_LSN, orjson.dumps(document)))
+    with pytest.raises(UnreadableSnapshot, match=f"snapshot at lsn {SNAPSHOT_LSN} cannot be restored"):
+        recover(journal)
+
+
+def test_the_cli_reports_a_poison_record_in_one_line_and_exits_2(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = FileJournal.open(tmp_path, Durability.ALWAYS)
+
+    async def write() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            for payload in [*history_records()[:2], b'{"v":1,"scope":["m","t"],"events":[{"type":"warp"}]}']:
+                journal.append(payload)
+            await journal.aclose()
+
+    trio.run(write)
+    caplog.set_level(logging.ERROR)
+
+    status = cli_main(["slot-tracker", "--data-dir", str(tmp_path), "--port", "0"])
+
+    assert status == 2
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    line = errors[0].getMessage()
+    assert line.startswith("cannot start: journal record at lsn 3 cannot be decoded: event 0 has an unknown event tag")
+    assert "\n" not in line
