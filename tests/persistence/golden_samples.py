@@ -2,7 +2,8 @@
 
 Every field holds a value unlike its default and unlike its neighbours, so that a renamed, dropped or
 swapped field changes the encoded bytes. The samples form a valid history when folded in the order
-of ``HISTORY`` (the golden snapshot is that history's state).
+of ``HISTORY`` (the golden snapshot is that history's state; ``golden/journals/history.v0.jsonl`` is
+that history as version-0 records, one per line, as builds before format versions wrote them).
 """
 
 from __future__ import annotations
