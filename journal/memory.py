@@ -12,6 +12,7 @@ from typing import final
 
 import trio
 
+from kvrouter.journal.group_commit import GroupCommit
 from kvrouter.journal.store import Snapshot, check_snapshot
 
 
@@ -22,7 +23,7 @@ class MemoryJournal:
     def __init__(self) -> None:
         self._records: list[bytes] = []
         self._first_lsn = 1  # the lsn of self._records[0]
-        self._last_lsn = 0
+        self._commit = GroupCommit()  # every append is its own batch, written at once
         self._snapshot: Snapshot | None = None
         self._bytes_since_snapshot = 0
         self._closed = trio.Event()
@@ -31,12 +32,12 @@ class MemoryJournal:
 
     @property
     def last_lsn(self) -> int:
-        return self._last_lsn
+        return self._commit.last_lsn
 
     @property
     def durable_lsn(self) -> int:
         # Nothing can be lost between append and a crash here: durable == appended.
-        return self._last_lsn
+        return self._commit.durable_lsn
 
     @property
     def bytes_since_snapshot(self) -> int:
@@ -45,15 +46,17 @@ class MemoryJournal:
 
     @property
     def records_since_snapshot(self) -> int:
-        return self._last_lsn - (self._snapshot.lsn if self._snapshot is not None else 0)
+        return self._commit.last_lsn - (self._snapshot.lsn if self._snapshot is not None else 0)
 
     def append(self, payload: bytes) -> int:
         if self._closed.is_set():
             raise trio.ClosedResourceError("the journal is closed")
         self._records.append(bytes(payload))
-        self._last_lsn += 1
+        commit = self._commit
+        lsn = commit.append(len(payload))
+        commit.batch_written(commit.take_batch())
         self._bytes_since_snapshot += len(payload)
-        return self._last_lsn
+        return lsn
 
     def has_room(self) -> bool:
         return True
@@ -62,13 +65,13 @@ class MemoryJournal:
         await trio.lowlevel.checkpoint()
 
     async def wait_durable(self, lsn: int) -> None:
-        if lsn > self._last_lsn:
-            raise ValueError(f"lsn {lsn} has not been appended (last_lsn is {self._last_lsn})")
+        if lsn > self._commit.last_lsn:
+            raise ValueError(f"lsn {lsn} has not been appended (last_lsn is {self._commit.last_lsn})")
         # Already durable; still checkpoint so a caller in a loop stays cancellable under sims.
         await trio.lowlevel.checkpoint()
 
     def call_when_durable(self, lsn: int, callback: Callable[[], None]) -> None:
-        callback()  # every append is durable at once
+        self._commit.call_when_durable(lsn, callback)  # every append is durable at once: calls it now
 
     def read(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
         start = max(after_lsn + 1, self._first_lsn)
@@ -80,7 +83,7 @@ class MemoryJournal:
         return self._snapshot
 
     async def write_snapshot(self, snapshot: Snapshot) -> None:
-        check_snapshot(snapshot, self._last_lsn, self._snapshot.lsn if self._snapshot is not None else None)
+        check_snapshot(snapshot, self._commit.last_lsn, self._snapshot.lsn if self._snapshot is not None else None)
         await trio.lowlevel.checkpoint()
         covered = snapshot.lsn - self._first_lsn + 1
         if covered > 0:
@@ -115,7 +118,7 @@ class MemoryJournal:
         copy = MemoryJournal()
         copy._records = list(self._records)
         copy._first_lsn = self._first_lsn
-        copy._last_lsn = self.durable_lsn
+        copy._commit = GroupCommit(self.durable_lsn)
         copy._snapshot = self._snapshot
         copy._bytes_since_snapshot = self._bytes_since_snapshot
         return copy

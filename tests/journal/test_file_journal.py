@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import trio
 
-import kvrouter.journal.file as file_module
-from kvrouter.journal.file import FileJournal, encode_frame, segment_name, snapshot_name
+import kvrouter.journal.segment_writer as segment_writer_module
+from kvrouter.journal.file import FileJournal
+from kvrouter.journal.frames import encode_frame
+from kvrouter.journal.layout import segment_name, snapshot_name
 from kvrouter.journal.store import CorruptJournal, Durability, Snapshot
 
 TIMEOUT = 10
@@ -92,12 +94,13 @@ def damage_last_payload(segment: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("damage", "kept", "torn_at"),
+    ("damage", "kept", "torn_at", "level"),
     [
-        (cut_inside_last_frame, 4, frame_offset(PAYLOADS, 4)),
-        (damage_last_payload, 4, frame_offset(PAYLOADS, 4)),
-        (append_zeros, 5, frame_offset(PAYLOADS, 5)),
-        (append_garbage, 5, frame_offset(PAYLOADS, 5)),
+        (cut_inside_last_frame, 4, frame_offset(PAYLOADS, 4), logging.WARNING),
+        # Whole, but its checksum fails: maybe an acknowledged record that rotted, so an ERROR.
+        (damage_last_payload, 4, frame_offset(PAYLOADS, 4), logging.ERROR),
+        (append_zeros, 5, frame_offset(PAYLOADS, 5), logging.WARNING),
+        (append_garbage, 5, frame_offset(PAYLOADS, 5), logging.WARNING),
     ],
     ids=["cut-mid-frame", "bad-crc-final-frame", "trailing-zeros", "trailing-garbage"],
 )
@@ -107,6 +110,7 @@ async def test_a_torn_tail_is_truncated_and_appends_continue(
     damage: Callable[[Path], None],
     kept: int,
     torn_at: int,
+    level: int,
 ) -> None:
     await fill(tmp_path, PAYLOADS)
     (segment,) = segment_files(tmp_path)
@@ -115,8 +119,12 @@ async def test_a_torn_tail_is_truncated_and_appends_continue(
 
     journal = FileJournal.open(tmp_path, Durability.ALWAYS)
 
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(segment.name in m and f"offset {torn_at}" in m for m in warnings), warnings
+    (logged,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert logged.levelno == level
+    message = logged.getMessage()
+    assert segment.name in message and f"offset {torn_at}" in message, message
+    if level == logging.ERROR:
+        assert f"lsn {kept + 1}" in message
     assert segment.stat().st_size == torn_at  # the tail is gone from the file, not just skipped
     assert journal.last_lsn == journal.durable_lsn == kept
     assert records(journal) == list(enumerate(PAYLOADS, 1))[:kept]
@@ -209,14 +217,46 @@ async def test_an_unreadable_latest_snapshot_falls_back_to_the_previous_one(
     assert any(newer.name in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
 
 
-async def test_an_unreadable_snapshot_without_the_log_it_replaced_is_fatal(tmp_path: Path) -> None:
+async def test_an_unreadable_newest_snapshot_falls_back_to_the_previous_one_kept_by_compaction(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    payloads = [f"record {i}".encode() for i in range(1, 8)]
+    async with running(tmp_path) as journal:
+        for payload in payloads[:3]:
+            journal.append(payload)
+        await journal.write_snapshot(Snapshot(3, b"state@3"))
+        for payload in payloads[3:5]:
+            journal.append(payload)
+        await journal.write_snapshot(Snapshot(5, b"state@5"))
+        for payload in payloads[5:]:
+            journal.append(payload)
+    assert snapshot_files(tmp_path) == [snapshot_name(3), snapshot_name(5)]
+    assert segment_files(tmp_path)[0].name == segment_name(4)  # lsns 1..3 exist only in snapshot 3
+    newest = tmp_path / snapshot_name(5)
+    flip_byte(newest, 18)  # bit rot in the newest snapshot
+    caplog.set_level(logging.WARNING, logger="kvrouter.journal")
+
+    async with running(tmp_path) as journal:
+        assert journal.latest_snapshot() == Snapshot(3, b"state@3")
+        assert records(journal) == list(enumerate(payloads, 1))[3:]
+        assert journal.last_lsn == 7
+        assert any(newest.name in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+        journal.append(b"record 8")
+        await journal.wait_durable(8)
+        await journal.write_snapshot(Snapshot(8, b"state@8"))
+        assert snapshot_files(tmp_path) == [snapshot_name(3), snapshot_name(8)]  # the rotten one is gone
+
+
+async def test_unreadable_snapshots_without_the_log_they_replaced_are_fatal(tmp_path: Path) -> None:
     async with running(tmp_path, segment_bytes=1) as journal:
         for payload in PAYLOADS:
             journal.append(payload)
+        await journal.write_snapshot(Snapshot(2, b"two"))
         await journal.write_snapshot(Snapshot(4, b"four"))
-    assert segment_files(tmp_path)[0].name == segment_name(5)  # lsns 1..4 exist only in the snapshot
+    assert segment_files(tmp_path)[0].name == segment_name(3)  # lsns 1..2 exist only in the snapshots
     only = tmp_path / snapshot_name(4)
     flip_byte(only, 18)
+    flip_byte(tmp_path / snapshot_name(2), 18)
     append_zeros(segment_files(tmp_path)[-1])  # a torn tail too: it must not be "repaired" either
     before = directory_contents(tmp_path)
 
@@ -225,25 +265,35 @@ async def test_an_unreadable_snapshot_without_the_log_it_replaced_is_fatal(tmp_p
     assert directory_contents(tmp_path) == before
 
 
-async def test_compaction_keeps_exactly_what_recovery_needs(tmp_path: Path) -> None:
+def first_lsns(path: Path) -> list[int]:
+    return [int(p.name[8:28]) for p in segment_files(path)]
+
+
+async def test_compaction_keeps_two_snapshots_and_the_log_after_the_older(tmp_path: Path) -> None:
     payloads = [f"{i:04d}".encode() * 5 for i in range(1, 31)]  # 20-byte payloads, 36-byte frames
     async with running(tmp_path, segment_bytes=100) as journal:  # two frames per segment
         for payload in payloads:
             journal.append(payload)
         await journal.write_snapshot(Snapshot(20, b"state@20"))
-        firsts = [int(p.name[8:28]) for p in segment_files(tmp_path)]
+        # The previous "snapshot" is the empty state: every record is still needed to fall back to it.
+        assert first_lsns(tmp_path)[0] == 1
+        assert snapshot_files(tmp_path) == [snapshot_name(20)]
+        await journal.write_snapshot(Snapshot(26, b"state@26"))
+        firsts = first_lsns(tmp_path)
         assert firsts[0] == 21  # [1,2] .. [19,20] are gone; nothing after lsn 20 is
         assert firsts == sorted(set(firsts)) and len(firsts) == journal.statistics().segments
-        assert snapshot_files(tmp_path) == [snapshot_name(20)]
+        assert snapshot_files(tmp_path) == [snapshot_name(20), snapshot_name(26)]
+        assert records(journal) == list(enumerate(payloads, 1))[26:]  # reads start at the newest
 
     async with running(tmp_path, segment_bytes=100) as journal:
-        assert journal.latest_snapshot() == Snapshot(20, b"state@20")
-        assert records(journal) == list(enumerate(payloads, 1))[20:]
+        assert journal.latest_snapshot() == Snapshot(26, b"state@26")
+        assert records(journal) == list(enumerate(payloads, 1))[26:]
         assert journal.last_lsn == 30
         journal.append(b"31")
         await journal.wait_durable(31)
         await journal.write_snapshot(Snapshot(30, b"state@30"))
-        assert snapshot_files(tmp_path) == [snapshot_name(30)]
+        assert snapshot_files(tmp_path) == [snapshot_name(26), snapshot_name(30)]
+        assert first_lsns(tmp_path)[0] == 27
         assert records(journal) == [(31, b"31")]
 
     async with running(tmp_path, segment_bytes=100) as journal:
@@ -421,7 +471,7 @@ async def test_a_write_error_stops_the_writer_for_good(
         calls.append(fd)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(file_module, "_write_all_at", failing_write)
+    monkeypatch.setattr(segment_writer_module, "write_all_at", failing_write)
     journal = FileJournal.open(tmp_path, Durability.ALWAYS)
     with trio.fail_after(TIMEOUT), pytest.RaisesGroup(pytest.RaisesExc(OSError, match="Input/output")):
         async with trio.open_nursery() as nursery:
