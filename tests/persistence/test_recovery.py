@@ -19,10 +19,12 @@ from kvrouter.actors.persistence.recovery import (
     UndecodableRecord,
     recover,
 )
-from kvrouter.actors.persistence.snapshots import UnreadableSnapshot
+from kvrouter.actors.persistence.snapshots import UnreadableSnapshot, encode_snapshot
 from kvrouter.api.cli import main as cli_main
 from kvrouter.journal.file import FileJournal
+from kvrouter.journal.layout import snapshot_name
 from kvrouter.journal.memory import MemoryJournal
+from kvrouter.journal.repair import RecordInfo, inspect_records, truncate_after
 from kvrouter.journal.store import CorruptJournal, Durability, Snapshot
 
 
@@ -111,19 +113,26 @@ def test_a_snapshot_that_does_not_restore_stops_recovery_naming_its_lsn() -> Non
         recover(journal)
 
 
-def test_the_cli_reports_a_poison_record_in_one_line_and_exits_2(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    journal = FileJournal.open(tmp_path, Durability.ALWAYS)
+POISON = b'{"v":1,"scope":["m","t"],"events":[{"type":"warp"}]}'
+
+
+def write_file_journal(path: Path, payloads: list[bytes]) -> None:
+    journal = FileJournal.open(path, Durability.ALWAYS)
 
     async def write() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(journal.run)
-            for payload in [*history_records()[:2], b'{"v":1,"scope":["m","t"],"events":[{"type":"warp"}]}']:
+            for payload in payloads:
                 journal.append(payload)
             await journal.aclose()
 
     trio.run(write)
+
+
+def test_the_cli_reports_a_poison_record_in_one_line_and_exits_2(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_file_journal(tmp_path, [*history_records()[:2], POISON])
     caplog.set_level(logging.ERROR)
 
     status = cli_main(["slot-tracker", "--data-dir", str(tmp_path), "--port", "0"])
@@ -134,3 +143,47 @@ def test_the_cli_reports_a_poison_record_in_one_line_and_exits_2(
     line = errors[0].getMessage()
     assert line.startswith("cannot start: journal record at lsn 3 cannot be decoded: event 0 has an unknown event tag")
     assert "\n" not in line
+
+
+def test_an_operator_finds_the_poison_record_and_cuts_the_journal_before_it(tmp_path: Path) -> None:
+    records = history_records()
+    write_file_journal(tmp_path, [*records[:5], POISON, *records[5:8]])
+    with pytest.raises(UndecodableRecord) as raised:
+        recover(FileJournal.open(tmp_path, Durability.ALWAYS))
+
+    found = {entry.lsn: entry for entry in inspect_records(tmp_path) if isinstance(entry, RecordInfo)}
+    assert found[raised.value.lsn].head == POISON[:32]  # what the operator sees for the named lsn
+    truncate_after(tmp_path, raised.value.lsn - 1)
+
+    recovered = recover(FileJournal.open(tmp_path, Durability.ALWAYS))
+    assert recovered.last_lsn == 5
+    expected = recover(memory_journal(records[:5])).states
+    assert states_digest(recovered.states) == states_digest(expected)
+
+
+def test_a_rotten_newest_snapshot_recovers_the_same_state_from_the_previous_one(tmp_path: Path) -> None:
+    records = history_records()
+    journal = FileJournal.open(tmp_path, Durability.ALWAYS)
+
+    async def write() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            for lsn, payload in enumerate(records, 1):
+                journal.append(payload)
+                if lsn in (6, 15):  # snapshots as the service takes them: the state folded so far
+                    await journal.wait_durable(lsn)
+                    states = recover(memory_journal(records[:lsn])).states
+                    scopes = [states[scope].to_snapshot() for scope in sorted(states)]
+                    await journal.write_snapshot(Snapshot(lsn, encode_snapshot(lsn, scopes)))
+            await journal.aclose()
+
+    trio.run(write)
+    newest = tmp_path / snapshot_name(15)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # bit rot: the frame's checksum no longer matches
+    newest.write_bytes(bytes(data))
+
+    recovered = recover(FileJournal.open(tmp_path, Durability.ALWAYS))
+
+    assert (recovered.snapshot_lsn, recovered.replayed_records) == (6, len(records) - 6)
+    assert states_digest(recovered.states) == states_digest({s.scope: s for s in sample_states()})
