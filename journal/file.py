@@ -145,7 +145,7 @@ class FileJournal:
         """Open (creating if needed) the journal in ``path`` and recover its end state.
 
         Blocking: run it before serving, or through ``trio.to_thread.run_sync``. It truncates a torn
-        tail (with a warning) and raises ``CorruptJournal`` for anything else that is damaged.
+        tail (logged) and raises ``CorruptJournal`` for anything else that is damaged (see ``scan``).
         ``fresh=True`` first deletes every segment and snapshot file in the directory.
         """
         if segment_bytes <= 0 or max_backlog_bytes < 0 or batch_interval < 0:

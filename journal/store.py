@@ -82,7 +82,11 @@ class Journal(Protocol):
     def latest_snapshot(self) -> Snapshot | None: ...
 
     async def write_snapshot(self, snapshot: Snapshot) -> None:
-        """Persist ``snapshot`` atomically, then drop the records and snapshots it covers."""
+        """Persist ``snapshot`` atomically; from then on ``read`` and ``latest_snapshot`` start from it.
+
+        The records and older snapshots it covers are dropped, except what an implementation keeps on
+        disk to fall back on if this snapshot later proves unreadable (see ``journal/snapshot_files``).
+        """
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The journal's service task: start it with ``nursery.start``; it returns after ``aclose``."""

@@ -1,9 +1,9 @@
 """One sample event per event tag, and a sample state, for the golden files.
 
 Every field holds a value unlike its default and unlike its neighbours, so that a renamed, dropped or
-swapped field changes the encoded bytes. The samples form a valid history when folded in the order
-of ``HISTORY`` (the golden snapshot is that history's state; ``golden/journals/history.v0.jsonl`` is
-that history as version-0 records, one per line, as builds before format versions wrote them).
+swapped field changes the encoded bytes. ``HISTORY`` (which reuses some samples) is a valid history
+per scope: the golden snapshot is its state, and ``golden/journals/history.v0.jsonl`` is that history
+as version-0 records, one per line, as builds before format versions wrote them.
 """
 
 from __future__ import annotations
