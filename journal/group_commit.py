@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import NamedTuple
 
-import attrs
 
-
-@attrs.frozen
-class Batch:
+class Batch(NamedTuple):  # (a tuple: MemoryJournal makes one per append)
     last_lsn: int
     nbytes: int  # the unwritten bytes it covers (the journal decides what a byte counts)
 
