@@ -138,7 +138,16 @@ def _upcast_events(raw_events: Any, version: Any) -> list[dict[str, Any]]:
         )
     if type(raw_events) is not list or not all(type(e) is dict for e in raw_events):
         raise RecordFormatError("the record's events are not a list of JSON objects")
-    return [upcast_event(fields, version) for fields in raw_events]
+    upcast = []
+    for index, fields in enumerate(raw_events):
+        try:
+            upcast.append(upcast_event(fields, version))
+        except Exception as exc:
+            tag = fields.get("type")
+            raise RecordFormatError(
+                f"event {index} ({tag}) fails its upcast from version {version}: {_summary(exc)}"
+            ) from exc
+    return upcast
 
 
 def _raise_first_bad_event(raw_events: Any) -> None:

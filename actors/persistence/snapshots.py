@@ -82,7 +82,12 @@ def restore_snapshot(payload: bytes) -> dict[ScopeKey, ScopeState]:
     if document["v"] != SNAPSHOT_VERSION:
         if digest(document["scopes"]) != expected_hash:
             raise UnreadableSnapshot(lsn, "its scopes do not match its recorded state hash")
-        document = upcast_snapshot(document)
+        try:
+            document = upcast_snapshot(document)
+        except UnreadableSnapshot:
+            raise
+        except Exception as exc:
+            raise UnreadableSnapshot(lsn, f"an upcaster failed ({type(exc).__name__}: {exc})") from exc
         expected_hash = digest(document["scopes"])  # what restoring the upcast scopes must reproduce
     try:
         states = {}

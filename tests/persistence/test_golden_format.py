@@ -132,6 +132,16 @@ def test_upcasters_run_in_version_order_on_old_records_only(monkeypatch: pytest.
         event_upcaster("request_freed", from_version=3)(_rename)
 
 
+def test_an_upcaster_that_raises_gives_a_named_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "EVENT_UPCASTERS", {("request_added", 0): lambda fields: fields["no such field"]})
+    with pytest.raises(RecordFormatError, match=r"event 0 \(request_added\) fails its upcast from version 0: KeyError"):
+        decode_record(record_path("request_added", 0).read_bytes())
+    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 2)
+    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {1: lambda document: document["no such key"]})
+    with pytest.raises(UnreadableSnapshot, match=r"an upcaster failed \(KeyError"):
+        restore_snapshot(snapshot_path(1).read_bytes())
+
+
 @pytest.mark.parametrize(
     ("payload", "problem"),
     [
