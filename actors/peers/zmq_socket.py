@@ -27,6 +27,8 @@ from typing import Final, final
 import trio
 import zmq
 
+from kvrouter.actors.peers.socket_budget import ZMQ_MAX_SOCKETS
+
 # How long a parked task trusts the FD edge before re-checking EVENTS by itself. Short enough that
 # a missed edge is a hiccup, long enough that idle sockets cost ~2 wakeups per second.
 SAFETY_TIMEOUT: Final = 0.5
@@ -36,13 +38,25 @@ SAFETY_TIMEOUT: Final = 0.5
 DEFAULT_HWM: Final = 1000
 
 
+_sized_context: zmq.Context[zmq.Socket[bytes]] | None = None
+
+
 def zmq_context() -> zmq.Context[zmq.Socket[bytes]]:
     """The process-wide context: one I/O thread serves every socket, and inproc needs one context.
+
+    Sized for the largest supported cluster (``ZMQ_MAX_SOCKETS``, see socket_budget) instead of
+    libzmq's default of 1,023 sockets. libzmq fixes the limit when the context makes its first
+    socket, so every socket must come from here (``open_socket``), the first one included.
 
     Never terminate it while sockets are open (``term()`` would block on them); sockets here are
     closed with linger 0, and pyzmq terminates the singleton at interpreter exit.
     """
-    return zmq.Context.instance()
+    global _sized_context
+    context = zmq.Context.instance()
+    if context is not _sized_context:
+        context.set(zmq.MAX_SOCKETS, ZMQ_MAX_SOCKETS)
+        _sized_context = context
+    return context
 
 
 def open_socket(
