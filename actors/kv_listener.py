@@ -13,6 +13,11 @@ Live traffic is ``[topic, seq (8 BE), payload]`` on a SUB socket. The listener k
 * Nothing heard yet counts as ``last = -1``, so the first batch with seq > 0 replays from 0: that is
   how batches published before we connected (a late listener, or a publisher that bound after
   registration) are recovered. ``resume_from(seq)`` sets the watermark from a journal instead.
+* On every (re)connection the listener also asks for everything after its watermark (catch-up),
+  so an idle publisher's earlier batches arrive without waiting for its next one. A PUB only starts
+  sending to us once it has processed our subscription, which can be after the catch-up answered
+  (libzmq's PUB looks at new subscribers at most about once per millisecond of sends): a batch
+  published in that window is missed until the next live batch reveals the gap.
 
 Publisher restarts. The wire carries no stream epoch, so a restart shows up only as the seq going
 back. A PUB never re-sends a batch, and a connecting SUB keeps one inbound pipe across reconnects
@@ -27,12 +32,28 @@ watermark to -1 (so a first seq > 0 replays from 0 against the new publisher's b
 gone). Ambiguous and not handled: a restarted publisher that is already past our old watermark
 when we reconnect looks like a gap, and its replay fills it.
 
+Connection. The endpoint's host is resolved by us (actors/peers/endpoints.py), never by libzmq's
+shared I/O thread; a name that does not resolve is reported in ``last_error`` and logged once, and
+retried with backoff. libzmq reconnects a dropped connection by itself, except after a protocol
+error: a frame over ``max_message_bytes`` (``MAX_KV_MESSAGE_BYTES``) or a failed handshake ends the
+session for good, silently but for the monitor's ``DISCONNECTED``. So when no handshake follows a
+disconnect within ``reconnect_after`` (doubling to ``RECONNECT_AFTER_MAX``), the listener resolves
+the host again and reconnects itself -- once the old connection's backlog is drained, since
+``disconnect`` discards it. That is why the monitor (two inproc PAIR sockets) stays: nothing else
+reports a connection lost for good, a reconnection (catch-up, restart detection) or a handshake
+failure. Budget: 3 zmq sockets and 4 descriptors per listener, plus a DEALER and 2 descriptors
+while a replay runs (see actors/peers/socket_budget.py).
+
 Backpressure: ``on_batch`` is awaited inline, so while the consumer is busy we stop reading; the SUB
 pipe fills to RCVHWM, then the publisher's PUB drops, and we see a gap that replay repairs.
+
+Logs (logger ``kvrouter.kv_listener``): state changes, connection problems, gaps, replays and lost
+ranges, restarts at info or warning; one line per batch only at debug.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Final, Literal
@@ -42,6 +63,16 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvrouter.actors.peers.endpoints import (
+    ConnectTarget,
+    EndpointError,
+    Resolved,
+    ResolveError,
+    Resolver,
+    parse_connect_endpoint,
+    resolve,
+)
+from kvrouter.actors.peers.socket_budget import replay_limiter
 from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
 
 log = logging.getLogger("kvrouter.kv_listener")
@@ -63,12 +94,27 @@ HEARTBEAT_TIMEOUT_MS: Final = 3_000
 # past that does the PUB drop, leaving a gap that replay repairs. Kept small because this queue's
 # memory is ours: at 1,000 per rank, 16 ranks of 64-block batches raised the service's RSS per
 # indexed block from ~330 to ~440 bytes during a 1M-block ingest, and ingest was no faster.
+# In bytes: at most LIVE_RCVHWM x MAX_KV_MESSAGE_BYTES per listener (batches are ~kB in practice).
 LIVE_RCVHWM: Final = 100
 # Replies queued on the replay DEALER; same policy (the publisher's ROUTER waits or drops).
 REPLAY_RCVHWM: Final = 1_000
 # A replay stream that stays silent this long is abandoned as incomplete (per reply, not overall,
 # so a long catch-up is fine as long as it keeps moving).
 REPLAY_IDLE_TIMEOUT: Final = 1.0
+# Largest frame accepted from a publisher (ZMQ_MAXMSGSIZE, live SUB and replay DEALER). A batch is
+# one engine step, so it describes at most max_num_batched_tokens (<= max_model_len, ~1M tokens for
+# long-context serving with chunked prefill off) and at most a rank's whole KV cache (~0.5-1M tokens
+# on an 80 GB GPU). Encoded worst case (sha256 block hashes, one BlockStored per 16-token block,
+# token ids above 65,535, every store paired with an eviction) is ~14 bytes per token: ~14 MB per
+# 1M tokens. 32 MiB (~2.4M tokens) leaves twice that. A larger frame makes libzmq drop the
+# connection before buffering it (a 1 GiB message used to take RSS to 2 GiB); the listener
+# reconnects, and the batch is counted lost when its replay stalls on the same cap.
+MAX_KV_MESSAGE_BYTES: Final = 32 * 1024 * 1024
+# How long libzmq gets to reconnect by itself after a disconnect (it retries every ~50-100 ms)
+# before the listener resolves the host again and reconnects itself; doubles while that fails. The
+# same backoff paces retries of a name that does not resolve.
+RECONNECT_AFTER: Final = 1.0
+RECONNECT_AFTER_MAX: Final = 30.0
 
 _MONITOR_EVENTS: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -81,6 +127,8 @@ _MONITOR_EVENTS: Final = (
 _HANDSHAKE_FAILED: Final = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+
+_REPLAYED: Final = {False: "", True: ", replayed"}
 
 ListenerState = Literal["connecting", "active", "failed"]
 OnBatch = Callable[[int, bytes], Awaitable[None]]
@@ -96,6 +144,7 @@ class ListenerStatus:
     replay_endpoint: str | None
     state: ListenerState = "connecting"
     last_seq: int | None = None  # the watermark: last seq delivered (or resumed from); None = none yet
+    # The current connection problem (cleared once connected), else the last lost range.
     last_error: str | None = None
     batches: int = 0  # delivered to on_batch, live and replayed
     replayed_batches: int = 0  # of which came from the replay endpoint
@@ -104,6 +153,7 @@ class ListenerStatus:
     stale_dropped: int = 0
     malformed: int = 0  # live messages or replay replies with the wrong shape
     restarts: int = 0  # publisher restarts detected (watermark reset)
+    disconnects: int = 0  # established connections lost (publisher gone, heartbeat timeout, frame over the cap)
 
 
 class KvListener:
@@ -120,12 +170,18 @@ class KvListener:
         on_restart: OnRestart | None = None,
         replay_timeout: float = REPLAY_IDLE_TIMEOUT,
         catch_up_on_connect: bool = True,
+        max_message_bytes: int = MAX_KV_MESSAGE_BYTES,
+        reconnect_after: float = RECONNECT_AFTER,
+        resolver: Resolver | None = None,
     ) -> None:
         self.status = ListenerStatus(endpoint=endpoint, replay_endpoint=replay_endpoint, last_seq=resume_from)
         self._on_batch = on_batch
         self._on_restart = on_restart
         self._topic = topic
         self._replay_timeout = replay_timeout
+        self._max_message_bytes = max_message_bytes
+        self._reconnect_after = reconnect_after
+        self._resolver = resolver
         # While set, a seq <= last means the publisher restarted (see the module docstring).
         # "start": a new socket has no backlog, so the first batch settles it. "disconnect": the old
         # connection's backlog may still be draining, so the first batch that is not last + 1 does.
@@ -135,6 +191,14 @@ class KvListener:
         self._catch_up_on_connect = catch_up_on_connect
         self._catch_up_due = False
         self._recv_scope = trio.CancelScope()
+        # Connection bookkeeping shared by the three tasks (see ``run``); ``_changed`` wakes waiters.
+        self._link_up = False
+        self._ever_connected = False
+        self._connect_to: Resolved | None = None  # asked for by the keeper, applied by the listen task
+        self._connected_to: Resolved | None = None
+        self._connection_problem: str | None = None  # shown in last_error and logged once
+        self._outage_logged = False
+        self._changed = trio.Event()
 
     def resume_from(self, seq: int | None) -> None:
         """Continue after ``seq`` (a journaled watermark): the next expected batch is seq + 1.
@@ -146,38 +210,120 @@ class KvListener:
     async def run(self, *, task_status: trio.TaskStatus[ListenerStatus] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect and listen until cancelled. Started means the SUB is connecting (not yet heard).
 
-        A bad endpoint leaves ``state == "failed"`` with ``last_error`` and returns instead of raising:
-        one misconfigured worker must not take the service down.
+        A malformed endpoint, or no zmq socket to be had (descriptors or ZMQ_MAX_SOCKETS exhausted),
+        leaves ``state == "failed"`` with ``last_error`` and returns instead of raising: one
+        misconfigured worker must not take the service down. Three tasks share the work: the listen
+        task owns the SUB (and replay DEALERs), the watcher owns the monitor, and the keeper decides
+        when to (re)connect and to which address.
         """
+        try:
+            target = parse_connect_endpoint(self.status.endpoint)
+        except EndpointError as exc:
+            self._fail(str(exc))
+            task_status.started(self.status)
+            return
         options: dict[int, int | bytes] = {
             zmq.SUBSCRIBE: self._topic,
             zmq.RECONNECT_IVL: RECONNECT_IVL_MS,
             zmq.RECONNECT_IVL_MAX: 0,  # 0 = no exponential backoff
             zmq.HEARTBEAT_IVL: HEARTBEAT_IVL_MS,
             zmq.HEARTBEAT_TIMEOUT: HEARTBEAT_TIMEOUT_MS,
+            zmq.MAXMSGSIZE: self._max_message_bytes,
         }
-        with open_socket(zmq.SUB, sndhwm=100, rcvhwm=LIVE_RCVHWM, options=options) as sub:
-            monitor = TrioZmqSocket(sub.socket.get_monitor_socket(_MONITOR_EVENTS))
+        with contextlib.ExitStack() as stack:
             try:
-                monitor.socket.setsockopt(zmq.LINGER, 0)
-                try:
-                    sub.socket.connect(self.status.endpoint)
-                except zmq.ZMQError as exc:
-                    self._fail(f"cannot connect to {self.status.endpoint}: {exc}")
-                    task_status.started(self.status)
-                    return
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._watch_connection, monitor)
-                    task_status.started(self.status)
-                    await self._listen(sub)
-            finally:
-                sub.socket.disable_monitor()
-                monitor.close()
+                sub = stack.enter_context(open_socket(zmq.SUB, sndhwm=100, rcvhwm=LIVE_RCVHWM, options=options))
+                monitor = TrioZmqSocket(sub.socket.get_monitor_socket(_MONITOR_EVENTS))
+            except zmq.ZMQError as exc:
+                self._fail(f"cannot open a zmq socket: {exc}")
+                task_status.started(self.status)
+                return
+            stack.callback(monitor.close)
+            stack.callback(sub.socket.disable_monitor)
+            monitor.socket.setsockopt(zmq.LINGER, 0)
+            log.info("kv listener %s: connecting", self.status.endpoint)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_connection, monitor)
+                nursery.start_soon(self._keep_connected, target)
+                task_status.started(self.status)
+                await self._listen(sub)  # returns only once the listener failed for good
+                nursery.cancel_scope.cancel()
 
     def _fail(self, error: str) -> None:
-        log.error("kv listener %s: %s", self.status.endpoint, error)
+        log.error("kv listener %s: failed: %s", self.status.endpoint, error)
         self.status.state = "failed"
         self.status.last_error = error
+
+    # -- connection: the keeper and the watcher ------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait_until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    def _report_connection_problem(self, problem: str) -> None:
+        """Show ``problem`` in last_error; log it only when it differs from the one already shown."""
+        if problem != self._connection_problem:
+            log.warning("kv listener %s: %s", self.status.endpoint, problem)
+        self._connection_problem = problem
+        self.status.last_error = problem
+
+    def _clear_connection_problem(self) -> None:
+        if self._connection_problem is not None and self.status.last_error == self._connection_problem:
+            self.status.last_error = None
+        self._connection_problem = None
+
+    async def _keep_connected(self, target: ConnectTarget) -> None:
+        """Resolve and connect; whenever no handshake follows within the backoff, do it again."""
+        backoff = self._reconnect_after
+        while True:
+            resolved = await self._resolve(target)
+            # Hand the address to the listen task, unless libzmq reconnected by itself meanwhile.
+            self._connect_to = resolved
+            self._recv_scope.cancel()
+            await self._wait_until(lambda: self._connect_to is None or self._link_up)
+            self._connect_to = None
+            with trio.move_on_after(backoff):
+                await self._wait_until(lambda: self._link_up)
+            while self._link_up:
+                backoff = self._reconnect_after
+                await self._wait_until(lambda: not self._link_up)
+                with trio.move_on_after(backoff):
+                    await self._wait_until(lambda: self._link_up)
+            if not self._outage_logged:
+                self._outage_logged = True
+                if self._ever_connected:
+                    log.warning(
+                        "kv listener %s: still disconnected %.1fs after losing the connection; reconnecting "
+                        "(libzmq does not retry after a protocol error, such as a frame over %s)",
+                        self.status.endpoint,
+                        backoff,
+                        _size(self._max_message_bytes),
+                    )
+                else:
+                    log.info("kv listener %s: no handshake within %.1fs; still trying", self.status.endpoint, backoff)
+            else:
+                log.debug("kv listener %s: reconnecting (no handshake within %.1fs)", self.status.endpoint, backoff)
+            backoff = min(backoff * 2, RECONNECT_AFTER_MAX)
+
+    async def _resolve(self, target: ConnectTarget) -> Resolved:
+        """The address to connect to; retries (with backoff) while the name does not resolve."""
+        backoff = self._reconnect_after
+        while True:
+            try:
+                resolved = await resolve(target, self._resolver)
+            except ResolveError as exc:
+                self._report_connection_problem(f"{exc} (retrying)")
+            else:
+                if self._connection_problem is not None and self._connection_problem.startswith("cannot resolve"):
+                    log.info("kv listener %s: host resolves now, to %s", self.status.endpoint, resolved.endpoint)
+                    self._clear_connection_problem()
+                return resolved
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_AFTER_MAX)
 
     async def _watch_connection(self, monitor: TrioZmqSocket) -> None:
         """Owns the monitor socket: turns connection events into ``state`` and restart detection."""
@@ -185,26 +331,66 @@ class KvListener:
             event = parse_monitor_message(await monitor.recv_multipart())
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._link_up = self._ever_connected = True
+                self._outage_logged = False
+                self._notify()
                 self.status.state = "active"
-                log.info("kv listener %s: connected", self.status.endpoint)
+                self._clear_connection_problem()
+                via = self._connected_to.endpoint if self._connected_to is not None else self.status.endpoint
+                suffix = "" if via == self.status.endpoint else f" to {via}"
+                log.info("kv listener %s: active (connected%s)", self.status.endpoint, suffix)
                 if self.status.replay_endpoint is not None and self._catch_up_on_connect:
                     # Batches published before this connection never reach the SUB: ask for them
                     # now instead of waiting for the next live batch to reveal the gap.
                     self._catch_up_due = True
                     self._recv_scope.cancel()
             elif kind == zmq.EVENT_DISCONNECTED:
-                self.status.state = "connecting"
-                self._restart_check = "disconnect"
-                log.warning("kv listener %s: disconnected, reconnecting", self.status.endpoint)
+                if self._link_up:  # (a failed handshake also ends in DISCONNECTED; it was never up)
+                    self._link_up = False
+                    self._notify()
+                    self.status.disconnects += 1
+                    self.status.state = "connecting"
+                    self._restart_check = "disconnect"
+                    log.warning("kv listener %s: connecting (connection lost)", self.status.endpoint)
             elif kind & _HANDSHAKE_FAILED:
-                self.status.last_error = f"handshake failed ({kind:#x}, errno {event['value']})"
-                log.warning("kv listener %s: %s", self.status.endpoint, self.status.last_error)
+                self._report_connection_problem(
+                    f"handshake failed ({zmq.Event(kind).name}, code {int(event['value'])}): "
+                    "is the endpoint a ZMQ PUB socket of the same ZMTP version?"
+                )
             elif kind == zmq.EVENT_MONITOR_STOPPED:
                 return
+
+    def _connect(self, sub: TrioZmqSocket, resolved: Resolved) -> bool:
+        """Point the SUB at ``resolved`` (dropping the previous connection); False if zmq refuses."""
+        try:
+            if self._connected_to is not None:
+                with contextlib.suppress(zmq.ZMQError):  # ENOENT: libzmq already forgot it
+                    sub.socket.disconnect(self._connected_to.endpoint)
+            if resolved.ipv6:
+                sub.socket.setsockopt(zmq.IPV6, 1)
+            sub.socket.connect(resolved.endpoint)
+        except zmq.ZMQError as exc:
+            self._fail(f"cannot connect to {resolved.endpoint}: {exc}")
+            return False
+        log.debug("kv listener %s: connect(%s)", self.status.endpoint, resolved.endpoint)
+        self._connected_to = resolved
+        self._connect_to = None
+        self._notify()
+        return True
+
+    # -- the stream: live batches, replays, restarts -------------------------------------------
 
     async def _listen(self, sub: TrioZmqSocket) -> None:
         """Owns the SUB socket (and, while a replay runs, a DEALER): strictly one batch at a time."""
         while True:
+            # A (re)connection waits until the old connection's backlog is read: disconnect drops it.
+            pending = self._connect_to
+            if (
+                pending is not None
+                and not sub.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+                and not self._connect(sub, pending)
+            ):
+                return
             if self._catch_up_due:
                 self._catch_up_due = False
                 last = -1 if self.status.last_seq is None else self.status.last_seq
@@ -214,7 +400,7 @@ class KvListener:
             with self._recv_scope:
                 frames = await sub.recv_multipart()
             if frames is None:
-                continue  # woken for a catch-up
+                continue  # woken for a catch-up or a (re)connection
             if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == _END_MARKER:
                 self.status.malformed += 1
                 log.debug("kv listener %s: ignored a %d-frame message", self.status.endpoint, len(frames))
@@ -231,13 +417,19 @@ class KvListener:
             return
         check, self._restart_check = self._restart_check, None
         if seq <= last and (seq == 0 or check is not None):
-            log.warning("kv listener %s: publisher restarted (seq %d after %d)", status.endpoint, seq, last)
+            log.warning(
+                "kv listener %s: publisher restarted (seq %d after %d); dropping what it published before",
+                status.endpoint,
+                seq,
+                last,
+            )
             status.restarts += 1
             status.last_seq, last = None, -1
             if self._on_restart is not None:
                 await self._on_restart()
         if seq <= last:
             status.stale_dropped += 1
+            log.debug("kv listener %s: stale batch %d (watermark %d) dropped", status.endpoint, seq, last)
             return
         if seq > last + 1:
             status.gaps += 1
@@ -245,6 +437,7 @@ class KvListener:
         await self._deliver(seq, payload, replayed=False)
 
     async def _deliver(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        log.debug("kv listener %s: batch %d, %d bytes%s", self.status.endpoint, seq, len(payload), _REPLAYED[replayed])
         await self._on_batch(seq, payload)
         self.status.last_seq = seq
         self.status.batches += 1
@@ -258,55 +451,98 @@ class KvListener:
         until the end marker; nothing is known to be missing, so nothing is counted as lost.
         """
         replay_endpoint = self.status.replay_endpoint
+        wanted = f"{start}.." if end is None else f"{start}..{end - 1}"
         if replay_endpoint is None:
             if end is not None:
                 self._lost(start, end, "no replay endpoint")
             return
-        next_seq, problem = start, "ended early"
-        with open_socket(zmq.DEALER, sndhwm=16, rcvhwm=REPLAY_RCVHWM) as dealer:
+        if end is None:
+            log.info(
+                "kv listener %s: catching up after seq %d from %s", self.status.endpoint, start - 1, replay_endpoint
+            )
+        else:
+            log.info("kv listener %s: gap, replaying %s from %s", self.status.endpoint, wanted, replay_endpoint)
+        try:
+            resolved = await resolve(parse_connect_endpoint(replay_endpoint), self._resolver)
+        except (EndpointError, ResolveError) as exc:
+            if end is not None:
+                self._lost(start, end, f"replay endpoint: {exc}")
+            else:
+                log.warning("kv listener %s: no catch-up: replay endpoint: %s", self.status.endpoint, exc)
+            return
+        next_seq, problem = start, None
+        async with replay_limiter():
             try:
-                dealer.socket.connect(replay_endpoint)
+                dealer = open_socket(
+                    zmq.DEALER,
+                    sndhwm=16,
+                    rcvhwm=REPLAY_RCVHWM,
+                    options={zmq.MAXMSGSIZE: self._max_message_bytes, zmq.IPV6: int(resolved.ipv6)},
+                )
             except zmq.ZMQError as exc:
                 if end is not None:
-                    self._lost(start, end, f"cannot connect to {replay_endpoint}: {exc}")
+                    self._lost(start, end, f"cannot open a zmq socket for the replay: {exc}")
                 return
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while end is None or next_seq < end:
-                frames: list[bytes] | None = None
-                with trio.move_on_after(self._replay_timeout):
-                    frames = await dealer.recv_multipart()
-                if frames is None:
-                    problem = f"timed out after {self._replay_timeout}s"
-                    break
-                reply = _parse_reply(frames)
-                if reply is None:
-                    self.status.malformed += 1
-                    continue
-                seq, payload = reply
-                if seq == END_SEQ or not payload:
-                    break
-                if seq < next_seq:
-                    continue  # before what we asked for: nothing to do with it
-                if end is not None and seq >= end:
-                    problem = f"buffer jumped to {seq}"
-                    break
-                if seq > next_seq:
-                    if end is None and next_seq == start and start > 0:
-                        # The publisher's buffer starts after our watermark (or it restarted): the
-                        # live stream settles which, as for any first batch.
+            with dealer:
+                try:
+                    dealer.socket.connect(resolved.endpoint)
+                except zmq.ZMQError as exc:
+                    if end is not None:
+                        self._lost(start, end, f"cannot connect to {replay_endpoint}: {exc}")
+                    return
+                await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+                while end is None or next_seq < end:
+                    frames: list[bytes] | None = None
+                    with trio.move_on_after(self._replay_timeout):
+                        frames = await dealer.recv_multipart()
+                    if frames is None:
+                        problem = (
+                            f"timed out: no reply for {self._replay_timeout}s; publisher gone, or a reply over "
+                            f"{_size(self._max_message_bytes)}"
+                        )
                         break
-                    self._lost(next_seq, seq, "replay not contiguous")
-                await self._deliver(seq, payload, replayed=True)
-                next_seq = seq + 1
-        # Leaving the block closed the DEALER (linger 0): replies past ``end`` are simply dropped,
-        # since the live socket is delivering those.
+                    reply = _parse_reply(frames)
+                    if reply is None:
+                        self.status.malformed += 1
+                        continue
+                    seq, payload = reply
+                    if seq == END_SEQ or not payload:
+                        break
+                    if seq < next_seq:
+                        continue  # before what we asked for: nothing to do with it
+                    if end is not None and seq >= end:
+                        problem = f"buffer jumped to {seq}"
+                        break
+                    if seq > next_seq:
+                        if end is None and next_seq == start and start > 0:
+                            # The publisher's buffer starts after our watermark (or it restarted): the
+                            # live stream settles which, as for any first batch.
+                            break
+                        self._lost(next_seq, seq, "replay not contiguous")
+                    await self._deliver(seq, payload, replayed=True)
+                    next_seq = seq + 1
+            # Leaving the block closed the DEALER (linger 0): replies past ``end`` are simply dropped,
+            # since the live socket is delivering those.
         if end is not None and next_seq < end:
-            self._lost(next_seq, end, f"replay incomplete ({problem})")
+            self._lost(next_seq, end, f"replay incomplete ({problem or 'ended early'})")
+        elif next_seq > start:
+            log.info("kv listener %s: replayed %d..%d", self.status.endpoint, start, next_seq - 1)
+        elif problem is not None:
+            log.warning("kv listener %s: catch-up got nothing: %s", self.status.endpoint, problem)
+        else:
+            log.info("kv listener %s: caught up, nothing was missed", self.status.endpoint)
 
     def _lost(self, start: int, end: int, why: str) -> None:
         self.status.lost_batches += end - start
         self.status.last_error = f"batches {start}..{end - 1} lost: {why}"
         log.warning("kv listener %s: %s", self.status.endpoint, self.status.last_error)
+
+
+def _size(limit: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if limit % (1 << shift) == 0:
+            return f"{limit >> shift} {unit}"
+    return f"{limit} bytes"
 
 
 def _parse_reply(frames: list[bytes]) -> tuple[int, bytes] | None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gc
+import logging
+import socket
 from collections.abc import Callable
 
 import msgpack
 import pytest
 import trio
 
-from kvrouter.actors.kv_listener import KvListener, ListenerStatus
+from kvrouter.actors.kv_listener import MAX_KV_MESSAGE_BYTES, KvListener, ListenerStatus
+from kvrouter.actors.peers.endpoints import _system_resolver
 from kvrouter.actors.peers.zmq_socket import zmq_context
 from tests.support.kv_publisher import KvPublisher, free_tcp_port, open_kv_publisher, sample_payload
 
@@ -406,3 +409,170 @@ async def test_catch_up_resumes_after_the_journaled_watermark(nursery: trio.Nurs
             await sink.wait_for(3)
             assert pub.replay_requests == [3]
     assert sink.seqs == [3, 4, 5]
+
+
+async def wait_until(done: Callable[[], bool]) -> None:
+    """Poll a plain attribute of a status or publisher (they have no change notification)."""
+    while not done():  # noqa: ASYNC110 - polling a plain attribute is the point here
+        await trio.sleep(0.005)
+
+
+async def test_unresolvable_host_is_reported_once_while_retrying(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The name goes to the real resolver, which keeps failing; the error shows at once and is
+    logged once however often it is retried (it used to stay "connecting" with no error at all)."""
+    caplog.set_level(logging.INFO, logger="kvrouter.kv_listener")
+    endpoint = f"tcp://no-such-host.invalid:{free_tcp_port()}"
+    lookups: list[str] = []
+
+    async def counting_resolver(host: str, port: int) -> list[tuple[int, str]]:
+        lookups.append(host)
+        return await _system_resolver(host, port)
+
+    with trio.fail_after(5):
+        listener = await start_listener(
+            nursery,
+            None,
+            Sink(),
+            endpoint=endpoint,
+            replay_endpoint=None,
+            resolver=counting_resolver,
+            reconnect_after=0.01,
+        )
+        await wait_until(lambda: len(lookups) >= 4)
+    status = listener.status
+    assert status.state == "connecting"
+    assert status.last_error is not None
+    assert "cannot resolve host `no-such-host.invalid`" in status.last_error
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"kv listener {endpoint}: {status.last_error}"]
+
+
+async def test_host_that_resolves_later_connects_and_clears_the_error(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DNS learns the name after registration (a pod coming up): the error goes once connected."""
+    caplog.set_level(logging.INFO, logger="kvrouter.kv_listener")
+    known = False
+
+    async def late_dns(host: str, port: int) -> list[tuple[int, str]]:
+        assert host == "kv-worker.test"
+        if not known:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1")]  # IPv4 preferred, as zmq does
+
+    sink = Sink()
+    with trio.fail_after(5):
+        async with open_kv_publisher() as pub:
+            endpoint = f"tcp://kv-worker.test:{pub.port}"
+            listener = await start_listener(
+                nursery, pub, sink, endpoint=endpoint, resolver=late_dns, reconnect_after=0.01
+            )
+            await wait_until(lambda: listener.status.last_error is not None)
+            assert listener.status.state == "connecting"
+            known = True
+            await pub.wait_for_subscribers()
+            await wait_for_state(listener.status, "active")
+            pub.publish(payload(0))
+            await sink.wait_for(1)
+    assert (listener.status.last_error, listener.status.lost_batches) == (None, 0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"kv listener {endpoint}: active (connected to tcp://127.0.0.1:{pub.port})" in messages
+
+
+async def test_system_resolver_connects_by_name(nursery: trio.Nursery) -> None:
+    sink = Sink()
+    with trio.fail_after(5):
+        async with open_kv_publisher() as pub:
+            await start_listener(nursery, pub, sink, endpoint=f"tcp://localhost:{pub.port}")
+            await pub.wait_for_subscribers()
+            pub.publish(payload(0))
+            await sink.wait_for(1)
+    assert sink.seqs == [0]
+
+
+async def test_oversized_live_message_reconnects_and_is_counted_lost(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """libzmq drops the connection on a frame over the cap and does not reconnect by itself: the
+    listener does, and the batch is lost when its replay stalls on the same cap."""
+    caplog.set_level(logging.INFO, logger="kvrouter.kv_listener")
+    cap = 64 * 1024
+    sink = Sink()
+    with trio.fail_after(10):
+        async with open_kv_publisher() as pub:
+            listener = await start_listener(
+                nursery, pub, sink, max_message_bytes=cap, replay_timeout=0.2, reconnect_after=0.05
+            )
+            await pub.wait_for_subscribers()
+            for seq in range(3):
+                pub.publish(payload(seq))
+            await sink.wait_for(3)
+            pub.publish(b"\x00" * (cap + 1))  # seq 3
+            await pub.wait_for_subscribers(2)  # the listener reconnected
+            pub.publish(payload(4))
+            pub.publish(payload(5))
+            await sink.wait_for(5)
+            assert pub.replay_requests == [3]
+    assert sink.seqs == [0, 1, 2, 4, 5]
+    status = listener.status
+    assert (status.disconnects, status.gaps, status.lost_batches, status.state) == (1, 1, 1, "active")
+    assert status.last_error is not None and status.last_error.startswith("batches 3..3 lost: replay incomplete")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("still disconnected" in message and "a frame over 64 KiB" in message for message in warnings)
+
+
+async def test_oversized_replay_reply_is_lost_and_live_continues(nursery: trio.Nursery) -> None:
+    cap = 64 * 1024
+    sink = Sink()
+    with trio.fail_after(5):
+        async with open_kv_publisher(drop_live=[3]) as pub:
+            listener = await start_listener(nursery, pub, sink, max_message_bytes=cap, replay_timeout=0.2)
+            await pub.wait_for_subscribers()
+            for seq in range(6):
+                pub.publish(b"\x00" * (cap + 1) if seq == 3 else payload(seq))
+            await sink.wait_for(5)
+    assert sink.seqs == [0, 1, 2, 4, 5]
+    assert (listener.status.lost_batches, listener.status.disconnects) == (1, 0)
+
+
+async def test_default_cap_takes_a_message_of_exactly_the_cap_and_drops_a_larger_one(nursery: trio.Nursery) -> None:
+    sink = Sink()
+    with trio.fail_after(10):
+        async with open_kv_publisher(replay=False) as pub:
+            listener = await start_listener(nursery, pub, sink)
+            await pub.wait_for_subscribers()
+            pub.publish(bytes(MAX_KV_MESSAGE_BYTES))
+            await sink.wait_for(1)
+            pub.publish(bytes(MAX_KV_MESSAGE_BYTES + 1))
+            await wait_until(lambda: listener.status.disconnects == 1)
+    assert sink.seqs == [0]
+    assert len(sink.batches[0][1]) == MAX_KV_MESSAGE_BYTES
+
+
+async def test_logs_state_changes_gaps_and_replays_at_info_and_batches_only_at_debug(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="kvrouter.kv_listener")
+    sink = Sink()
+    with trio.fail_after(5):
+        async with open_kv_publisher(drop_live=range(5, 9)) as pub:
+            listener = await start_listener(nursery, pub, sink)
+            await pub.wait_for_subscribers()
+            await wait_for_state(listener.status, "active")
+            for seq in range(15):
+                pub.publish(payload(seq))
+            await sink.wait_for(15)
+        await wait_for_state(listener.status, "connecting")
+    prefix = f"kv listener {pub.endpoint}: "
+    info = [r.getMessage().removeprefix(prefix) for r in caplog.records if r.levelno >= logging.INFO]
+    assert info == [
+        "connecting",
+        "active (connected)",
+        f"gap, replaying 5..8 from {pub.replay_endpoint}",
+        "replayed 5..8",
+        "connecting (connection lost)",
+    ]
+    debug = [r.getMessage().removeprefix(prefix) for r in caplog.records if r.levelno == logging.DEBUG]
+    assert sum(message.startswith("batch ") for message in debug) == 15
