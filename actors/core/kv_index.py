@@ -326,6 +326,87 @@ class KvIndex:
     def ranks(self) -> list[WorkerRank]:
         return sorted(self._ranks)
 
+    def is_empty(self) -> bool:
+        """No rank holds a block in any tier."""
+        return all(not r.node_ext and all(t is None for t in r.lower) for r in self._ranks.values())
+
+    # ------------------------------------------------------------------------------- invariants
+
+    def check(self) -> list[str]:
+        """Structural invariants, as messages (empty when sound). O(nodes + blocks): tests and simulations.
+
+        The fast paths rely on every one of them: ``find_matches`` on prefix-closed covered sets and exact
+        cover masks, ``_truncate`` on the sibling links, dumps and snapshots on the per-rank inverse maps.
+        """
+        problems: list[str] = []
+        free = set(self._free_nodes)
+        live = {n for n in range(1, len(self._cover)) if n not in free}
+        if len(free) != len(self._free_nodes) or 0 in free:
+            problems.append("free list repeats a node or holds the root")
+        self._check_ranks(problems)
+        self._check_tree(live, problems)
+        covered: dict[int, int] = {}
+        for r in self._ranks.values():
+            problems.extend(_check_rank(r, self._parent, live, covered))
+            for i, lower in enumerate(r.lower):
+                if lower is not None:
+                    problems.extend(_check_lower(r.rank, _LOWER_TIERS[i], lower))
+        for node in live:
+            if self._cover[node] != covered.get(node, 0):
+                problems.append(
+                    f"node {node}: cover mask {self._cover[node]:#x} != its ranks {covered.get(node, 0):#x}"
+                )
+            if not self._cover[node]:
+                problems.append(f"node {node} is covered by no rank but not freed (leak)")
+        for node in free:
+            if self._parent[node] != _NONE:
+                problems.append(f"freed node {node} still names a parent")
+        return problems
+
+    def _check_ranks(self, problems: list[str]) -> None:
+        used = set()
+        for rank, r in self._ranks.items():
+            if r.rank != rank or r.mask != 1 << r.bit:
+                problems.append(f"{rank}: entry names {r.rank} with bit {r.bit} and mask {r.mask:#x}")
+            if r.bit >= len(self._by_bit) or self._by_bit[r.bit] is not r:
+                problems.append(f"{rank}: bit {r.bit} does not lead back to the rank")
+            used.add(r.bit)
+        if len(used) != len(self._ranks):
+            problems.append("two ranks share a bit")
+        if used & set(self._bits_free):
+            problems.append("a bit in use is also free")
+        empty_slots = {bit for bit, r in enumerate(self._by_bit) if r is None}
+        if empty_slots != set(self._bits_free):
+            problems.append("unused bits and the free-bit heap disagree")
+        holders = {rank for rank, r in self._ranks.items() if any(t is not None for t in r.lower)}
+        if set(self._lower_ranks) != holders or any(self._lower_ranks[k] is not self._ranks.get(k) for k in holders):
+            problems.append("the lower-tier rank set does not match the ranks holding lower-tier edges")
+
+    def _check_tree(self, live: set[int], problems: list[str]) -> None:
+        """The child dict and the first/next/prev sibling links describe the same tree over the live nodes."""
+        parent, local = self._parent, self._local
+        if set(self._child.values()) != live or len(self._child) != len(live):
+            problems.append(f"child dict names {len(self._child)} nodes, {len(live)} are live")
+        for key, node in self._child.items():
+            if node in live and key != (parent[node] << 64) | local[node]:
+                problems.append(f"node {node}: child key does not match its parent and local hash")
+        children: dict[int, set[int]] = {0: set()}
+        for node in live:
+            children.setdefault(node, set())
+            if parent[node] not in live and parent[node] != 0:
+                problems.append(f"node {node}: parent {parent[node]} is not live")
+            else:
+                children.setdefault(parent[node], set()).add(node)
+        for node, expected in children.items():
+            linked, previous, child = set(), _NONE, self._first[node]
+            while child != _NONE and child not in linked:
+                if self._prev[child] != previous or parent[child] != node:
+                    problems.append(f"node {child}: sibling links disagree under {node}")
+                linked.add(child)
+                previous, child = child, self._next[child]
+            if linked != expected:
+                problems.append(f"node {node}: sibling list holds {sorted(linked)}, children are {sorted(expected)}")
+
     # ------------------------------------------------------------------------ dump and snapshot
 
     def dump_events(self) -> list[StoredRun]:
@@ -536,6 +617,29 @@ class KvIndex:
             here = node_ext[node]
             stack.extend((here, k) for k in reversed(kids))
             yield StoredRun(r.rank, Tier.DEVICE, parent_ext, tuple(blocks))
+
+
+def _check_rank(r: _Rank, parent: array[int], live: set[int], covered: dict[int, int]) -> list[str]:
+    """One rank's device maps: inverse of each other, on live nodes, prefix-closed; adds its bit to ``covered``."""
+    problems = []
+    if len(r.ext_node) != len(r.node_ext) or any(r.node_ext.get(n) != e for e, n in r.ext_node.items()):
+        problems.append(f"{r.rank}: external-hash and node maps are not inverses")
+    for node in r.node_ext:
+        if node not in live:
+            problems.append(f"{r.rank}: holds node {node}, which is not live")
+            continue
+        covered[node] = covered.get(node, 0) | r.mask
+        if parent[node] != 0 and parent[node] not in r.node_ext:
+            problems.append(f"{r.rank}: covers node {node} but not its parent (not prefix-closed)")
+    return problems
+
+
+def _check_lower(rank: WorkerRank, tier: Tier, lower: _Lower) -> list[str]:
+    if not lower.by_ext:
+        return [f"{rank}: empty {tier.label} tier kept instead of dropped"]
+    if len(lower.edges) != len(lower.by_ext) or any(lower.edges.get(k) != e for e, k in lower.by_ext.items()):
+        return [f"{rank}: {tier.label} edge maps are not inverses"]
+    return []
 
 
 def _record(depth: dict[int, tuple[int, int]], bits: int, pos: int, node: int) -> None:

@@ -120,6 +120,19 @@ class PrefixTrie:
                 self._fractions.pop(node, None)
             parent = node
 
+    def check(self) -> list[str]:
+        """The node map, the pass counts and the fractions name the same live nodes."""
+        problems = []
+        if set(self._nodes.values()) != set(self._counts) or len(self._nodes) != len(self._counts):
+            problems.append("trie nodes and pass counts disagree")
+        if any(count <= 0 for count in self._counts.values()):
+            problems.append("trie node kept with no request passing through it")
+        if not set(self._fractions) <= set(self._counts):
+            problems.append("decay fraction on a trie node that is gone")
+        if any(not 0.0 <= f <= 1.0 for f in self._fractions.values()):
+            problems.append("decay fraction outside [0, 1]")
+        return problems
+
     def overlap_depth(self, hashes: Sequence[int]) -> int:
         """Length of the longest prefix of ``hashes`` that is a live root-anchored path."""
         nodes = self._nodes

@@ -560,6 +560,7 @@ def test_find_matches_equals_a_naive_model(data: st.DataObject) -> None:
         else:
             index.remove_worker(op[1])
             model.remove_worker(op[1])
+        assert index.check() == [], op
         for query in QUERIES[-8:]:
             assert index.find_matches(query) == model.find_matches(query), (op, query)
     for query in QUERIES:
