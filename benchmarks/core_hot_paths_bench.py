@@ -1,0 +1,119 @@
+"""In-process cost of the core's hot paths (no HTTP, no journal): decide of a selection, and
+decide + fold of an add/free cycle. Prints microseconds per operation (best of 5 repeats).
+
+    .venv/bin/python benchmarks/core_hot_paths_bench.py
+
+The selection workload is issue #3's: 16 workers (block size 16), 64-block chains indexed on them,
+64-block prompts sharing a random prefix with an indexed chain, some ranks busy. The add/free
+workload is issue #2's: 64-block prompts on 16 ranks. Only ratios between runs on one machine mean
+anything (read them before and after a change, and rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import timeit
+
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.commands import (
+    AddRequest,
+    FreeRequest,
+    IngestKvBatch,
+    Prompt,
+    RegisterWorker,
+    SelectWorker,
+    UpsertWorker,
+)
+from kvrouter.actors.core.decide import decide
+from kvrouter.actors.core.decisions import Accepted
+from kvrouter.actors.core.evolve import fold
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.kv_wire import BlockStored, KvBatch
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.state import ScopeState
+
+BLOCK = 16
+WORKERS = 16
+CHAIN_BLOCKS = 64
+
+
+def apply(state: ScopeState, command: object) -> Accepted:
+    decision = decide(state, command)  # type: ignore[arg-type]
+    assert isinstance(decision, Accepted), decision
+    fold(state, decision.events)
+    return decision
+
+
+def selection_state(rng: random.Random) -> tuple[ScopeState, list[list[int]]]:
+    state = ScopeState(ScopeKey("m", "default"))
+    chains = [[rng.randrange(1 << 31) for _ in range(CHAIN_BLOCKS * BLOCK)] for _ in range(WORKERS)]
+    for worker in range(WORKERS):
+        record = WorkerRecord(
+            worker, "m", "default", endpoint=f"http://w{worker}", kv_events_endpoint="tcp://w:1", block_size=BLOCK
+        )
+        apply(state, UpsertWorker(record))
+        hashes = tuple(rng.getrandbits(64) for _ in range(CHAIN_BLOCKS))
+        apply(
+            state, IngestKvBatch(worker, 0, 0, KvBatch(0.0, (BlockStored(hashes, None, tuple(chains[worker]), BLOCK),)))
+        )
+    config = RouterConfig()
+    for i in range(24):  # some ranks carry bookings, so loads and tries differ between them
+        chain = chains[i % WORKERS]
+        prompt = Prompt(token_ids=tuple(chain[: BLOCK * rng.randint(8, CHAIN_BLOCKS)]))
+        apply(state, SelectWorker(prompt, config, reserve=True, reservation_id=f"busy-{i}", draw=rng.random()))
+    return state, chains
+
+
+def bench_select(repeat: int, number: int) -> float:
+    rng = random.Random(1)
+    state, chains = selection_state(rng)
+    config = RouterConfig()
+    prompts = []
+    for i in range(64):
+        chain = chains[i % WORKERS]
+        shared = rng.randint(0, CHAIN_BLOCKS) * BLOCK
+        tokens = chain[:shared] + [rng.randrange(1 << 31) for _ in range(CHAIN_BLOCKS * BLOCK - shared)]
+        prompts.append(SelectWorker(Prompt(token_ids=tuple(tokens)), config, draw=rng.random()))
+    position = iter(range(1 << 62))
+
+    def one() -> None:
+        decision = decide(state, prompts[next(position) % len(prompts)])
+        assert isinstance(decision, Accepted)
+
+    return min(timeit.repeat(one, repeat=repeat, number=number)) / number * 1e6
+
+
+def bench_add_free(repeat: int, number: int) -> float:
+    rng = random.Random(2)
+    state = ScopeState(ScopeKey("m", "default"))
+    for worker in range(8):
+        apply(state, RegisterWorker(worker, BLOCK, 0, 2))
+    prefixes = [tuple(rng.getrandbits(64) for _ in range(CHAIN_BLOCKS)) for _ in range(8)]
+    for i in range(32):  # background requests so the tries are shared
+        apply(state, AddRequest(f"bg-{i}", i % 8, i % 2, prefixes[i % 8], 1024))
+    counter = iter(range(1 << 62))
+
+    def one() -> None:
+        i = next(counter)
+        request_id = f"r-{i}"
+        hashes = prefixes[i % 8][:48] + tuple(rng.getrandbits(64) for _ in range(16))
+        apply(state, AddRequest(request_id, i % 8, i % 2, hashes, 1024))
+        apply(state, FreeRequest(request_id))
+
+    return min(timeit.repeat(one, repeat=repeat, number=number)) / number * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--number", type=int, default=2000)
+    args = parser.parse_args()
+    select_us = bench_select(args.repeat, args.number)
+    add_free_us = bench_add_free(args.repeat, args.number)
+    print(f"decide(SelectWorker), 16 workers, 64-block prompt: {select_us:8.1f} us")
+    print(f"decide+fold AddRequest then FreeRequest, 64 blocks: {add_free_us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
