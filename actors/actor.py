@@ -62,8 +62,9 @@ class ScopeActor:
                 if not journal.has_room():
                     await journal.wait_for_room()  # policy: block this scope until the disk catches up
                 if not self.state.exists and inbox.statistics().current_buffer_used == 0:
-                    # Dissolved (last worker left) and nothing queued: retire atomically, before
-                    # any await, so no sender can slip a command into a closed mailbox unseen.
+                    # Dissolved (a slot tracker's last worker left; a selection partition never
+                    # dissolves once its block size is fixed) and nothing queued: retire atomically,
+                    # before any await, so no sender can slip a command into a closed mailbox unseen.
                     self.system.retire(self)
                     return
 

@@ -84,12 +84,12 @@ def slot_tracker_routes(system: ActorSystem) -> list[Route]:
         for state in system.states():
             if wanted(state):
                 fields = scope_fields(state)
-                for worker_id, (start, size) in sorted(state.workers.items()):
+                for worker_id, (start, size) in sorted(state.slots.workers.items()):
                     rows.append(
                         {
                             "worker_id": worker_id,
                             **fields,
-                            "block_size": state.block_size,
+                            "block_size": state.slots.block_size,
                             "dp_start": start,
                             "dp_size": size,
                         }

@@ -11,8 +11,8 @@ from typing import Any
 from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_view
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
-    CompletePrefill,
-    FreeRequest,
+    CompleteReservationPrefill,
+    ReleaseReservation,
     RemoveWorker,
     Reserve,
     ReserveSelection,
@@ -20,17 +20,20 @@ from kvrouter.actors.core.commands import (
     UpsertWorker,
 )
 from kvrouter.actors.core.decisions import Accepted, Decision, Rejected
-from kvrouter.actors.core.dump import dump_scope
+from kvrouter.actors.core.dump import dump_document
 from kvrouter.actors.core.ids import ScopeKey, to_i64
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.core.selection import (
-    NO_SCHEDULABLE_WORKERS_ANYWHERE,
-    TierOverlap,
-    effective_cached_tokens,
-    potential_decode_blocks,
-    potential_prefill_tokens,
+from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE, RankCandidate
+from kvrouter.actors.core.selection_queries import (
+    SelectionInput,
+    candidates,
+    overlap_scores,
+    partition_loads,
+    potential_loads,
+    schedulable,
+    selection_input,
 )
-from kvrouter.actors.core.selection_rules import NormalizedPrompt, Selection, normalize, schedulable
+from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.system import ActorSystem
@@ -86,7 +89,9 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
 
     def view(record: WorkerRecord, state: ScopeState | None) -> dict[str, Any]:
         reasons = not_schedulable_reasons(
-            record, use_kv_events=use_kv_events, partition_block_size=state.block_size if state else None
+            record,
+            use_kv_events=use_kv_events,
+            partition_block_size=state.selection.partition_block_size if state else None,
         )
         shown = record_view(record, "incomplete" if reasons else "schedulable", reasons)
         listeners = ingest.status(record.worker_id)
@@ -96,13 +101,13 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
 
     def find_worker(worker_id: int) -> ScopeState | None:
         for state in system.states():
-            if worker_id in state.catalog:
+            if worker_id in state.selection.catalog:
                 return state
         return None
 
     def find_reservation(reservation_id: str) -> ScopeKey:
         for state in system.states():
-            if reservation_id in state.requests:
+            if reservation_id in state.slots.requests:
                 return state.scope
         raise HttpError(404, f"reservation {reservation_id} not found")
 
@@ -130,7 +135,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         home = find_worker(worker_id)
         if home is None:
             raise HttpError(404, f"worker {worker_id} not found")
-        record = patched_record(home.catalog[worker_id], request.json())
+        record = patched_record(home.selection.catalog[worker_id], request.json())
         return json_response(200, await store(record))
 
     async def delete_worker(request: Request) -> Response:
@@ -138,7 +143,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         home = find_worker(worker_id)
         if home is None:
             raise HttpError(404, f"worker {worker_id} not found")
-        record = home.catalog[worker_id]
+        record = home.selection.catalog[worker_id]
         accepted(await system.ask(home.scope, RemoveWorker(worker_id, at=now())))
         ingest.reconcile()
         return json_response(200, record_view(record, "unschedulable", []))
@@ -149,7 +154,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
             view(record, state)
             for state in system.states()
             if wanted(state)
-            for _, record in sorted(state.catalog.items())
+            for _, record in sorted(state.selection.catalog.items())
         ]
         await system.read_barrier()
         return json_response(200, rows)
@@ -157,7 +162,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
     async def ready(request: Request) -> Response:
         rows, count = [], 0
         for state in system.states():
-            for _, record in sorted(state.catalog.items()):
+            for _, record in sorted(state.selection.catalog.items()):
                 shown = view(record, state)
                 count += shown["lifecycle"] == "schedulable"
                 rows.append(shown)
@@ -228,10 +233,10 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
             )
             accepted(await system.ask(scope, command))
         state = system.state(scope)
-        request_row = state.requests.get(booking) if state else None
+        request_row = state.slots.requests.get(booking) if state else None
         worker_id = request_row.rank.worker_id if request_row else body.worker_id
         dp_rank = request_row.rank.dp_rank if request_row else body.dp_rank
-        record = state.catalog.get(worker_id) if state and worker_id is not None else None
+        record = state.selection.catalog.get(worker_id) if state and worker_id is not None else None
         return json_response(
             201,
             {
@@ -249,7 +254,7 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
     async def reservation_prefill_complete(request: Request) -> Response:
         reservation_id = request.path_params["reservation_id"]
         scope = find_reservation(reservation_id)
-        accepted(await system.ask(scope, CompletePrefill(reservation_id, at=now(), reservation=True)))
+        accepted(await system.ask(scope, CompleteReservationPrefill(reservation_id, at=now())))
         return json_response(200, OK_STATUS)
 
     async def reservation_output_block(request: Request) -> Response:
@@ -264,31 +269,31 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
     async def delete_reservation(request: Request) -> Response:
         reservation_id = request.path_params["reservation_id"]
         scope = find_reservation(reservation_id)
-        accepted(await system.ask(scope, FreeRequest(reservation_id, at=now(), reservation=True)))
+        accepted(await system.ask(scope, ReleaseReservation(reservation_id, at=now())))
         return json_response(200, OK_STATUS)
 
     async def loads(request: Request) -> Response:
         wanted = scope_filter(request)
         partitions = []
         for state in system.states():
-            if not wanted(state):
+            rows = partition_loads(state, use_kv_events) if wanted(state) else None
+            if rows is None:
                 continue
-            rows = [
-                {
-                    "worker_id": rank.worker_id,
-                    "dp_rank": rank.dp_rank,
-                    "potential_prefill_tokens": r.prefill_tokens,
-                    "potential_decode_blocks": r.active_decode_blocks,
-                    "active_requests": len(r.requests),
-                }
-                for rank, r in sorted(state.ranks.items())
-            ]
             partitions.append(
                 {
                     "model_name": state.scope.model_name,
                     "tenant_id": state.scope.tenant_id,
                     "routing_group": state.scope.tenant_id,
-                    "loads": rows,
+                    "loads": [
+                        {
+                            "worker_id": row.rank.worker_id,
+                            "dp_rank": row.rank.dp_rank,
+                            "potential_prefill_tokens": row.active_prefill_tokens,
+                            "potential_decode_blocks": row.active_decode_blocks,
+                            "active_requests": row.active_requests,
+                        }
+                        for row in rows
+                    ],
                     "pending_count": 0,
                     "pending_isl_tokens": 0,
                 }
@@ -296,82 +301,61 @@ def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterC
         await system.read_barrier()
         return json_response(200, partitions)
 
-    def prompt_read(request: Request) -> tuple[ScopeState, NormalizedPrompt, RouterConfig, list[WorkerRecord]]:
+    def prompt_read(request: Request) -> tuple[SelectionInput, list[RankCandidate], RouterConfig]:
+        """The candidates of a prompt read (no booking), as ``/select`` would weigh them."""
         body = parse(SelectBody, request.json())
         effective = effective_config(body)
         require_any_schedulable()
-        state = system.state(body.scope())
-        workers = schedulable(state, use_kv_events) if state is not None else []
-        if state is None or not workers or state.block_size is None:
-            scope = body.scope()
-            raise HttpError(503, f"no schedulable workers for {scope.describe()}")
-        prompt = normalize(body.prompt(), state.block_size)
-        if isinstance(prompt, str):
-            raise HttpError(400, prompt)
-        return state, prompt, effective, workers
+        scope = body.scope()
+        state = system.state(scope) or ScopeState(scope)
+        prepared = selection_input(state, body.prompt(), use_kv_events)
+        if isinstance(prepared, Rejected):
+            raise refuse(prepared)
+        return prepared, candidates(state, prepared), effective
 
     async def post_potential_loads(request: Request) -> Response:
-        state, prompt, effective, workers = prompt_read(request)
-        matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
-        rows = []
-        for record in workers:
-            for rank in record.ranks:
-                r = state.ranks[rank]
-                found = matches.get(rank)
-                overlap = TierOverlap(*found) if found else TierOverlap()
-                cached = effective_cached_tokens(overlap, effective, state.block_size or 1)
-                rows.append(
-                    {
-                        "worker_id": rank.worker_id,
-                        "dp_rank": rank.dp_rank,
-                        "potential_prefill_tokens": potential_prefill_tokens(
-                            r.prefill_tokens, prompt.isl_tokens, cached, effective.router_track_prefill_tokens
-                        ),
-                        "potential_decode_blocks": potential_decode_blocks(
-                            r.active_decode_blocks,
-                            len(prompt.sequence_hashes),
-                            r.trie.overlap_depth(prompt.sequence_hashes),
-                        ),
-                        "active_requests": len(r.requests),
-                    }
-                )
+        prepared, found, effective = prompt_read(request)
+        rows = [
+            {
+                "worker_id": row.rank.worker_id,
+                "dp_rank": row.rank.dp_rank,
+                "potential_prefill_tokens": row.potential_prefill_tokens,
+                "potential_decode_blocks": row.potential_decode_blocks,
+                "active_requests": row.active_requests,
+            }
+            for row in potential_loads(found, prepared, effective)
+        ]
         await system.read_barrier()
         return json_response(200, rows)
 
     async def post_overlap_scores(request: Request) -> Response:
-        state, prompt, _, workers = prompt_read(request)
-        matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
-        rows = []
-        for record in sorted(workers, key=lambda r: r.worker_id):
-            for rank in record.ranks:
-                found = matches.get(rank)
-                o = TierOverlap(*found) if found else TierOverlap()
-                host = o.device + o.host_ext
-                rows.append(
-                    {
-                        "worker_id": rank.worker_id,
-                        "dp_rank": rank.dp_rank,
-                        "device_blocks": o.device,
-                        "host_pinned_blocks": host,
-                        "disk_blocks": host + o.disk_ext + o.external_ext,
-                        "host_pinned_extension_blocks": o.host_ext,
-                        "disk_extension_blocks": o.disk_ext + o.external_ext,
-                        "shared_beyond_device_blocks": None,
-                    }
-                )
+        prepared, found, _ = prompt_read(request)
+        rows = [
+            {
+                "worker_id": row.rank.worker_id,
+                "dp_rank": row.rank.dp_rank,
+                "device_blocks": row.device_blocks,
+                "host_pinned_blocks": row.host_pinned_blocks,
+                "disk_blocks": row.disk_blocks,
+                "host_pinned_extension_blocks": row.host_pinned_extension_blocks,
+                "disk_extension_blocks": row.disk_extension_blocks,
+                "shared_beyond_device_blocks": None,
+            }
+            for row in overlap_scores(found)
+        ]
         await system.read_barrier()
         return json_response(
             200,
             {
-                "block_size": state.block_size,
-                "num_blocks": len(prompt.local_hashes),
+                "block_size": prepared.block_size,
+                "num_blocks": len(prepared.prompt.local_hashes),
                 "workers": rows,
                 "shared_cache": {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None},
             },
         )
 
     async def dump(request: Request) -> Response:
-        document = {f"{s.scope.model_name}:{s.scope.tenant_id}": dump_scope(s) for s in system.states()}
+        document = dump_document(system.states())
         await system.read_barrier()
         return json_response(200, document)
 

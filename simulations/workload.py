@@ -17,10 +17,12 @@ from kvrouter.actors.core.commands import (
     AddRequest,
     Command,
     CompletePrefill,
+    CompleteReservationPrefill,
     FreeRequest,
     IngestKvBatch,
     Prompt,
     RegisterWorker,
+    ReleaseReservation,
     RemoveWorker,
     SelectWorker,
     UnregisterWorker,
@@ -128,9 +130,9 @@ def selection_trace(seed: int, options: WorkloadOptions) -> Iterator[Step]:
         elif roll < 0.8:
             command = AddOutputBlock(rng.choice(live[scope]), rng.choice((None, 0.5, 0.0)))
         elif roll < 0.88:
-            command = CompletePrefill(rng.choice(live[scope]), reservation=True)
+            command = CompleteReservationPrefill(rng.choice(live[scope]))
         else:
-            command = FreeRequest(live[scope].pop(rng.randrange(len(live[scope]))), reservation=True)
+            command = ReleaseReservation(live[scope].pop(rng.randrange(len(live[scope]))))
         yield Step(scope, command, gap)
 
 

@@ -42,18 +42,27 @@ class AddRequest:
 
 @attrs.frozen
 class CompletePrefill:
+    """A slot-tracker request finished its prefill; an unknown request is not found."""
+
     request_id: str
     at: int = 0
-    reservation: bool = False  # the selection service's wording and 404 for unknown ids
     remote: bool = False
+
+
+def _only_false(instance: object, attribute: attrs.Attribute[bool], value: bool) -> None:
+    if value:
+        raise ValueError("reservations are released with ReleaseReservation, not FreeRequest(reservation=True)")
 
 
 @attrs.frozen
 class FreeRequest:
+    """A slot-tracker (or replica peer's) request is done; freeing an unknown request changes nothing."""
+
     request_id: str
     at: int = 0
-    reservation: bool = False  # selection service: an unknown reservation is a 404, not a no-op
     remote: bool = False
+    # Transitional, always False: actors/peers/replicator.py still spells it out. Remove with that.
+    reservation: bool = attrs.field(default=False, validator=_only_false, kw_only=True)
 
 
 @attrs.frozen
@@ -189,6 +198,23 @@ class AddOutputBlock:
     at: int = 0
 
 
+@attrs.frozen
+class CompleteReservationPrefill:
+    """A reservation finished its prefill; an unknown reservation is not found (unlike a slot-tracker
+    request, the scope is the one holding the reservation, so there is no "no tracker" case)."""
+
+    reservation_id: str
+    at: int = 0
+
+
+@attrs.frozen
+class ReleaseReservation:
+    """A reservation is done; releasing an unknown (or already released) one is not found, not a no-op."""
+
+    reservation_id: str
+    at: int = 0
+
+
 Command = (
     RegisterWorker
     | UnregisterWorker
@@ -204,6 +230,8 @@ Command = (
     | Reserve
     | ReserveSelection
     | AddOutputBlock
+    | CompleteReservationPrefill
+    | ReleaseReservation
     | RecoverKv
 )
 

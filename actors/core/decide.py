@@ -63,13 +63,14 @@ def _register(command: RegisterWorker, state: ScopeState) -> Decision:
         return Rejected(Reason.INVALID, f"dp_size {command.dp_size} exceeds the maximum {MAX_DP_SIZE}")
     if command.dp_start + command.dp_size > U32_MAX:
         return Rejected(Reason.INVALID, f"dp range overflows u32: start={command.dp_start} size={command.dp_size}")
-    if state.exists and state.block_size != command.block_size:
+    slots = state.slots
+    if slots.block_size is not None and slots.block_size != command.block_size:
         return Rejected(
             Reason.CONFLICT,
             f"block_size mismatch for {state.scope.describe()}: "
-            f"existing={state.block_size}, requested={command.block_size}",
+            f"existing={slots.block_size}, requested={command.block_size}",
         )
-    if command.worker_id in state.workers:
+    if command.worker_id in slots.workers:
         return Rejected(Reason.CONFLICT, f"worker {command.worker_id} already registered for {state.scope.describe()}")
     event = WorkerRegistered(command.worker_id, command.block_size, command.dp_start, command.dp_size)
     return Accepted((event,), created=True)
@@ -77,7 +78,7 @@ def _register(command: RegisterWorker, state: ScopeState) -> Decision:
 
 @_decide.register
 def _unregister(command: UnregisterWorker, state: ScopeState) -> Decision:
-    if command.worker_id not in state.workers:
+    if command.worker_id not in state.slots.workers:
         return Rejected(Reason.NOT_FOUND, f"worker {command.worker_id} not found for {state.scope.describe()}")
     return Accepted((WorkerUnregistered(command.worker_id),))
 
@@ -86,19 +87,21 @@ def _unregister(command: UnregisterWorker, state: ScopeState) -> Decision:
 def _add(command: AddRequest, state: ScopeState) -> Decision:
     if not state.exists:
         return no_tracker(state)
+    slots = state.slots
     rank = WorkerRank(command.worker_id, command.dp_rank)
-    if rank not in state.ranks:
+    loads = slots.ranks.get(rank)
+    if loads is None:
         return Rejected(
             Reason.NOT_FOUND,
             f"Worker {describe_rank(rank)} not found",
         )
-    existing = state.requests.get(command.request_id)
+    existing = slots.requests.get(command.request_id)
     if existing is not None:
         return Rejected(
             Reason.CONFLICT,
             f"Request {command.request_id} already exists (assigned to worker {describe_rank(existing.rank)})",
         )
-    if state.ranks[rank].prefill_tokens + command.isl_tokens > U64_MASK:
+    if loads.prefill_tokens + command.isl_tokens > U64_MASK:
         # The reference wraps and then panics on this rank; kvrouter refuses the request instead.
         return Rejected(
             Reason.INVALID,
@@ -117,25 +120,22 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
 
 @_decide.register
 def _complete_prefill(command: CompletePrefill, state: ScopeState) -> Decision:
-    if not state.exists and not command.reservation:
+    if not state.exists:
         return no_tracker(state)
-    request = state.requests.get(command.request_id)
+    slots = state.slots
+    request = slots.requests.get(command.request_id)
     if request is None:
-        if command.reservation:
-            return Rejected(Reason.NOT_FOUND, f"reservation {command.request_id} not found")
         return Rejected(Reason.NOT_FOUND, f"Request {command.request_id} not found")
-    if command.request_id not in state.ranks[request.rank].prefill:
+    if command.request_id not in slots.ranks[request.rank].prefill:
         return NOTHING_CHANGED  # repeated completion, or a request without prefill tracking
     return Accepted((PrefillCompleted(command.request_id),))
 
 
 @_decide.register
 def _free(command: FreeRequest, state: ScopeState) -> Decision:
-    if not state.exists and not command.reservation:
+    if not state.exists:
         return no_tracker(state)
-    if command.request_id not in state.requests:
-        if command.reservation:
-            return Rejected(Reason.NOT_FOUND, f"reservation {command.request_id} not found")
+    if command.request_id not in state.slots.requests:
         return NOTHING_CHANGED  # idempotent; an early free is forgotten, as in the reference
     return Accepted((RequestFreed(command.request_id),))
 
@@ -143,9 +143,9 @@ def _free(command: FreeRequest, state: ScopeState) -> Decision:
 @_decide.register
 def _expire(command: ExpireStale, state: ScopeState) -> Decision:
     cutoff = command.at - command.max_age_ns
-    stale = tuple(r.request_id for r in state.requests.values() if r.started_at < cutoff)
+    stale = tuple(r.request_id for r in state.slots.requests.values() if r.started_at < cutoff)
     events: list[Event] = [RequestsExpired(stale, command.at)] if stale else []
-    for rank, expiry in state.approx_expiry.items():
+    for rank, expiry in state.selection.approx_expiry.items():
         lapsed = tuple(h for h, expires_at in expiry.items() if expires_at <= command.at)
         if lapsed:
             events.append(ApproxBlocksExpired(rank.worker_id, rank.dp_rank, lapsed))
@@ -161,3 +161,5 @@ _decide.register(selection_rules.decide_recover)
 _decide.register(selection_rules.decide_select)
 _decide.register(selection_rules.decide_reserve)
 _decide.register(selection_rules.decide_output_block)
+_decide.register(selection_rules.decide_reservation_prefill)
+_decide.register(selection_rules.decide_release)

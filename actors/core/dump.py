@@ -10,6 +10,7 @@ selector or indexer and vice versa.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from kvrouter.actors.core.commands import RecoveredRun
@@ -24,9 +25,20 @@ class DumpError(ValueError):
     """A peer's /dump that is not in the recovery format."""
 
 
+def dump_document(states: Iterable[ScopeState]) -> dict[str, Any]:
+    """The whole ``/dump``: every partition whose block size is fixed (it stays after its last worker
+    left, as in 1.6.1), and any partition whose index holds blocks (recovered from a peer before its
+    workers registered). A partition whose workers never were schedulable is not listed."""
+    return {
+        f"{s.scope.model_name}:{s.scope.tenant_id}": dump_scope(s)
+        for s in states
+        if s.selection.listed or not s.selection.index.is_empty()
+    }
+
+
 def dump_scope(state: ScopeState) -> dict[str, Any]:
     events = []
-    for event_id, run in enumerate(state.index.dump_events()):
+    for event_id, run in enumerate(state.selection.index.dump_events()):
         blocks = [{"block_hash": ext, "tokens_hash": local, "mm_extra_info": None} for ext, local in run.blocks]
         events.append(
             {
@@ -40,7 +52,7 @@ def dump_scope(state: ScopeState) -> dict[str, Any]:
                 },
             }
         )
-    return {"block_size": state.block_size, "events": events}
+    return {"block_size": state.selection.partition_block_size, "events": events}
 
 
 def scope_key(name: str) -> ScopeKey:

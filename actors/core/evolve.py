@@ -30,7 +30,8 @@ from kvrouter.actors.core.events import (
 )
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_index import Tier
-from kvrouter.actors.core.state import ActiveRequest, RankState, ScopeState, admit
+from kvrouter.actors.core.slots import NO_OUTPUTS, ActiveRequest, add_output_block
+from kvrouter.actors.core.state import ScopeState
 
 
 def evolve(state: ScopeState, event: Event) -> ScopeState:
@@ -51,64 +52,48 @@ def _evolve(event: Event, state: ScopeState) -> None:
 
 @_evolve.register
 def _registered(event: WorkerRegistered, state: ScopeState) -> None:
-    state.block_size = event.block_size
-    state.workers[event.worker_id] = (event.dp_start, event.dp_size)
-    for dp_rank in range(event.dp_start, event.dp_start + event.dp_size):
-        state.ranks[WorkerRank(event.worker_id, dp_rank)] = RankState()
+    state.slots.block_size = event.block_size
+    state.slots.add_range(event.worker_id, event.dp_start, event.dp_size)
 
 
 @_evolve.register
 def _unregistered(event: WorkerUnregistered, state: ScopeState) -> None:
-    start, size = state.workers.pop(event.worker_id)
+    slots = state.slots
+    start, size = slots.workers.pop(event.worker_id)
     for dp_rank in range(start, start + size):
-        rank = state.ranks.pop(WorkerRank(event.worker_id, dp_rank))
-        for request_id in rank.requests:
-            del state.requests[request_id]
-    if not state.workers:
-        state.block_size = None  # the tracker dissolves with its last worker
+        slots.drop_rank(WorkerRank(event.worker_id, dp_rank))
+    if not slots.workers:
+        slots.block_size = None  # the tracker dissolves with its last worker
 
 
 @_evolve.register
 def _added(event: RequestAdded, state: ScopeState) -> None:
     rank = WorkerRank(event.worker_id, event.dp_rank)
-    admit(state, ActiveRequest(event.request_id, rank, event.sequence_hashes, event.at), event.prefill_tokens)
+    state.slots.admit(ActiveRequest(event.request_id, rank, event.sequence_hashes, event.at), event.prefill_tokens)
 
 
 @_evolve.register
 def _prefill_completed(event: PrefillCompleted, state: ScopeState) -> None:
-    rank = state.ranks[state.requests[event.request_id].rank]
+    slots = state.slots
+    rank = slots.ranks[slots.requests[event.request_id].rank]
     rank.prefill_tokens -= rank.prefill.pop(event.request_id)
 
 
 @_evolve.register
 def _freed(event: RequestFreed, state: ScopeState) -> None:
-    _release(state, event.request_id)
+    state.slots.release(event.request_id)
 
 
 @_evolve.register
 def _expired(event: RequestsExpired, state: ScopeState) -> None:
+    release = state.slots.release
     for request_id in event.request_ids:
-        _release(state, request_id)
-
-
-def _release(state: ScopeState, request_id: str) -> None:
-    request = state.requests.pop(request_id)
-    rank = state.ranks[request.rank]
-    del rank.requests[request_id]
-    rank.trie.remove(request.sequence_hashes)
-    tokens = rank.prefill.pop(request_id, 0)
-    rank.prefill_tokens -= tokens
-    if rank.outputs:
-        rank.outputs.pop(request_id, None)
+        release(request_id)
 
 
 def _drop_rank(state: ScopeState, rank_key: WorkerRank) -> None:
-    rank = state.ranks.pop(rank_key)
-    for request_id in rank.requests:
-        del state.requests[request_id]
-    state.index.remove_rank(rank_key)
-    state.kv_watermarks.pop(rank_key, None)
-    state.approx_expiry.pop(rank_key, None)
+    state.slots.drop_rank(rank_key)
+    state.selection.forget_rank(rank_key)
 
 
 # -- selection service ------------------------------------------------------------------------------
@@ -117,45 +102,38 @@ def _drop_rank(state: ScopeState, rank_key: WorkerRank) -> None:
 @_evolve.register
 def _upserted(event: WorkerUpserted, state: ScopeState) -> None:
     record = event.record
-    state.schedulable_cache.clear()
-    previous = state.catalog.get(record.worker_id)
-    state.catalog[record.worker_id] = record
-    state.block_size = event.partition_block_size
+    slots, selection = state.slots, state.selection
+    previous = selection.catalog.get(record.worker_id)
+    selection.put_record(record, event.partition_block_size)
     wanted = set(record.ranks) if record.dp_size > 0 else set()
-    for rank_key in [r for r in state.ranks if r.worker_id == record.worker_id]:
+    for rank_key in [r for r in slots.ranks if r.worker_id == record.worker_id]:
         stream_changed = previous is not None and (
             previous.kv_events_endpoint_for(rank_key.dp_rank) != record.kv_events_endpoint_for(rank_key.dp_rank)
         )
         if rank_key not in wanted:
             _drop_rank(state, rank_key)
         elif stream_changed:
-            # Another publisher now speaks for this rank: what the old one said no longer holds.
-            state.index.apply_cleared(rank_key)
-            state.kv_watermarks.pop(rank_key, None)
-    for rank_key in sorted(wanted):
-        if rank_key not in state.ranks:
-            state.ranks[rank_key] = RankState()
+            selection.forget_stream(rank_key)
     if wanted:
-        state.workers[record.worker_id] = (record.dp_start, record.dp_size)
+        slots.add_range(record.worker_id, record.dp_start, record.dp_size)
     else:
-        state.workers.pop(record.worker_id, None)
+        slots.workers.pop(record.worker_id, None)
 
 
 @_evolve.register
 def _removed(event: WorkerRemoved, state: ScopeState) -> None:
-    state.schedulable_cache.clear()
-    del state.catalog[event.worker_id]
-    for rank_key in [r for r in state.ranks if r.worker_id == event.worker_id]:
+    # The partition (and its block size) outlives its last worker, as in 1.6.1.
+    state.selection.remove_record(event.worker_id)
+    for rank_key in [r for r in state.slots.ranks if r.worker_id == event.worker_id]:
         _drop_rank(state, rank_key)
-    state.workers.pop(event.worker_id, None)
-    if not state.catalog and not state.workers:
-        state.block_size = None
+    state.slots.workers.pop(event.worker_id, None)
 
 
 @_evolve.register
 def _kv_indexed(event: KvIndexed, state: ScopeState) -> None:
     rank = WorkerRank(event.worker_id, event.dp_rank)
-    index = state.index
+    selection = state.selection
+    index = selection.index
     for op in event.ops:
         if isinstance(op, KvStoredOp):
             index.apply_stored(rank, Tier(op.tier), op.parent_hash, op.blocks)
@@ -164,21 +142,20 @@ def _kv_indexed(event: KvIndexed, state: ScopeState) -> None:
         elif isinstance(op, KvClearedOp):
             index.apply_cleared(rank)
     if event.seq is not None:
-        state.kv_watermarks[WorkerRank(event.worker_id, event.stream_rank)] = event.seq
+        selection.kv_watermarks[WorkerRank(event.worker_id, event.stream_rank)] = event.seq
 
 
 @_evolve.register
 def _stream_reset(event: KvStreamReset, state: ScopeState) -> None:
-    rank = WorkerRank(event.worker_id, event.dp_rank)
-    state.index.apply_cleared(rank)
-    state.kv_watermarks.pop(rank, None)
+    state.selection.forget_stream(WorkerRank(event.worker_id, event.dp_rank))
 
 
 @_evolve.register
 def _approx_booked(event: ApproxBlocksBooked, state: ScopeState) -> None:
     rank = WorkerRank(event.worker_id, event.dp_rank)
-    state.index.apply_stored(rank, Tier.DEVICE, None, event.blocks)
-    expiry = state.approx_expiry.setdefault(rank, {})
+    selection = state.selection
+    selection.index.apply_stored(rank, Tier.DEVICE, None, event.blocks)
+    expiry = selection.approx_expiry.setdefault(rank, {})
     for seq_hash, _ in event.blocks:
         expiry[seq_hash] = event.expires_at
 
@@ -186,20 +163,24 @@ def _approx_booked(event: ApproxBlocksBooked, state: ScopeState) -> None:
 @_evolve.register
 def _approx_expired(event: ApproxBlocksExpired, state: ScopeState) -> None:
     rank = WorkerRank(event.worker_id, event.dp_rank)
-    state.index.apply_removed(rank, Tier.DEVICE, event.block_hashes)
-    expiry = state.approx_expiry.get(rank, {})
+    selection = state.selection
+    selection.index.apply_removed(rank, Tier.DEVICE, event.block_hashes)
+    expiry = selection.approx_expiry.get(rank, {})
     for seq_hash in event.block_hashes:
         expiry.pop(seq_hash, None)
     if not expiry:
-        state.approx_expiry.pop(rank, None)
+        selection.approx_expiry.pop(rank, None)
 
 
 @_evolve.register
 def _output_block(event: OutputBlockAdded, state: ScopeState) -> None:
-    request = state.requests[event.request_id]
-    rank = state.ranks[request.rank]
-    count, weight = rank.outputs.get(event.request_id, (0, 1.0))
+    """1.6.1: a block of weight 1.0, or with a fraction f every output block of the request weighs f and
+    the prompt's exclusively held tail decays to f."""
+    slots = state.slots
+    request = slots.requests[event.request_id]
+    rank = slots.ranks[request.rank]
     if event.decay_fraction is not None:
-        weight = event.decay_fraction
         rank.trie.decay_exclusive_tail(request.sequence_hashes, event.decay_fraction)
-    rank.outputs[event.request_id] = (count + 1, weight)
+    rank.outputs[event.request_id] = add_output_block(
+        rank.outputs.get(event.request_id, NO_OUTPUTS), event.decay_fraction
+    )

@@ -1,34 +1,33 @@
-"""Invariant checks shared by tests, simulations and debug assertions. Pure; returns messages."""
+"""Invariant checks shared by tests, simulations and debug assertions. Pure; returns messages.
+
+Each part checks itself (``SlotTracking.check``, ``SelectionState.check``, which runs the KV index's
+``KvIndex.check``); this module adds what ties the parts together.
+"""
 
 from __future__ import annotations
 
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.core.trie import PrefixTrie
 
 
 def check(state: ScopeState) -> list[str]:
-    problems: list[str] = []
-    if state.workers and state.block_size is None:
-        problems.append("scope has workers but no block size")
-    expected_ranks = {(w, r) for w, (start, size) in state.workers.items() for r in range(start, start + size)}
-    if set(state.ranks) != expected_ranks:
-        problems.append("ranks do not match the registered DP ranges")
-    seen = 0
-    for rank_key, rank in state.ranks.items():
-        if rank.prefill_tokens < 0:
-            problems.append(f"{rank_key}: negative prefill tokens {rank.prefill_tokens}")
-        if rank.prefill_tokens != sum(rank.prefill.values()):
-            problems.append(f"{rank_key}: prefill sum {rank.prefill_tokens} != entries")
-        if not set(rank.prefill) <= set(rank.requests):
-            problems.append(f"{rank_key}: prefill entry without an active request")
-        rebuilt = PrefixTrie()
-        for request in rank.requests.values():
-            rebuilt.insert(request.sequence_hashes)
-            if state.requests.get(request.request_id) is not request:
-                problems.append(f"{rank_key}: request {request.request_id!r} missing from the scope index")
-        if rebuilt.size != rank.trie.size:
-            problems.append(f"{rank_key}: {rank.trie.size} decode blocks, requests imply {rebuilt.size}")
-        seen += len(rank.requests)
-    if seen != len(state.requests):
-        problems.append(f"scope index holds {len(state.requests)} requests, ranks hold {seen}")
+    slots, selection = state.slots, state.selection
+    problems = slots.check()
+    problems.extend(selection.check())
+    catalog = selection.catalog
+    for worker_id, (start, size) in slots.workers.items():
+        record = catalog.get(worker_id)
+        if record is None:
+            if slots.block_size is None:
+                problems.append(f"worker {worker_id}: registered range without a block size or a catalog record")
+        elif (record.dp_start, record.dp_size) != (start, size):
+            problems.append(f"worker {worker_id}: registered range {(start, size)} is not its record's")
+    for worker_id, record in catalog.items():
+        if record.scope != state.scope:
+            problems.append(f"worker {worker_id}: catalog record names {record.scope.describe()}")
+        if record.dp_size > 0 and worker_id not in slots.workers:
+            problems.append(f"worker {worker_id}: catalog record's ranks are not registered")
+    for name, per_rank in (("KV-event watermark", selection.kv_watermarks), ("expiry", selection.approx_expiry)):
+        for rank in per_rank:
+            if rank not in slots.ranks:
+                problems.append(f"{rank}: {name} kept for a rank that is not registered")
     return problems

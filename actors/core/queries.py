@@ -1,6 +1,7 @@
-"""Read models computed from a scope's state: current loads and projected loads.
+"""Read models of the slot tracker, computed from a scope's state: current loads and projected loads.
 
-Pure functions; the shell calls them between awaits, so they see a consistent state.
+Pure functions; the shell calls them between awaits, so they see a consistent state. The selection
+service's read models (``selection_queries.py``) build on the same rows.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 import attrs
 
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
+from kvrouter.actors.core.slots import RankState
 from kvrouter.actors.core.state import ScopeState
 
 
@@ -29,9 +31,14 @@ class PotentialLoad:
     active_requests: int
 
 
+def rank_load(rank_key: WorkerRank, rank: RankState) -> RankLoad:
+    """Decode blocks include output blocks and decay (both zero for the slot tracker, which has neither)."""
+    return RankLoad(rank_key, rank.prefill_tokens, rank.active_decode_blocks, len(rank.requests))
+
+
 def loads(state: ScopeState) -> list[RankLoad]:
     """Every registered rank, idle ones included, sorted by (worker_id, dp_rank)."""
-    return [RankLoad(rank, r.prefill_tokens, r.trie.size, len(r.requests)) for rank, r in sorted(state.ranks.items())]
+    return [rank_load(rank, r) for rank, r in sorted(state.slots.ranks.items())]
 
 
 def potential_loads(state: ScopeState, sequence_hashes: Sequence[int], isl_tokens: int) -> list[PotentialLoad]:
@@ -48,5 +55,5 @@ def potential_loads(state: ScopeState, sequence_hashes: Sequence[int], isl_token
             r.trie.size + n - r.trie.overlap_depth(sequence_hashes),
             len(r.requests),
         )
-        for rank, r in state.ranks.items()
+        for rank, r in state.slots.ranks.items()
     ]

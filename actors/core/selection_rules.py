@@ -14,9 +14,10 @@ import attrs
 from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
+    CompleteReservationPrefill,
     IngestKvBatch,
-    Prompt,
     RecoverKv,
+    ReleaseReservation,
     RemoveWorker,
     Reserve,
     ResetKvStream,
@@ -33,38 +34,28 @@ from kvrouter.actors.core.events import (
     KvStoredOp,
     KvStreamReset,
     OutputBlockAdded,
+    PrefillCompleted,
     RequestAdded,
+    RequestFreed,
     WorkerRemoved,
     WorkerUpserted,
 )
-from kvrouter.actors.core.hashing import block_hashes as hash_blocks
-from kvrouter.actors.core.hashing import sequence_hashes as chain_hashes
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
 from kvrouter.actors.core.selection import (
-    NO_OVERLAP,
-    RankCandidate,
     Refusal,
-    TierOverlap,
     cost,
     effective_cached_tokens,
     effective_prefill_tokens,
     eligible,
-    no_schedulable_workers,
     overlap_summary,
     pick,
     reported_decode_blocks,
 )
+from kvrouter.actors.core.selection_queries import candidates, selection_input
 from kvrouter.actors.core.state import ScopeState
 
 REFUSAL_REASON = {Refusal.INVALID: Reason.INVALID, Refusal.UNAVAILABLE: Reason.UNAVAILABLE}
-
-
-@attrs.frozen
-class NormalizedPrompt:
-    local_hashes: tuple[int, ...]  # per full block, for the KV index
-    sequence_hashes: tuple[int, ...]  # chained, for active-block accounting
-    isl_tokens: int
 
 
 @attrs.frozen
@@ -86,49 +77,15 @@ class Selection:
     approx_ttl_ns: int = 0  # > 0 in approximate mode: a booking counts as cached this long
 
 
-def schedulable(state: ScopeState, use_kv_events: bool) -> tuple[WorkerRecord, ...]:
-    cached = state.schedulable_cache.get(use_kv_events)
-    if cached is None:
-        cached = state.schedulable_cache[use_kv_events] = tuple(
-            record
-            for record in state.catalog.values()
-            if not not_schedulable_reasons(record, use_kv_events=use_kv_events, partition_block_size=state.block_size)
-        )
-    return cached
-
-
-def normalize(prompt: Prompt, block_size: int) -> NormalizedPrompt | str:
-    """Token ids are hashed here; precomputed hashes are checked (spec §2.2). A string is a 400."""
-    if prompt.token_ids is not None:
-        local = hash_blocks(prompt.token_ids, block_size, lora_name=prompt.lora_name)
-        return NormalizedPrompt(tuple(local), tuple(chain_hashes(local)), len(prompt.token_ids))
-    if prompt.block_hashes is None:
-        return "block_hashes is required without token_ids"
-    if prompt.sequence_hashes is None:
-        return "sequence_hashes is required without token_ids"
-    if prompt.isl_tokens is None:
-        return "isl_tokens is required without token_ids"
-    if prompt.isl_tokens <= 0:
-        return "isl_tokens must be greater than 0"
-    if len(prompt.block_hashes) != len(prompt.sequence_hashes):
-        return (
-            f"block_hashes length {len(prompt.block_hashes)} must match "
-            f"sequence_hashes length {len(prompt.sequence_hashes)}"
-        )
-    return NormalizedPrompt(prompt.block_hashes, prompt.sequence_hashes, prompt.isl_tokens)
-
-
 def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_events: bool) -> int | None:
-    """The first schedulable worker fixes a partition's block size; it stays while one remains."""
-    others = [r for r in state.catalog.values() if r.worker_id != record.worker_id]
-    current = state.block_size
-    if current is not None and any(
-        not not_schedulable_reasons(r, use_kv_events=use_kv_events, partition_block_size=current) for r in others
-    ):
+    """The first schedulable worker fixes a partition's block size; it stays for the partition's life, even
+    once its last worker has left, and later workers are reconciled against it (as in 1.6.1)."""
+    current = state.selection.partition_block_size
+    if current is not None:
         return current
     if not not_schedulable_reasons(record, use_kv_events=use_kv_events, partition_block_size=None):
         return record.block_size
-    return current if others else None
+    return None
 
 
 def decide_upsert(command: UpsertWorker, state: ScopeState) -> Decision:
@@ -138,19 +95,22 @@ def decide_upsert(command: UpsertWorker, state: ScopeState) -> Decision:
 
 
 def decide_remove(command: RemoveWorker, state: ScopeState) -> Decision:
-    if command.worker_id not in state.catalog:
+    if command.worker_id not in state.selection.catalog:
         return Rejected(Reason.NOT_FOUND, f"worker {command.worker_id} not found")
     return Accepted((WorkerRemoved(command.worker_id),))
 
 
 def decide_ingest(command: IngestKvBatch, state: ScopeState) -> Decision:
-    record = state.catalog.get(command.worker_id)
+    selection, ranks = state.selection, state.slots.ranks
+    record = selection.catalog.get(command.worker_id)
     if record is None:
         return NOTHING_CHANGED  # the worker left while its batch was in flight
+    if WorkerRank(command.worker_id, command.dp_rank) not in ranks:
+        return NOTHING_CHANGED  # the listener's rank left the worker's DP range meanwhile
     dp_rank = command.batch.dp_rank if command.batch.dp_rank is not None else command.dp_rank
-    if WorkerRank(command.worker_id, dp_rank) not in state.ranks:
+    if WorkerRank(command.worker_id, dp_rank) not in ranks:
         return NOTHING_CHANGED
-    block_size = record.block_size or state.block_size or 0
+    block_size = record.block_size or selection.partition_block_size or 0
     ops: list[KvOp] = []
     for event in command.batch.events:
         if isinstance(event, BlockStored):
@@ -175,42 +135,23 @@ def decide_recover(command: RecoverKv, state: ScopeState) -> Decision:
 
 
 def decide_reset(command: ResetKvStream, state: ScopeState) -> Decision:
-    if WorkerRank(command.worker_id, command.dp_rank) not in state.ranks:
+    if WorkerRank(command.worker_id, command.dp_rank) not in state.slots.ranks:
         return NOTHING_CHANGED
     return Accepted((KvStreamReset(command.worker_id, command.dp_rank),))
 
 
 def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     config = command.config
-    workers = schedulable(state, config.use_kv_events) if state.exists else []
-    if not workers or state.block_size is None:
-        return Rejected(Reason.UNAVAILABLE, no_schedulable_workers(state.scope))
-    block_size = state.block_size
-    prompt = normalize(command.prompt, block_size)
-    if isinstance(prompt, str):
-        return Rejected(Reason.INVALID, prompt)
-    matches = state.index.find_matches(prompt.local_hashes) if prompt.local_hashes else {}
-    candidates = []
-    for record in workers:
-        taints = record.taint_set
-        for rank in record.ranks:
-            loads = state.ranks[rank]
-            found = matches.get(rank)
-            candidates.append(
-                RankCandidate(
-                    rank,
-                    TierOverlap(*found) if found else NO_OVERLAP,
-                    loads.prefill_tokens,
-                    loads.active_decode_blocks,
-                    len(loads.requests),
-                    loads.trie.overlap_depth(prompt.sequence_hashes) if loads.requests else 0,
-                    taints,
-                )
-            )
+    request = selection_input(state, command.prompt, config.use_kv_events)
+    if isinstance(request, Rejected):
+        return request
+    block_size = request.block_size
+    prompt = request.prompt
+    found = candidates(state, request)
     options = command.options
     pinned = WorkerRank(*options.pinned_worker) if options.pinned_worker is not None else None
     kept = eligible(
-        candidates,
+        found,
         allowed_worker_ids=options.allowed_worker_ids,
         required_taints=options.required_taints,
         pinned=pinned,
@@ -247,11 +188,9 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     chosen = next(c for c in kept if c.rank == chosen_rank)
     cached = effective_cached_tokens(chosen.overlap, config, block_size)
     effective = effective_prefill_tokens(prompt.isl_tokens, cached)
-    record = state.catalog[chosen_rank.worker_id]
-    per_rank = {}
-    for rank in record.ranks:
-        found = matches.get(rank)
-        per_rank[rank.dp_rank] = TierOverlap(*found) if found else NO_OVERLAP
+    record = state.selection.catalog[chosen_rank.worker_id]
+    # Every rank of the chosen worker is a candidate (the worker is schedulable), filtered out or not.
+    per_rank = {c.rank.dp_rank: c.overlap for c in found if c.rank.worker_id == chosen_rank.worker_id}
     track = config.router_track_prefill_tokens
     selection = Selection(
         worker_id=chosen_rank.worker_id,
@@ -277,7 +216,7 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     if not command.reserve:
         return Accepted(reply=selection)
     reservation_id = command.reservation_id or ""
-    if reservation_id in state.requests:
+    if reservation_id in state.slots.requests:
         return already_reserved(reservation_id)
     event = RequestAdded(
         reservation_id,
@@ -321,10 +260,10 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
             f"effective_prefill_tokens ({command.effective_prefill_tokens}) must not exceed "
             f"isl_tokens ({command.isl_tokens})",
         )
-    if command.reservation_id in state.requests:
+    if command.reservation_id in state.slots.requests:
         return already_reserved(command.reservation_id)
     rank = WorkerRank(command.worker_id, command.dp_rank)
-    if command.worker_id not in state.catalog or rank not in state.ranks:
+    if command.worker_id not in state.selection.catalog or rank not in state.slots.ranks:
         return Rejected(
             Reason.NOT_FOUND,
             f"worker {command.worker_id} dp_rank {command.dp_rank} not found for {state.scope.describe()}",
@@ -344,7 +283,27 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
     return Accepted((event, *booked), created=True)
 
 
+def reservation_not_found(reservation_id: str) -> Rejected:
+    return Rejected(Reason.NOT_FOUND, f"reservation {reservation_id} not found")
+
+
 def decide_output_block(command: AddOutputBlock, state: ScopeState) -> Decision:
-    if command.request_id not in state.requests:
-        return Rejected(Reason.NOT_FOUND, f"reservation {command.request_id} not found")
+    if command.request_id not in state.slots.requests:
+        return reservation_not_found(command.request_id)
     return Accepted((OutputBlockAdded(command.request_id, command.decay_fraction),))
+
+
+def decide_reservation_prefill(command: CompleteReservationPrefill, state: ScopeState) -> Decision:
+    slots = state.slots
+    request = slots.requests.get(command.reservation_id)
+    if request is None:
+        return reservation_not_found(command.reservation_id)
+    if command.reservation_id not in slots.ranks[request.rank].prefill:
+        return NOTHING_CHANGED  # repeated completion, or booked without prefill tracking
+    return Accepted((PrefillCompleted(command.reservation_id),))
+
+
+def decide_release(command: ReleaseReservation, state: ScopeState) -> Decision:
+    if command.reservation_id not in state.slots.requests:
+        return reservation_not_found(command.reservation_id)
+    return Accepted((RequestFreed(command.reservation_id),))

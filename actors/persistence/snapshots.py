@@ -2,7 +2,11 @@
 
 A snapshot payload is JSON::
 
-    {"v": 1, "lsn": lsn, "state_hash": sha256 of the canonical scopes, "scopes": [ScopeState.to_snapshot(), ...]}
+    {"v": 2, "lsn": lsn, "state_hash": sha256 of the canonical scopes, "scopes": [ScopeState.to_snapshot(), ...]}
+
+Versions: 1 stored each scope flat (one shared ``block_size``, output blocks as ``[count, weight]``); 2 stores
+each scope as its two parts, ``{"model_name", "tenant_id", "slots": {...}, "selection": {...}}``, with output
+blocks as ``[decayed, weight, whole]`` (see ``actors/core/slots.py``).
 
 To change the layout (say, ScopeState splits in two): bump ``SNAPSHOT_VERSION`` to N+1 and write ONE
 function that turns a version-N document into an N+1 document, registered for its version::
@@ -29,7 +33,7 @@ from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import digest
 from kvrouter.journal.store import CorruptJournal
 
-SNAPSHOT_VERSION: Final = 1
+SNAPSHOT_VERSION: Final = 2
 
 SnapshotUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # version it reads -> a function turning that version's document into the next version's.
@@ -113,6 +117,44 @@ def upcast_snapshot(document: dict[str, Any]) -> dict[str, Any]:
         version += 1
         document["v"] = version
     return document
+
+
+@snapshot_upcaster(from_version=1)
+def _scopes_v1_to_v2(document: dict[str, Any]) -> dict[str, Any]:
+    document["scopes"] = [_split_scope_v1(scope) for scope in document["scopes"]]
+    return document
+
+
+def _split_scope_v1(scope: dict[str, Any]) -> dict[str, Any]:
+    """One v1 scope as its two parts. v1's single ``block_size`` was the slot tracker's when a registered
+    worker has no catalog record, and the selection partition's when the scope has a catalog or blocks.
+    A v1 output count shared the latest weight: ``decayed`` blocks of that weight in v2 (``whole`` ones at 1.0)."""
+    catalog = scope["catalog"]
+    in_catalog = {plain["worker_id"] for plain in catalog}
+    tracker = any(worker_id not in in_catalog for worker_id, _, _ in scope["workers"])
+    partition = bool(catalog) or bool(scope["index"]["ranks"])
+    requests = [[*request[:6], _outputs_v1_to_v2(*request[6])] for request in scope["requests"]]
+    return {
+        "model_name": scope["model_name"],
+        "tenant_id": scope["tenant_id"],
+        "slots": {
+            "block_size": scope["block_size"] if tracker else None,
+            "workers": scope["workers"],
+            "requests": requests,
+            "fractions": scope["fractions"],
+        },
+        "selection": {
+            "partition_block_size": scope["block_size"] if partition else None,
+            "catalog": catalog,
+            "index": scope["index"],
+            "kv_watermarks": scope["kv_watermarks"],
+            "approx_expiry": scope["approx_expiry"],
+        },
+    }
+
+
+def _outputs_v1_to_v2(count: int, weight: float) -> list[Any]:
+    return [0, 1.0, count] if weight == 1.0 else [count, weight, 0]
 
 
 def _load(payload: bytes) -> dict[str, Any]:

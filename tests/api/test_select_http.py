@@ -195,3 +195,85 @@ async def test_approximate_mode_counts_bookings_as_cached(nursery: trio.Nursery,
         device = {row["worker_id"]: row["device_blocks"] for row in scores["workers"]}
         assert device == {booked["worker_id"]: 2, 3 - booked["worker_id"]: 0}
     handle.stop()
+
+
+async def test_output_blocks_keep_their_own_weight(selector: httpx.AsyncClient) -> None:
+    """1.6.1 (spec §1.2): an output block without a fraction weighs 1.0; one with a fraction f sets every
+    output block of the reservation to f. Probed on 1.6.1 with a 4-block reservation: 3, 4, 5, 2."""
+    await selector.post("/workers", json=worker(1, "tcp://127.0.0.1:1"))
+    prompt = {"model_name": "m", "token_ids": list(range(16)), "reservation_id": "r1"}
+    assert (await selector.post("/select_and_reserve", json=prompt)).status_code == 200
+
+    async def decode_blocks() -> int:
+        return (await selector.get("/loads")).json()[0]["loads"][0]["potential_decode_blocks"]
+
+    assert await decode_blocks() == 4
+    seen = []
+    for body in ({"decay_fraction": 0.5}, {}, {}, {"decay_fraction": 0.25}):
+        assert (await selector.post("/reservations/r1/output_block", json=body)).status_code == 200
+        seen.append(await decode_blocks())
+    assert seen == [3, 4, 5, 2]
+
+
+def partition(model: str, loads: list[dict]) -> dict:
+    return {
+        "model_name": model,
+        "tenant_id": "default",
+        "routing_group": "default",
+        "loads": loads,
+        "pending_count": 0,
+        "pending_isl_tokens": 0,
+    }
+
+
+def idle(worker_id: int, dp_rank: int = 0) -> dict:
+    return {
+        "worker_id": worker_id,
+        "dp_rank": dp_rank,
+        "potential_prefill_tokens": 0,
+        "potential_decode_blocks": 0,
+        "active_requests": 0,
+    }
+
+
+async def test_a_partition_outlives_its_last_worker_and_a_restart(tmp_path) -> None:
+    """1.6.1 keeps a partition after its last worker leaves: /loads lists it with no loads, /dump keeps its
+    block size, and a later worker with another block size fails reconciliation. kvrouter also keeps it
+    across a restart (its catalog is journaled)."""
+    from tests.conftest import start_select_service
+
+    mismatch = "reconciliation failed: block_size mismatch for model=m tenant_id=default: existing=4 requested=8"
+    async with trio.open_nursery() as nursery:
+        first = await start_select_service(nursery, tmp_path / "data")
+        async with httpx.AsyncClient(base_url=first.urls[0], timeout=10) as http:
+            assert (await http.post("/workers", json=worker(1, "tcp://127.0.0.1:1"))).status_code == 201
+            assert (await http.delete("/workers/1")).status_code == 200
+            assert (await http.get("/loads")).json() == [partition("m", [])]
+            assert (await http.get("/dump")).json() == {"m:default": {"block_size": BLOCK, "events": []}}
+            later = await http.post("/workers", json={**worker(2, "tcp://127.0.0.1:1"), "block_size": 8})
+            assert (later.json()["lifecycle"], later.json()["not_schedulable_reasons"]) == ("incomplete", [mismatch])
+            assert (await http.delete("/workers/2")).status_code == 200
+        first.stop()
+
+    async with trio.open_nursery() as nursery:
+        second = await start_select_service(nursery, tmp_path / "data")
+        async with httpx.AsyncClient(base_url=second.urls[0], timeout=10) as http:
+            assert (await http.get("/loads")).json() == [partition("m", [])]
+            assert (await http.get("/dump")).json() == {"m:default": {"block_size": BLOCK, "events": []}}
+            later = await http.post("/workers", json={**worker(2, "tcp://127.0.0.1:1"), "block_size": 8})
+            assert later.json()["not_schedulable_reasons"] == [mismatch]
+        second.stop()
+
+
+async def test_loads_and_dump_show_only_partitions_and_ranks_a_schedulable_worker_fixed(
+    selector: httpx.AsyncClient,
+) -> None:
+    """1.6.1: a partition whose workers are all incomplete is in neither /loads nor /dump, and /loads lists
+    only the ranks of schedulable workers."""
+    await selector.post("/workers", json={"worker_id": 3, "model_name": "inc", "block_size": BLOCK})
+    await selector.post("/workers", json=worker(1, "tcp://127.0.0.1:1"))
+    incomplete = await selector.post("/workers", json={**worker(4, "tcp://127.0.0.1:1"), "endpoint": None})
+    assert incomplete.json()["lifecycle"] == "incomplete"
+    assert (await selector.get("/loads")).json() == [partition("m", [idle(1)])]
+    assert (await selector.get("/dump")).json() == {"m:default": {"block_size": BLOCK, "events": []}}
+    assert [row["worker_id"] for row in (await selector.get("/workers")).json()] == [3, 1, 4]

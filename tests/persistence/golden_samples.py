@@ -155,3 +155,21 @@ HISTORY: dict[ScopeKey, tuple[Event, ...]] = {
 def sample_states() -> list[ScopeState]:
     """``HISTORY`` folded, one state per scope, sorted by scope (the order snapshots use)."""
     return sorted((fold(ScopeState(scope), events) for scope, events in HISTORY.items()), key=lambda s: s.scope)
+
+
+def sample_states_written_by(snapshot_version: int) -> list[ScopeState]:
+    """The sample states as the build that wrote ``snapshot.v<snapshot_version>.json`` held them.
+
+    Before snapshot version 2, every output block of a request weighed the request's latest decay fraction;
+    since then each block keeps its own weight (1.6.1's rule), so ``HISTORY``'s ``req-a`` (a block at 0.25,
+    then one at 1.0) held 2 x 0.25 then and holds 0.25 + 1.0 now. Restoring an old snapshot keeps the loads
+    it recorded, so the old golden restores to the old weights.
+    """
+    states = sample_states()
+    if snapshot_version < 2:
+        for state in states:
+            for rank in state.slots.ranks.values():
+                for request_id, (decayed, weight, whole) in rank.outputs.items():
+                    if decayed:
+                        rank.outputs[request_id] = (decayed + whole, weight, 0)
+    return states

@@ -22,6 +22,7 @@ from golden_samples import (
     SNAPSHOTS,
     record_path,
     sample_states,
+    sample_states_written_by,
     snapshot_path,
 )
 
@@ -175,33 +176,56 @@ def test_encoding_the_sample_states_gives_exactly_the_golden_snapshot() -> None:
     assert sample_snapshot() == snapshot_path(SNAPSHOT_VERSION).read_bytes()
 
 
-@pytest.mark.parametrize("path", sorted(SNAPSHOTS.iterdir()), ids=lambda p: p.name)
-def test_every_golden_snapshot_restores_to_the_sample_states(path: Path) -> None:
+def golden_snapshots() -> list[tuple[int, Path]]:
+    found = []
+    for path in sorted(SNAPSHOTS.iterdir()):
+        match = re.fullmatch(r"snapshot\.v(\d+)\.json", path.name)
+        assert match, f"{path.name} is not named snapshot.v<version>.json"
+        found.append((int(match[1]), path))
+    return found
+
+
+def test_every_snapshot_version_has_its_golden() -> None:
+    assert [version for version, _ in golden_snapshots()] == list(range(1, SNAPSHOT_VERSION + 1))
+
+
+@pytest.mark.parametrize(("version", "path"), golden_snapshots(), ids=[p.name for _, p in golden_snapshots()])
+def test_every_golden_snapshot_restores_to_the_sample_states(version: int, path: Path) -> None:
     restored = restore_snapshot(path.read_bytes())
-    assert sorted(restored) == [state.scope for state in sample_states()]
-    assert snapshot_digest(list(restored.values())) == snapshot_digest(sample_states())
+    expected = sample_states_written_by(version)
+    assert sorted(restored) == [state.scope for state in expected]
+    assert snapshot_digest(list(restored.values())) == snapshot_digest(expected)
+
+
+def test_the_v1_snapshot_splits_its_block_size_between_the_parts() -> None:
+    """v1 had one ``block_size`` per scope: the slot tracker's, or the selection partition's."""
+    restored = restore_snapshot(snapshot_path(1).read_bytes())
+    tracker, partition = (restored[scope] for scope in sorted(restored))
+    assert (tracker.slots.block_size, tracker.selection.partition_block_size) == (16, None)
+    assert (partition.slots.block_size, partition.selection.partition_block_size) == (None, 32)
+    (outputs,) = [rank.outputs for rank in tracker.slots.ranks.values() if rank.outputs]
+    assert outputs == {"req-a": (2, 0.25, 0)}  # v1's two blocks at the latest fraction, as they were
 
 
 def test_a_snapshot_upcaster_is_one_registered_function(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the other helper's ScopeState split will do it: the build reads v2, the golden file is v1."""
-    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 2)
-    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {})
+    """A build reading v3: the v1 golden goes through both steps, the v2 golden through the last one."""
+    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 3)
+    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {1: snapshots.SNAPSHOT_UPCASTERS[1]})
 
-    @snapshot_upcaster(from_version=1)
-    def _scopes_v1_to_v2(document: dict[str, Any]) -> dict[str, Any]:
+    @snapshot_upcaster(from_version=2)
+    def _scopes_v2_to_v3(document: dict[str, Any]) -> dict[str, Any]:
         for scope in document["scopes"]:
             scope["tenant_id"] = scope["tenant_id"].upper()  # visible in the restored states
         return document
 
-    restored = restore_snapshot(snapshot_path(1).read_bytes())
-    assert sorted(scope.tenant_id for scope in restored) == ["GOLDEN-TENANT", "SELECTION-TENANT"]
+    for version in (1, 2):
+        restored = restore_snapshot(snapshot_path(version).read_bytes())
+        assert sorted(scope.tenant_id for scope in restored) == ["GOLDEN-TENANT", "SELECTION-TENANT"]
     with pytest.raises(ValueError, match="two snapshot upcasters"):
-        snapshot_upcaster(from_version=1)(_scopes_v1_to_v2)
+        snapshot_upcaster(from_version=2)(_scopes_v2_to_v3)
 
 
-def test_an_old_snapshot_is_checked_against_its_hash_before_upcasting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 2)
-    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {1: lambda document: document})
+def test_an_old_snapshot_is_checked_against_its_hash_before_upcasting() -> None:
     document = orjson.loads(snapshot_path(1).read_bytes())
     document["scopes"][0]["block_size"] = 64  # damage the hash does not cover
     with pytest.raises(UnreadableSnapshot, match="do not match its recorded state hash"):
@@ -209,7 +233,6 @@ def test_an_old_snapshot_is_checked_against_its_hash_before_upcasting(monkeypatc
 
 
 def test_a_snapshot_without_an_upcaster_for_its_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 2)
     monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {})
     with pytest.raises(UnreadableSnapshot, match="no upcaster reads snapshot format version 1"):
         restore_snapshot(snapshot_path(1).read_bytes())
@@ -225,7 +248,7 @@ def test_a_snapshot_without_an_upcaster_for_its_version_is_refused(monkeypatch: 
     ids=["newer-version", "wrong-hash", "bad-scope"],
 )
 def test_a_snapshot_that_does_not_restore_says_why(change: dict[str, Any], problem: str) -> None:
-    document = {**orjson.loads(snapshot_path(1).read_bytes()), **change}
+    document = {**orjson.loads(snapshot_path(SNAPSHOT_VERSION).read_bytes()), **change}
     with pytest.raises(UnreadableSnapshot, match=re.escape(problem)) as raised:
         restore_snapshot(orjson.dumps(document))
     assert raised.value.lsn == SNAPSHOT_LSN

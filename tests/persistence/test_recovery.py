@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 import pytest
 import trio
-from golden_samples import GOLDEN, HISTORY, SNAPSHOT_LSN, sample_states, snapshot_path
+from golden_samples import GOLDEN, HISTORY, SNAPSHOT_LSN, sample_states, sample_states_written_by, snapshot_path
 
 from kvrouter.actors.core.events import EVENT_TAGS, PrefillCompleted
 from kvrouter.actors.core.ids import ScopeKey
@@ -19,7 +19,7 @@ from kvrouter.actors.persistence.recovery import (
     UndecodableRecord,
     recover,
 )
-from kvrouter.actors.persistence.snapshots import UnreadableSnapshot, encode_snapshot
+from kvrouter.actors.persistence.snapshots import SNAPSHOT_VERSION, UnreadableSnapshot, encode_snapshot
 from kvrouter.api.cli import main as cli_main
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.layout import snapshot_name
@@ -58,12 +58,14 @@ def test_a_journal_of_version_zero_records_recovers_like_a_current_one() -> None
     assert states_digest(old.states) == states_digest(new.states) == states_digest(expected)
 
 
-def test_recovery_starts_from_the_golden_snapshot() -> None:
-    payload = snapshot_path(1).read_bytes()
+@pytest.mark.parametrize("version", [1, SNAPSHOT_VERSION])
+def test_recovery_starts_from_the_golden_snapshot(version: int) -> None:
+    payload = snapshot_path(version).read_bytes()
     journal = memory_journal([b"covered by the snapshot"] * SNAPSHOT_LSN, Snapshot(SNAPSHOT_LSN, payload))
     recovered = recover(journal)
     assert (recovered.snapshot_lsn, recovered.replayed_records) == (SNAPSHOT_LSN, 0)
-    assert states_digest(recovered.states) == states_digest({s.scope: s for s in sample_states()})
+    expected = sample_states_written_by(version)
+    assert states_digest(recovered.states) == states_digest({s.scope: s for s in expected})
 
 
 @pytest.mark.parametrize(
