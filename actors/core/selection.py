@@ -205,7 +205,8 @@ def pick(costs: Sequence[tuple[WorkerRank, float]], *, temperature: float, draw:
         return tied[_slice(draw, len(tied))]
     if spread == 0.0:
         return ordered[_slice(draw, len(ordered))][0]
-    weights = [math.exp(-(c - low) / (spread * temperature)) for _, c in ordered]
+    # Normalise first: ``spread * temperature`` can underflow to 0 when the spread is subnormal.
+    weights = [math.exp(-((c - low) / spread) / temperature) for _, c in ordered]
     total = math.fsum(weights)
     cumulative = 0.0
     for (rank, _), weight in zip(ordered, weights, strict=True):

@@ -586,6 +586,13 @@ def test_every_tied_rank_is_reachable(costs: list[tuple[WorkerRank, float]]) -> 
     assert chosen == tied
 
 
+def test_softmax_with_a_subnormal_spread() -> None:
+    """Costs 5e-324 apart (found by hypothesis): normalising first keeps the weights finite."""
+    costs = [(WorkerRank(0, 0), 0.0), (WorkerRank(0, 1), 5e-324)]
+    assert pick(costs, temperature=0.1, draw=0.0) == WorkerRank(0, 0)
+    assert pick(costs, temperature=0.1, draw=0.99999) == WorkerRank(0, 1)
+
+
 @given(costs=cost_tables, draw=draws, temperature=st.sampled_from([0.0, 0.1, 1.0, 5.0]), data=st.data())
 def test_pick_ignores_input_order(
     costs: list[tuple[WorkerRank, float]], draw: float, temperature: float, data: st.DataObject
