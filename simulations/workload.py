@@ -64,7 +64,9 @@ def trace(seed: int, steps: int, options: WorkloadOptions) -> Iterator[Step]:
 
 def selection_trace(seed: int, options: WorkloadOptions) -> Iterator[Step]:
     """Workers publish KV events (stores with parent links, removals), clients select, reserve,
-    stream output blocks and free, under temperatures that make the seeded draws matter."""
+    stream output blocks and free, under temperatures that make the seeded draws matter. Now and then
+    a worker registers with another block size (incomplete: the partition's size is fixed) or the last
+    worker leaves (the partition stays)."""
     rng = random.Random(f"{seed}:selection")
     bs = options.block_size
     scopes = [ScopeKey(f"sel-model-{i}", "default") for i in range(options.selection_scopes)]
@@ -89,10 +91,10 @@ def selection_trace(seed: int, options: WorkloadOptions) -> Iterator[Step]:
                 scope.tenant_id,
                 endpoint=f"http://w{worker}",
                 kv_events_endpoint=f"tcp://w{worker}:5557",
-                block_size=bs,
+                block_size=bs if rng.random() < 0.9 else 2 * bs,
             )
             command = UpsertWorker(record)
-        elif roll < 0.04 and len(workers) > 1:
+        elif roll < 0.04:
             worker = rng.choice(sorted(workers))
             workers.discard(worker)
             stored.pop((scope, worker), None)
