@@ -5,20 +5,32 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import (
+    AddOutputBlock,
     AddRequest,
     CompletePrefill,
+    CompleteReservationPrefill,
     ExpireStale,
     FreeRequest,
+    IngestKvBatch,
+    Prompt,
     RegisterWorker,
+    ReleaseReservation,
+    RemoveWorker,
+    Reserve,
+    SelectWorker,
     UnregisterWorker,
+    UpsertWorker,
 )
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.invariants import check
+from kvrouter.actors.core.kv_wire import BlockRemoved, BlockStored, KvBatch
 from kvrouter.actors.core.queries import loads
+from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import decode_record, digest, encode_record
 
@@ -85,3 +97,88 @@ def test_folding_the_journal_rebuilds_the_live_state(sequence: list) -> None:
     restored = ScopeState.from_snapshot(live.to_snapshot())
     assert [r for r in loads(restored)] == [r for r in loads(live)]
     assert check(restored) == []
+
+
+# -- the selection service's commands -----------------------------------------------------------------
+
+SEL_BLOCK = 4
+reservation_ids = st.sampled_from([f"s{i}" for i in range(6)])
+prompt_tokens = st.lists(st.integers(0, 3), min_size=1, max_size=5).map(
+    lambda blocks: tuple(t for b in blocks for t in range(b * SEL_BLOCK, (b + 1) * SEL_BLOCK))
+)
+
+
+def worker_record(worker_id: int, block_size: int, complete: bool, dp_size: int) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id,
+        SCOPE.model_name,
+        SCOPE.tenant_id,
+        endpoint="http://w" if complete else None,
+        kv_events_endpoints=tuple((r, f"tcp://w:{r}") for r in range(dp_size)),
+        block_size=block_size,
+        data_parallel_size=dp_size,
+    )
+
+
+def stored(worker_id: int, tokens: tuple[int, ...], first_hash: int) -> IngestKvBatch:
+    hashes = tuple(range(first_hash, first_hash + len(tokens) // SEL_BLOCK))
+    return IngestKvBatch(worker_id, 0, None, KvBatch(0.0, (BlockStored(hashes, None, tokens, SEL_BLOCK),)))
+
+
+selection_commands = st.one_of(
+    st.builds(
+        lambda w, bs, complete, dp: UpsertWorker(worker_record(w, bs, complete, dp)),
+        st.integers(0, 2),
+        st.sampled_from([SEL_BLOCK, SEL_BLOCK, 8]),
+        st.booleans(),
+        st.integers(1, 2),
+    ),
+    st.builds(RemoveWorker, st.integers(0, 2)),
+    st.builds(stored, st.integers(0, 2), prompt_tokens, st.integers(1, 40)),
+    st.builds(
+        lambda w, h: IngestKvBatch(w, 0, None, KvBatch(0.0, (BlockRemoved((h,)),))),
+        st.integers(0, 2),
+        st.integers(1, 40),
+    ),
+    st.builds(
+        lambda tokens, rid, t, draw, approx: SelectWorker(
+            Prompt(token_ids=tokens),
+            RouterConfig(router_temperature=t, use_kv_events=not approx),
+            reserve=True,
+            reservation_id=rid,
+            draw=draw,
+            at=0,
+        ),
+        prompt_tokens,
+        reservation_ids,
+        st.sampled_from([0.0, 1.0]),
+        st.floats(0.0, 0.999),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda rid, w, r, hashes: Reserve(rid, w, r, hashes, isl_tokens=8, at=0),
+        reservation_ids,
+        st.integers(0, 2),
+        st.integers(0, 1),
+        hashes,
+    ),
+    st.builds(AddOutputBlock, reservation_ids, st.sampled_from([None, None, 0.5, 0.0, 1.0])),
+    st.builds(CompleteReservationPrefill, reservation_ids),
+    st.builds(ReleaseReservation, reservation_ids),
+    st.builds(ExpireStale, st.just(300), at=st.integers(0, 400) | st.just(121_000_000_000)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(selection_commands, max_size=40))
+def test_selection_invariants_hold_and_the_journal_and_snapshot_rebuild_the_state(sequence: list) -> None:
+    live, journal = run(sequence)
+    replayed = ScopeState(SCOPE)
+    for payload in journal:
+        fold(replayed, decode_record(payload).events)
+    assert digest(replayed.to_snapshot()) == digest(live.to_snapshot())
+    restored = ScopeState.from_snapshot(live.to_snapshot())
+    assert digest(restored.to_snapshot()) == digest(live.to_snapshot()) and check(restored) == []
+    assert restored.exists == live.exists
+    if live.selection.partition_block_size is not None:
+        assert live.exists  # a partition outlives its workers
