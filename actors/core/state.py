@@ -35,7 +35,7 @@ class ScopeState:
     def exists(self) -> bool:
         """Whether the scope is kept (and its actor lives): a slot tracker while it has a worker, a
         selection partition once its block size is fixed (or while it has records or blocks)."""
-        return self.slots.exists or self.selection.exists
+        return bool(self.slots.workers) or self.selection.exists  # slots.exists, inlined: checked per command
 
     # -- views for the shell (the core reads the parts directly) ----------------------------------------
 
