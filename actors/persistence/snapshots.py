@@ -8,7 +8,7 @@ Versions: 1 stored each scope flat (one shared ``block_size``, output blocks as 
 each scope as its two parts, ``{"model_name", "tenant_id", "slots": {...}, "selection": {...}}``, with output
 blocks as ``[decayed, weight, whole]`` (see ``actors/core/slots.py``).
 
-To change the layout (say, ScopeState splits in two): bump ``SNAPSHOT_VERSION`` to N+1 and write ONE
+To change the layout (as v2 did, splitting each scope in two): bump ``SNAPSHOT_VERSION`` to N+1 and write ONE
 function that turns a version-N document into an N+1 document, registered for its version::
 
     @snapshot_upcaster(from_version=N)
