@@ -1,14 +1,14 @@
 """Router knobs that shape worker selection: defaults, ``DYN_*`` environment parsing, per-request overrides.
 
 Spec §2.4, §2.5 and §2.9. Only the knobs the cost function and booking need live here; queueing, replica sync
-and the rest belong to the shell. The caller passes ``os.environ`` to :func:`from_env`, so this module stays
-pure (no ``os`` import).
+and the rest belong to the shell. The caller passes ``os.environ`` to :func:`from_env` (and the command
+line's flags, as text, to :func:`resolve`), so this module stays pure (no ``os`` import).
 
 Differences from Dynamo 1.6.1, on purpose:
 
 * 1.6.1 silently ignores an environment value it cannot parse (``DYN_ROUTER_TEMPERATURE=abc`` leaves 0.0) and
   accepts out-of-range ones (a negative credit, a shared multiplier of 7). A typo there changes routing without
-  a word, so :func:`from_env` raises one ``ValueError`` naming every bad variable instead.
+  a word, so :func:`from_env` and :func:`resolve` raise one ``ValueError`` naming every bad variable or flag.
 * 1.6.1 validates ``router_config_override`` but then scores with the service-wide values (credit, scale,
   temperature and the prefill-tracking flag in the cost all ignore the override; only booking honours
   ``track_prefill_tokens``). :meth:`RouterConfigOverride.apply` applies every field, as the spec and newer
@@ -28,8 +28,9 @@ _T = TypeVar("_T")
 
 # Unified float grammar of Rust's ``f64::from_str`` minus inf/nan (rejected below as non-finite): no whitespace,
 # no underscores, which Python's float() would quietly accept.
-_FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 _NON_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
+_INT = re.compile(r"[+-]?\d+", re.ASCII)
 # The words 1.6.1 understands (case-insensitive, surrounding whitespace ignored); it ignores anything else.
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -57,94 +58,161 @@ class RouterConfig:
         return from_env(env)
 
 
-# (variable names, first set one wins; field; lower bound; upper bound or None)
-_FLOAT_VARS: tuple[tuple[tuple[str, ...], str, float, float | None], ...] = (
-    (("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",), "overlap_score_credit", 0.0, None),
-    (("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",), "overlap_score_credit_decay", 0.0, None),
-    (("DYN_ROUTER_PREFILL_LOAD_SCALE",), "prefill_load_scale", 0.0, None),
-    (("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",), "decode_active_request_weight", 0.0, None),
-    (("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT",), "host_cache_hit_weight", 0.0, 1.0),
-    (("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT",), "disk_cache_hit_weight", 0.0, 1.0),
-    (("DYN_ROUTER_TEMPERATURE",), "router_temperature", 0.0, None),
-    (("DYN_SHARED_CACHE_MULTIPLIER",), "shared_cache_multiplier", 0.0, 1.0),
-    (("DYN_ROUTER_TTL_SECS",), "router_ttl_secs", 0.0, None),
-)
-_BOOL_VARS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS"), "use_kv_events"),
-    (("DYN_ROUTER_ASSUME_KV_REUSE",), "router_assume_kv_reuse"),
-    (("DYN_ROUTER_TRACK_PREFILL_TOKENS",), "router_track_prefill_tokens"),
-)
-# Deprecated: x sets prefill_load_scale = x (over DYN_ROUTER_PREFILL_LOAD_SCALE), and x == 0 also zeroes the credit.
-_WEIGHT_VARS = ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT")
+# A setting as the operator wrote it: (where it came from -- a variable or flag name --, its raw text).
+Setting = tuple[str, str]
+
+# field -> (lower bound, upper bound or None)
+_FLOAT_FIELDS: dict[str, tuple[float, float | None]] = {
+    "overlap_score_credit": (0.0, None),
+    "overlap_score_credit_decay": (0.0, None),
+    "prefill_load_scale": (0.0, None),
+    "decode_active_request_weight": (0.0, None),
+    "host_cache_hit_weight": (0.0, 1.0),
+    "disk_cache_hit_weight": (0.0, 1.0),
+    "router_temperature": (0.0, None),
+    "shared_cache_multiplier": (0.0, 1.0),
+    "router_ttl_secs": (0.0, None),
+}
+_BOOL_FIELDS = frozenset({"use_kv_events", "router_assume_kv_reuse", "router_track_prefill_tokens"})
+# Deprecated: x sets prefill_load_scale = x (over the scale given alongside it), and x == 0 also zeroes the credit.
+OVERLAP_SCORE_WEIGHT = "overlap_score_weight"
+
+# field -> variable names, the first one set wins
+_ENV_NAMES: dict[str, tuple[str, ...]] = {
+    "overlap_score_credit": ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",),
+    "overlap_score_credit_decay": ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",),
+    "prefill_load_scale": ("DYN_ROUTER_PREFILL_LOAD_SCALE",),
+    "decode_active_request_weight": ("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",),
+    "host_cache_hit_weight": ("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT",),
+    "disk_cache_hit_weight": ("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT",),
+    "router_temperature": ("DYN_ROUTER_TEMPERATURE",),
+    "shared_cache_multiplier": ("DYN_SHARED_CACHE_MULTIPLIER",),
+    "router_ttl_secs": ("DYN_ROUTER_TTL_SECS",),
+    "use_kv_events": ("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS"),
+    "router_assume_kv_reuse": ("DYN_ROUTER_ASSUME_KV_REUSE",),
+    "router_track_prefill_tokens": ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
+    OVERLAP_SCORE_WEIGHT: ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT"),
+}
+
+
+class InvalidSettings(ValueError):
+    """Settings that do not parse or are out of range; ``problems`` names each one (variable or flag)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid router configuration: " + "; ".join(problems))
+        self.problems = tuple(problems)
 
 
 def from_env(env: Mapping[str, str]) -> RouterConfig:
     """Build the config from ``DYN_*`` variables; unset or empty variables keep the default.
 
     Where two names exist (``DYN_ROUTER_USE_KV_EVENTS`` over ``DYN_USE_KV_EVENTS``, the two deprecated weight
-    names), the first one set wins, as in 1.6.1. Raises ``ValueError`` listing every unparsable or out-of-range
-    value.
+    names), the first one set wins, as in 1.6.1. Raises :class:`InvalidSettings` (a ``ValueError``) listing
+    every unparsable or out-of-range value.
+    """
+    return resolve(env_settings(env))
+
+
+def env_settings(env: Mapping[str, str]) -> dict[str, Setting]:
+    """The ``DYN_*`` variables that are set (non-empty), by field, as raw text for :func:`resolve`."""
+    found: dict[str, Setting] = {}
+    for field, names in _ENV_NAMES.items():
+        for name in names:
+            value = env.get(name)
+            if value is not None and value.strip():
+                found[field] = (name, value)
+                break
+    return found
+
+
+def resolve(*layers: Mapping[str, Setting]) -> RouterConfig:
+    """The config from layers of raw settings by field (e.g. the environment, then command-line flags).
+
+    Every value goes through the same rules whatever its source (the environment's grammar: finite numbers
+    within the field's bounds, 1.6.1's boolean words), so a flag cannot smuggle in what a variable may not.
+    A later layer wins field by field; within one layer the deprecated ``overlap_score_weight`` wins over
+    ``prefill_load_scale`` and, when zero, zeroes ``overlap_score_credit``. Raises :class:`InvalidSettings`
+    naming every bad value of every layer.
     """
     values: dict[str, float | bool] = {}
-    errors: list[str] = []
-    for names, field, low, high in _FLOAT_VARS:
-        found = _first_set(env, names)
-        if found is not None:
-            number = _parse_float(*found, low, high, errors)
-            if number is not None:
-                values[field] = number
-    for names, field in _BOOL_VARS:
-        found = _first_set(env, names)
-        if found is not None:
-            flag = _parse_bool(*found, errors)
-            if flag is not None:
-                values[field] = flag
-    found = _first_set(env, _WEIGHT_VARS)
-    if found is not None:
-        weight = _parse_float(*found, 0.0, None, errors)
-        if weight is not None:
-            values["prefill_load_scale"] = weight
-            if weight == 0.0:
-                values["overlap_score_credit"] = 0.0
-    if errors:
-        raise ValueError("invalid router configuration: " + "; ".join(errors))
+    problems: list[str] = []
+    for layer in layers:
+        values.update(_parse_layer(layer, problems))
+    if problems:
+        raise InvalidSettings(problems)
     return RouterConfig(**values)
 
 
-def _first_set(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
-    for name in names:
-        value = env.get(name)
-        if value is not None and value.strip():
-            return name, value
-    return None
+def _parse_layer(layer: Mapping[str, Setting], problems: list[str]) -> dict[str, float | bool]:
+    values: dict[str, float | bool] = {}
+    for field, (label, raw) in layer.items():
+        if field in _BOOL_FIELDS:
+            flag = parse_bool(label, raw, problems)
+            if flag is not None:
+                values[field] = flag
+        elif field in _FLOAT_FIELDS or field == OVERLAP_SCORE_WEIGHT:
+            low, high = _FLOAT_FIELDS.get(field, (0.0, None))
+            number = parse_float(label, raw, low, high, problems)
+            if number is not None:
+                values[field] = number
+        else:
+            raise KeyError(f"unknown router setting {field!r}")
+    weight = values.pop(OVERLAP_SCORE_WEIGHT, None)
+    if weight is not None:
+        values["prefill_load_scale"] = weight
+        if weight == 0.0:
+            values["overlap_score_credit"] = 0.0
+    return values
 
 
-def _parse_float(name: str, raw: str, low: float, high: float | None, errors: list[str]) -> float | None:
+def parse_float(label: str, raw: str, low: float, high: float | None, problems: list[str]) -> float | None:
+    """``raw`` as a finite number in [low, high]; otherwise ``None`` and one problem naming ``label``."""
     if _NON_FINITE.fullmatch(raw):
-        errors.append(f"{name}={raw!r} must be a finite number")
+        problems.append(f"{label}={raw!r} must be a finite number")
         return None
     if not _FLOAT.fullmatch(raw):
-        errors.append(f"{name}={raw!r} is not a number")
+        problems.append(f"{label}={raw!r} is not a number")
         return None
     value = float(raw)
     if not math.isfinite(value):  # "1e999" overflows to inf
-        errors.append(f"{name}={raw!r} must be a finite number")
+        problems.append(f"{label}={raw!r} must be a finite number")
         return None
     if value < low or (high is not None and value > high):
-        bounds = f"between {low:g} and {high:g}" if high is not None else f">= {low:g}"
-        errors.append(f"{name}={raw!r} must be {bounds}")
+        problems.append(f"{label}={raw!r} must be {_bounds(low, high)}")
         return None
     return value + 0.0  # normalise -0.0
 
 
-def _parse_bool(name: str, raw: str, errors: list[str]) -> bool | None:
+def parse_int(label: str, raw: str, low: int, high: int, problems: list[str]) -> int | None:
+    """``raw`` as a decimal integer in [low, high]; otherwise ``None`` and one problem naming ``label``."""
+    if not _INT.fullmatch(raw):
+        problems.append(f"{label}={raw!r} is not a whole number")
+        return None
+    # (int() refuses 4,300+ digits; anything with more digits than the bounds is out of range anyway)
+    value = int(raw) if len(raw) <= max(len(str(low)), len(str(high))) + 1 else None
+    if value is None or not low <= value <= high:
+        problems.append(f"{label}={raw!r} must be {_bounds(low, high)}")
+        return None
+    return value
+
+
+def parse_bool(label: str, raw: str, problems: list[str]) -> bool | None:
+    """``raw`` as one of 1.6.1's boolean words; otherwise ``None`` and one problem naming ``label``."""
     word = raw.strip().lower()
     if word in _TRUE:
         return True
     if word in _FALSE:
         return False
-    errors.append(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no or on/off)")
+    problems.append(f"{label}={raw!r} is not a boolean (use true/false, 1/0, yes/no or on/off)")
     return None
+
+
+def _bounds(low: float, high: float | None) -> str:
+    return f"between {_show(low)} and {_show(high)}" if high is not None else f">= {_show(low)}"
+
+
+def _show(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 # 1.6.1's messages, checked in this order after the deprecated weight is folded in. It answers them with status

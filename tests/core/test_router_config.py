@@ -19,9 +19,13 @@ from kvrouter.actors.core.router_config import (
     SCALE_INVALID,
     SHARED_MULTIPLIER_INVALID,
     TEMPERATURE_INVALID,
+    InvalidSettings,
     RouterConfig,
     RouterConfigOverride,
+    env_settings,
     from_env,
+    parse_int,
+    resolve,
 )
 
 
@@ -311,3 +315,83 @@ def test_a_valid_override_yields_a_usable_config(
         assert math.isfinite(config.prefill_load_scale) and config.prefill_load_scale >= 0
         assert math.isfinite(config.router_temperature) and config.router_temperature >= 0
         assert 0 <= config.shared_cache_multiplier <= 1
+
+
+# resolve(): the environment and the command line's flags go through the same rules, flags winning.
+FLAGS_OF = {"router_temperature": "--router-temperature", "prefill_load_scale": "--prefill-load-scale"}
+
+
+def flag(field: str, raw: str) -> dict[str, tuple[str, str]]:
+    return {field: (FLAGS_OF.get(field, "--" + field.replace("_", "-")), raw)}
+
+
+@pytest.mark.parametrize(
+    ("field", "raw", "message"),
+    [
+        # Before: --router-temperature nan made /select answer 500; negative values routed to the busiest worker.
+        ("router_temperature", "nan", "--router-temperature='nan' must be a finite number"),
+        ("router_temperature", "-1", "--router-temperature='-1' must be >= 0"),
+        ("prefill_load_scale", "-0.5", "--prefill-load-scale='-0.5' must be >= 0"),
+        ("prefill_load_scale", "1_0", "--prefill-load-scale='1_0' is not a number"),
+        ("overlap_score_weight", "inf", "--overlap-score-weight='inf' must be a finite number"),
+        ("host_cache_hit_weight", "2", "--host-cache-hit-weight='2' must be between 0 and 1"),
+        ("use_kv_events", "maybe", "--use-kv-events='maybe' is not a boolean (use true/false, 1/0, yes/no or on/off)"),
+    ],
+)
+def test_flags_are_refused_by_the_environments_rules(field: str, raw: str, message: str) -> None:
+    with pytest.raises(InvalidSettings) as caught:
+        resolve(env_settings({}), flag(field, raw))
+    assert caught.value.problems == (message,)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_a_later_layer_wins_field_by_field() -> None:
+    env = env_settings({"DYN_ROUTER_TEMPERATURE": "0.5", "DYN_ROUTER_PREFILL_LOAD_SCALE": "2"})
+    assert resolve(env, flag("router_temperature", "0.25")) == RouterConfig(
+        router_temperature=0.25, prefill_load_scale=2.0
+    )
+
+
+def test_the_deprecated_weight_folds_within_its_layer() -> None:
+    # An environment weight of 0 zeroes the credit; an explicit credit flag still wins over it.
+    env = env_settings({"DYN_OVERLAP_SCORE_WEIGHT": "0"})
+    assert resolve(env, flag("overlap_score_credit", "0.5")) == RouterConfig(
+        overlap_score_credit=0.5, prefill_load_scale=0.0
+    )
+    # A weight flag wins over a scale flag, as the variable wins over the scale variable.
+    assert resolve({**flag("overlap_score_weight", "3"), **flag("prefill_load_scale", "5")}) == RouterConfig(
+        prefill_load_scale=3.0
+    )
+
+
+def test_problems_of_every_layer_are_reported_together() -> None:
+    with pytest.raises(InvalidSettings) as caught:
+        resolve(env_settings({"DYN_ROUTER_TTL_SECS": "-1"}), flag("router_temperature", "hot"))
+    assert caught.value.problems == (
+        "DYN_ROUTER_TTL_SECS='-1' must be >= 0",
+        "--router-temperature='hot' is not a number",
+    )
+    assert str(caught.value).startswith("invalid router configuration: DYN_ROUTER_TTL_SECS")
+
+
+@pytest.mark.parametrize(
+    ("raw", "low", "high", "value", "problem"),
+    [
+        ("42", 0, 100, 42, None),
+        ("+7", 0, 100, 7, None),
+        ("-1", 0, 100, None, "--n='-1' must be between 0 and 100"),
+        ("101", 0, 100, None, "--n='101' must be between 0 and 100"),
+        ("1.0", 0, 100, None, "--n='1.0' is not a whole number"),
+        (" 1", 0, 100, None, "--n=' 1' is not a whole number"),
+        ("\u0661", 0, 100, None, "--n='\u0661' is not a whole number"),  # a non-ASCII digit int() would take
+        ("9" * 5000, 0, 2**64 - 1, None, "must be between 0 and 18446744073709551615"),  # int() would raise
+    ],
+)
+def test_parse_int(raw: str, low: int, high: int, value: int | None, problem: str | None) -> None:
+    problems: list[str] = []
+    assert parse_int("--n", raw, low, high, problems) == value
+    if problem is None:
+        assert problems == []
+    else:
+        (found,) = problems
+        assert problem in found
