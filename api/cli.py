@@ -8,26 +8,48 @@ import os
 import sys
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
 
 import attrs
 import trio
 
-from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.peers.replicator import validate_endpoint
-from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions, run_until_signal, slot_tracker_app
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter import __version__
+from kvrouter.actors.core.router_config import InvalidSettings
+from kvrouter.actors.system import ActorSystem
+from kvrouter.api import log_setup
+from kvrouter.api.cli_settings import (
+    DATA_ROOT,
+    DEFAULT_PORTS,
+    SELECT_SERVICE,
+    SELECTION_CACHE_MAX_BYTES,
+    SELECTION_CACHE_MAX_ENTRIES,
+    SELECTION_CACHE_TTL_SECS,
+    SLOT_TRACKER,
+    TRACKING_HASHES,
+    Launch,
+    settings_from,
+)
+from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
+from kvrouter.api.http import Route
+from kvrouter.api.main import RouteBuilder, ServiceOptions, run_until_signal, slot_tracker_app
 from kvrouter.api.select_service import builder as select_service_builder
-from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse, Durability
+from kvrouter.journal.store import Durability
+
+log = logging.getLogger("kvrouter")
+
+VERSION = f"kvrouter {__version__}"
 
 
-def _common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
-    parser.add_argument("--port", type=int, default=default_port, help=f"HTTP port (default {default_port})")
+def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
+    port = DEFAULT_PORTS[service]
+    parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
+    parser.add_argument("--port", metavar="PORT", help=f"HTTP port, 0 for any free one (default {port})")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 serves a cluster)"
     )
     parser.add_argument(
-        "--data-dir", type=Path, default=Path("kvrouter-data"), help="journal and snapshots (default ./kvrouter-data)"
+        "--data-dir",
+        metavar="DIR",
+        help=f"journal and snapshots, one service per directory (default ./{DATA_ROOT / service})",
     )
     parser.add_argument(
         "--durability",
@@ -36,130 +58,180 @@ def _common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
         help="always: reply after fsync (default); batch: fsync every few ms; off: never fsync",
     )
     parser.add_argument("--fresh", action="store_true", help="start empty, discarding the journal")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
-        "--replica-sync-port", type=_port, default=None, help="bind a ZMQ PUB on this port for replica sync (on --host)"
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe messages logged (default info); debug also prints tracebacks inline",
+    )
+    parser.add_argument(
+        "--replica-sync-port",
+        metavar="PORT",
+        help="bind a ZMQ PUB on this port (1-65535, on --host) for replica sync; default: replica sync off",
     )
     parser.add_argument(
         "--replica-sync-peers",
-        default=None,
+        metavar="ENDPOINTS",
         help="comma-separated ZMQ PUB endpoints of peer replicas (requires --replica-sync-port)",
-    )
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 < port <= 65535:
-        raise argparse.ArgumentTypeError("port must be greater than zero and at most 65535")
-    return port
-
-
-def _seed_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="seed of the scopes' random sources (tie-breaks, softmax); default: fresh per process",
     )
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
     """Router knobs; each overrides the reference's DYN_* environment variable of the same meaning."""
-    knobs = parser.add_argument_group("router knobs (default: the DYN_* environment, then 1.6.1's defaults)")
-    knobs.add_argument("--overlap-score-credit", type=float, help="DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT (1.0)")
+    knobs = parser.add_argument_group(
+        "router knobs (default: the DYN_* environment, then 1.6.1's defaults; checked by the same rules)"
+    )
+    number = {"metavar": "X"}
+    knobs.add_argument("--overlap-score-credit", **number, help="DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT, >= 0 (1.0)")
     knobs.add_argument(
         "--overlap-score-weight",
-        type=float,
-        help="deprecated DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT: sets the prefill load scale",
+        **number,
+        help="deprecated DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT: sets the prefill load scale (0 also zeroes the credit)",
     )
-    knobs.add_argument("--prefill-load-scale", type=float, help="DYN_ROUTER_PREFILL_LOAD_SCALE (1.0)")
-    knobs.add_argument("--router-temperature", type=float, help="DYN_ROUTER_TEMPERATURE (0.0)")
-    knobs.add_argument("--host-cache-hit-weight", type=float, help="DYN_ROUTER_HOST_CACHE_HIT_WEIGHT (0.75)")
-    knobs.add_argument("--disk-cache-hit-weight", type=float, help="DYN_ROUTER_DISK_CACHE_HIT_WEIGHT (0.25)")
+    knobs.add_argument("--prefill-load-scale", **number, help="DYN_ROUTER_PREFILL_LOAD_SCALE, >= 0 (1.0)")
+    knobs.add_argument("--router-temperature", **number, help="DYN_ROUTER_TEMPERATURE, >= 0 (0.0: pick the cheapest)")
+    knobs.add_argument("--host-cache-hit-weight", **number, help="DYN_ROUTER_HOST_CACHE_HIT_WEIGHT, 0-1 (0.75)")
+    knobs.add_argument("--disk-cache-hit-weight", **number, help="DYN_ROUTER_DISK_CACHE_HIT_WEIGHT, 0-1 (0.25)")
     knobs.add_argument(
         "--use-kv-events",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="DYN_USE_KV_EVENTS (true): index from worker KV events",
+        help="DYN_USE_KV_EVENTS (true): index from worker KV events; without, count what selections book",
     )
+    knobs.add_argument(
+        "--router-assume-kv-reuse",
+        action=argparse.BooleanOptionalAction,
+        help="DYN_ROUTER_ASSUME_KV_REUSE (true); kvrouter always assumes reuse: the --no- form is ignored, with a "
+        "warning",
+    )
+
+
+def _reference_flags(parser: argparse.ArgumentParser) -> None:
+    """1.6.1's flags that kvrouter accepts (checked as 1.6.1 checks them) but does not act on yet."""
+    compat = parser.add_argument_group("accepted for compatibility with 1.6.1 (a warning says each is ignored)")
+    compat.add_argument("--threads", metavar="N", help="indexer threads in 1.6.1; kvrouter indexes on one thread")
+    compat.add_argument(
+        "--session-affinity-ttl-secs",
+        metavar="S",
+        help="pin a session_id to its worker for S seconds (1-31536000); session affinity is not implemented yet",
+    )
+    compat.add_argument(
+        "--router-tracking-hash",
+        choices=TRACKING_HASHES,
+        help="hash of active-sequence identities; kvrouter uses public-xxh3-v1 (keyed-xxh3-v1 is checked, ignored)",
+    )
+    compat.add_argument(
+        "--router-tracking-key-file",
+        metavar="FILE",
+        help="the 32-byte key of keyed-xxh3-v1 (read and checked, not used)",
+    )
+    compat.add_argument("--router-tracking-key-id", metavar="ID", help="the key's epoch id for keyed-xxh3-v1")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
-    services = parser.add_subparsers(dest="service", required=True)
-    slot = services.add_parser("slot-tracker", help="active-request accounting service (Dynamo slot tracker)")
-    _common_flags(slot, 8091)
-    select = services.add_parser("select-service", help="KV-aware worker selection service (Dynamo select_service)")
-    _common_flags(select, 8092)
-    select.add_argument("--threads", type=int, default=4, help="accepted for compatibility (single-threaded)")
-    select.add_argument("--indexer-peers", default="", help="comma-separated HTTP URLs: recover the index from /dump")
-    select.add_argument("--selection-cache-ttl-secs", type=float, default=120.0)
-    select.add_argument("--selection-cache-max-entries", type=int, default=4096)
-    _seed_flag(select)
+    parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
+    services = parser.add_subparsers(dest="service", required=True, metavar="{slot-tracker,select-service}")
+    slot = services.add_parser(
+        SLOT_TRACKER,
+        help="active-request accounting service (Dynamo slot tracker)",
+        description="Active-request accounting (Dynamo 1.6.1's slot tracker), journaled.",
+    )
+    _common_flags(slot, SLOT_TRACKER)
+    select = services.add_parser(
+        SELECT_SERVICE,
+        help="KV-aware worker selection service (Dynamo select_service)",
+        description="KV-aware worker selection (Dynamo 1.6.1's select_service), journaled.",
+    )
+    _common_flags(select, SELECT_SERVICE)
+    select.add_argument(
+        "--indexer-peers",
+        metavar="URLS",
+        default="",
+        help="comma-separated HTTP URLs: seed the index from the first peer's /dump before serving",
+    )
+    select.add_argument(
+        "--selection-cache-ttl-secs",
+        metavar="S",
+        help=f"seconds a /select with a selection_id stays claimable, >= 0 (default {SELECTION_CACHE_TTL_SECS:g})",
+    )
+    select.add_argument(
+        "--selection-cache-max-entries",
+        metavar="N",
+        help=f"pending selections kept per scope, oldest evicted first (default {SELECTION_CACHE_MAX_ENTRIES})",
+    )
+    select.add_argument(
+        "--selection-cache-max-bytes",
+        metavar="N",
+        help=f"byte budget of pending selections (default {SELECTION_CACHE_MAX_BYTES}); checked, not enforced yet",
+    )
+    select.add_argument(
+        "--seed",
+        metavar="N",
+        help="seed (0 to 2**64-1) of the scopes' random sources (tie-breaks, softmax); default: fresh per process",
+    )
     _router_flags(select)
+    _reference_flags(select)
+    for subparser in (slot, select):
+        subparser.set_defaults(subparser=subparser)
     return parser
 
 
-def router_config(args: argparse.Namespace) -> RouterConfig:
-    """The DYN_* environment first, then flags; fail fast on values that do not parse."""
-    config = RouterConfig.from_env(os.environ)
-    flags = {
-        "overlap_score_credit": args.overlap_score_credit,
-        "prefill_load_scale": args.prefill_load_scale,
-        "router_temperature": args.router_temperature,
-        "host_cache_hit_weight": args.host_cache_hit_weight,
-        "disk_cache_hit_weight": args.disk_cache_hit_weight,
-        "use_kv_events": args.use_kv_events,
-    }
-    if args.overlap_score_weight is not None:
-        flags["prefill_load_scale"] = args.overlap_score_weight
-        if args.overlap_score_weight == 0:
-            flags["overlap_score_credit"] = 0.0
-    return attrs.evolve(config, **{k: v for k, v in flags.items() if v is not None})
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Like ``parse_args``, but an unknown flag after a subcommand shows that subcommand's usage."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    peers = tuple(p.strip() for p in (args.replica_sync_peers or "").split(",") if p.strip())
-    if args.replica_sync_peers is not None and args.replica_sync_port is None:
-        parser.error("--replica-sync-peers requires --replica-sync-port")
-    for peer in peers:
-        if validate_endpoint(peer) is not None:
-            parser.error(f"invalid replica peer endpoint `{peer}`: {validate_endpoint(peer)}")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    options = ServiceOptions(
-        host=args.host,
-        port=args.port,
-        data_dir=args.data_dir,
-        durability=Durability(args.durability),
-        fresh=args.fresh,
-        body_limit=SLOT_TRACKER_BODY_LIMIT if args.service == "slot-tracker" else SELECTION_BODY_LIMIT,
-        seed=getattr(args, "seed", None),
-        selection_cache_ttl_secs=getattr(args, "selection_cache_ttl_secs", 120.0),
-        selection_cache_max_entries=getattr(args, "selection_cache_max_entries", 4096),
-        replica_sync_port=args.replica_sync_port,
-        replica_sync_peers=peers,
-    )
-    if args.service == "slot-tracker":
+    args = parse_arguments(parser, argv)
+    log_setup.configure(args.log_level, args.service)
+    try:
+        launch = settings_from(args, os.environ)
+    except InvalidSettings as exc:
+        log.error("cannot start: %s", "; ".join(exc.problems))
+        return BAD_CONFIGURATION
+    for warning in launch.warnings:
+        log.warning("%s", warning)
+    return run(launch)
+
+
+@attrs.define
+class _Progress:
+    journal_open: bool = False
+
+
+def run(launch: Launch) -> int:
+    """Serve until SIGINT/SIGTERM (status 0); on failure log one line and return its status."""
+    if launch.service == SLOT_TRACKER:
         name, build = "slot tracker", slot_tracker_app
     else:
-        try:
-            config = router_config(args)
-        except ValueError as exc:
-            parser.error(str(exc))
-        peers = [url.strip() for url in args.indexer_peers.split(",") if url.strip()]
-        name, build = "selection service", select_service_builder(config, peers)
-    status = 0
+        assert launch.router is not None
+        name, build = "selection service", select_service_builder(launch.router, launch.indexer_peers)
+    progress = _Progress()
+    options = launch.options
     try:
-        trio.run(partial(run_until_signal, name, options, build))
-    except* (CorruptJournal, DataDirectoryInUse) as group:
-        for exc in group.exceptions:
-            logging.getLogger("kvrouter").error("cannot start: %s", exc)
-        status = 2
-    return status
+        trio.run(partial(run_until_signal, name, options, _noting_open_journal(build, progress)))
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        context = ServiceContext(options.host, options.port, options.data_dir, options.replica_sync_port)
+        reason = explain(exc, context, journal_open=progress.journal_open)
+        log.error("%s", reason.message, exc_info=exc if reason.unexpected else None)
+        return reason.status
+    return 0
+
+
+def _noting_open_journal(build: RouteBuilder, progress: _Progress) -> RouteBuilder:
+    """``build``, noting when it is called: by then the journal is open and recovered (api.main)."""
+
+    async def build_routes(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
+        progress.journal_open = True
+        return await build(options, system, nursery)
+
+    return build_routes
 
 
 if __name__ == "__main__":

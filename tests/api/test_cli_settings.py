@@ -1,0 +1,177 @@
+"""settings_from(): parsed flags and the environment become a checked launch, or every problem at once.
+
+Rules marked "as 1.6.1" were checked by starting ``python -m dynamo.select_service`` with the same flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrouter.actors.core.router_config import InvalidSettings, RouterConfig
+from kvrouter.api.cli import build_parser
+from kvrouter.api.cli_settings import SELECTION_CACHE_MAX_BYTES, Launch, settings_from
+
+
+def launch(*flags: str, env: dict[str, str] | None = None, service: str = "select-service") -> Launch:
+    return settings_from(build_parser().parse_args([service, "--data-dir", "d", *flags]), env or {})
+
+
+def problems(*flags: str, env: dict[str, str] | None = None) -> tuple[str, ...]:
+    with pytest.raises(InvalidSettings) as raised:
+        launch(*flags, env=env)
+    return raised.value.problems
+
+
+def test_defaults() -> None:
+    started = launch()
+    assert started.router == RouterConfig()
+    assert started.options.port == 8092 and started.options.seed is None
+    assert (started.options.selection_cache_ttl_secs, started.options.selection_cache_max_entries) == (120.0, 4096)
+    assert started.selection_cache_max_bytes == SELECTION_CACHE_MAX_BYTES == 268_435_456  # 1.6.1's default
+    assert started.warnings == ()
+
+
+def test_flags_win_over_the_environment() -> None:
+    env = {"DYN_ROUTER_TEMPERATURE": "0.5", "DYN_ROUTER_PREFILL_LOAD_SCALE": "3"}
+    router = launch("--router-temperature", "0.25", env=env).router
+    assert router == RouterConfig(router_temperature=0.25, prefill_load_scale=3.0)
+
+
+def test_a_bad_variable_is_refused_even_when_a_flag_sets_the_same_knob() -> None:
+    assert problems("--router-temperature", "1", env={"DYN_ROUTER_TEMPERATURE": "nan"}) == (
+        "DYN_ROUTER_TEMPERATURE='nan' must be a finite number",
+    )
+
+
+def test_the_selection_cache_flags_reach_the_service_options() -> None:
+    started = launch("--selection-cache-ttl-secs", "0", "--selection-cache-max-entries", "0")
+    assert (started.options.selection_cache_ttl_secs, started.options.selection_cache_max_entries) == (0.0, 0)
+
+
+def test_selection_cache_max_bytes_is_checked_and_carried() -> None:
+    started = launch("--selection-cache-max-bytes", "1048576")
+    assert started.selection_cache_max_bytes == 1_048_576
+    assert started.warnings == (
+        "--selection-cache-max-bytes 1048576 is not enforced yet: the pending-selection cache is bounded by "
+        "--selection-cache-max-entries (4096) only",
+    )
+
+
+def test_assume_kv_reuse_flag_sets_the_config_and_the_ignored_form_is_warned() -> None:
+    assert launch("--router-assume-kv-reuse").warnings == ()
+    started = launch("--no-router-assume-kv-reuse")
+    assert started.router is not None and started.router.router_assume_kv_reuse is False
+    (warning,) = started.warnings
+    assert warning.startswith("--no-router-assume-kv-reuse is ignored: kvrouter always books")
+    (warning,) = launch(env={"DYN_ROUTER_ASSUME_KV_REUSE": "off"}).warnings
+    assert warning.startswith("DYN_ROUTER_ASSUME_KV_REUSE=off is ignored")
+    assert launch("--router-assume-kv-reuse", env={"DYN_ROUTER_ASSUME_KV_REUSE": "off"}).warnings == ()
+
+
+def test_the_public_tracking_hash_is_kvrouters_own_and_not_warned() -> None:
+    assert launch("--router-tracking-hash", "public-xxh3-v1").warnings == ()
+
+
+def test_a_valid_keyed_tracking_hash_is_accepted_with_a_warning_per_flag(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    flags = ["--router-tracking-hash", "keyed-xxh3-v1", "--router-tracking-key-file", str(key)]
+    warnings = launch(*flags, "--router-tracking-key-id", "e1").warnings
+    assert [w.split(" ", 1)[0] for w in warnings] == [
+        "--router-tracking-hash",
+        "--router-tracking-key-file",
+        "--router-tracking-key-id",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        # as 1.6.1: "router tracking key options require router_tracking_hash=keyed-xxh3-v1"
+        (["--router-tracking-key-id", "e1"], "require --router-tracking-hash keyed-xxh3-v1"),
+        (["--router-tracking-key-file", "KEY32"], "require --router-tracking-hash keyed-xxh3-v1"),
+        # as 1.6.1: "keyed-xxh3-v1 requires router_tracking_key_file"
+        (
+            ["--router-tracking-hash", "keyed-xxh3-v1", "--router-tracking-key-id", "e1"],
+            "requires --router-tracking-key-file",
+        ),
+        # as 1.6.1: "keyed-xxh3-v1 requires a nonempty router_tracking_key_id"
+        (["--router-tracking-hash", "keyed-xxh3-v1", "--router-tracking-key-file", "KEY32"], "non-empty"),
+        (
+            [
+                "--router-tracking-hash",
+                "keyed-xxh3-v1",
+                "--router-tracking-key-file",
+                "KEY32",
+                "--router-tracking-key-id",
+                "",
+            ],
+            "non-empty",
+        ),
+        # as 1.6.1: "router tracking key file must contain exactly 32 raw bytes; found 31" (and 64 for a hex key)
+        (
+            [
+                "--router-tracking-hash",
+                "keyed-xxh3-v1",
+                "--router-tracking-key-file",
+                "KEY31",
+                "--router-tracking-key-id",
+                "e",
+            ],
+            "must hold exactly 32 raw bytes; found 31",
+        ),
+        (
+            [
+                "--router-tracking-hash",
+                "keyed-xxh3-v1",
+                "--router-tracking-key-file",
+                "HEX",
+                "--router-tracking-key-id",
+                "e",
+            ],
+            "must hold exactly 32 raw bytes; found more than 32",
+        ),
+        # as 1.6.1: "failed to read router tracking key file"
+        (
+            [
+                "--router-tracking-hash",
+                "keyed-xxh3-v1",
+                "--router-tracking-key-file",
+                "MISSING",
+                "--router-tracking-key-id",
+                "e",
+            ],
+            "cannot be read (No such file or directory)",
+        ),
+    ],
+)
+def test_tracking_key_rules(flags: list[str], expected: str, tmp_path: Path) -> None:
+    files = {"KEY32": b"k" * 32, "KEY31": b"k" * 31, "HEX": b"ab" * 32}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    flags = [str(tmp_path / f) if f in (*files, "MISSING") else f for f in flags]
+    (problem,) = problems(*flags)
+    assert expected in problem
+
+
+def test_session_affinity_is_checked_as_1_6_1_checks_it_then_warned() -> None:
+    # as 1.6.1: "session_affinity_ttl_secs must be between 1 and 31536000" for 0.5 and 31536001; 1.5 starts.
+    assert problems("--session-affinity-ttl-secs", "0.5") == (
+        "--session-affinity-ttl-secs='0.5' must be between 1 and 31536000",
+    )
+    assert problems("--session-affinity-ttl-secs", "31536001")
+    (warning,) = launch("--session-affinity-ttl-secs", "1.5").warnings
+    assert warning.startswith("--session-affinity-ttl-secs 1.5 is ignored: session affinity is not implemented")
+
+
+def test_threads_is_warned_only_when_given() -> None:
+    assert launch("--threads", "0").warnings == (
+        "--threads 0 has no effect: kvrouter's index runs on the service's one thread",
+    )
+
+
+def test_the_slot_tracker_ignores_router_variables() -> None:
+    started = launch(service="slot-tracker", env={"DYN_ROUTER_TEMPERATURE": "nan"})
+    assert started.router is None and started.options.port == 8091
