@@ -20,6 +20,7 @@ Why it is shaped like this:
 from __future__ import annotations
 
 import array
+import functools
 import logging
 import os
 import zlib
@@ -36,7 +37,13 @@ from kvrouter.journal.io_thread import IoThread
 from kvrouter.journal.layout import OPERATOR_HINT, discard, fsync_dir, snapshot_name
 from kvrouter.journal.scan import Scan, read_range, scan_directory
 from kvrouter.journal.segment_writer import Chunk, SegmentWriter
-from kvrouter.journal.snapshot_files import compact, decode_snapshot_file, write_snapshot_file
+from kvrouter.journal.snapshot_files import (
+    compact,
+    decode_snapshot_file,
+    discard_staged_snapshot_file,
+    install_snapshot_file,
+    stage_snapshot_file,
+)
 from kvrouter.journal.store import CorruptJournal, Durability, Snapshot, check_snapshot
 
 logger = logging.getLogger("kvrouter.journal")
@@ -285,21 +292,46 @@ class FileJournal:
         that is ahead of its own log's acknowledged records. The segment currently being appended to is
         closed at the next append (not deleted now); a later snapshot removes it.
         """
-        check_snapshot(snapshot, self._commit.last_lsn, self._snapshot_lsn)
+        await self._before_install(snapshot.lsn)
+        async with self._snapshot_lock:
+            check_snapshot(snapshot.lsn, self._commit.last_lsn, self._snapshot_lsn)  # another may have won
+            await trio.to_thread.run_sync(stage_snapshot_file, self._dir, snapshot)
+            await self._install(snapshot.lsn)
+
+    # -- snapshots staged by another process (SnapshotStaging) ------------------------------------
+
+    def snapshot_stager(self) -> Callable[[Snapshot], None]:
+        """``stage_snapshot_file`` bound to this directory: plain file I/O, safe in a forked child."""
+        return functools.partial(stage_snapshot_file, self._dir)
+
+    async def install_staged_snapshot(self, lsn: int) -> None:
+        """``write_snapshot`` for a snapshot a stager already wrote and fsynced at ``lsn``."""
+        await self._before_install(lsn)
+        async with self._snapshot_lock:
+            check_snapshot(lsn, self._commit.last_lsn, self._snapshot_lsn)
+            await self._install(lsn)
+
+    async def discard_staged_snapshot(self, lsn: int) -> None:
+        # Unlinking a big file can take milliseconds (freeing its extents): not on the loop.
+        await trio.to_thread.run_sync(discard_staged_snapshot_file, self._dir, lsn)
+
+    async def _before_install(self, lsn: int) -> None:
+        check_snapshot(lsn, self._commit.last_lsn, self._snapshot_lsn)
         if self._closing:
             raise trio.ClosedResourceError("the journal is closed")
-        await self.wait_durable(snapshot.lsn)
-        async with self._snapshot_lock:
-            check_snapshot(snapshot, self._commit.last_lsn, self._snapshot_lsn)  # another snapshot may have won
-            await trio.to_thread.run_sync(write_snapshot_file, self._dir, snapshot)
-            if snapshot.lsn != self._snapshot_lsn:  # (rewriting the same lsn keeps the same previous)
-                self._previous_snapshot_lsn = self._snapshot_lsn
-            self._advance_snapshot(snapshot.lsn)
-            if self._tail_first is not None and self._tail_first <= snapshot.lsn:
-                self._force_rotate = True
-            previous = self._previous_snapshot_lsn
-            deleted = await trio.to_thread.run_sync(compact, self._dir, snapshot.lsn, previous)
-            self._segments = [first for first in self._segments if first not in deleted]
+        await self.wait_durable(lsn)
+
+    async def _install(self, lsn: int) -> None:
+        """Under ``_snapshot_lock``: rename the staged file into place, then move the bookkeeping and compact."""
+        await trio.to_thread.run_sync(install_snapshot_file, self._dir, lsn)
+        if lsn != self._snapshot_lsn:  # (rewriting the same lsn keeps the same previous)
+            self._previous_snapshot_lsn = self._snapshot_lsn
+        self._advance_snapshot(lsn)
+        if self._tail_first is not None and self._tail_first <= lsn:
+            self._force_rotate = True
+        previous = self._previous_snapshot_lsn
+        deleted = await trio.to_thread.run_sync(compact, self._dir, lsn, previous)
+        self._segments = [first for first in self._segments if first not in deleted]
 
     def _advance_snapshot(self, lsn: int) -> None:
         """Move the snapshot bookkeeping to ``lsn``: only records after it count as "since"."""

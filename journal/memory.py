@@ -83,7 +83,7 @@ class MemoryJournal:
         return self._snapshot
 
     async def write_snapshot(self, snapshot: Snapshot) -> None:
-        check_snapshot(snapshot, self._commit.last_lsn, self._snapshot.lsn if self._snapshot is not None else None)
+        check_snapshot(snapshot.lsn, self._commit.last_lsn, self._snapshot.lsn if self._snapshot is not None else None)
         await trio.lowlevel.checkpoint()
         covered = snapshot.lsn - self._first_lsn + 1
         if covered > 0:

@@ -1,5 +1,10 @@
 """Snapshot files: written atomically, read back with their checksum checked, and the compaction policy.
 
+Writing is two steps so that another process can do the slow one: ``stage_snapshot_file`` writes and
+fsyncs ``snapshot-<lsn>.snap.tmp`` (plain file I/O, no locks, no trio: safe in a forked child), and
+``install_snapshot_file`` renames it into place and fsyncs the directory (the journal does that, once
+the records the snapshot covers are durable). Recovery ignores ``.tmp`` files.
+
 Compaction keeps the newest two snapshots and every segment needed to recover from the older one,
 so that a newest snapshot found unreadable at startup (bit rot, a bad disk block) costs a longer
 replay instead of the data: recovery falls back to the previous snapshot plus the log after it.
@@ -12,9 +17,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import zlib
 from pathlib import Path
 
-from kvrouter.journal.frames import FRAME_OVERHEAD, BadFrame, encode_frame, parse_frame
+from kvrouter.journal.frames import FRAME_OVERHEAD, HEADER, LSN, MAX_PAYLOAD_BYTES, BadFrame, parse_frame
 from kvrouter.journal.layout import (
     SNAPSHOT_RE,
     SNAPSHOT_TMP_RE,
@@ -29,18 +35,44 @@ from kvrouter.journal.store import Snapshot
 logger = logging.getLogger("kvrouter.journal")
 
 
-def write_snapshot_file(directory: Path, snapshot: Snapshot) -> None:
-    """tmp file, fsync, atomic rename, fsync the directory: the file is either whole or absent."""
-    final_path = directory / snapshot_name(snapshot.lsn)
-    tmp_path = final_path.with_name(final_path.name + ".tmp")
-    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def staged_snapshot_path(directory: Path, lsn: int) -> Path:
+    return directory / (snapshot_name(lsn) + ".tmp")
+
+
+def stage_snapshot_file(directory: Path, snapshot: Snapshot) -> None:
+    """Write and fsync the snapshot's ``.tmp`` file (replacing any earlier one at that lsn).
+
+    Only ``os`` calls and a checksum: a forked child of the multi-threaded service may call it.
+    """
+    size = len(snapshot.payload)
+    if size > MAX_PAYLOAD_BYTES:
+        # A bigger frame would be written fine and then refused by every reader as corrupt.
+        raise ValueError(f"snapshot payload of {size} bytes exceeds MAX_PAYLOAD_BYTES ({MAX_PAYLOAD_BYTES})")
+    crc = zlib.crc32(snapshot.payload, zlib.crc32(LSN.pack(snapshot.lsn)))
+    fd = os.open(staged_snapshot_path(directory, snapshot.lsn), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_all(fd, encode_frame(snapshot.lsn, snapshot.payload))
+        write_all(fd, HEADER.pack(LSN.size + size, crc, snapshot.lsn))
+        write_all(fd, snapshot.payload)  # (not concatenated with the header: the payload can be big)
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp_path, final_path)
+
+
+def install_snapshot_file(directory: Path, lsn: int) -> None:
+    """Atomically rename the staged file into place and fsync the directory: whole or absent."""
+    os.replace(staged_snapshot_path(directory, lsn), directory / snapshot_name(lsn))
     fsync_dir(directory)
+
+
+def discard_staged_snapshot_file(directory: Path, lsn: int) -> None:
+    """Remove what a failed or abandoned staging left (if anything)."""
+    staged_snapshot_path(directory, lsn).unlink(missing_ok=True)
+
+
+def write_snapshot_file(directory: Path, snapshot: Snapshot) -> None:
+    """Both steps in one call: tmp file, fsync, atomic rename, fsync the directory."""
+    stage_snapshot_file(directory, snapshot)
+    install_snapshot_file(directory, snapshot.lsn)
 
 
 def decode_snapshot_file(data: bytes, lsn: int) -> Snapshot | str:
@@ -73,10 +105,12 @@ def find_snapshot(directory: Path) -> tuple[int | None, list[tuple[int, Path]]]:
 
 def compact(directory: Path, newest: int, previous: int | None) -> set[int]:
     """Keep the snapshots at ``newest`` and ``previous`` (None: the empty state) and the segments
-    recovery from ``previous`` needs; delete every other snapshot (and ``.tmp``) file and every closed
-    segment wholly covered by ``previous``. Returns the first lsns of the deleted segments.
+    recovery from ``previous`` needs; delete every other snapshot file, every ``.tmp`` file at or
+    below ``newest``, and every closed segment wholly covered by ``previous``. Returns the first lsns
+    of the deleted segments.
 
-    The last segment on disk is never deleted: the writer may still be appending to it.
+    The last segment on disk is never deleted: the writer may still be appending to it. A ``.tmp``
+    above ``newest`` may be a snapshot being staged right now; the first snapshot past it removes it.
     """
     floor = previous or 0
     deleted: set[int] = set()
@@ -86,8 +120,9 @@ def compact(directory: Path, newest: int, previous: int | None) -> set[int]:
             deleted.add(first)
     keep = {snapshot_name(newest)} | ({snapshot_name(previous)} if previous is not None else set())
     for path in directory.iterdir():
-        match = SNAPSHOT_RE.fullmatch(path.name) or SNAPSHOT_TMP_RE.fullmatch(path.name)
-        if match and path.name not in keep:
+        staged = SNAPSHOT_TMP_RE.fullmatch(path.name)
+        stale = int(staged[1]) <= newest if staged else SNAPSHOT_RE.fullmatch(path.name) and path.name not in keep
+        if stale:
             path.unlink()
     fsync_dir(directory)
     return deleted

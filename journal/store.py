@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -95,12 +95,36 @@ class Journal(Protocol):
         """Make every appended record durable, refuse further appends, and let ``run`` return."""
 
 
-def check_snapshot(snapshot: Snapshot, last_lsn: int, current_lsn: int | None) -> None:
+@runtime_checkable
+class SnapshotStaging(Protocol):
+    """Optional: a snapshot written by another process (a forked child), then installed by the journal.
+
+    ``FileJournal`` has it; ``MemoryJournal`` does not (simulations snapshot inline with
+    ``write_snapshot``, so a snapshot lands at a deterministic point). ``write_snapshot`` is
+    ``stage`` then ``install`` in one call.
+    """
+
+    def snapshot_stager(self) -> Callable[[Snapshot], None]:
+        """A blocking function that writes a snapshot where ``install_staged_snapshot`` finds it.
+
+        It touches neither this object nor trio nor any lock, so a forked child can call it. The staged
+        snapshot is invisible (recovery, ``latest_snapshot``) until it is installed.
+        """
+
+    async def install_staged_snapshot(self, lsn: int) -> None:
+        """Make the snapshot staged at ``lsn`` the latest, with ``write_snapshot``'s checks and compaction
+        (waiting first until its records are durable). Raises if nothing is staged there."""
+
+    async def discard_staged_snapshot(self, lsn: int) -> None:
+        """Remove whatever a failed or abandoned staging at ``lsn`` left; the latest snapshot is untouched."""
+
+
+def check_snapshot(lsn: int, last_lsn: int, current_lsn: int | None) -> None:
     """Reject a snapshot of records that were never appended, or one older than the current snapshot.
 
     Both would silently corrupt recovery (which starts from the latest snapshot), so fail loudly.
     """
-    if not 0 <= snapshot.lsn <= last_lsn:
-        raise ValueError(f"snapshot lsn {snapshot.lsn} is outside the journal (last_lsn is {last_lsn})")
-    if current_lsn is not None and snapshot.lsn < current_lsn:
-        raise ValueError(f"snapshot lsn {snapshot.lsn} is older than the latest snapshot ({current_lsn})")
+    if not 0 <= lsn <= last_lsn:
+        raise ValueError(f"snapshot lsn {lsn} is outside the journal (last_lsn is {last_lsn})")
+    if current_lsn is not None and lsn < current_lsn:
+        raise ValueError(f"snapshot lsn {lsn} is older than the latest snapshot ({current_lsn})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from kvrouter.journal.store import Journal, Snapshot
+from kvrouter.journal.store import Journal, Snapshot, SnapshotStaging
 
 TIMEOUT = 10  # seconds; real files under the real clock, so only a hang should ever reach it
 
@@ -153,3 +153,65 @@ class JournalContract:
         with pytest.raises(trio.ClosedResourceError):
             journal.append(b"too late")
         await journal.aclose()  # idempotent
+
+
+class StagedSnapshotContract(JournalContract):
+    """``SnapshotStaging``: a snapshot written by a stager (in production, a forked child) is invisible
+    until the journal installs it, and a discarded one never shows."""
+
+    def staging(self, journal: Journal) -> SnapshotStaging:
+        assert isinstance(journal, SnapshotStaging)
+        return journal
+
+    async def test_a_staged_snapshot_shows_only_once_installed(self, nursery: trio.Nursery) -> None:
+        journal = await self.started(nursery)
+        staging = self.staging(journal)
+        await self.append_durably(journal, PAYLOADS)
+        staging.snapshot_stager()(Snapshot(3, b"staged at three"))
+        assert journal.latest_snapshot() is None
+        assert list(journal.read()) == list(enumerate(PAYLOADS, 1))
+        with trio.fail_after(TIMEOUT):
+            await staging.install_staged_snapshot(3)
+        assert journal.latest_snapshot() == Snapshot(3, b"staged at three")
+        assert list(journal.read()) == list(enumerate(PAYLOADS, 1))[3:]
+        assert journal.records_since_snapshot == 2
+        reopened = await self.started(nursery, await self.restart(journal))
+        assert reopened.latest_snapshot() == Snapshot(3, b"staged at three")
+
+    async def test_a_discarded_staging_leaves_the_latest_snapshot(self, nursery: trio.Nursery) -> None:
+        journal = await self.started(nursery)
+        staging = self.staging(journal)
+        await self.append_durably(journal, PAYLOADS)
+        with trio.fail_after(TIMEOUT):
+            await journal.write_snapshot(Snapshot(2, b"two"))
+            staging.snapshot_stager()(Snapshot(4, b"four"))
+            await staging.discard_staged_snapshot(4)
+            await staging.discard_staged_snapshot(4)  # nothing left: still fine
+            with pytest.raises(FileNotFoundError):
+                await staging.install_staged_snapshot(4)
+        assert journal.latest_snapshot() == Snapshot(2, b"two")
+        reopened = await self.started(nursery, await self.restart(journal))
+        assert reopened.latest_snapshot() == Snapshot(2, b"two")
+        assert list(reopened.read()) == list(enumerate(PAYLOADS, 1))[2:]
+
+    async def test_installing_checks_the_lsn_like_write_snapshot(self, nursery: trio.Nursery) -> None:
+        journal = await self.started(nursery)
+        staging = self.staging(journal)
+        await self.append_durably(journal, PAYLOADS)
+        with trio.fail_after(TIMEOUT):
+            await journal.write_snapshot(Snapshot(4, b"four"))
+            with pytest.raises(ValueError, match="older than the latest snapshot"):
+                await staging.install_staged_snapshot(3)
+            with pytest.raises(ValueError, match="outside the journal"):
+                await staging.install_staged_snapshot(6)
+        assert journal.latest_snapshot() == Snapshot(4, b"four")
+
+    async def test_a_snapshot_written_meanwhile_does_not_remove_a_newer_staging(self, nursery: trio.Nursery) -> None:
+        journal = await self.started(nursery)
+        staging = self.staging(journal)
+        await self.append_durably(journal, PAYLOADS)
+        staging.snapshot_stager()(Snapshot(5, b"five, staged"))
+        with trio.fail_after(TIMEOUT):
+            await journal.write_snapshot(Snapshot(2, b"two"))  # compacts
+            await staging.install_staged_snapshot(5)
+        assert journal.latest_snapshot() == Snapshot(5, b"five, staged")
