@@ -1,7 +1,10 @@
 """ActorSystem: routes commands to scope actors, starts them on demand, retires dissolved ones.
 
 It also owns the time-driven work that must enter actors as commands (stale-request expiry) and
-the snapshot policy, so that recovery time stays bounded.
+the snapshot policy, so that recovery time stays bounded: a snapshot is due every
+``snapshot_every_records`` records or ``snapshot_every_bytes`` bytes, at most one is in flight, and
+``SnapshotPacing`` keeps large ones apart. How a snapshot is taken without stopping the service
+(a copy-on-write child process) is ``actors/snapshotter.py``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, Overloaded
-from kvrouter.actors.persistence.snapshots import encode_snapshot
 from kvrouter.actors.ports import Clock
-from kvrouter.journal.store import Journal, Snapshot
+from kvrouter.actors.snapshotter import (
+    SnapshotFailed,
+    SnapshotMethod,
+    SnapshotPacing,
+    SnapshotReport,
+    Snapshotter,
+    choose_method,
+)
+from kvrouter.journal.store import Journal
 
 log = logging.getLogger("kvrouter.actors")
 
@@ -45,6 +55,9 @@ class ActorSystem:
         snapshot_every_bytes: int = SNAPSHOT_EVERY_BYTES,
         expiry_sweep_seconds: float = EXPIRY_SWEEP_SECONDS,
         encode_snapshots_in_thread: bool = True,
+        snapshot_method: SnapshotMethod | None = None,
+        snapshotter: Snapshotter | None = None,
+        snapshot_pacing: SnapshotPacing | None = None,
         seed: int | str = 0,
         pending_options: dict[str, Any] | None = None,
     ) -> None:
@@ -58,14 +71,21 @@ class ActorSystem:
         self._snapshot_every_bytes = snapshot_every_bytes
         self._expiry_sweep_seconds = expiry_sweep_seconds
         self.snapshots_taken = 0
+        self.snapshots_failed = 0
+        self.last_snapshot: SnapshotReport | None = None
         self.seed = seed  # root of every scope's random source
         # Observers of applied decisions (the replica publisher): called synchronously by the
         # actor right after fold, so they must not block; each keeps its own bounded queue.
         self.observers: list[Callable[[ScopeState, Command, tuple[Event, ...]], None]] = []
         self.pending_options = pending_options or {}
-        # Production encodes big snapshots off the loop; simulations encode inline so that a
-        # snapshot completes at a deterministic point of virtual time.
-        self._encode_in_thread = encode_snapshots_in_thread
+        # Production takes snapshots off the loop (a forked child, else a thread encodes); simulations
+        # pass encode_snapshots_in_thread=False to take them inline, at a deterministic point of virtual time.
+        if snapshotter is None:
+            method = snapshot_method or choose_method(journal, off_loop=encode_snapshots_in_thread)
+            snapshotter = Snapshotter(journal, method)
+        self.snapshotter = snapshotter
+        self.snapshot_pacing = snapshot_pacing or SnapshotPacing()
+        self._snapshot_lock = trio.Lock()  # at most one snapshot in flight
 
     async def run(self, *, task_status: trio.TaskStatus[ActorSystem] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -147,11 +167,14 @@ class ActorSystem:
         actor.outbox.close()
 
     def after_turn(self) -> None:
-        if (
+        if self._snapshot_needed():
+            self._snapshot_due.set()
+
+    def _snapshot_needed(self) -> bool:
+        return (
             self.journal.records_since_snapshot >= self._snapshot_every_records
             or self.journal.bytes_since_snapshot >= self._snapshot_every_bytes
-        ):
-            self._snapshot_due.set()
+        )
 
     # -- time-driven work -------------------------------------------------------------------------
 
@@ -170,21 +193,48 @@ class ActorSystem:
     async def _snapshot_when_due(self) -> None:
         while True:
             await self._snapshot_due.wait()
+            earliest = self.snapshot_pacing.earliest_start()
+            if trio.current_time() < earliest:
+                await trio.sleep_until(earliest)  # pacing: not back to back
             self._snapshot_due = trio.Event()
-            await self.snapshot()
+            if not self._snapshot_needed():
+                continue  # set before the previous snapshot finished, which covered it
+            try:
+                await self.snapshot()
+            except (SnapshotFailed, OSError) as exc:
+                log.error(
+                    "snapshot failed, the previous one stays (restarts replay a longer log; retrying in %.0f s; "
+                    "if it keeps failing, check free disk space and memory): %s",
+                    self.snapshot_pacing.earliest_start() - trio.current_time(),
+                    exc,
+                )
 
-    async def snapshot(self) -> Snapshot:
-        """Capture every scope at the journal's last LSN (no await in between), persist it."""
-        lsn = self.journal.last_lsn
-        # Only the copy happens on the loop (it must see one consistent state); hashing and encoding
-        # the copy (the larger part: ~0.5 s of a 1M-block index) happen off it.
-        scopes = [s.to_snapshot() for s in self.states()]
-        if self._encode_in_thread:
-            payload = await trio.to_thread.run_sync(encode_snapshot, lsn, scopes)
-        else:
-            payload = encode_snapshot(lsn, scopes)
-        snapshot = Snapshot(lsn, payload)
-        await self.journal.write_snapshot(snapshot)
+    async def snapshot(self) -> SnapshotReport:
+        """Capture every scope at the journal's last LSN (no await in between), persist it.
+
+        One at a time; the pacing policy hears of every attempt, this one included.
+        """
+        async with self._snapshot_lock:
+            started = trio.current_time()
+            succeeded = False
+            try:
+                report = await self.snapshotter.take(self._capture)
+                succeeded = True
+            finally:
+                self.snapshot_pacing.record(started, trio.current_time(), succeeded=succeeded)
+                self.snapshots_failed += not succeeded
         self.snapshots_taken += 1
-        log.info("snapshot at lsn %d: %d scopes, %d bytes", lsn, len(scopes), len(payload))
-        return snapshot
+        self.last_snapshot = report
+        log.info(
+            "snapshot at lsn %d (%s): %d scopes, %d bytes, event loop held %.1f ms, %.2f s in all",
+            report.lsn,
+            report.method.value,
+            report.scopes,
+            report.payload_bytes,
+            report.loop_pause * 1e3,
+            report.duration,
+        )
+        return report
+
+    def _capture(self) -> tuple[int, list[ScopeState]]:
+        return self.journal.last_lsn, self.states()
