@@ -128,6 +128,11 @@ _HANDSHAKE_FAILED: Final = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 
+_HANDSHAKE_PROBLEM: Final = (
+    "handshake failed: the peer closed the connection or is not a ZMQ PUB "
+    "(is the endpoint the worker's KV-events socket, not e.g. its replay ROUTER?)"
+)
+_HANDSHAKE_AUTH_PROBLEM: Final = "handshake failed: the publisher requires authentication (CURVE/PLAIN), unsupported"
 _REPLAYED: Final = {False: "", True: ", replayed"}
 
 ListenerState = Literal["connecting", "active", "failed"]
@@ -197,7 +202,6 @@ class KvListener:
         self._connect_to: Resolved | None = None  # asked for by the keeper, applied by the listen task
         self._connected_to: Resolved | None = None
         self._connection_problem: str | None = None  # shown in last_error and logged once
-        self._outage_logged = False
         self._changed = trio.Event()
 
     def resume_from(self, seq: int | None) -> None:
@@ -208,7 +212,8 @@ class KvListener:
         self.status.last_seq = seq
 
     async def run(self, *, task_status: trio.TaskStatus[ListenerStatus] = trio.TASK_STATUS_IGNORED) -> None:
-        """Connect and listen until cancelled. Started means the SUB is connecting (not yet heard).
+        """Connect and listen until cancelled. Started means the sockets exist and connecting has
+        begun (resolving the host first, if it is a name); nothing has been heard yet.
 
         A malformed endpoint, or no zmq socket to be had (descriptors or ZMQ_MAX_SOCKETS exhausted),
         leaves ``state == "failed"`` with ``last_error`` and returns instead of raising: one
@@ -264,10 +269,10 @@ class KvListener:
         while not condition():
             await self._changed.wait()
 
-    def _report_connection_problem(self, problem: str) -> None:
+    def _report_connection_problem(self, problem: str, level: int = logging.WARNING) -> None:
         """Show ``problem`` in last_error; log it only when it differs from the one already shown."""
         if problem != self._connection_problem:
-            log.warning("kv listener %s: %s", self.status.endpoint, problem)
+            log.log(level, "kv listener %s: %s", self.status.endpoint, problem)
         self._connection_problem = problem
         self.status.last_error = problem
 
@@ -293,20 +298,19 @@ class KvListener:
                 await self._wait_until(lambda: not self._link_up)
                 with trio.move_on_after(backoff):
                     await self._wait_until(lambda: self._link_up)
-            if not self._outage_logged:
-                self._outage_logged = True
-                if self._ever_connected:
-                    log.warning(
-                        "kv listener %s: still disconnected %.1fs after losing the connection; reconnecting "
-                        "(libzmq does not retry after a protocol error, such as a frame over %s)",
-                        self.status.endpoint,
-                        backoff,
-                        _size(self._max_message_bytes),
-                    )
-                else:
-                    log.info("kv listener %s: no handshake within %.1fs; still trying", self.status.endpoint, backoff)
+            # Texts stay the same from one retry to the next, so each is logged once per outage.
+            if self._connection_problem is not None:
+                pass  # a more specific one (handshake failed, name does not resolve) stays shown
+            elif self._ever_connected:
+                self._report_connection_problem(
+                    "connection lost and not back; reconnecting (publisher down, or libzmq gave up after a "
+                    f"protocol error such as a frame over {_size(self._max_message_bytes)})"
+                )
             else:
-                log.debug("kv listener %s: reconnecting (no handshake within %.1fs)", self.status.endpoint, backoff)
+                self._report_connection_problem(
+                    "no connection yet (publisher not running?); retrying", level=logging.INFO
+                )
+            log.debug("kv listener %s: reconnecting (no handshake within %gs)", self.status.endpoint, backoff)
             backoff = min(backoff * 2, RECONNECT_AFTER_MAX)
 
     async def _resolve(self, target: ConnectTarget) -> Resolved:
@@ -332,7 +336,6 @@ class KvListener:
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._link_up = self._ever_connected = True
-                self._outage_logged = False
                 self._notify()
                 self.status.state = "active"
                 self._clear_connection_problem()
@@ -345,18 +348,23 @@ class KvListener:
                     self._catch_up_due = True
                     self._recv_scope.cancel()
             elif kind == zmq.EVENT_DISCONNECTED:
-                if self._link_up:  # (a failed handshake also ends in DISCONNECTED; it was never up)
+                if self._link_up:
                     self._link_up = False
                     self._notify()
                     self.status.disconnects += 1
                     self.status.state = "connecting"
                     self._restart_check = "disconnect"
                     log.warning("kv listener %s: connecting (connection lost)", self.status.endpoint)
+                else:
+                    # Closed before the handshake completed: e.g. a ROUTER or REP at this port (libzmq
+                    # does not retry that; the keeper will).
+                    self._report_connection_problem(_HANDSHAKE_PROBLEM)
             elif kind & _HANDSHAKE_FAILED:
-                self._report_connection_problem(
-                    f"handshake failed ({zmq.Event(kind).name}, code {int(event['value'])}): "
-                    "is the endpoint a ZMQ PUB socket of the same ZMTP version?"
-                )
+                # One text whatever the event: the same peer fails as NO_DETAIL (EPIPE, ECONNRESET) or
+                # as a bare DISCONNECTED depending on timing, and the operator should read it once.
+                log.debug("kv listener %s: %s, value %d", self.status.endpoint, zmq.Event(kind).name, event["value"])
+                auth = kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                self._report_connection_problem(_HANDSHAKE_AUTH_PROBLEM if auth else _HANDSHAKE_PROBLEM)
             elif kind == zmq.EVENT_MONITOR_STOPPED:
                 return
 

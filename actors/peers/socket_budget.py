@@ -20,6 +20,7 @@ A registration beyond ``listener_capacity`` must be refused (``ListenerSlots.res
 
 from __future__ import annotations
 
+import logging
 import resource
 from collections.abc import Hashable, Iterable
 from typing import Final
@@ -49,6 +50,8 @@ FD_RESERVE: Final = 512
 # The soft RLIMIT_NOFILE we ask for (capped by the hard limit): enough for SUPPORTED_RANKS with room
 # to spare, without handing the process the million descriptors some hosts allow.
 FD_TARGET: Final = 65_536
+
+log = logging.getLogger("kvrouter.socket_budget")
 
 _REPLAY_LIMITER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("kv_replay_limiter")
 
@@ -123,7 +126,10 @@ class ListenerSlots:
 
     @classmethod
     def for_this_process(cls) -> ListenerSlots:
-        """Raise RLIMIT_NOFILE toward the hard limit and size the slots by what it then allows."""
+        """Raise RLIMIT_NOFILE toward the hard limit and size the slots by what it then allows.
+
+        Call once at startup, before the first listener; logs the outcome in one line.
+        """
         limit = raise_open_files_limit()
         capacity = listener_capacity(limit.soft)
         by_sockets = listener_capacity(1 << 62)
@@ -137,6 +143,14 @@ class ListenerSlots:
                 f"limited by ZMQ_MAX_SOCKETS {ZMQ_MAX_SOCKETS} ({SOCKETS_PER_LISTENER} per listener); "
                 "split the cluster across more services"
             )
+        log.info(
+            "KV listener capacity %d worker ranks (open-files limit %d, was %d, hard %d; %s)",
+            capacity,
+            limit.soft,
+            limit.soft_before,
+            limit.hard,
+            limited_by.partition(";")[0],
+        )
         return cls(capacity, limited_by)
 
     @property

@@ -10,10 +10,11 @@ from collections.abc import Callable
 import msgpack
 import pytest
 import trio
+import zmq
 
 from kvrouter.actors.kv_listener import MAX_KV_MESSAGE_BYTES, KvListener, ListenerStatus
 from kvrouter.actors.peers.endpoints import _system_resolver
-from kvrouter.actors.peers.zmq_socket import zmq_context
+from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket, zmq_context
 from tests.support.kv_publisher import KvPublisher, free_tcp_port, open_kv_publisher, sample_payload
 
 
@@ -420,17 +421,24 @@ async def wait_until(done: Callable[[], bool]) -> None:
 async def test_unresolvable_host_is_reported_once_while_retrying(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The name goes to the real resolver, which keeps failing; the error shows at once and is
-    logged once however often it is retried (it used to stay "connecting" with no error at all)."""
+    """The error shows at once and is logged once however often it is retried (it used to stay
+    "connecting" with no error at all). The first lookup goes to the real resolver; retries repeat
+    its answer, because a real DNS server may take its 5 s timeout on any one of them."""
     caplog.set_level(logging.INFO, logger="kvrouter.kv_listener")
     endpoint = f"tcp://no-such-host.invalid:{free_tcp_port()}"
     lookups: list[str] = []
+    answers: list[OSError] = []
 
     async def counting_resolver(host: str, port: int) -> list[tuple[int, str]]:
         lookups.append(host)
-        return await _system_resolver(host, port)
+        if not answers:
+            try:
+                return await _system_resolver(host, port)
+            except OSError as exc:
+                answers.append(exc)
+        raise answers[0]
 
-    with trio.fail_after(5):
+    with trio.fail_after(15):
         listener = await start_listener(
             nursery,
             None,
@@ -520,7 +528,7 @@ async def test_oversized_live_message_reconnects_and_is_counted_lost(
     assert (status.disconnects, status.gaps, status.lost_batches, status.state) == (1, 1, 1, "active")
     assert status.last_error is not None and status.last_error.startswith("batches 3..3 lost: replay incomplete")
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("still disconnected" in message and "a frame over 64 KiB" in message for message in warnings)
+    assert any(message.endswith("protocol error such as a frame over 64 KiB)") for message in warnings)
 
 
 async def test_oversized_replay_reply_is_lost_and_live_continues(nursery: trio.Nursery) -> None:
@@ -576,3 +584,40 @@ async def test_logs_state_changes_gaps_and_replays_at_info_and_batches_only_at_d
     ]
     debug = [r.getMessage().removeprefix(prefix) for r in caplog.records if r.levelno == logging.DEBUG]
     assert sum(message.startswith("batch ") for message in debug) == 15
+
+
+async def test_handshake_failure_is_logged_once_and_cleared_when_a_publisher_answers(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The endpoint points at the worker's replay ROUTER by mistake: libzmq closes each connection
+    during the handshake and stops retrying. The listener keeps trying, shows the failure once, and
+    connects once a publisher holds the port (it used to show nothing, and stay deaf)."""
+    caplog.set_level(logging.INFO, logger="kvrouter.kv_listener")
+    router = open_socket(zmq.ROUTER)
+    port = router.socket.bind_to_random_port("tcp://127.0.0.1")
+    accepted = TrioZmqSocket(router.socket.get_monitor_socket(zmq.EVENT_ACCEPTED))
+    sink = Sink()
+    with trio.fail_after(10):
+        endpoint = f"tcp://127.0.0.1:{port}"
+        try:
+            listener = await start_listener(
+                nursery, None, sink, endpoint=endpoint, replay_endpoint=None, reconnect_after=0.02
+            )
+            await wait_until(lambda: listener.status.last_error is not None)
+            assert listener.status.state == "connecting"
+            assert listener.status.last_error.startswith("handshake failed: the peer closed the connection or is not")
+            for _ in range(4):  # several connections refused in the handshake: still logged once
+                await accepted.recv_multipart()
+        finally:
+            router.socket.disable_monitor()
+            accepted.close()
+            router.close()
+        async with open_kv_publisher(port=port, replay=False) as pub:
+            await pub.wait_for_subscribers()
+            await wait_for_state(listener.status, "active")
+            pub.publish(payload(0))
+            await sink.wait_for(1)
+    assert listener.status.last_error is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"kv listener {endpoint}: handshake failed: the peer closed the connection or is not")
