@@ -67,8 +67,8 @@ class ActorSystem:
         self._recovered = states or {}
         self._nursery: trio.Nursery | None = None
         self._snapshot_due = trio.Event()
-        self._snapshot_every_records = snapshot_every_records
-        self._snapshot_every_bytes = snapshot_every_bytes
+        self.snapshot_every_records = snapshot_every_records
+        self.snapshot_every_bytes = snapshot_every_bytes
         self._expiry_sweep_seconds = expiry_sweep_seconds
         self.snapshots_taken = 0
         self.snapshots_failed = 0
@@ -172,8 +172,8 @@ class ActorSystem:
 
     def _snapshot_needed(self) -> bool:
         return (
-            self.journal.records_since_snapshot >= self._snapshot_every_records
-            or self.journal.bytes_since_snapshot >= self._snapshot_every_bytes
+            self.journal.records_since_snapshot >= self.snapshot_every_records
+            or self.journal.bytes_since_snapshot >= self.snapshot_every_bytes
         )
 
     # -- time-driven work -------------------------------------------------------------------------
