@@ -20,7 +20,7 @@ import trio
 from kvrouter.actors.core.commands import IngestKvBatch, ResetKvStream
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_wire import WireError, decode_batch
-from kvrouter.actors.kv_listener import KvListener, ListenerStatus
+from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatch, OnRestart
 from kvrouter.actors.system import ActorSystem
 
 log = logging.getLogger("kvrouter.kv_ingest")
@@ -69,8 +69,8 @@ class KvIngest:
             cancel_scope, _ = self._running.pop(key)
             cancel_scope.cancel()
         for key in sorted(wanted - set(self._running), key=lambda k: (k.scope, k.rank)):
-            state = self._system.state(key.scope)
-            watermark = state.kv_watermarks.get(key.rank) if state is not None else None
+            scope_state = self._system.state(key.scope)
+            watermark = scope_state.kv_watermarks.get(key.rank) if scope_state is not None else None
             listener = KvListener(
                 key.endpoint,
                 key.replay_endpoint,
@@ -86,7 +86,7 @@ class KvIngest:
         with cancel_scope:
             await listener.run()
 
-    def _on_batch(self, key: ListenerKey):
+    def _on_batch(self, key: ListenerKey) -> OnBatch:
         system = self._system
         clock = system.clock
 
@@ -101,7 +101,7 @@ class KvIngest:
 
         return on_batch
 
-    def _on_restart(self, key: ListenerKey):
+    def _on_restart(self, key: ListenerKey) -> OnRestart:
         system = self._system
 
         async def on_restart() -> None:

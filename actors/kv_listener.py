@@ -393,11 +393,7 @@ class KvListener:
         while True:
             # A (re)connection waits until the old connection's backlog is read: disconnect drops it.
             pending = self._connect_to
-            if (
-                pending is not None
-                and not sub.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
-                and not self._connect(sub, pending)
-            ):
+            if pending is not None and not sub.events() & zmq.POLLIN and not self._connect(sub, pending):
                 return
             if self._catch_up_due:
                 self._catch_up_due = False

@@ -46,6 +46,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Final, NoReturn
 
 import attrs
@@ -250,7 +251,7 @@ class _ForkRefused(Exception):
     """os.fork raised (out of memory, process limit): nothing was started."""
 
 
-def _fork_child(child: Callable[[set[signal.Signals]], NoReturn]) -> int:
+def _fork_child(child: Callable[[AbstractSet[int]], NoReturn]) -> int:
     """Fork; the child runs ``child(signal mask to restore)``, which never returns.
 
     Signals are blocked and the GC is off across the fork, so that neither can run a Python handler or
@@ -359,7 +360,7 @@ def _child_main(
     serialize: Serialize,
     stage: Callable[[Snapshot], None],
     report_fd: int,
-    old_mask: set[signal.Signals],
+    old_mask: AbstractSet[int],
 ) -> NoReturn:
     """Serialise, stage, report, exit. Never returns, never raises."""
     status, message = 1, "unknown failure"
@@ -376,7 +377,7 @@ def _child_main(
     os._exit(status)
 
 
-def _detach_from_parent(report_fd: int, old_mask: set[signal.Signals]) -> None:
+def _detach_from_parent(report_fd: int, old_mask: AbstractSet[int]) -> None:
     """Drop everything the child shares with the running service but must not use or keep."""
     parent = os.getppid()
     signal.set_wakeup_fd(-1)  # trio's: a signal here must not wake the parent's loop

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import attrs
 import trio
@@ -81,7 +82,7 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     knobs = parser.add_argument_group(
         "router knobs (default: the DYN_* environment, then 1.6.1's defaults; checked by the same rules)"
     )
-    number = {"metavar": "X"}
+    number: dict[str, Any] = {"metavar": "X"}  # add_argument keywords shared by the numeric knobs
     knobs.add_argument("--overlap-score-credit", **number, help="DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT, >= 0 (1.0)")
     knobs.add_argument(
         "--overlap-score-weight",
@@ -205,6 +206,7 @@ class _Progress:
 
 def run(launch: Launch) -> int:
     """Serve until SIGINT/SIGTERM (status 0); on failure log one line and return its status."""
+    build: RouteBuilder
     if launch.service == SLOT_TRACKER:
         name, build = "slot tracker", slot_tracker_app
     else:

@@ -121,7 +121,7 @@ def parse(cls: type[T], value: Any) -> T:
     if type(value) is not dict:
         raise HttpError(422, _deserialize_failed(f"invalid type: {json_kind(value)}, expected a JSON object"))
     try:
-        return hook(value, cls)  # type: ignore[no-any-return]
+        return hook(value, cls)
     except Exception as exc:  # cattrs raises ExceptionGroups; turn them into one readable line
         raise HttpError(422, _deserialize_failed(_first_problem(exc))) from None
 

@@ -14,6 +14,8 @@ import trio
 import trio.testing
 
 from kvrouter.actors.core.decisions import Accepted
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import ActorSystem
@@ -51,7 +53,7 @@ async def simulate(seed: int, options: SimulationOptions) -> SimulationResult:
     clock = TrioClock()
     failures: list[str] = []
     accepted = rejected = crashes = snapshots = 0
-    states = None
+    states: dict[ScopeKey, ScopeState] = {}
     steps = iter(trace(seed, options.steps, options.workload))
     finished = False
     while not finished:

@@ -194,9 +194,10 @@ def _decode_event(event: Any) -> KvEvent | str:
                 raise WireError("BlockRemoved array has no block_hashes")
             return _removed(event[_R_HASHES], _at(event, _R_MEDIUM), _at(event, _R_LOCALITY))
     elif isinstance(event, dict):
-        tag = event.get("type")
-        if not isinstance(tag, str):
+        type_field = event.get("type")
+        if not isinstance(type_field, str):
             raise WireError("map event has no string 'type'")
+        tag = type_field
         if tag == "BlockStored":
             for key in ("block_hashes", "token_ids", "block_size"):
                 if key not in event:
@@ -406,7 +407,8 @@ def encode_batch(
             batch["data_parallel_rank"] = dp_rank
     else:
         batch = [float(ts), encoded, dp_rank]
-    return msgpack.packb(batch)
+    packed: bytes = msgpack.packb(batch)  # msgpack is untyped
+    return packed
 
 
 def _encode_event(event: Any, as_map: bool, signed: bool) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -134,7 +134,9 @@ def resolve(*layers: Mapping[str, Setting]) -> RouterConfig:
     ``prefill_load_scale`` and, when zero, zeroes ``overlap_score_credit``. Raises :class:`InvalidSettings`
     naming every bad value of every layer.
     """
-    values: dict[str, float | bool] = {}
+    # Keyword arguments by field name: _parse_layer gives each field a value of its type, which mypy cannot
+    # see through a name known only at run time.
+    values: dict[str, Any] = {}
     problems: list[str] = []
     for layer in layers:
         values.update(_parse_layer(layer, problems))

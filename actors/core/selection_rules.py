@@ -272,9 +272,8 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
         tracked = command.track_prefill_tokens is not False
         prefill = command.effective_prefill_tokens if tracked else 0
     else:
-        tracked = command.track_prefill_tokens
-        if tracked is None:
-            tracked = command.config_tracks_prefill
+        override = command.track_prefill_tokens
+        tracked = command.config_tracks_prefill if override is None else override
         prefill = command.isl_tokens if tracked else 0
     event = RequestAdded(
         command.reservation_id, command.worker_id, command.dp_rank, command.sequence_hashes, prefill, command.at

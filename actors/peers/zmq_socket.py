@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Final, final
+from typing import Final, cast, final
 
 import trio
 import zmq
@@ -52,7 +52,7 @@ def zmq_context() -> zmq.Context[zmq.Socket[bytes]]:
     closed with linger 0, and pyzmq terminates the singleton at interpreter exit.
     """
     global _sized_context
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     if context is not _sized_context:
         context.set(zmq.MAX_SOCKETS, ZMQ_MAX_SOCKETS)
         _sized_context = context
@@ -86,6 +86,11 @@ def open_socket(
     return TrioZmqSocket(sock, safety_timeout=safety_timeout)
 
 
+def _int_option(sock: zmq.Socket[bytes], option: int) -> int:
+    """An integer socket option (FD, EVENTS, ...): pyzmq types every ``getsockopt`` as ``int | bytes``."""
+    return cast(int, sock.getsockopt(option))
+
+
 @final
 class TrioZmqSocket:
     """One zmq socket driven from trio. Use it from one task at a time (see the module docstring)."""
@@ -94,7 +99,7 @@ class TrioZmqSocket:
 
     def __init__(self, sock: zmq.Socket[bytes], *, safety_timeout: float = SAFETY_TIMEOUT) -> None:
         self._sock = sock
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._fd = _int_option(sock, zmq.FD)
         self._safety_timeout = safety_timeout
         self._closed = False
 
@@ -106,6 +111,10 @@ class TrioZmqSocket:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def events(self) -> int:
+        """``zmq.EVENTS`` now (POLLIN/POLLOUT bits); reading it also re-arms the FD's edge."""
+        return _int_option(self._sock, zmq.EVENTS)
 
     def try_recv_multipart(self) -> list[bytes] | None:
         """One whole message if one is queued, else None. Multipart messages arrive atomically."""
@@ -150,7 +159,7 @@ class TrioZmqSocket:
         Reading EVENTS first processes pending commands and re-arms the edge, so if the flag is absent
         now, the next change is guaranteed to make the FD readable.
         """
-        if self._sock.getsockopt(zmq.EVENTS) & flag:
+        if self.events() & flag:
             # Ready already (a message raced in after Again): yield once so a socket that keeps
             # claiming readiness can never spin the loop.
             await trio.lowlevel.checkpoint()
