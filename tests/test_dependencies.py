@@ -1,0 +1,103 @@
+"""Every third-party module the code imports comes from a distribution pyproject.toml declares.
+
+A module that only arrives as someone else's dependency (``outcome`` through trio, say) works until that
+dependency stops pulling it in; the package itself may use only ``[project].dependencies`` (a plain
+``pip install .`` must run it), the tests and benchmarks also the ``test`` extra.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from collections.abc import Iterable
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIRST_PARTY = {"kvrouter", "tests", "benchmarks"}
+
+
+def declared(*extras: str) -> set[str]:
+    """Normalised names of the runtime dependencies, plus those of the given extras."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = list(project["dependencies"])
+    for extra in extras:
+        specs += project["optional-dependencies"][extra]
+    return {_distribution_name(spec) for spec in specs}
+
+
+def _distribution_name(spec: str) -> str:
+    """``"pyzmq==27.3.0"`` -> ``"pyzmq"`` (PEP 508's name comes first)."""
+    match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
+    assert match, f"unreadable requirement {spec!r}"
+    return _normalise(match.group())
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names ``path`` imports absolutely, leaving out the standard library and modules that sit
+    beside it (scripts and test helpers import their siblings by plain name)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return {
+        name
+        for name in names
+        if name not in sys.stdlib_module_names
+        and name not in FIRST_PARTY
+        and not (path.parent / f"{name}.py").exists()
+        and not (path.parent / name / "__init__.py").exists()
+    }
+
+
+def undeclared_imports(files: Iterable[Path], allowed: set[str]) -> dict[str, list[str]]:
+    """Imported name -> the files importing it, for each name no allowed distribution provides."""
+    providers = packages_distributions()
+    found: dict[str, list[str]] = {}
+    for path in files:
+        for name in top_level_imports(path):
+            if not {_normalise(dist) for dist in providers.get(name, [])} & allowed:
+                found.setdefault(name, []).append(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
+    return found
+
+
+def python_files(*folders: str) -> list[Path]:
+    files = [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+    assert files, folders
+    return files
+
+
+def test_the_package_imports_only_its_runtime_dependencies() -> None:
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = sorted({name.split(".")[1] for name in packages if name.startswith("kvrouter.")})
+    files = [ROOT / "__init__.py", *python_files(*folders)]
+    assert undeclared_imports(files, declared()) == {}
+
+
+def test_tests_and_benchmarks_import_only_declared_dependencies() -> None:
+    assert undeclared_imports(python_files("tests", "benchmarks"), declared("test")) == {}
+
+
+def test_an_import_that_arrives_only_transitively_is_reported(tmp_path: Path) -> None:
+    """sortedcontainers and idna are installed (trio needs them) but declared nowhere; a sibling module, the
+    standard library and the declared trio are fine; the test extra does not count for the package."""
+    (tmp_path / "helper.py").write_text("")
+    module = tmp_path / "module.py"
+    module.write_text(
+        "import os.path\nimport sortedcontainers\nimport trio.lowlevel\nfrom idna import encode\n"
+        "from helper import x\nfrom . import sibling\nimport hypothesis\n"
+    )
+    assert undeclared_imports([module], declared()) == {
+        "sortedcontainers": [str(module)],
+        "idna": [str(module)],
+        "hypothesis": [str(module)],
+    }
+    assert set(undeclared_imports([module], declared("test"))) == {"sortedcontainers", "idna"}
