@@ -131,7 +131,7 @@ def _reference_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
-    services = parser.add_subparsers(dest="service", required=True, metavar="{slot-tracker,select-service}")
+    services = parser.add_subparsers(dest="service", required=True, metavar="{slot-tracker,select-service,simulate}")
     slot = services.add_parser(
         SLOT_TRACKER,
         help="active-request accounting service (Dynamo slot tracker)",
@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _router_flags(select)
     _reference_flags(select)
+    services.add_parser(
+        "simulate", help="deterministic cluster simulation (see kvrouter simulate --help)", add_help=False
+    )
     for subparser in (slot, select):
         subparser.set_defaults(subparser=subparser)
     return parser
@@ -186,6 +189,11 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["simulate"]:
+        from kvrouter.simulations.cli import main as simulate
+
+        return simulate(arguments[1:])
     parser = build_parser()
     args = parse_arguments(parser, argv)
     log_setup.configure(args.log_level, args.service)

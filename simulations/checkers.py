@@ -16,6 +16,11 @@ def invariant_failures(states: list[ScopeState]) -> list[str]:
     return [f"{s.scope.describe()}: {problem}" for s in states for problem in check(s)]
 
 
+def load_failures(states: list[ScopeState]) -> list[str]:
+    """The cheap part of the invariants: load accounting (no negative load, sums that match)."""
+    return [f"{s.scope.describe()}: {problem}" for s in states for problem in s.slots.check()]
+
+
 def states_digest(states: list[ScopeState]) -> str:
     return digest([s.to_snapshot() for s in sorted(states, key=lambda s: s.scope)])
 
@@ -37,3 +42,20 @@ def journal_digest(journal: Journal) -> str:
         sha.update(lsn.to_bytes(8, "big"))
         sha.update(payload)
     return sha.hexdigest()
+
+
+def idle_load_problems(states: list[ScopeState]) -> list[str]:
+    """Once every request has ended, no rank may carry any load and no request may be left."""
+    problems = []
+    for state in states:
+        if state.slots.requests:
+            left = sorted(state.slots.requests)
+            problems.append(f"{state.scope.describe()}: {len(left)} request(s) still booked, e.g. {left[:3]}")
+        for rank, load in sorted(state.slots.ranks.items()):
+            if load.prefill_tokens or load.active_decode_blocks or load.requests:
+                problems.append(
+                    f"{state.scope.describe()}: worker {rank.worker_id} dp_rank {rank.dp_rank} still has load "
+                    f"(prefill {load.prefill_tokens}, decode blocks {load.active_decode_blocks}, "
+                    f"requests {len(load.requests)})"
+                )
+    return problems

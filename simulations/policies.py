@@ -1,0 +1,115 @@
+"""Routing policies of the simulated clients: who picks the worker, and how the router hears of it.
+
+* ``kv``: the router picks (``POST /select_and_reserve``): KV-aware selection with its cost function.
+* ``round_robin``: the client cycles through the ranks in (worker, dp rank) order.
+* ``random``: the client draws a rank uniformly (seeded).
+* ``least_loaded``: the client reads ``GET /loads`` and takes the rank with the fewest active requests,
+  then the fewest prefill tokens, then the fewest decode blocks; ties are drawn (seeded).
+
+Whoever picks, the request is booked on the router (the client-chosen ones through ``POST
+/reservations`` with an explicit rank), so the router's load accounting sees every request and the
+lifecycle calls are the same for every policy.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+import attrs
+
+from kvrouter.actors.core.commands import Prompt
+from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.simulations.prompts import PromptBlocks
+from kvrouter.simulations.router import RouterReplica
+
+POLICIES = ("kv", "round_robin", "random", "least_loaded")
+
+
+@attrs.frozen
+class Placement:
+    rank: WorkerRank
+    predicted_cached_tokens: int | None  # the router's overlap on the chosen rank (kv only)
+
+
+class Policy(Protocol):
+    name: str
+
+    async def place(
+        self, router: RouterReplica, request_id: str, blocks: PromptBlocks, isl_tokens: int
+    ) -> Placement: ...
+
+
+class KvPolicy:
+    name = "kv"
+
+    async def place(self, router: RouterReplica, request_id: str, blocks: PromptBlocks, isl_tokens: int) -> Placement:
+        prompt = Prompt(block_hashes=blocks.local_hashes, sequence_hashes=blocks.sequence_hashes, isl_tokens=isl_tokens)
+        selection = await router.select_and_reserve(prompt, request_id)
+        per_rank: dict[str, int] = selection.overlap["dp"]  # device-tier tokens per rank of the chosen worker
+        return Placement(WorkerRank(selection.worker_id, selection.dp_rank), per_rank[str(selection.dp_rank)])
+
+
+class ClientPolicy:
+    """A policy that picks the rank itself, then books it explicitly."""
+
+    name = "client"
+
+    def __init__(self, ranks: list[WorkerRank], rng: random.Random) -> None:
+        self.ranks = sorted(ranks)
+        self.rng = rng
+
+    def choose(self, router: RouterReplica) -> WorkerRank:
+        raise NotImplementedError
+
+    async def place(self, router: RouterReplica, request_id: str, blocks: PromptBlocks, isl_tokens: int) -> Placement:
+        rank = self.choose(router)
+        await router.reserve(request_id, rank.worker_id, rank.dp_rank, blocks.sequence_hashes, isl_tokens)
+        return Placement(rank, None)
+
+
+class RoundRobinPolicy(ClientPolicy):
+    name = "round_robin"
+
+    def __init__(self, ranks: list[WorkerRank], rng: random.Random) -> None:
+        super().__init__(ranks, rng)
+        self._next = 0
+
+    def choose(self, router: RouterReplica) -> WorkerRank:
+        rank = self.ranks[self._next % len(self.ranks)]
+        self._next += 1
+        return rank
+
+
+class RandomPolicy(ClientPolicy):
+    name = "random"
+
+    def choose(self, router: RouterReplica) -> WorkerRank:
+        return self.ranks[self.rng.randrange(len(self.ranks))]
+
+
+class LeastLoadedPolicy(ClientPolicy):
+    name = "least_loaded"
+
+    def choose(self, router: RouterReplica) -> WorkerRank:
+        rows = {row.rank: row for row in router.loads()}
+        keyed = []
+        for rank in self.ranks:
+            row = rows.get(rank)
+            key = (row.active_requests, row.active_prefill_tokens, row.active_decode_blocks) if row else (0, 0, 0)
+            keyed.append((key, rank))
+        best = min(key for key, _ in keyed)
+        tied = [rank for key, rank in keyed if key == best]
+        return tied[self.rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+
+
+def make_policy(name: str, ranks: list[WorkerRank], rng: random.Random) -> KvPolicy | ClientPolicy:
+    if name == "kv":
+        return KvPolicy()
+    if name == "round_robin":
+        return RoundRobinPolicy(ranks, rng)
+    if name == "random":
+        return RandomPolicy(ranks, rng)
+    if name == "least_loaded":
+        return LeastLoadedPolicy(ranks, rng)
+    raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")

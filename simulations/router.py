@@ -1,0 +1,172 @@
+"""One kvrouter replica inside a simulation: the real actor system on an in-memory journal.
+
+The calls are the selection service's: the same commands the HTTP routes send, in the same order,
+with the same arguments (``api/select_routes.py``). Time comes from trio's clock, which only the
+cluster driver moves, so every command's ``at`` is a function of the trace.
+
+A crash drops the live actors and what they held in memory; ``restart`` recovers a new system from
+whatever the journal holds, as a restarted process would.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.commands import (
+    CompleteReservationPrefill,
+    ExpireStale,
+    IngestKvBatch,
+    Prompt,
+    ReleaseReservation,
+    Reserve,
+    SelectWorker,
+    UpsertWorker,
+)
+from kvrouter.actors.core.decisions import Accepted, Decision, Rejected
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.kv_wire import KvBatch
+from kvrouter.actors.core.queries import RankLoad
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.selection_queries import partition_loads
+from kvrouter.actors.core.selection_rules import Selection
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.persistence.recovery import recover
+from kvrouter.actors.ports import TrioClock
+from kvrouter.actors.system import EXPIRY_AGE_NS, ActorSystem
+from kvrouter.journal.memory import MemoryJournal
+
+NEVER = 1e12  # seconds: the system's own timers stay quiet; the driver issues expiry sweeps itself
+
+
+class RouterRefused(Exception):
+    """The router refused a call the simulated client expected to succeed (a bug or an invariant breach)."""
+
+
+class RouterReplica:
+    def __init__(self, name: str, scope: ScopeKey, config: RouterConfig, seed: str, clock: TrioClock) -> None:
+        self.name = name
+        self.scope = scope
+        self.config = config
+        self.seed = seed
+        self.clock = clock
+        self.journal = MemoryJournal()
+        self.system: ActorSystem | None = None
+        self._cancel: trio.CancelScope | None = None
+        self.restarts = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self, nursery: trio.Nursery, states: dict[ScopeKey, ScopeState] | None = None) -> None:
+        self._cancel = trio.CancelScope()
+        started: ActorSystem = await nursery.start(self._run, states or {})
+        self.system = started
+
+    async def _run(
+        self,
+        states: dict[ScopeKey, ScopeState],
+        *,
+        task_status: trio.TaskStatus[ActorSystem] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        assert self._cancel is not None
+        with self._cancel:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.journal.run)
+                system = ActorSystem(
+                    self.journal,
+                    self.clock,
+                    states,
+                    # No background snapshots or sweeps: their timing would depend on the scheduler.
+                    snapshot_every_records=1 << 62,
+                    snapshot_every_bytes=1 << 62,
+                    expiry_sweep_seconds=NEVER,
+                    encode_snapshots_in_thread=False,
+                    seed=self.seed,
+                )
+                await nursery.start(system.run)
+                task_status.started(system)
+
+    async def crash(self) -> None:
+        """Stop the replica now; what was not journaled is lost."""
+        assert self._cancel is not None
+        self._cancel.cancel()
+        self.system = None
+        self.journal = self.journal.crash_copy()
+        await trio.lowlevel.checkpoint()
+
+    async def restart(self, nursery: trio.Nursery) -> None:
+        """Recover from the journal alone, as a restarted process would."""
+        self.restarts += 1
+        await self.start(nursery, recover(self.journal).states)
+
+    @property
+    def running(self) -> bool:
+        return self.system is not None
+
+    def _system(self) -> ActorSystem:
+        if self.system is None:
+            raise RouterRefused(f"router {self.name} is down")
+        return self.system
+
+    async def _ask(self, command: object) -> Accepted:
+        decision: Decision = await self._system().ask(self.scope, command)  # type: ignore[arg-type]
+        if isinstance(decision, Rejected):
+            raise RouterRefused(f"{type(command).__name__}: {decision.message}")
+        return decision
+
+    # -- the selection service's calls ------------------------------------------------------------
+
+    async def upsert_worker(self, record: WorkerRecord) -> None:
+        """``POST /workers``."""
+        await self._ask(UpsertWorker(record, self.config.use_kv_events, at=self.clock.now_ns()))
+
+    async def select_and_reserve(self, prompt: Prompt, reservation_id: str) -> Selection:
+        """``POST /select_and_reserve``."""
+        command = SelectWorker(prompt, self.config, reserve=True, reservation_id=reservation_id, at=self.clock.now_ns())
+        decision = await self._ask(command)
+        selection: Selection = decision.reply
+        return selection
+
+    async def reserve(
+        self, reservation_id: str, worker_id: int, dp_rank: int, sequence_hashes: tuple[int, ...], isl_tokens: int
+    ) -> None:
+        """``POST /reservations`` with an explicit rank (the client chose the worker itself)."""
+        command = Reserve(
+            reservation_id,
+            worker_id,
+            dp_rank,
+            sequence_hashes,
+            isl_tokens,
+            config_tracks_prefill=self.config.router_track_prefill_tokens,
+            at=self.clock.now_ns(),
+        )
+        await self._ask(command)
+
+    async def prefill_complete(self, reservation_id: str) -> None:
+        """``POST /reservations/{id}/prefill_complete``."""
+        await self._ask(CompleteReservationPrefill(reservation_id, at=self.clock.now_ns()))
+
+    async def release(self, reservation_id: str) -> None:
+        """``DELETE /reservations/{id}``."""
+        await self._ask(ReleaseReservation(reservation_id, at=self.clock.now_ns()))
+
+    def loads(self) -> list[RankLoad]:
+        """``GET /loads`` of the simulated partition."""
+        state = self._system().state(self.scope)
+        rows = partition_loads(state, self.config.use_kv_events) if state is not None else None
+        return rows or []
+
+    async def ingest(self, worker_id: int, dp_rank: int, seq: int, batch: KvBatch) -> None:
+        """A KV-event batch from a worker rank's stream, as the KV listener hands it to the actor."""
+        system = self._system()
+        await system.submit(self.scope, IngestKvBatch(worker_id, dp_rank, seq, batch, at=self.clock.now_ns()))
+
+    async def expire_stale(self) -> None:
+        """The stale-request sweep the system runs every 30 s in production."""
+        await self._ask(ExpireStale(EXPIRY_AGE_NS, at=self.clock.now_ns()))
+
+    def state(self) -> ScopeState | None:
+        return self._system().state(self.scope)
+
+    def states(self) -> list[ScopeState]:
+        return self._system().states()
