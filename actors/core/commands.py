@@ -49,20 +49,14 @@ class CompletePrefill:
     remote: bool = False
 
 
-def _only_false(instance: object, attribute: attrs.Attribute[bool], value: bool) -> None:
-    if value:
-        raise ValueError("reservations are released with ReleaseReservation, not FreeRequest(reservation=True)")
-
-
 @attrs.frozen
 class FreeRequest:
-    """A slot-tracker (or replica peer's) request is done; freeing an unknown request changes nothing."""
+    """A slot-tracker (or replica peer's) request is done; freeing an unknown request changes nothing.
+    (A selection-service reservation is released with ``ReleaseReservation``, which answers not found.)"""
 
     request_id: str
     at: int = 0
     remote: bool = False
-    # Transitional, always False: actors/peers/replicator.py still spells it out. Remove with that.
-    reservation: bool = attrs.field(default=False, validator=_only_false, kw_only=True)
 
 
 @attrs.frozen

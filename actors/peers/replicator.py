@@ -422,8 +422,8 @@ class Replicator:
             )
         if isinstance(data, MarkPrefillCompleted):
             return CompletePrefill(event.request_id, at=at, remote=True)
-        # reservation=False: an unknown request is a silent no-op, for the selection service too.
-        return FreeRequest(event.request_id, at=at, reservation=False, remote=True)
+        # FreeRequest, not ReleaseReservation: an unknown request is a silent no-op, in the selection service too.
+        return FreeRequest(event.request_id, at=at, remote=True)
 
 
 def _origin_details(command: Command) -> tuple[str | None, int | None]:
