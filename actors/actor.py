@@ -1,18 +1,23 @@
 """ScopeActor: one trio task per (model, tenant) scope, the only writer of that scope's state.
 
 For each envelope: decide (pure) -> append events to the journal (sync: assigns the LSN) -> fold
-(pure) -> settle the envelope. There is no await between append and fold, so the journal and the
-state can never disagree, and cancellation cannot split them. The client's reply is held by the
-requesting task until the journal reports the LSN durable (``ActorSystem.ask``), which lets the
-actor go on deciding the next commands while the disk works: fsyncs are shared by everything
+(pure) -> tell the observers -> settle the envelope. There is no await between append and fold, so
+the journal and the state can never disagree, and cancellation cannot split them. The client's reply
+is held by the requesting task until the journal reports the LSN durable (``ActorSystem.ask``), which
+lets the actor go on deciding the next commands while the disk works: fsyncs are shared by everything
 queued meanwhile (group commit) without ever acknowledging a write the journal could lose.
+
+The actor is handed its ports (``ActorPorts``: the journal, the observers, the system's turn and
+retirement callbacks) and its random source, never the system itself, so it can be driven by any
+owner and imports nothing above it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
@@ -20,34 +25,54 @@ import trio
 from kvrouter.actors.core.commands import Command, Reserve, ReserveSelection, SelectWorker
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
+from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Envelope
 from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.persistence.codec import encode_record
-
-if TYPE_CHECKING:
-    from kvrouter.actors.system import ActorSystem
+from kvrouter.journal.store import Journal
 
 # Commands taken from the mailbox per scheduling turn. Bounds how long one busy scope holds the
 # loop before others (and the journal writer) get a turn.
 MAX_TURN = 256
 
+# Called synchronously right after a decision's events are applied (replica publisher, directory, KV
+# ingest): it must not block or await; whatever it needs to do later goes into its own bounded queue.
+Observer = Callable[[ScopeState, Command, tuple[Event, ...]], None]
+
+# What a journal that can no longer be written raises from append / wait_for_room.
+JOURNAL_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+@attrs.frozen
+class ActorPorts:
+    journal: Journal
+    observers: Sequence[Observer]  # the owner's live list: observers added later are seen at once
+    after_turn: Callable[[], None]  # after each batch of commands (the owner's snapshot policy)
+    retire: Callable[[ScopeActor], None]  # the scope dissolved and its mailbox is empty
+
 
 class ScopeActor:
-    __slots__ = ("_inbox", "outbox", "pending", "rng", "state", "system")
+    __slots__ = ("_inbox", "_journal", "_ports", "last_lsn", "outbox", "pending", "rng", "state")
 
-    def __init__(self, system: ActorSystem, state: ScopeState) -> None:
-        self.system = system
+    def __init__(
+        self, state: ScopeState, ports: ActorPorts, rng: random.Random, pending: PendingSelections, last_lsn: int = 0
+    ) -> None:
         self.state = state
+        self._ports = ports
+        self._journal = ports.journal
         self.outbox, self._inbox = trio.open_memory_channel[Envelope](MAILBOX_SIZE)
-        # The scope's own random source (selection tie-breaks, softmax, generated reservation
-        # ids), seeded from the system seed and the scope so that a simulation replays exactly.
-        self.rng = random.Random(f"{system.seed}:{state.scope.model_name}:{state.scope.tenant_id}")
-        self.pending = PendingSelections(**system.pending_options)
+        # The scope's own random source (selection tie-breaks, softmax, generated reservation ids),
+        # seeded by the owner from its seed and the scope so that a simulation replays exactly.
+        self.rng = rng
+        self.pending = pending
+        # The LSN of this scope's last appended record: a read of this scope is safe to answer once
+        # it is durable (the per-scope read barrier). Starts at what the owner says may be unseen.
+        self.last_lsn = last_lsn
 
     async def run(self) -> None:
-        journal = self.system.journal
+        journal = self._journal
         inbox = self._inbox
         with inbox:
             while True:
@@ -58,24 +83,31 @@ class ScopeActor:
                     except trio.WouldBlock:
                         break
                     self._handle(envelope)
-                self.system.after_turn()
+                self._ports.after_turn()
                 if not journal.has_room():
-                    await journal.wait_for_room()  # policy: block this scope until the disk catches up
+                    # Policy: block this scope until the disk catches up. A journal that failed meanwhile
+                    # raises: the next appends fail and their envelopes say so; the owner stops the service.
+                    with contextlib.suppress(*JOURNAL_GONE):
+                        await journal.wait_for_room()
                 if not self.state.exists and inbox.statistics().current_buffer_used == 0:
                     # Dissolved (a slot tracker's last worker left; a selection partition never
                     # dissolves once its block size is fixed) and nothing queued: retire atomically,
                     # before any await, so no sender can slip a command into a closed mailbox unseen.
-                    self.system.retire(self)
+                    self._ports.retire(self)
                     return
 
     def _handle(self, envelope: Envelope) -> None:
         command = envelope.command
-        if isinstance(command, SelectWorker):
-            command = self._with_draw(command)
-        elif isinstance(command, ReserveSelection):
-            self._replay_selection(envelope, command)
+        try:
+            if isinstance(command, SelectWorker):
+                command = self._with_draw(command)
+            elif isinstance(command, ReserveSelection):
+                self._replay_selection(envelope, command)
+                return
+            decision, lsn = self._apply(command)
+        except JOURNAL_GONE as exc:
+            self._fail(envelope, exc)
             return
-        decision, lsn = self._apply(command)
         if isinstance(command, SelectWorker) and isinstance(decision, Accepted):
             self._remember_selection(command, decision)
         elif isinstance(command, Reserve):
@@ -100,18 +132,27 @@ class ScopeActor:
     def _settle(self, envelope: Envelope, decision: Decision, lsn: int) -> None:
         """The requester wakes once the decision is durable (one wake-up, no polling)."""
         envelope.settle(decision, lsn)
+        if envelope.on_settled is not None:
+            envelope.on_settled()
         if lsn:
-            self.system.journal.call_when_durable(lsn, envelope.done.set)
+            self._journal.call_when_durable(lsn, envelope.done.set)
         else:
             envelope.done.set()
+
+    def _fail(self, envelope: Envelope, exc: BaseException) -> None:
+        """The journal refused the events: nothing was applied; the requester learns why at once."""
+        envelope.failure = exc
+        if envelope.on_settled is not None:
+            envelope.on_settled()
+        envelope.done.set()
 
     def _apply(self, command: Command) -> tuple[Decision, int]:
         decision = decide(self.state, command)
         lsn = 0
         if isinstance(decision, Accepted) and decision.events:
-            lsn = self.system.journal.append(encode_record(self.state.scope, decision.events))
+            lsn = self.last_lsn = self._journal.append(encode_record(self.state.scope, decision.events))
             fold(self.state, decision.events)
-            for observe in self.system.observers:
+            for observe in self._ports.observers:
                 observe(self.state, command, decision.events)
         return decision, lsn
 
@@ -151,7 +192,11 @@ class ScopeActor:
             )
             self._settle(envelope, Rejected(Reason.NOT_FOUND, message), 0)
             return
-        decision, lsn = self._apply(attrs.evolve(template, reservation_id=command.selection_id, at=command.at))
+        try:
+            decision, lsn = self._apply(attrs.evolve(template, reservation_id=command.selection_id, at=command.at))
+        except JOURNAL_GONE:
+            self.pending.give_back(command.selection_id, template, command.at)
+            raise
         if not isinstance(decision, Accepted):
             self.pending.give_back(command.selection_id, template, command.at)
         self._settle(envelope, decision, lsn)

@@ -1,26 +1,38 @@
 """KvIngest: one KvListener per catalog worker rank, feeding KV-event batches into scope actors.
 
-Reconciled from the catalog after every catalog change (and at startup from the recovered one):
-a listener starts for each rank that has a KV-events endpoint, resumes after the rank's journaled
-watermark, and stops when the rank or its endpoint goes away. Batches enter the actor's mailbox
-as commands; the listener waits while the mailbox is full (policy: block; zmq's high-water mark
-then pushes back on the publisher, and the gap is replayed later).
+It follows the catalog's events (it is an observer of the actor system): when a worker's record is
+applied, listeners start for each of its ranks with a KV-events endpoint, resuming after the rank's
+journaled watermark, and stop for ranks (or endpoints) it no longer has; when the worker is removed,
+its listeners stop. At startup the recovered catalog is reconciled the same way. Nobody else starts or
+stops listeners, so they always match the applied catalog.
 
-KV events do not wait for the journal's fsync: the watermark is journaled with the blocks, so a
-crash loses both together and the restarted listener replays the same batches from the worker.
+Each listener holds a slot of the process's ``ListenerSlots`` (zmq sockets and file descriptors are
+finite). ``admit`` reserves the slots a record needs *before* the record is journaled, so a registration
+beyond capacity is refused instead of failing later, and a restart never needs more than was accepted.
+
+Batches enter the actor's mailbox as commands; the listener waits while the mailbox is full (policy:
+block; zmq's high-water mark then pushes back on the publisher, and the gap is replayed later). KV
+events do not wait for the journal's fsync: the watermark is journaled with the blocks, so a crash
+loses both together and the restarted listener replays the same batches from the worker.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 
 import attrs
 import trio
 
-from kvrouter.actors.core.commands import IngestKvBatch, ResetKvStream
+from kvrouter.actors.actor import Observer
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.commands import Command, IngestKvBatch, ResetKvStream
+from kvrouter.actors.core.events import Event, WorkerRemoved, WorkerUpserted
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_wire import WireError, decode_batch
+from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatch, OnRestart
+from kvrouter.actors.peers.socket_budget import ListenerCapacityError, ListenerSlots
 from kvrouter.actors.system import ActorSystem
 
 log = logging.getLogger("kvrouter.kv_ingest")
@@ -34,53 +46,136 @@ class ListenerKey:
     replay_endpoint: str | None
 
 
+def listener_keys(scope: ScopeKey, record: WorkerRecord) -> list[ListenerKey]:
+    """The listeners ``record`` asks for: one per rank with a KV-events endpoint."""
+    keys = []
+    for rank in record.ranks:
+        endpoint = record.kv_events_endpoint_for(rank.dp_rank)
+        if endpoint:
+            keys.append(ListenerKey(scope, rank, endpoint, record.replay_endpoint_for(rank.dp_rank)))
+    return keys
+
+
+class Running:
+    """One listener: its cancel scope (None if it never started: no slot) and its status."""
+
+    __slots__ = ("cancel_scope", "status")
+
+    def __init__(self, cancel_scope: trio.CancelScope | None, status: ListenerStatus) -> None:
+        self.cancel_scope = cancel_scope
+        self.status = status
+
+
 class KvIngest:
-    def __init__(self, system: ActorSystem) -> None:
+    def __init__(self, system: ActorSystem, slots: ListenerSlots | None = None) -> None:
         self._system = system
+        self.slots = slots if slots is not None else ListenerSlots.for_this_process()
         self._nursery: trio.Nursery | None = None
-        self._running: dict[ListenerKey, tuple[trio.CancelScope, ListenerStatus]] = {}
+        self._running: dict[int, dict[ListenerKey, Running]] = {}  # by worker id
+        self.observe: Observer = self._observe
 
     async def run(self, *, task_status: trio.TaskStatus[KvIngest] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.reconcile()
-            task_status.started(self)
-            await trio.sleep_forever()
+            # Reconcile with the recovered catalog and subscribe to its changes in one synchronous step,
+            # so no catalog event falls between the two.
+            for state in self._system.states():
+                for record in state.selection.catalog.values():
+                    self._worker_applied(state, record)
+            self._system.observers.append(self.observe)
+            try:
+                task_status.started(self)
+                await trio.sleep_forever()
+            finally:
+                if self.observe in self._system.observers:
+                    self._system.observers.remove(self.observe)
+
+    # -- admission (before journaling) -------------------------------------------------------------
+
+    def admit(self, record: WorkerRecord) -> list[Hashable]:
+        """Reserve the listener slots ``record`` needs beyond those its worker already holds; raises
+        ListenerCapacityError (changing nothing) if they do not fit. Returns what was newly reserved:
+        ``release`` it if the record is then not applied. Once applied, the listeners own the slots."""
+        return self.slots.reserve(key.rank for key in listener_keys(record.scope, record))
+
+    def release(self, reserved: list[Hashable]) -> None:
+        held = {key.rank for listeners in self._running.values() for key, run in listeners.items() if run.cancel_scope}
+        self.slots.release(k for k in reserved if k not in held)
+
+    # -- reads -------------------------------------------------------------------------------------
 
     def status(self, worker_id: int) -> dict[str, dict[str, object]]:
         """Listener state per dp rank of ``worker_id``, for ``GET /workers``."""
+        listeners = self._running.get(worker_id)
+        if not listeners:
+            return {}
         return {
-            str(key.rank.dp_rank): attrs.asdict(status)
-            for key, (_, status) in sorted(self._running.items(), key=lambda item: item[0].rank)
-            if key.rank.worker_id == worker_id
+            str(key.rank.dp_rank): attrs.asdict(running.status)
+            for key, running in sorted(listeners.items(), key=lambda item: item[0].rank)
         }
 
-    def reconcile(self) -> None:
-        """Start the listeners the catalog asks for, stop the others. Synchronous, so atomic."""
+    @property
+    def listeners(self) -> int:
+        return sum(len(listeners) for listeners in self._running.values())
+
+    # -- following the catalog ---------------------------------------------------------------------
+
+    def _observe(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
+        for event in events:
+            kind = type(event)
+            if kind is WorkerUpserted:
+                self._worker_applied(state, event.record)  # type: ignore[union-attr]
+            elif kind is WorkerRemoved:
+                self._worker_gone(state.scope, event.worker_id)  # type: ignore[union-attr]
+
+    def _worker_applied(self, state: ScopeState, record: WorkerRecord) -> None:
+        """Start the listeners ``record`` asks for in its scope, stop the others. Synchronous, so atomic."""
+        scope = state.scope
+        wanted = listener_keys(scope, record)
+        listeners = self._running.setdefault(record.worker_id, {})
+        for key in [k for k in listeners if k.scope == scope and k not in wanted]:
+            self._stop(record.worker_id, key)
+        for key in wanted:
+            running = listeners.get(key)
+            if running is None or running.cancel_scope is None:  # new, or refused a slot before: try again
+                self._start(key, state.selection.kv_watermarks.get(key.rank))
+        if not listeners:
+            del self._running[record.worker_id]
+
+    def _worker_gone(self, scope: ScopeKey, worker_id: int) -> None:
+        for key in [k for k in self._running.get(worker_id, {}) if k.scope == scope]:
+            self._stop(worker_id, key)
+        if not self._running.get(worker_id, True):
+            del self._running[worker_id]
+
+    def _start(self, key: ListenerKey, watermark: int | None) -> None:
         assert self._nursery is not None, "KvIngest.run has not started"
-        wanted: set[ListenerKey] = set()
-        for state in self._system.states():
-            for record in state.catalog.values():
-                for rank in record.ranks:
-                    endpoint = record.kv_events_endpoint_for(rank.dp_rank)
-                    if endpoint:
-                        wanted.add(ListenerKey(state.scope, rank, endpoint, record.replay_endpoint_for(rank.dp_rank)))
-        for key in [k for k in self._running if k not in wanted]:
-            cancel_scope, _ = self._running.pop(key)
-            cancel_scope.cancel()
-        for key in sorted(wanted - set(self._running), key=lambda k: (k.scope, k.rank)):
-            scope_state = self._system.state(key.scope)
-            watermark = scope_state.kv_watermarks.get(key.rank) if scope_state is not None else None
-            listener = KvListener(
-                key.endpoint,
-                key.replay_endpoint,
-                self._on_batch(key),
-                resume_from=watermark,
-                on_restart=self._on_restart(key),
-            )
-            cancel_scope = trio.CancelScope()
-            self._running[key] = (cancel_scope, listener.status)
-            self._nursery.start_soon(self._run_listener, listener, cancel_scope)
+        listeners = self._running.setdefault(key.rank.worker_id, {})
+        try:
+            self.slots.reserve([key.rank])  # a no-op when admitted; at startup the limit may have shrunk
+        except ListenerCapacityError as exc:
+            status = ListenerStatus(key.endpoint, key.replay_endpoint, state="failed", last_error=str(exc))
+            listeners[key] = Running(None, status)
+            log.warning("worker %d dp_rank %d: no KV listener: %s", *key.rank, exc)
+            return
+        listener = KvListener(
+            key.endpoint,
+            key.replay_endpoint,
+            self._on_batch(key),
+            resume_from=watermark,
+            on_restart=self._on_restart(key),
+        )
+        cancel_scope = trio.CancelScope()
+        listeners[key] = Running(cancel_scope, listener.status)
+        self._nursery.start_soon(self._run_listener, listener, cancel_scope)
+
+    def _stop(self, worker_id: int, key: ListenerKey) -> None:
+        running = self._running[worker_id].pop(key)
+        if running.cancel_scope is None:
+            return  # never started: it held no slot
+        running.cancel_scope.cancel()
+        if not any(other.rank == key.rank for other in self._running[worker_id]):
+            self.slots.release([key.rank])
 
     async def _run_listener(self, listener: KvListener, cancel_scope: trio.CancelScope) -> None:
         with cancel_scope:

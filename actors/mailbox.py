@@ -1,10 +1,13 @@
-"""The envelope that carries a command into a scope actor and its decision back out.
+"""The envelope that carries a command into a scope actor and its decision back out, and the ways an
+ask can end without a decision (overloaded, past its deadline, journal gone).
 
-The reply slot is part of the envelope (a ``trio.Event`` plus two fields) rather than a channel
+The reply slot is part of the envelope (a ``trio.Event`` plus a few fields) rather than a channel
 per request: it is the cheapest ask/reply primitive trio has, and the actor never blocks on it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import trio
 
@@ -19,13 +22,18 @@ ENQUEUE_TIMEOUT = 1.0
 
 
 class Envelope:
-    __slots__ = ("command", "decision", "done", "lsn")
+    __slots__ = ("command", "deadline", "decision", "done", "failure", "lsn", "on_settled", "timed_out")
 
-    def __init__(self, command: Command) -> None:
+    def __init__(self, command: Command, on_settled: Callable[[], None] | None = None) -> None:
         self.command = command
         self.decision: Decision | None = None
         self.lsn = 0  # journal position of the decision's events; 0 when nothing was written
-        self.done = trio.Event()
+        self.done = trio.Event()  # set once the decision is durable (or the ask has failed)
+        # Called by the actor the moment it has decided (before durability): in-flight claims end here.
+        self.on_settled = on_settled
+        self.failure: BaseException | None = None  # the journal refused the events: nothing was applied
+        self.deadline = 0.0  # trio time after which the asker stops waiting (see actors/deadlines.py)
+        self.timed_out = False
 
     def settle(self, decision: Decision, lsn: int) -> None:
         """Record the decision; ``done`` is set by whoever knows it is durable (the actor)."""
@@ -35,3 +43,28 @@ class Envelope:
 
 class Overloaded(Exception):
     """The scope's mailbox stayed full for ENQUEUE_TIMEOUT: the command was not applied."""
+
+
+class ReplyTimeout(Exception):
+    """No durable decision within the reply deadline. The command may still be applied later, so
+    ``request_id`` (also logged) lets the operator find out what became of it."""
+
+    def __init__(self, request_id: str, deadline: float) -> None:
+        super().__init__(
+            f"no reply within {deadline:g} s; the command may still be applied: check its effect before "
+            f"retrying (request_id {request_id})"
+        )
+        self.request_id = request_id
+
+
+class JournalUnavailable(Exception):
+    """The journal cannot be written any more: this command was not acknowledged (it may or may not
+    survive a restart, which is what an unanswered write means), and the service is stopping."""
+
+    def __init__(self, cause: BaseException | None) -> None:
+        reason = cause.__cause__ or cause if cause is not None else None
+        detail = f" ({reason})" if reason is not None else ""
+        super().__init__(
+            f"the journal cannot be written{detail}; this write was not acknowledged and the service is "
+            "stopping: retry once it has been restarted"
+        )

@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import random
+import secrets
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from kvrouter.actors.actor import ScopeActor
+from kvrouter.actors.actor import JOURNAL_GONE, ActorPorts, Observer, ScopeActor
 from kvrouter.actors.core.commands import SCOPE_CREATING, Command, ExpireStale, SelectWorker
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Decision
-from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, Overloaded
+from kvrouter.actors.deadlines import Deadlines
+from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.ports import Clock
 from kvrouter.actors.snapshotter import (
     SnapshotFailed,
@@ -60,6 +64,7 @@ class ActorSystem:
         snapshot_pacing: SnapshotPacing | None = None,
         seed: int | str = 0,
         pending_options: dict[str, Any] | None = None,
+        reply_deadline: float = math.inf,
     ) -> None:
         self.journal = journal
         self.clock = clock
@@ -74,10 +79,16 @@ class ActorSystem:
         self.snapshots_failed = 0
         self.last_snapshot: SnapshotReport | None = None
         self.seed = seed  # root of every scope's random source
-        # Observers of applied decisions (the replica publisher): called synchronously by the
-        # actor right after fold, so they must not block; each keeps its own bounded queue.
-        self.observers: list[Callable[[ScopeState, Command, tuple[Event, ...]], None]] = []
+        # Observers of applied decisions (replica publisher, directory, KV ingest): called synchronously
+        # by the actor right after fold, so they must not block; each keeps its own bounded queue.
+        self.observers: list[Observer] = []
         self.pending_options = pending_options or {}
+        # Every ask waits at most this long for its durable decision (then ReplyTimeout); the command
+        # itself goes on. Infinite by default: simulations and tests opt in.
+        self.deadlines = Deadlines(reply_deadline)
+        # Set once the journal can no longer be written: every ask fails at once from then on.
+        self.failure: BaseException | None = None
+        self._ports = ActorPorts(journal, self.observers, self.after_turn, self.retire)
         # Production takes snapshots off the loop (a forked child, else a thread encodes); simulations
         # pass encode_snapshots_in_thread=False to take them inline, at a deterministic point of virtual time.
         if snapshotter is None:
@@ -91,25 +102,95 @@ class ActorSystem:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for state in self._recovered.values():
-                self._start(state)
+                self._start(state, last_lsn=0)  # everything recovered is durable
             self._recovered = {}
             nursery.start_soon(self._expire_periodically)
             nursery.start_soon(self._snapshot_when_due)
+            nursery.start_soon(self.deadlines.run)
             task_status.started(self)
+
+    def halt(self, failure: BaseException) -> None:
+        """The journal failed for good: refuse every further command (the owner is stopping the service)."""
+        if self.failure is None:
+            self.failure = failure
 
     # -- commands ---------------------------------------------------------------------------------
 
-    async def ask(self, scope: ScopeKey, command: Command) -> Decision:
-        """Apply ``command`` in ``scope`` and return its decision once it is durable."""
+    async def ask(self, scope: ScopeKey, command: Command, *, on_settled: Callable[[], None] | None = None) -> Decision:
+        """Apply ``command`` in ``scope`` and return its decision once it is durable.
+
+        ``on_settled`` is called as soon as the decision is made (or refused), before durability: an
+        in-flight claim ends there. Raises Overloaded (not applied), ReplyTimeout (no durable decision
+        within the reply deadline; it may still be applied) or JournalUnavailable (not acknowledged).
+        """
+        envelope = Envelope(command, on_settled)
+        immediate = await self._post(scope, envelope)
+        if immediate is not None:
+            return immediate
+        self.deadlines.track(envelope)
+        await envelope.done.wait()
+        if envelope.timed_out:
+            raise self.reply_timeout(f"{type(command).__name__} in {scope.describe()}")
+        if envelope.failure is not None:
+            raise JournalUnavailable(envelope.failure)
+        if envelope.lsn > self.journal.durable_lsn:
+            await self.wait_durable(envelope.lsn)  # only after a journal failure: raises
+        assert envelope.decision is not None
+        return envelope.decision
+
+    def reply_timeout(self, what: str) -> ReplyTimeout:
+        """The error for an ask past its deadline, logged once with the request id it carries."""
+        request_id = secrets.token_hex(8)
+        log.warning(
+            "no reply within %g s for %s (request_id %s); it may still be applied",
+            self.deadlines.seconds,
+            what,
+            request_id,
+        )
+        return ReplyTimeout(request_id, self.deadlines.seconds)
+
+    async def apply(self, scope: ScopeKey, command: Command) -> tuple[Decision, int]:
+        """Apply ``command`` and return (decision, lsn) once it is applied, NOT yet durable: for an owner
+        that chains commands across scopes and waits for the last LSN itself (``wait_durable``)."""
+        settled = trio.Event()
+        envelope = Envelope(command, settled.set)
+        immediate = await self._post(scope, envelope)
+        if immediate is not None:
+            return immediate, 0
+        await settled.wait()
+        if envelope.failure is not None:
+            raise JournalUnavailable(envelope.failure)
+        assert envelope.decision is not None
+        return envelope.decision, envelope.lsn
+
+    async def _post(self, scope: ScopeKey, envelope: Envelope) -> Decision | None:
+        """Put ``envelope`` in the scope's mailbox; or, without a scope, answer at once from an empty state.
+
+        Whatever happens, ``envelope.on_settled`` runs exactly once: here if the command is answered at
+        once or never reaches the mailbox (overloaded, cancelled, journal gone), else by the actor.
+        """
+        try:
+            decision = await self._enqueue(scope, envelope)
+        except BaseException:
+            if envelope.on_settled is not None:
+                envelope.on_settled()
+            raise
+        if decision is not None and envelope.on_settled is not None:
+            envelope.on_settled()
+        return decision
+
+    async def _enqueue(self, scope: ScopeKey, envelope: Envelope) -> Decision | None:
+        if self.failure is not None:
+            raise JournalUnavailable(self.failure)
         actor = self.actors.get(scope)
+        command = envelope.command
         if actor is None:
             if not isinstance(command, SCOPE_CREATING):
                 # No scope: the core answers from an empty state (not found, or a no-op).
                 return decide(ScopeState(scope), command)
             if len(self.actors) >= MAX_SCOPES:
                 raise Overloaded(f"too many scopes (limit {MAX_SCOPES})")
-            actor = self._start(ScopeState(scope))
-        envelope = Envelope(command)
+            actor = self._start(ScopeState(scope), last_lsn=self.journal.last_lsn)
         try:
             actor.outbox.send_nowait(envelope)
         except trio.WouldBlock:
@@ -118,11 +199,7 @@ class ActorSystem:
                 await actor.outbox.send(envelope)
             if waited.cancelled_caught:
                 raise Overloaded(f"mailbox of {scope.describe()} is full") from None
-        await envelope.done.wait()
-        if envelope.lsn > self.journal.durable_lsn:
-            await self.journal.wait_durable(envelope.lsn)  # only after a journal failure: raises
-        assert envelope.decision is not None
-        return envelope.decision
+        return None
 
     def query(self, scope: ScopeKey, command: SelectWorker) -> Decision:
         """Answer a non-booking selection without a mailbox round trip (see ScopeActor.query)."""
@@ -148,16 +225,32 @@ class ActorSystem:
     def states(self) -> list[ScopeState]:
         return sorted((a.state for a in self.actors.values() if a.state.exists), key=lambda s: s.scope)
 
-    async def read_barrier(self) -> None:
-        """Wait until everything a read may have seen is durable (reads never show lost writes)."""
-        await self.journal.wait_durable(self.journal.last_lsn)
+    async def read_barrier(self, scope: ScopeKey | None = None) -> None:
+        """Wait until everything a read may have seen is durable (reads never show lost writes).
+
+        With ``scope``, only that scope's last write (a read of one scope sees nothing else); without,
+        or for a scope without an actor (its absence may come from a write not yet durable), all of them.
+        """
+        actor = self.actors.get(scope) if scope is not None else None
+        lsn = actor.last_lsn if actor is not None else self.journal.last_lsn
+        if lsn > self.journal.durable_lsn:
+            await self.wait_durable(lsn)
+
+    async def wait_durable(self, lsn: int) -> None:
+        """``journal.wait_durable``, with a failed journal reported as JournalUnavailable."""
+        try:
+            await self.journal.wait_durable(lsn)
+        except JOURNAL_GONE as exc:
+            raise JournalUnavailable(exc) from exc
 
     # -- actor lifecycle --------------------------------------------------------------------------
 
-    def _start(self, state: ScopeState) -> ScopeActor:
+    def _start(self, state: ScopeState, *, last_lsn: int) -> ScopeActor:
         assert self._nursery is not None, "ActorSystem.run has not started"
-        actor = ScopeActor(self, state)
-        self.actors[state.scope] = actor  # inserted before any await: starting cannot race
+        scope = state.scope
+        rng = random.Random(f"{self.seed}:{scope.model_name}:{scope.tenant_id}")
+        actor = ScopeActor(state, self._ports, rng, PendingSelections(**self.pending_options), last_lsn)
+        self.actors[scope] = actor  # inserted before any await: starting cannot race
         self._nursery.start_soon(actor.run)
         return actor
 
@@ -171,7 +264,7 @@ class ActorSystem:
             self._snapshot_due.set()
 
     def _snapshot_needed(self) -> bool:
-        return (
+        return self.failure is None and (
             self.journal.records_since_snapshot >= self.snapshot_every_records
             or self.journal.bytes_since_snapshot >= self.snapshot_every_bytes
         )
@@ -189,6 +282,8 @@ class ActorSystem:
                     await self.ask(scope, ExpireStale(EXPIRY_AGE_NS, at=at))
                 except Overloaded:
                     log.warning("expiry skipped for %s: mailbox full", scope.describe())
+                except (ReplyTimeout, JournalUnavailable):
+                    pass  # logged where it happened; the next sweep tries again (or the service is stopping)
 
     async def _snapshot_when_due(self) -> None:
         while True:
@@ -202,6 +297,8 @@ class ActorSystem:
             try:
                 await self.snapshot()
             except (SnapshotFailed, OSError) as exc:
+                if self.failure is not None:
+                    continue  # the journal is gone and the service is stopping: that is the one thing to say
                 log.error(
                     "snapshot failed, the previous one stays (restarts replay a longer log; retrying in %.0f s; "
                     "if it keeps failing, check free disk space and memory): %s",

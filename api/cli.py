@@ -31,8 +31,7 @@ from kvrouter.api.cli_settings import (
 )
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
 from kvrouter.api.http import Route
-from kvrouter.api.main import RouteBuilder, ServiceOptions, run_until_signal, slot_tracker_app
-from kvrouter.api.select_service import builder as select_service_builder
+from kvrouter.api.main import RouteBuilder, ServiceOptions, run_until_signal, select_service_builder, slot_tracker_app
 from kvrouter.journal.store import Durability
 
 log = logging.getLogger("kvrouter")

@@ -14,20 +14,32 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Awaitable, Callable, Iterator
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import attrs
+import orjson
 import trio
 
+from kvrouter.actors.core.commands import RecoveredRun
+from kvrouter.actors.core.dump import DumpError, parse_dump
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.kv_ingest import KvIngest
+from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import WallClock
+from kvrouter.actors.select_service import SelectService
+from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.app import make_app
 from kvrouter.api.http import Route
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
+from kvrouter.api.select_routes import select_service_routes
 from kvrouter.api.server import hypercorn_config, serve_http
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import DataDirectoryInUse, Durability
@@ -36,6 +48,8 @@ log = logging.getLogger("kvrouter")
 
 GC_GEN0_THRESHOLD = 20_000  # CPython's default is 700
 SLOT_TRACKER_BODY_LIMIT = 2 * 1024 * 1024  # axum's default, as the reference slot tracker
+REPLY_DEADLINE_SECONDS = 10.0  # a command without a durable decision by then answers 504
+PEER_TIMEOUT_SECONDS = 10.0  # one --indexer-peers /dump fetch
 
 
 @attrs.frozen
@@ -51,6 +65,7 @@ class ServiceOptions:
     selection_cache_max_entries: int = 4096
     replica_sync_port: int | None = None  # None: replica sync disabled
     replica_sync_peers: tuple[str, ...] = ()
+    reply_deadline: float = REPLY_DEADLINE_SECONDS
 
 
 # Builds a service's routes once the actor system runs; may start more components in the nursery.
@@ -65,7 +80,60 @@ async def start_replication_for(options: ServiceOptions, system: ActorSystem, nu
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
-    return slot_tracker_routes(system) + await start_replication_for(options, system, nursery)
+    return slot_tracker_routes(SlotService(system)) + await start_replication_for(options, system, nursery)
+
+
+# -- the selection service -------------------------------------------------------------------------------
+
+
+def fetch_dump(url: str) -> Any:
+    with urllib.request.urlopen(url.rstrip("/") + "/dump", timeout=PEER_TIMEOUT_SECONDS) as response:
+        return orjson.loads(response.read())
+
+
+async def recover_from_peers(service: SelectService, peers: Sequence[str]) -> str | None:
+    """Seed the index from the first peer whose ``/dump`` answers (a kvrouter or reference selector
+    or indexer); returns that peer's URL. Runs before the HTTP listener opens."""
+    for url in peers:
+        try:
+            document = await trio.to_thread.run_sync(fetch_dump, url)
+            scopes: dict[ScopeKey, tuple[int | None, list[RecoveredRun]]] = parse_dump(document)
+        except (OSError, ValueError, DumpError) as exc:
+            log.warning("indexer peer %s unusable: %s", url, exc)
+            continue
+        blocks = 0
+        for scope, (_, runs) in sorted(scopes.items()):
+            if runs:
+                await service.recover_index(scope, tuple(runs))
+                blocks += sum(len(run.blocks) for run in runs)
+        log.info("recovered %d blocks in %d scopes from indexer peer %s", blocks, len(scopes), url)
+        return url
+    if peers:
+        log.warning("no indexer peer answered; starting with the local index only")
+    return None
+
+
+async def select_service_app(
+    config: RouterConfig,
+    peers: Sequence[str],
+    listener_slots: ListenerSlots | None,
+    options: ServiceOptions,
+    system: ActorSystem,
+    nursery: trio.Nursery,
+) -> list[Route]:
+    ingest = KvIngest(system, listener_slots or ListenerSlots.for_this_process())
+    service: SelectService = await nursery.start(SelectService(system, config, ingest).run)
+    await recover_from_peers(service, peers)
+    await nursery.start(ingest.run)
+    replication = await start_replication_for(options, system, nursery)
+    return select_service_routes(service) + replication
+
+
+def select_service_builder(
+    config: RouterConfig, indexer_peers: Sequence[str] = (), listener_slots: ListenerSlots | None = None
+) -> RouteBuilder:
+    """The selection service's composition; ``listener_slots`` defaults to what this process affords."""
+    return partial(select_service_app, config, tuple(indexer_peers), listener_slots)
 
 
 @attrs.frozen
@@ -121,19 +189,32 @@ async def _run_service(
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
     stopping = trio.Event()
+    system = ActorSystem(
+        journal,
+        WallClock(),
+        recovered.states,
+        seed=secrets.randbits(64) if options.seed is None else options.seed,
+        pending_options={
+            "ttl_seconds": options.selection_cache_ttl_secs,
+            "max_entries": options.selection_cache_max_entries,
+        },
+        reply_deadline=options.reply_deadline,
+    )
+    journal_failure: list[OSError] = []
+
+    async def run_journal(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A failed journal write (a full disk) stops the service, but only after the requests in flight
+        have been told (503: not acknowledged); the failure then ends ``run_service`` (one line, exit 1)."""
+        try:
+            await journal.run(task_status=task_status)
+        except OSError as exc:
+            journal_failure.append(exc)
+            system.halt(exc)
+            stopping.set()
+
     async with trio.open_nursery() as outer:
-        await outer.start(journal.run)
+        await outer.start(run_journal)
         async with trio.open_nursery() as inner:
-            system = ActorSystem(
-                journal,
-                WallClock(),
-                recovered.states,
-                seed=secrets.randbits(64) if options.seed is None else options.seed,
-                pending_options={
-                    "ttl_seconds": options.selection_cache_ttl_secs,
-                    "max_entries": options.selection_cache_max_entries,
-                },
-            )
             await inner.start(system.run)
             app = make_app(await build_routes(options, system, inner), body_limit=options.body_limit)
 
@@ -153,8 +234,11 @@ async def _run_service(
             )
             task_status.started(ServiceHandle(urls, system, stopping.set))
         await journal.aclose()
-        log.info("journal closed: %s", journal.statistics())
+        if not journal_failure:
+            log.info("journal closed: %s", journal.statistics())
         outer.cancel_scope.cancel()
+    if journal_failure:
+        raise journal_failure[0]
 
 
 async def run_until_signal(name: str, options: ServiceOptions, build_routes: RouteBuilder) -> None:

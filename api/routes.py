@@ -1,151 +1,106 @@
-"""THE route table of the slot tracker: each route turns a body into a command or a read.
+"""The slot tracker's routes: each handler parses its body, calls ``SlotService``, renders the result.
 
-Writes go through ``ActorSystem.ask`` (journaled, durable before the reply); reads look at actor
-state between awaits and then pass a read barrier, so they never show a write the journal could
-still lose.
+Writes are durable before the service returns; reads have passed a read barrier (see
+``actors/slot_service.py``). Failures are answered by ``api/route_support.bound``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from kvrouter.actors.core.commands import AddRequest, CompletePrefill, FreeRequest, RegisterWorker, UnregisterWorker
-from kvrouter.actors.core.decide import no_tracker
-from kvrouter.actors.core.decisions import Accepted, Decision, Reason
-from kvrouter.actors.core.queries import loads, potential_loads
-from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.system import ActorSystem
-from kvrouter.api.http import CREATED, OK, HttpError, Request, Response, Route, error_response, json_response
-from kvrouter.api.schemas import (
-    AddBody,
-    PotentialLoadsBody,
-    RegisterBody,
-    RequestRefBody,
-    UnregisterBody,
-    parse,
-)
-
-REASON_STATUS = {Reason.INVALID: 400, Reason.NOT_FOUND: 404, Reason.CONFLICT: 409, Reason.UNAVAILABLE: 503}
+from kvrouter.actors.slot_service import SlotService
+from kvrouter.api.http import CREATED, OK, Request, Response, Route, json_response
+from kvrouter.api.route_support import bound, scope_fields, scope_filter
+from kvrouter.api.schemas import AddBody, PotentialLoadsBody, RegisterBody, RequestRefBody, UnregisterBody, parse
 
 
-def reply(decision: Decision) -> Response:
-    if isinstance(decision, Accepted):
-        return CREATED if decision.created else OK
-    return error_response(REASON_STATUS[decision.reason], decision.message)
+def done(created: bool) -> Response:
+    return CREATED if created else OK
 
 
-def scope_filter(request: Request) -> Callable[[ScopeState], bool]:
-    """``model_name`` and ``tenant_id`` (alias ``routing_group``) filters, combined with AND."""
-    query = request.query(("model_name", "tenant_id", "routing_group"))
-    model = query.get("model_name")
-    tenant = query.get("tenant_id", query.get("routing_group"))
-    return lambda s: (model is None or s.scope.model_name == model) and (tenant is None or s.scope.tenant_id == tenant)
+async def register(service: SlotService, request: Request) -> Response:
+    body = parse(RegisterBody, request.json())
+    return done(await service.register(body.scope(), body.worker_id, body.block_size, body.dp_start, body.dp_size))
 
 
-def scope_fields(state: ScopeState) -> dict[str, str]:
-    # Both names, so clients of the seed (tenant_id) and of 1.6.1 (routing_group) read them.
-    return {
-        "model_name": state.scope.model_name,
-        "tenant_id": state.scope.tenant_id,
-        "routing_group": state.scope.tenant_id,
-    }
+async def unregister(service: SlotService, request: Request) -> Response:
+    body = parse(UnregisterBody, request.json())
+    return done(await service.unregister(body.scope(), body.worker_id))
 
 
-def slot_tracker_routes(system: ActorSystem) -> list[Route]:
-    now = system.clock.now_ns
+async def add(service: SlotService, request: Request) -> Response:
+    body = parse(AddBody, request.json())
+    created = await service.add(
+        body.scope(), body.request_id, body.worker_id, body.dp_rank, body.sequence_hashes, body.new_isl_tokens
+    )
+    return done(created)
 
-    async def register(request: Request) -> Response:
-        body = parse(RegisterBody, request.json())
-        command = RegisterWorker(body.worker_id, body.block_size, body.dp_start, body.dp_size, at=now())
-        return reply(await system.ask(body.scope(), command))
 
-    async def unregister(request: Request) -> Response:
-        body = parse(UnregisterBody, request.json())
-        return reply(await system.ask(body.scope(), UnregisterWorker(body.worker_id, at=now())))
+async def prefill_complete(service: SlotService, request: Request) -> Response:
+    body = parse(RequestRefBody, request.json())
+    return done(await service.prefill_complete(body.scope(), body.request_id))
 
-    async def add(request: Request) -> Response:
-        body = parse(AddBody, request.json())
-        command = AddRequest(
-            body.request_id, body.worker_id, body.dp_rank, body.sequence_hashes, body.new_isl_tokens, at=now()
-        )
-        return reply(await system.ask(body.scope(), command))
 
-    async def prefill_complete(request: Request) -> Response:
-        body = parse(RequestRefBody, request.json())
-        return reply(await system.ask(body.scope(), CompletePrefill(body.request_id, at=now())))
+async def free(service: SlotService, request: Request) -> Response:
+    body = parse(RequestRefBody, request.json())
+    return done(await service.free(body.scope(), body.request_id))
 
-    async def free(request: Request) -> Response:
-        body = parse(RequestRefBody, request.json())
-        return reply(await system.ask(body.scope(), FreeRequest(body.request_id, at=now())))
 
-    async def workers(request: Request) -> Response:
-        wanted = scope_filter(request)
-        rows = []
-        for state in system.states():
-            if wanted(state):
-                fields = scope_fields(state)
-                for worker_id, (start, size) in sorted(state.slots.workers.items()):
-                    rows.append(
-                        {
-                            "worker_id": worker_id,
-                            **fields,
-                            "block_size": state.slots.block_size,
-                            "dp_start": start,
-                            "dp_size": size,
-                        }
-                    )
-        await system.read_barrier()
-        return json_response(200, rows)
+async def workers(service: SlotService, request: Request) -> Response:
+    rows = [
+        {
+            "worker_id": row.worker_id,
+            **scope_fields(row.scope),
+            "block_size": row.block_size,
+            "dp_start": row.dp_start,
+            "dp_size": row.dp_size,
+        }
+        for row in await service.workers(scope_filter(request))
+    ]
+    return json_response(200, rows)
 
-    async def get_loads(request: Request) -> Response:
-        wanted = scope_filter(request)
-        rows = []
-        for state in system.states():
-            if wanted(state):
-                fields = scope_fields(state)
-                for load in loads(state):
-                    rows.append(
-                        {
-                            **fields,
-                            "worker_id": load.rank.worker_id,
-                            "dp_rank": load.rank.dp_rank,
-                            "active_prefill_tokens": load.active_prefill_tokens,
-                            "active_decode_blocks": load.active_decode_blocks,
-                        }
-                    )
-        await system.read_barrier()
-        return json_response(200, rows)
 
-    async def get_potential_loads(request: Request) -> Response:
-        body = parse(PotentialLoadsBody, request.json())
-        scope = body.scope()
-        state = system.state(scope)
-        if state is None:
-            raise HttpError(404, no_tracker(ScopeState(scope)).message)
-        rows = [
-            {
-                "worker_id": p.rank.worker_id,
-                "dp_rank": p.rank.dp_rank,
-                "potential_prefill_tokens": p.potential_prefill_tokens,
-                "potential_decode_blocks": p.potential_decode_blocks,
-                "active_requests": p.active_requests,
-            }
-            for p in potential_loads(state, body.sequence_hashes, body.new_isl_tokens)
-        ]
-        await system.read_barrier()
-        return json_response(200, rows)
+async def loads(service: SlotService, request: Request) -> Response:
+    rows = [
+        {
+            **scope_fields(scope_loads.scope),
+            "worker_id": load.rank.worker_id,
+            "dp_rank": load.rank.dp_rank,
+            "active_prefill_tokens": load.active_prefill_tokens,
+            "active_decode_blocks": load.active_decode_blocks,
+        }
+        for scope_loads in await service.loads(scope_filter(request))
+        for load in scope_loads.loads
+    ]
+    return json_response(200, rows)
 
-    async def health(request: Request) -> Response:
-        return Response(200, b"", None)
 
+async def potential_loads(service: SlotService, request: Request) -> Response:
+    body = parse(PotentialLoadsBody, request.json())
+    rows = [
+        {
+            "worker_id": p.rank.worker_id,
+            "dp_rank": p.rank.dp_rank,
+            "potential_prefill_tokens": p.potential_prefill_tokens,
+            "potential_decode_blocks": p.potential_decode_blocks,
+            "active_requests": p.active_requests,
+        }
+        for p in await service.potential_loads(body.scope(), body.sequence_hashes, body.new_isl_tokens)
+    ]
+    return json_response(200, rows)
+
+
+async def health(service: SlotService, request: Request) -> Response:
+    return Response(200, b"", None)
+
+
+def slot_tracker_routes(service: SlotService) -> list[Route]:
     return [
-        Route("POST", "/register", register, json_body=True),
-        Route("POST", "/unregister", unregister, json_body=True),
-        Route("GET", "/workers", workers),
-        Route("POST", "/add", add, json_body=True),
-        Route("POST", "/prefill_complete", prefill_complete, json_body=True),
-        Route("POST", "/free", free, json_body=True),
-        Route("GET", "/loads", get_loads),
-        Route("POST", "/potential_loads", get_potential_loads, json_body=True),
-        Route("GET", "/health", health),
+        Route("POST", "/register", bound(service, register), json_body=True),
+        Route("POST", "/unregister", bound(service, unregister), json_body=True),
+        Route("GET", "/workers", bound(service, workers)),
+        Route("POST", "/add", bound(service, add), json_body=True),
+        Route("POST", "/prefill_complete", bound(service, prefill_complete), json_body=True),
+        Route("POST", "/free", bound(service, free), json_body=True),
+        Route("GET", "/loads", bound(service, loads)),
+        Route("POST", "/potential_loads", bound(service, potential_loads), json_body=True),
+        Route("GET", "/health", bound(service, health)),
     ]

@@ -1,77 +1,52 @@
-"""THE route table of the selection service (seed ``selection-service.md``).
-
-Catalog, selection and reservation writes are commands to the scope actor (journaled, durable
-before the reply); inspection routes read actor state between awaits and pass a read barrier.
+"""The selection service's routes (seed ``selection-service.md``): each handler parses its body, calls
+``SelectService``, renders the result. Service-wide identity, claims and read barriers live in the
+service object (``actors/select_service.py``); failures are answered by ``api/route_support.bound``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_view
-from kvrouter.actors.core.commands import (
-    AddOutputBlock,
-    CompleteReservationPrefill,
-    ReleaseReservation,
-    RemoveWorker,
-    Reserve,
-    ReserveSelection,
-    SelectWorker,
-    UpsertWorker,
-)
-from kvrouter.actors.core.decisions import Accepted, Decision, Rejected
-from kvrouter.actors.core.dump import dump_document
-from kvrouter.actors.core.ids import ScopeKey, to_i64
-from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE, RankCandidate
-from kvrouter.actors.core.selection_queries import (
-    SelectionInput,
-    candidates,
-    overlap_scores,
-    partition_loads,
-    potential_loads,
-    schedulable,
-    selection_input,
-)
+from kvrouter.actors.core.catalog import WorkerRecord, record_view
+from kvrouter.actors.core.ids import to_i64
 from kvrouter.actors.core.selection_rules import Selection
-from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.kv_ingest import KvIngest
-from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.select_service import Booking, SelectionRequest, SelectService, WorkerStatus
 from kvrouter.api.http import HttpError, Request, Response, Route, json_response
-from kvrouter.api.routes import REASON_STATUS, scope_filter
-from kvrouter.api.schemas import parse
+from kvrouter.api.route_support import bound, scope_fields, scope_filter
+from kvrouter.api.schemas import _deserialize_failed, parse
 from kvrouter.api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, patched_record
+from kvrouter.api.wire import json_kind
 
 SELECTION_BODY_LIMIT = 8 * 1024 * 1024  # REQUEST_BODY_LIMIT_BYTES of the reference selection service
 OK_STATUS = {"status": "ok"}
 
 
-def refuse(decision: Rejected) -> HttpError:
-    return HttpError(REASON_STATUS[decision.reason], decision.message)
+# -- rendering --------------------------------------------------------------------------------------------
 
 
-def accepted(decision: Decision) -> Accepted:
-    if isinstance(decision, Rejected):
-        raise refuse(decision)
-    return decision
+def worker_view(status: WorkerStatus) -> dict[str, Any]:
+    shown = record_view(status.record, "incomplete" if status.reasons else "schedulable", list(status.reasons))
+    if status.listeners:
+        shown["kv_listeners"] = status.listeners
+    return shown
 
 
-def selection_view(selection: Selection, scope: ScopeKey, selection_id: str | None, reserved: bool) -> dict[str, Any]:
-    """The reference's field order; ``reservation_id`` (seed) beside ``selection_id`` (1.6.1)."""
+def selection_view(selection: Selection, body: SelectBody, reserved: bool) -> dict[str, Any]:
+    """The reference's field order, ``reservation_id`` (seed) after ``selection_id`` (1.6.1). Each id is
+    echoed as given; a booking under a generated id shows it as both (1.6.1 names it ``selection_id``)."""
     view: dict[str, Any] = {}
-    booking = selection.reservation_id if reserved else selection_id
-    if booking is not None:
-        view["selection_id"] = booking
-        if reserved:
-            view["reservation_id"] = booking
+    selection_id = body.selection_id
+    if reserved and selection_id is None and body.reservation_id is None:
+        selection_id = selection.reservation_id
+    if selection_id is not None:
+        view["selection_id"] = selection_id
     if reserved:
+        view["reservation_id"] = selection.reservation_id
         view["sequence_hashes"] = [to_i64(h) for h in selection.sequence_hashes]
         view["isl_tokens"] = selection.isl_tokens
         view["track_prefill_tokens"] = selection.track_prefill_tokens
+    view.update(scope_fields(body.scope()))
     view.update(
-        model_name=scope.model_name,
-        tenant_id=scope.tenant_id,
-        routing_group=scope.tenant_id,
         worker_id=selection.worker_id,
         dp_rank=selection.dp_rank,
         endpoint=selection.endpoint,
@@ -83,299 +58,220 @@ def selection_view(selection: Selection, scope: ScopeKey, selection_id: str | No
     return view
 
 
-def select_service_routes(system: ActorSystem, ingest: KvIngest, config: RouterConfig) -> list[Route]:
-    now = system.clock.now_ns
-    use_kv_events = config.use_kv_events
+def booking_view(booking: Booking) -> dict[str, Any]:
+    return {
+        "selection_id": booking.reservation_id,
+        "reservation_id": booking.reservation_id,
+        **scope_fields(booking.scope),
+        "worker_id": booking.worker_id,
+        "dp_rank": booking.dp_rank,
+        "endpoint": booking.endpoint,
+    }
 
-    def view(record: WorkerRecord, state: ScopeState | None) -> dict[str, Any]:
-        reasons = not_schedulable_reasons(
-            record,
-            use_kv_events=use_kv_events,
-            partition_block_size=state.selection.partition_block_size if state else None,
-        )
-        shown = record_view(record, "incomplete" if reasons else "schedulable", reasons)
-        listeners = ingest.status(record.worker_id)
-        if listeners:
-            shown["kv_listeners"] = listeners
-        return shown
 
-    def find_worker(worker_id: int) -> ScopeState | None:
-        for state in system.states():
-            if worker_id in state.selection.catalog:
-                return state
-        return None
+def selection_request(body: SelectBody) -> SelectionRequest:
+    return SelectionRequest(
+        body.scope(), body.prompt(), body.options(), body.override(), body.selection_id, body.reservation_id
+    )
 
-    def find_reservation(reservation_id: str) -> ScopeKey:
-        for state in system.states():
-            if reservation_id in state.slots.requests:
-                return state.scope
-        raise HttpError(404, f"reservation {reservation_id} not found")
 
-    def worker_id_param(request: Request) -> int:
-        raw = request.path_params["worker_id"]
-        if not raw.isdigit() or int(raw) >= 1 << 64:
-            raise HttpError(400, f"Invalid URL: Cannot parse `{raw}` to a `u64`")
-        return int(raw)
+def worker_id_param(request: Request) -> int:
+    raw = request.path_params["worker_id"]
+    if not raw.isdigit() or int(raw) >= 1 << 64:
+        raise HttpError(400, f"Invalid URL: Cannot parse `{raw}` to a `u64`")
+    return int(raw)
 
-    async def store(record: WorkerRecord) -> dict[str, Any]:
-        home = find_worker(record.worker_id)
-        if home is not None and home.scope != record.scope:
-            # worker_id is service-wide: a record naming another partition moves the worker.
-            accepted(await system.ask(home.scope, RemoveWorker(record.worker_id, at=now())))
-        accepted(await system.ask(record.scope, UpsertWorker(record, use_kv_events, at=now())))
-        ingest.reconcile()
-        return view(record, system.state(record.scope))
 
-    async def post_worker(request: Request) -> Response:
-        record = parse(WorkerBody, request.json()).to_record()
-        return json_response(201, await store(record))
+def patch_changes(value: Any) -> dict[str, Any]:
+    """A PATCH body: a JSON object whose fields have the record's types (checked before the worker is
+    looked up, as 1.6.1 deserialises first). A null leaves the field as it is, as in 1.6.1."""
+    if type(value) is not dict:
+        raise HttpError(422, _deserialize_failed(f"invalid type: {json_kind(value)}, expected a JSON object"))
+    changes = {name: field for name, field in value.items() if field is not None and name != "worker_id"}
+    parse(WorkerBody, {**changes, "worker_id": 0}).to_record()
+    return changes
 
-    async def patch_worker(request: Request) -> Response:
-        worker_id = worker_id_param(request)
-        home = find_worker(worker_id)
-        if home is None:
-            raise HttpError(404, f"worker {worker_id} not found")
-        record = patched_record(home.selection.catalog[worker_id], request.json())
-        return json_response(200, await store(record))
 
-    async def delete_worker(request: Request) -> Response:
-        worker_id = worker_id_param(request)
-        home = find_worker(worker_id)
-        if home is None:
-            raise HttpError(404, f"worker {worker_id} not found")
-        record = home.selection.catalog[worker_id]
-        accepted(await system.ask(home.scope, RemoveWorker(worker_id, at=now())))
-        ingest.reconcile()
-        return json_response(200, record_view(record, "unschedulable", []))
+# -- the catalog ------------------------------------------------------------------------------------------
 
-    async def list_workers(request: Request) -> Response:
-        wanted = scope_filter(request)
-        rows = [
-            view(record, state)
-            for state in system.states()
-            if wanted(state)
-            for _, record in sorted(state.selection.catalog.items())
-        ]
-        await system.read_barrier()
-        return json_response(200, rows)
 
-    async def ready(request: Request) -> Response:
-        rows, count = [], 0
-        for state in system.states():
-            for _, record in sorted(state.selection.catalog.items()):
-                shown = view(record, state)
-                count += shown["lifecycle"] == "schedulable"
-                rows.append(shown)
-        await system.read_barrier()
-        return json_response(200 if count else 503, {"ready": count > 0, "schedulable_workers": count, "workers": rows})
+async def post_worker(service: SelectService, request: Request) -> Response:
+    record = parse(WorkerBody, request.json()).to_record()
+    return json_response(201, worker_view(await service.put_worker(record)))
 
-    async def health(request: Request) -> Response:
-        return json_response(200, OK_STATUS)
 
-    def require_any_schedulable() -> None:
-        """1.6.1 answers differently when the whole service has no schedulable worker."""
-        if not any(schedulable(state, use_kv_events) for state in system.states()):
-            raise HttpError(503, NO_SCHEDULABLE_WORKERS_ANYWHERE)
+async def patch_worker(service: SelectService, request: Request) -> Response:
+    worker_id = worker_id_param(request)
+    changes = patch_changes(request.json())
 
-    def effective_config(body: SelectBody) -> RouterConfig:
-        override = body.override()
-        return override.apply(config) if override is not None else config
+    def patch(current: WorkerRecord) -> WorkerRecord:
+        return patched_record(current, changes)
 
-    async def select(request: Request, reserve: bool) -> Response:
-        body = parse(SelectBody, request.json())
-        scope = body.scope()
-        config_for_request = effective_config(body)
-        require_any_schedulable()
-        command = SelectWorker(
-            body.prompt(),
-            config_for_request,
-            body.options(),
-            reserve=reserve,
-            reservation_id=body.reservation_id if reserve else None,
-            selection_id=body.selection_id,
-            at=now(),
-        )
-        if reserve:
-            decision = accepted(await system.ask(scope, command))
-        else:
-            decision = accepted(system.query(scope, command))
-            await system.read_barrier()
-        return json_response(200, selection_view(decision.reply, scope, body.selection_id, reserve))
+    return json_response(200, worker_view(await service.patch_worker(worker_id, patch)))
 
-    async def post_select(request: Request) -> Response:
-        return await select(request, False)
 
-    async def post_select_and_reserve(request: Request) -> Response:
-        return await select(request, True)
+async def delete_worker(service: SelectService, request: Request) -> Response:
+    record = await service.remove_worker(worker_id_param(request))
+    return json_response(200, record_view(record, "unschedulable", []))
 
-    async def post_reservation(request: Request) -> Response:
-        body = parse(ReservationBody, request.json())
-        scope = body.scope()
-        booking = body.booking_id()
-        if body.worker_id is None:
-            accepted(await system.ask(scope, ReserveSelection(booking, at=now())))
-        else:
-            if body.sequence_hashes is None or body.isl_tokens is None:
-                missing = "sequence_hashes" if body.sequence_hashes is None else "isl_tokens"
-                raise HttpError(
-                    422, f"Failed to deserialize the JSON body into the target type: missing field `{missing}`"
-                )
-            command = Reserve(
-                booking,
-                body.worker_id,
-                body.dp_rank,
-                body.sequence_hashes,
-                body.isl_tokens,
-                body.effective_prefill_tokens,
-                body.track_prefill_tokens,
-                config_tracks_prefill=config.router_track_prefill_tokens,
-                at=now(),
-            )
-            accepted(await system.ask(scope, command))
-        state = system.state(scope)
-        request_row = state.slots.requests.get(booking) if state else None
-        worker_id = request_row.rank.worker_id if request_row else body.worker_id
-        dp_rank = request_row.rank.dp_rank if request_row else body.dp_rank
-        record = state.selection.catalog.get(worker_id) if state and worker_id is not None else None
-        return json_response(
-            201,
-            {
-                "selection_id": booking,
-                "reservation_id": booking,
-                "model_name": scope.model_name,
-                "tenant_id": scope.tenant_id,
-                "routing_group": scope.tenant_id,
-                "worker_id": worker_id,
-                "dp_rank": dp_rank,
-                "endpoint": record.endpoint if record else None,
-            },
-        )
 
-    async def reservation_prefill_complete(request: Request) -> Response:
-        reservation_id = request.path_params["reservation_id"]
-        scope = find_reservation(reservation_id)
-        accepted(await system.ask(scope, CompleteReservationPrefill(reservation_id, at=now())))
-        return json_response(200, OK_STATUS)
+async def list_workers(service: SelectService, request: Request) -> Response:
+    return json_response(200, [worker_view(status) for status in await service.workers(scope_filter(request))])
 
-    async def reservation_output_block(request: Request) -> Response:
-        reservation_id = request.path_params["reservation_id"]
-        body = parse(OutputBlockBody, request.json() if request.body.strip() else {})
-        if body.decay_fraction is not None and not 0.0 <= body.decay_fraction <= 1.0:
-            raise HttpError(400, "decay_fraction must be between 0.0 and 1.0")
-        scope = find_reservation(reservation_id)
-        accepted(await system.ask(scope, AddOutputBlock(reservation_id, body.decay_fraction, at=now())))
-        return json_response(200, OK_STATUS)
 
-    async def delete_reservation(request: Request) -> Response:
-        reservation_id = request.path_params["reservation_id"]
-        scope = find_reservation(reservation_id)
-        accepted(await system.ask(scope, ReleaseReservation(reservation_id, at=now())))
-        return json_response(200, OK_STATUS)
+async def ready(service: SelectService, request: Request) -> Response:
+    statuses = await service.workers()
+    count = sum(status.schedulable for status in statuses)
+    rows = [worker_view(status) for status in statuses]
+    return json_response(200 if count else 503, {"ready": count > 0, "schedulable_workers": count, "workers": rows})
 
-    async def loads(request: Request) -> Response:
-        wanted = scope_filter(request)
-        partitions = []
-        for state in system.states():
-            rows = partition_loads(state, use_kv_events) if wanted(state) else None
-            if rows is None:
-                continue
-            partitions.append(
+
+async def health(service: SelectService, request: Request) -> Response:
+    return json_response(200, OK_STATUS)
+
+
+# -- selection and reservations ---------------------------------------------------------------------------
+
+
+async def select(service: SelectService, request: Request) -> Response:
+    body = parse(SelectBody, request.json())
+    return json_response(200, selection_view(await service.select(selection_request(body)), body, False))
+
+
+async def select_and_reserve(service: SelectService, request: Request) -> Response:
+    body = parse(SelectBody, request.json())
+    return json_response(200, selection_view(await service.select_and_reserve(selection_request(body)), body, True))
+
+
+async def post_reservation(service: SelectService, request: Request) -> Response:
+    body = parse(ReservationBody, request.json())
+    booking_id = body.booking_id()
+    if body.worker_id is None:
+        return json_response(201, booking_view(await service.reserve_selection(body.scope(), booking_id)))
+    if body.sequence_hashes is None or body.isl_tokens is None:
+        missing = "sequence_hashes" if body.sequence_hashes is None else "isl_tokens"
+        raise HttpError(422, _deserialize_failed(f"missing field `{missing}`"))
+    booking = await service.reserve(
+        body.scope(),
+        booking_id,
+        body.worker_id,
+        body.dp_rank,
+        body.sequence_hashes,
+        body.isl_tokens,
+        body.effective_prefill_tokens,
+        body.track_prefill_tokens,
+    )
+    return json_response(201, booking_view(booking))
+
+
+async def prefill_complete(service: SelectService, request: Request) -> Response:
+    await service.complete_prefill(request.path_params["reservation_id"])
+    return json_response(200, OK_STATUS)
+
+
+async def output_block(service: SelectService, request: Request) -> Response:
+    body = parse(OutputBlockBody, request.json())
+    await service.add_output_block(request.path_params["reservation_id"], body.decay_fraction)
+    return json_response(200, OK_STATUS)
+
+
+async def delete_reservation(service: SelectService, request: Request) -> Response:
+    await service.release(request.path_params["reservation_id"])
+    return json_response(200, OK_STATUS)
+
+
+# -- inspection -------------------------------------------------------------------------------------------
+
+
+async def loads(service: SelectService, request: Request) -> Response:
+    partitions = [
+        {
+            **scope_fields(partition.scope),
+            "loads": [
                 {
-                    "model_name": state.scope.model_name,
-                    "tenant_id": state.scope.tenant_id,
-                    "routing_group": state.scope.tenant_id,
-                    "loads": [
-                        {
-                            "worker_id": row.rank.worker_id,
-                            "dp_rank": row.rank.dp_rank,
-                            "potential_prefill_tokens": row.active_prefill_tokens,
-                            "potential_decode_blocks": row.active_decode_blocks,
-                            "active_requests": row.active_requests,
-                        }
-                        for row in rows
-                    ],
-                    "pending_count": 0,
-                    "pending_isl_tokens": 0,
+                    "worker_id": row.rank.worker_id,
+                    "dp_rank": row.rank.dp_rank,
+                    "potential_prefill_tokens": row.active_prefill_tokens,
+                    "potential_decode_blocks": row.active_decode_blocks,
+                    "active_requests": row.active_requests,
                 }
-            )
-        await system.read_barrier()
-        return json_response(200, partitions)
+                for row in partition.loads
+            ],
+            "pending_count": 0,
+            "pending_isl_tokens": 0,
+        }
+        for partition in await service.loads(scope_filter(request))
+    ]
+    return json_response(200, partitions)
 
-    def prompt_read(request: Request) -> tuple[SelectionInput, list[RankCandidate], RouterConfig]:
-        """The candidates of a prompt read (no booking), as ``/select`` would weigh them."""
-        body = parse(SelectBody, request.json())
-        effective = effective_config(body)
-        require_any_schedulable()
-        scope = body.scope()
-        state = system.state(scope) or ScopeState(scope)
-        prepared = selection_input(state, body.prompt(), use_kv_events)
-        if isinstance(prepared, Rejected):
-            raise refuse(prepared)
-        return prepared, candidates(state, prepared), effective
 
-    async def post_potential_loads(request: Request) -> Response:
-        prepared, found, effective = prompt_read(request)
-        rows = [
-            {
-                "worker_id": row.rank.worker_id,
-                "dp_rank": row.rank.dp_rank,
-                "potential_prefill_tokens": row.potential_prefill_tokens,
-                "potential_decode_blocks": row.potential_decode_blocks,
-                "active_requests": row.active_requests,
-            }
-            for row in potential_loads(found, prepared, effective)
-        ]
-        await system.read_barrier()
-        return json_response(200, rows)
+async def potential_loads(service: SelectService, request: Request) -> Response:
+    body = parse(SelectBody, request.json())
+    rows = [
+        {
+            "worker_id": row.rank.worker_id,
+            "dp_rank": row.rank.dp_rank,
+            "potential_prefill_tokens": row.potential_prefill_tokens,
+            "potential_decode_blocks": row.potential_decode_blocks,
+            "active_requests": row.active_requests,
+        }
+        for row in await service.potential_loads(body.scope(), body.prompt(), body.override())
+    ]
+    return json_response(200, rows)
 
-    async def post_overlap_scores(request: Request) -> Response:
-        prepared, found, _ = prompt_read(request)
-        rows = [
-            {
-                "worker_id": row.rank.worker_id,
-                "dp_rank": row.rank.dp_rank,
-                "device_blocks": row.device_blocks,
-                "host_pinned_blocks": row.host_pinned_blocks,
-                "disk_blocks": row.disk_blocks,
-                "host_pinned_extension_blocks": row.host_pinned_extension_blocks,
-                "disk_extension_blocks": row.disk_extension_blocks,
-                "shared_beyond_device_blocks": None,
-            }
-            for row in overlap_scores(found)
-        ]
-        await system.read_barrier()
-        return json_response(
-            200,
-            {
-                "block_size": prepared.block_size,
-                "num_blocks": len(prepared.prompt.local_hashes),
-                "workers": rows,
-                "shared_cache": {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None},
-            },
-        )
 
-    async def dump(request: Request) -> Response:
-        document = dump_document(system.states())
-        await system.read_barrier()
-        return json_response(200, document)
+async def overlap_scores(service: SelectService, request: Request) -> Response:
+    body = parse(SelectBody, request.json())
+    body.override()  # validated as /select validates it
+    scores = await service.overlap_scores(body.scope(), body.prompt())
+    rows = [
+        {
+            "worker_id": row.rank.worker_id,
+            "dp_rank": row.rank.dp_rank,
+            "device_blocks": row.device_blocks,
+            "host_pinned_blocks": row.host_pinned_blocks,
+            "disk_blocks": row.disk_blocks,
+            "host_pinned_extension_blocks": row.host_pinned_extension_blocks,
+            "disk_extension_blocks": row.disk_extension_blocks,
+            "shared_beyond_device_blocks": None,
+        }
+        for row in scores.workers
+    ]
+    return json_response(
+        200,
+        {
+            "block_size": scores.block_size,
+            "num_blocks": scores.num_blocks,
+            "workers": rows,
+            "shared_cache": {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None},
+        },
+    )
+
+
+async def dump(service: SelectService, request: Request) -> Response:
+    return json_response(200, await service.dump())
+
+
+def select_service_routes(service: SelectService) -> list[Route]:
+    def route(method: str, path: str, handler: Any, *, json_body: bool = False) -> Route:
+        return Route(method, path, bound(service, handler), json_body=json_body)
 
     return [
-        Route("POST", "/workers", post_worker, json_body=True),
-        Route("GET", "/workers", list_workers),
-        Route("PATCH", "/workers/{worker_id}", patch_worker, json_body=True),
-        Route("DELETE", "/workers/{worker_id}", delete_worker, optional_body=True),
-        Route("GET", "/ready", ready),
-        Route("GET", "/health", health),
-        Route("POST", "/select", post_select, json_body=True),
-        Route("POST", "/select_and_reserve", post_select_and_reserve, json_body=True),
-        Route("POST", "/reservations", post_reservation, json_body=True),
-        Route(
-            "POST", "/reservations/{reservation_id}/prefill_complete", reservation_prefill_complete, optional_body=True
-        ),
-        Route("POST", "/reservations/{reservation_id}/output_block", reservation_output_block, optional_body=True),
-        Route("DELETE", "/reservations/{reservation_id}", delete_reservation, optional_body=True),
-        Route("GET", "/loads", loads),
-        Route("POST", "/potential_loads", post_potential_loads, json_body=True),
-        Route("POST", "/overlap_scores", post_overlap_scores, json_body=True),
-        Route("GET", "/dump", dump),
+        route("POST", "/workers", post_worker, json_body=True),
+        route("GET", "/workers", list_workers),
+        route("PATCH", "/workers/{worker_id}", patch_worker, json_body=True),
+        # Routes without a body ignore one of any content type, as 1.6.1 does.
+        route("DELETE", "/workers/{worker_id}", delete_worker),
+        route("GET", "/ready", ready),
+        route("GET", "/health", health),
+        route("POST", "/select", select, json_body=True),
+        route("POST", "/select_and_reserve", select_and_reserve, json_body=True),
+        route("POST", "/reservations", post_reservation, json_body=True),
+        route("POST", "/reservations/{reservation_id}/prefill_complete", prefill_complete),
+        route("POST", "/reservations/{reservation_id}/output_block", output_block, json_body=True),
+        route("DELETE", "/reservations/{reservation_id}", delete_reservation),
+        route("GET", "/loads", loads),
+        route("POST", "/potential_loads", potential_loads, json_body=True),
+        route("POST", "/overlap_scores", overlap_scores, json_body=True),
+        route("GET", "/dump", dump),
     ]

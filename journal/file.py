@@ -518,7 +518,8 @@ class FileJournal:
         event.set()
 
     def _fail(self, exc: OSError) -> None:
-        logger.critical(
+        # Debug only: the error stops the service, whose owner says what happened and what to do in one line.
+        logger.debug(
             "journal write to %s failed; stopping (fail-stop, no retry): %s. Restart recovers "
             "every acknowledged record from the journal.",
             self._dir,

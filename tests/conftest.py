@@ -10,9 +10,9 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
+from kvrouter.actors.peers.socket_budget import ListenerSlots
+from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder, slot_tracker_app
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
-from kvrouter.api.select_service import builder as select_service_builder
 from kvrouter.journal.store import Durability
 
 
@@ -31,12 +31,16 @@ async def client(slot_tracker: ServiceHandle) -> AsyncIterator[httpx.AsyncClient
 
 
 async def start_select_service(
-    nursery: trio.Nursery, data_dir: Path, config: RouterConfig | None = None, seed: int = 7
+    nursery: trio.Nursery,
+    data_dir: Path,
+    config: RouterConfig | None = None,
+    seed: int = 7,
+    listener_slots: ListenerSlots | None = None,
 ) -> ServiceHandle:
     options = ServiceOptions(
         port=0, data_dir=data_dir, durability=Durability.ALWAYS, seed=seed, body_limit=SELECTION_BODY_LIMIT
     )
-    build = select_service_builder(config or RouterConfig())
+    build = select_service_builder(config or RouterConfig(), listener_slots=listener_slots)
     handle: ServiceHandle = await nursery.start(run_service, "selection service", options, build)
     return handle
 

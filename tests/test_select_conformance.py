@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -20,6 +21,15 @@ from tests.support.processes import free_port, require_reference, start_process
 
 pytestmark = pytest.mark.conformance
 REFERENCE = require_reference()
+
+
+@attrs.frozen
+class Raw:
+    """A body sent as these bytes with this content type (None: no such header)."""
+
+    content: bytes = b""
+    content_type: str | None = None
+
 
 TOKENS = list(range(1, 41))
 M = {"model_name": "m"}
@@ -30,6 +40,7 @@ SCENARIO: list[tuple[str, str, Any]] = [
     ("POST", "/workers", {"worker_id": 2, "model_name": "m", "endpoint": "http://w2", "block_size": 4}),
     ("PATCH", "/workers/1", {"endpoint": "http://w1", "block_size": 4}),
     ("PATCH", "/workers/9", {"endpoint": "x"}),
+    ("PATCH", "/workers/2", {"endpoint": None, "block_size": None, "taints": None}),  # null keeps the field
     ("GET", "/workers", None),
     ("GET", "/ready", None),
     ("POST", "/select", {**M, "token_ids": TOKENS, "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
@@ -59,14 +70,33 @@ SCENARIO: list[tuple[str, str, Any]] = [
     ),
     ("POST", "/reservations", {**M, "selection_id": "s2"}),
     ("POST", "/reservations", {**M, "selection_id": "s2"}),
+    # output_block needs a JSON body: the content type is checked before the reservation is looked up.
+    ("POST", "/reservations/nope/output_block", Raw()),
+    ("POST", "/reservations/nope/output_block", Raw(b"", "application/json")),
+    ("POST", "/reservations/nope/output_block", {}),
+    ("POST", "/reservations/r1/output_block", Raw(b"{}", "text/plain")),
+    ("POST", "/reservations/r1/output_block", {}),
     ("POST", "/reservations/r1/output_block", {"decay_fraction": 1.5}),
     ("POST", "/reservations/r1/output_block", {"decay_fraction": 0.5}),
     ("POST", "/reservations/r1/prefill_complete", {}),
+    ("POST", "/reservations/s2/prefill_complete", Raw(b"hello", "text/plain")),  # routes without a body ignore one
+    # Both ids given: each is echoed (kvrouter books under reservation_id; 1.6.1 knows only selection_id).
+    (
+        "POST",
+        "/select_and_reserve",
+        {
+            **M,
+            "token_ids": TOKENS[:12],
+            "selection_id": "s3",
+            "reservation_id": "q3",
+            "pinned_worker": {"worker_id": 2},
+        },
+    ),
     ("GET", "/loads", None),
     ("DELETE", "/reservations/r1", None),
     ("DELETE", "/reservations/r1", None),
-    ("DELETE", "/reservations/s2", None),
-    ("DELETE", "/workers/1", None),
+    ("DELETE", "/reservations/s2", Raw(b"not json", "application/json")),
+    ("DELETE", "/workers/1", Raw(b"x", "text/plain")),
     ("DELETE", "/workers/1", None),
     ("GET", "/health", None),
 ]
@@ -86,7 +116,11 @@ async def play(url: str) -> list[tuple[int, Any]]:
     results = []
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         for method, path, body in SCENARIO:
-            response = await http.request(method, path, json=body)
+            if isinstance(body, Raw):
+                headers = {"content-type": body.content_type} if body.content_type else {}
+                response = await http.request(method, path, content=body.content, headers=headers)
+            else:
+                response = await http.request(method, path, json=body)
             results.append((response.status_code, normalise(response.json()) if response.content else None))
     return results
 

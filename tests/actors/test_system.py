@@ -11,37 +11,13 @@ from kvrouter.actors.core.commands import AddRequest, FreeRequest, RegisterWorke
 from kvrouter.actors.core.decisions import Accepted, Rejected
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import loads
-from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, MAILBOX_SIZE, Overloaded
+from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, MAILBOX_SIZE, JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.memory import MemoryJournal
+from tests.support.journals import GatedJournal
 
 SCOPE = ScopeKey("m", "default")
-
-
-class GatedJournal:
-    """A MemoryJournal whose durability the test releases by hand."""
-
-    def __init__(self) -> None:
-        self.inner = MemoryJournal()
-        self.durable = 0
-        self._moved = trio.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    @property
-    def durable_lsn(self) -> int:
-        return self.durable
-
-    def release(self) -> None:
-        self.durable = self.inner.last_lsn
-        self._moved.set()
-        self._moved = trio.Event()
-
-    async def wait_durable(self, lsn: int) -> None:
-        while self.durable < lsn:
-            await self._moved.wait()
 
 
 async def start(nursery: trio.Nursery, journal: object | None = None) -> ActorSystem:
@@ -125,3 +101,62 @@ async def test_stale_requests_expire_without_traffic(autojump_clock: trio.abc.Cl
     assert state is not None and loads(state)[0].active_decode_blocks == 2
     await trio.sleep(61)  # by ~360 s after admission the sweep has removed it
     assert loads(state)[0].active_decode_blocks == 0 and state.requests == {}
+
+
+async def test_a_reply_past_its_deadline_is_a_timeout_and_the_command_still_applies(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = GatedJournal()  # never durable until released
+    system = ActorSystem(journal, TrioClock(), encode_snapshots_in_thread=False, reply_deadline=5.0)  # type: ignore[arg-type]
+    await nursery.start(system.run)
+    started = trio.current_time()
+    with pytest.raises(ReplyTimeout) as raised:
+        await system.ask(SCOPE, RegisterWorker(1, 16, 0, 1))
+    assert trio.current_time() - started == pytest.approx(5.0)
+    request_id = raised.value.request_id
+    assert len(request_id) == 16 and request_id in str(raised.value)
+    assert [r.getMessage() for r in caplog.records if request_id in r.getMessage()] == [
+        f"no reply within 5 s for RegisterWorker in model=m tenant_id=default (request_id {request_id}); "
+        "it may still be applied"
+    ]
+    state = system.state(SCOPE)
+    assert state is not None and state.slots.workers == {1: (0, 1)}  # applied: only the reply was late
+    replies = []
+
+    async def unregister() -> None:
+        replies.append(await system.ask(SCOPE, UnregisterWorker(1)))
+
+    nursery.start_soon(unregister)
+    await trio.testing.wait_all_tasks_blocked()
+    journal.release()  # in time, this once
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(replies) == 1 and isinstance(replies[0], Accepted)
+
+
+class BreakableJournal(MemoryJournal):
+    """A memory journal whose writer can fail for good, as a full disk makes the file journal fail."""
+
+    broken = False
+
+    def append(self, payload: bytes) -> int:
+        if self.broken:
+            raise trio.BrokenResourceError("the journal writer failed")
+        return super().append(payload)
+
+
+async def test_a_journal_that_cannot_be_written_fails_the_write_not_the_actor(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    journal = BreakableJournal()
+    system = await start(nursery, journal)
+    await system.ask(SCOPE, RegisterWorker(1, 16, 0, 1))
+    journal.broken = True
+    for request_id in ("r1", "r2"):  # the actor survives the first
+        with pytest.raises(JournalUnavailable, match="the journal cannot be written"):
+            await system.ask(SCOPE, AddRequest(request_id, 1, 0, (1,), 5))
+    state = system.state(SCOPE)
+    assert state is not None and state.requests == {}  # nothing was applied
+    assert isinstance(await system.ask(SCOPE, FreeRequest("unknown")), Accepted)  # no events: nothing to write
+    system.halt(OSError(28, "No space left on device"))
+    with pytest.raises(JournalUnavailable, match="No space left on device"):
+        await system.ask(SCOPE, FreeRequest("unknown"))

@@ -1,0 +1,176 @@
+"""CatalogWriter: the one owner of the selection service's worker catalog writes.
+
+A worker id is service-wide, but its record lives in the actor of the scope it names, so a write may
+touch two scopes (a record naming another (model, tenant) moves the worker: remove, then upsert). Done
+by each request on its own, two concurrent writes for one worker could both find it nowhere and leave
+it in two scopes. Here every catalog write is a job in one bounded queue, performed by one task from
+start to finish: the next job sees what the previous one applied (via the directory), and a requester
+that gives up (reply deadline, client gone) never leaves a move half done.
+
+The task waits only until each step is *applied*; the requester then waits for the last step's LSN to
+be durable (the journal is a prefix: the removal, appended first, is durable by then too), so
+registrations still share fsyncs. Removal comes before the upsert: a crash between them loses the
+worker (the client got no answer), never leaves it in both scopes.
+
+Listener slots are reserved before the record is journaled (``KvIngest.admit``) and given back if it is
+not applied; the ingest then follows the applied events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import attrs
+import trio
+
+from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.commands import RemoveWorker, UpsertWorker
+from kvrouter.actors.core.decisions import Reason
+from kvrouter.actors.directory import Directory
+from kvrouter.actors.kv_ingest import KvIngest
+from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Overloaded
+from kvrouter.actors.peers.socket_budget import ListenerCapacityError
+from kvrouter.actors.service_support import Refused, accepted
+from kvrouter.actors.system import ActorSystem
+
+# Catalog writes waiting for the writer (policy: the requester waits up to ENQUEUE_TIMEOUT, then 503).
+QUEUE_SIZE = 1024
+
+
+@attrs.frozen
+class PutWorker:
+    """Create or replace a worker's record (moving it if the record names another scope)."""
+
+    record: WorkerRecord
+
+
+@attrs.frozen
+class PatchWorker:
+    """Replace some fields of a worker's record: ``patch`` maps the record as it is to the record as it
+    should be (pure; an exception it raises is the requester's answer and changes nothing)."""
+
+    worker_id: int
+    patch: Callable[[WorkerRecord], WorkerRecord]
+
+
+@attrs.frozen
+class DeleteWorker:
+    worker_id: int
+
+
+CatalogChange = PutWorker | PatchWorker | DeleteWorker
+
+
+class CatalogJob:
+    __slots__ = ("change", "deadline", "done", "error", "lsn", "record", "timed_out")
+
+    def __init__(self, change: CatalogChange) -> None:
+        self.change = change
+        self.done = trio.Event()  # set once the result is durable, or the job failed
+        self.record: WorkerRecord | None = None  # stored (put, patch) or removed (delete)
+        self.lsn = 0
+        self.error: Exception | None = None
+        self.deadline = 0.0
+        self.timed_out = False
+
+
+def worker_not_found(worker_id: int) -> Refused:
+    return Refused(Reason.NOT_FOUND, f"worker {worker_id} not found")
+
+
+class CatalogWriter:
+    def __init__(
+        self, system: ActorSystem, directory: Directory, ingest: KvIngest | None, *, use_kv_events: bool
+    ) -> None:
+        self._system = system
+        self._directory = directory
+        self._ingest = ingest
+        self._use_kv_events = use_kv_events
+        self._send, self._receive = trio.open_memory_channel[CatalogJob](QUEUE_SIZE)
+
+    async def run(self, *, task_status: trio.TaskStatus[CatalogWriter] = trio.TASK_STATUS_IGNORED) -> None:
+        journal = self._system.journal
+        async with self._receive:
+            task_status.started(self)
+            async for job in self._receive:
+                try:
+                    job.record, job.lsn = await self._perform(job.change)
+                except Exception as exc:
+                    job.error = exc
+                if job.error is None and job.lsn:
+                    journal.call_when_durable(job.lsn, job.done.set)
+                else:
+                    job.done.set()
+
+    async def write(self, change: CatalogChange) -> WorkerRecord:
+        """Queue ``change`` and return the record stored (or removed) once that is durable.
+
+        Raises Refused, Overloaded, ReplyTimeout, JournalUnavailable, or what a patch raised.
+        """
+        system = self._system
+        job = CatalogJob(change)
+        try:
+            self._send.send_nowait(job)
+        except trio.WouldBlock:
+            with trio.move_on_after(ENQUEUE_TIMEOUT) as waited:
+                await self._send.send(job)
+            if waited.cancelled_caught:
+                raise Overloaded("too many catalog writes are queued") from None
+        system.deadlines.track(job)
+        await job.done.wait()
+        if job.timed_out:
+            raise system.reply_timeout(f"a catalog write ({type(change).__name__})")
+        if job.error is not None:
+            raise job.error
+        if job.lsn > system.journal.durable_lsn:
+            await system.wait_durable(job.lsn)  # only after a journal failure: raises
+        assert job.record is not None
+        return job.record
+
+    # -- the writer task -------------------------------------------------------------------------------
+
+    async def _perform(self, change: CatalogChange) -> tuple[WorkerRecord, int]:
+        if isinstance(change, PutWorker):
+            return await self._put(change.record)
+        if isinstance(change, PatchWorker):
+            return await self._put(change.patch(self._current(change.worker_id)))
+        return await self._delete(change.worker_id)
+
+    def _current(self, worker_id: int) -> WorkerRecord:
+        scope = self._directory.worker_scope(worker_id)
+        state = self._system.state(scope) if scope is not None else None
+        if state is None or worker_id not in state.selection.catalog:
+            raise worker_not_found(worker_id)
+        return state.selection.catalog[worker_id]
+
+    async def _put(self, record: WorkerRecord) -> tuple[WorkerRecord, int]:
+        system = self._system
+        reserved: list[Hashable] = []
+        if self._ingest is not None:
+            try:
+                reserved = self._ingest.admit(record)
+            except ListenerCapacityError as exc:
+                raise Refused(Reason.CONFLICT, f"worker {record.worker_id} not registered: {exc}") from None
+        try:
+            lsn = 0
+            for scope in self._directory.worker_scopes(record.worker_id):
+                if scope != record.scope:  # worker_id is service-wide: leave the other scope first
+                    decision, lsn = await system.apply(scope, RemoveWorker(record.worker_id, at=system.clock.now_ns()))
+                    accepted(decision)
+            command = UpsertWorker(record, self._use_kv_events, at=system.clock.now_ns())
+            decision, upserted = await system.apply(record.scope, command)
+            accepted(decision)
+        except BaseException:
+            if self._ingest is not None:
+                self._ingest.release(reserved)
+            raise
+        return record, upserted or lsn
+
+    async def _delete(self, worker_id: int) -> tuple[WorkerRecord, int]:
+        system = self._system
+        record = self._current(worker_id)
+        lsn = 0
+        for scope in self._directory.worker_scopes(worker_id):
+            decision, lsn = await system.apply(scope, RemoveWorker(worker_id, at=system.clock.now_ns()))
+            accepted(decision)
+        return record, lsn

@@ -1,0 +1,332 @@
+"""SelectService: the selection service's commands and queries, in plain data, over the actor system.
+
+What the HTTP routes (``api/select_routes.py``) call, and what anything else that drives the service
+calls: each method takes plain values, returns plain values, and raises ``Refused`` (with a reason),
+``Overloaded``, ``ReplyTimeout`` or ``JournalUnavailable``. It stamps commands with the clock, applies
+the router configuration (and per-request overrides), and keeps service-wide identity:
+
+* worker ids: every catalog write goes through the ``CatalogWriter`` (one owner, one at a time);
+* reservation ids: a booking claims its id in the ``Directory`` before it reaches a scope's mailbox, so
+  an id is booked at most once in the whole service (409 otherwise), and lifecycle calls find the
+  reservation's scope in O(1) from the directory, which follows applied events.
+
+Reads look at actor state between awaits (trio runs one task at a time, so a read is consistent) and
+then wait for a read barrier: the scope's own last write for single-scope reads, every write for
+service-wide ones, so no read shows a write that a crash could still take back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+from kvrouter.actors.catalog_writer import CatalogWriter, DeleteWorker, PatchWorker, PutWorker
+from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
+from kvrouter.actors.core.commands import (
+    AddOutputBlock,
+    CompleteReservationPrefill,
+    Prompt,
+    RecoveredRun,
+    RecoverKv,
+    ReleaseReservation,
+    Reserve,
+    ReserveSelection,
+    SelectionOptions,
+    SelectWorker,
+)
+from kvrouter.actors.core.decisions import Accepted, Reason
+from kvrouter.actors.core.dump import dump_document
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.queries import PotentialLoad, RankLoad
+from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride
+from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
+from kvrouter.actors.core.selection_queries import (
+    OverlapScore,
+    SelectionInput,
+    candidates,
+    overlap_scores,
+    partition_loads,
+    potential_loads,
+    schedulable,
+    selection_input,
+)
+from kvrouter.actors.core.selection_rules import Selection, reservation_not_found
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.directory import Directory
+from kvrouter.actors.kv_ingest import KvIngest
+from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
+from kvrouter.actors.system import ActorSystem
+
+
+@attrs.frozen
+class WorkerStatus:
+    """A catalog record with its derived lifecycle and, when KV ingest runs, its listeners per dp rank."""
+
+    record: WorkerRecord
+    reasons: tuple[str, ...]  # why it is not schedulable; empty when it is
+    listeners: dict[str, dict[str, object]] = attrs.Factory(dict)
+
+    @property
+    def schedulable(self) -> bool:
+        return not self.reasons
+
+
+@attrs.frozen
+class SelectionRequest:
+    scope: ScopeKey
+    prompt: Prompt
+    options: SelectionOptions = attrs.Factory(SelectionOptions)
+    override: RouterConfigOverride | None = None
+    selection_id: str | None = None
+    reservation_id: str | None = None  # select_and_reserve only
+
+
+@attrs.frozen
+class Booking:
+    """Where a reservation was booked."""
+
+    scope: ScopeKey
+    reservation_id: str
+    worker_id: int | None
+    dp_rank: int | None
+    endpoint: str | None
+
+
+@attrs.frozen
+class PartitionLoads:
+    scope: ScopeKey
+    loads: list[RankLoad]
+
+
+@attrs.frozen
+class OverlapScores:
+    block_size: int
+    num_blocks: int
+    workers: list[OverlapScore]
+
+
+class SelectService:
+    def __init__(
+        self,
+        system: ActorSystem,
+        config: RouterConfig,
+        ingest: KvIngest | None = None,
+        directory: Directory | None = None,
+    ) -> None:
+        self.system = system
+        self.config = config
+        self.ingest = ingest
+        self.directory = directory or Directory()
+        self._catalog = CatalogWriter(system, self.directory, ingest, use_kv_events=config.use_kv_events)
+        self._now = system.clock.now_ns
+
+    async def run(self, *, task_status: trio.TaskStatus[SelectService] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the catalog writer and follow applied events; ``await nursery.start(service.run)``."""
+        # Adopt what was recovered and subscribe in one synchronous step: no event falls in between.
+        for state in self.system.states():
+            self.directory.adopt(state)
+        self.system.observers.append(self.directory.observe)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._catalog.run)
+                task_status.started(self)
+        finally:
+            if self.directory.observe in self.system.observers:
+                self.system.observers.remove(self.directory.observe)
+
+    # -- the catalog ----------------------------------------------------------------------------------
+
+    async def put_worker(self, record: WorkerRecord) -> WorkerStatus:
+        """Create or replace ``record`` (a record naming another scope moves the worker there)."""
+        return self._status(await self._catalog.write(PutWorker(record)))
+
+    async def patch_worker(self, worker_id: int, patch: Callable[[WorkerRecord], WorkerRecord]) -> WorkerStatus:
+        """Replace the fields ``patch`` changes (a pure function of the current record); 404 if unknown."""
+        return self._status(await self._catalog.write(PatchWorker(worker_id, patch)))
+
+    async def remove_worker(self, worker_id: int) -> WorkerRecord:
+        """Remove the worker; returns its record as it was. 404 if unknown."""
+        return await self._catalog.write(DeleteWorker(worker_id))
+
+    async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[WorkerStatus]:
+        rows = [
+            self._status(record, state)
+            for state in self.system.states()
+            if wanted(state.scope)
+            for _, record in sorted(state.selection.catalog.items())
+        ]
+        await self.system.read_barrier()
+        return rows
+
+    def _status(self, record: WorkerRecord, state: ScopeState | None = None) -> WorkerStatus:
+        if state is None:
+            state = self.system.state(record.scope)
+        reasons = not_schedulable_reasons(
+            record,
+            use_kv_events=self.config.use_kv_events,
+            partition_block_size=state.selection.partition_block_size if state else None,
+        )
+        listeners = self.ingest.status(record.worker_id) if self.ingest is not None else {}
+        return WorkerStatus(record, tuple(reasons), listeners)
+
+    # -- selection ------------------------------------------------------------------------------------
+
+    async def select(self, request: SelectionRequest) -> Selection:
+        """Pick a rank and book nothing (with a ``selection_id``, remember it for ``reserve_selection``)."""
+        command = self._selection(request, reserve=False)
+        decision = accepted(self.system.query(request.scope, command))
+        await self.system.read_barrier(request.scope)
+        selection: Selection = decision.reply
+        return selection
+
+    async def select_and_reserve(self, request: SelectionRequest) -> Selection:
+        """Pick a rank and book it under ``reservation_id``, else ``selection_id``, else a generated id."""
+        command = self._selection(request, reserve=True)
+        booking = request.reservation_id if request.reservation_id is not None else request.selection_id
+        decision = await self._book(request.scope, command, booking)
+        selection: Selection = decision.reply
+        return selection
+
+    def _selection(self, request: SelectionRequest, *, reserve: bool) -> SelectWorker:
+        config = request.override.apply(self.config) if request.override is not None else self.config
+        self._require_any_schedulable()
+        return SelectWorker(
+            request.prompt,
+            config,
+            request.options,
+            reserve=reserve,
+            reservation_id=request.reservation_id if reserve else None,
+            selection_id=request.selection_id,
+            at=self._now(),
+        )
+
+    def _require_any_schedulable(self) -> None:
+        """1.6.1 answers differently when the whole service has no schedulable worker."""
+        use_kv_events = self.config.use_kv_events
+        if not any(schedulable(state, use_kv_events) for state in self.system.states()):
+            raise Refused(Reason.UNAVAILABLE, NO_SCHEDULABLE_WORKERS_ANYWHERE)
+
+    # -- reservations ---------------------------------------------------------------------------------
+
+    async def reserve(
+        self,
+        scope: ScopeKey,
+        reservation_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: tuple[int, ...],
+        isl_tokens: int,
+        effective_prefill_tokens: int | None = None,
+        track_prefill_tokens: bool | None = None,
+    ) -> Booking:
+        """Book a prompt on a chosen rank (the seed's explicit reservation)."""
+        command = Reserve(
+            reservation_id,
+            worker_id,
+            dp_rank,
+            sequence_hashes,
+            isl_tokens,
+            effective_prefill_tokens,
+            track_prefill_tokens,
+            config_tracks_prefill=self.config.router_track_prefill_tokens,
+            at=self._now(),
+        )
+        await self._book(scope, command, reservation_id)
+        return self._booking(scope, reservation_id, worker_id, dp_rank)
+
+    async def reserve_selection(self, scope: ScopeKey, selection_id: str) -> Booking:
+        """Book exactly what an earlier ``select`` with this ``selection_id`` chose (1.6.1's replay form)."""
+        await self._book(scope, ReserveSelection(selection_id, at=self._now()), selection_id)
+        return self._booking(scope, selection_id, None, None)
+
+    async def _book(
+        self, scope: ScopeKey, command: SelectWorker | Reserve | ReserveSelection, booking: str | None
+    ) -> Accepted:
+        release = None
+        if booking is not None:
+            conflict = self.directory.claim_reservation(booking, scope)
+            if conflict is not None:
+                raise Refused.because(conflict)
+            release = partial(self.directory.release_claim, booking)
+        return accepted(await self.system.ask(scope, command, on_settled=release))
+
+    def _booking(self, scope: ScopeKey, reservation_id: str, worker_id: int | None, dp_rank: int | None) -> Booking:
+        state = self.system.state(scope)
+        booked = state.slots.requests.get(reservation_id) if state is not None else None
+        if booked is not None:  # (it may already be released again by a concurrent call)
+            worker_id, dp_rank = booked.rank
+        record = state.selection.catalog.get(worker_id) if state is not None and worker_id is not None else None
+        return Booking(scope, reservation_id, worker_id, dp_rank, record.endpoint if record else None)
+
+    async def complete_prefill(self, reservation_id: str) -> None:
+        scope = await self._reservation_scope(reservation_id)
+        accepted(await self.system.ask(scope, CompleteReservationPrefill(reservation_id, at=self._now())))
+
+    async def add_output_block(self, reservation_id: str, decay_fraction: float | None = None) -> None:
+        """One more output block (weight 1.0), or with ``decay_fraction`` f in [0, 1] every block weighs f."""
+        if decay_fraction is not None and not 0.0 <= decay_fraction <= 1.0:
+            raise Refused(Reason.INVALID, "decay_fraction must be between 0.0 and 1.0")
+        scope = await self._reservation_scope(reservation_id)
+        accepted(await self.system.ask(scope, AddOutputBlock(reservation_id, decay_fraction, at=self._now())))
+
+    async def release(self, reservation_id: str) -> None:
+        scope = await self._reservation_scope(reservation_id)
+        accepted(await self.system.ask(scope, ReleaseReservation(reservation_id, at=self._now())))
+
+    async def _reservation_scope(self, reservation_id: str) -> ScopeKey:
+        scope = self.directory.reservation_scope(reservation_id)
+        if scope is None:
+            await self.system.read_barrier()  # "not found" must not rest on a release a crash could undo
+            raise Refused.because(reservation_not_found(reservation_id))
+        return scope
+
+    # -- inspection -----------------------------------------------------------------------------------
+
+    async def loads(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[PartitionLoads]:
+        """Current loads of each listed partition's schedulable ranks, sorted."""
+        use_kv_events = self.config.use_kv_events
+        partitions = []
+        for state in self.system.states():
+            rows = partition_loads(state, use_kv_events) if wanted(state.scope) else None
+            if rows is not None:
+                partitions.append(PartitionLoads(state.scope, rows))
+        await self.system.read_barrier()
+        return partitions
+
+    async def potential_loads(
+        self, scope: ScopeKey, prompt: Prompt, override: RouterConfigOverride | None = None
+    ) -> list[PotentialLoad]:
+        """What each schedulable rank would carry with ``prompt``, as ``select`` weighs it."""
+        config = override.apply(self.config) if override is not None else self.config
+        prepared, found = self._prompt_read(scope, prompt)
+        rows = potential_loads(found, prepared, config)
+        await self.system.read_barrier(scope)
+        return rows
+
+    async def overlap_scores(self, scope: ScopeKey, prompt: Prompt) -> OverlapScores:
+        prepared, found = self._prompt_read(scope, prompt)
+        scores = OverlapScores(prepared.block_size, len(prepared.prompt.local_hashes), overlap_scores(found))
+        await self.system.read_barrier(scope)
+        return scores
+
+    def _prompt_read(self, scope: ScopeKey, prompt: Prompt) -> tuple[SelectionInput, list[Any]]:
+        self._require_any_schedulable()
+        state = self.system.state(scope) or ScopeState(scope)
+        prepared = selection_input(state, prompt, self.config.use_kv_events)
+        if not isinstance(prepared, SelectionInput):
+            raise Refused.because(prepared)
+        return prepared, candidates(state, prepared)
+
+    async def dump(self) -> dict[str, Any]:
+        """The index of every scope in the standalone indexer's recovery format."""
+        document = dump_document(self.system.states())
+        await self.system.read_barrier()
+        return document
+
+    async def recover_index(self, scope: ScopeKey, runs: tuple[RecoveredRun, ...]) -> None:
+        """Seed ``scope``'s index with a peer's runs (``--indexer-peers``), before serving."""
+        accepted(await self.system.ask(scope, RecoverKv(runs, at=self._now())))

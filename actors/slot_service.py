@@ -1,0 +1,99 @@
+"""SlotService: the slot tracker's commands and queries, in plain data, over the actor system.
+
+What ``api/routes.py`` calls. Every write goes to its scope's actor (journaled, durable before the
+method returns); a rejection raises ``Refused``. In the slot tracker worker and request ids belong to
+their (model, tenant) scope, as in 1.6.1, so there is no service-wide directory here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from kvrouter.actors.core.commands import AddRequest, CompletePrefill, FreeRequest, RegisterWorker, UnregisterWorker
+from kvrouter.actors.core.decide import no_tracker
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.queries import PotentialLoad, RankLoad, loads, potential_loads
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
+from kvrouter.actors.system import ActorSystem
+
+
+@attrs.frozen
+class RegisteredRange:
+    scope: ScopeKey
+    worker_id: int
+    block_size: int | None
+    dp_start: int
+    dp_size: int
+
+
+@attrs.frozen
+class ScopeLoads:
+    scope: ScopeKey
+    loads: list[RankLoad]
+
+
+class SlotService:
+    def __init__(self, system: ActorSystem) -> None:
+        self.system = system
+        self._now = system.clock.now_ns
+
+    # -- commands: each returns whether it created something ------------------------------------------
+
+    async def register(self, scope: ScopeKey, worker_id: int, block_size: int, dp_start: int, dp_size: int) -> bool:
+        command = RegisterWorker(worker_id, block_size, dp_start, dp_size, at=self._now())
+        return accepted(await self.system.ask(scope, command)).created
+
+    async def unregister(self, scope: ScopeKey, worker_id: int) -> bool:
+        return accepted(await self.system.ask(scope, UnregisterWorker(worker_id, at=self._now()))).created
+
+    async def add(
+        self,
+        scope: ScopeKey,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: tuple[int, ...],
+        isl_tokens: int,
+    ) -> bool:
+        command = AddRequest(request_id, worker_id, dp_rank, sequence_hashes, isl_tokens, at=self._now())
+        return accepted(await self.system.ask(scope, command)).created
+
+    async def prefill_complete(self, scope: ScopeKey, request_id: str) -> bool:
+        return accepted(await self.system.ask(scope, CompletePrefill(request_id, at=self._now()))).created
+
+    async def free(self, scope: ScopeKey, request_id: str) -> bool:
+        return accepted(await self.system.ask(scope, FreeRequest(request_id, at=self._now()))).created
+
+    # -- queries --------------------------------------------------------------------------------------
+
+    async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[RegisteredRange]:
+        """Registered DP ranges, sorted by (model, tenant, worker)."""
+        rows = [
+            RegisteredRange(state.scope, worker_id, state.slots.block_size, start, size)
+            for state in self.system.states()
+            if wanted(state.scope)
+            for worker_id, (start, size) in sorted(state.slots.workers.items())
+        ]
+        await self.system.read_barrier()
+        return rows
+
+    async def loads(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeLoads]:
+        """Every registered rank's load, idle ones at 0, sorted."""
+        rows = [ScopeLoads(state.scope, loads(state)) for state in self.system.states() if wanted(state.scope)]
+        await self.system.read_barrier()
+        return rows
+
+    async def potential_loads(
+        self, scope: ScopeKey, sequence_hashes: Sequence[int], isl_tokens: int
+    ) -> list[PotentialLoad]:
+        """What each rank of ``scope`` would carry with this prompt; 404 without a tracker."""
+        state = self.system.state(scope)
+        if state is None:
+            await self.system.read_barrier()  # the tracker's absence may come from a write not yet durable
+            raise Refused.because(no_tracker(ScopeState(scope)))
+        rows = potential_loads(state, sequence_hashes, isl_tokens)
+        await self.system.read_barrier(scope)
+        return rows
