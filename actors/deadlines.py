@@ -5,6 +5,9 @@ queue and a single task wakes at the oldest deadline. The deadline is the same f
 the queue is in deadline order: appending and dropping settled waiters from its front are O(1).
 A waiter past its deadline is marked ``timed_out`` and woken (``done.set()``); whoever waits on it
 then answers "no reply in time". What it was waiting for goes on regardless.
+
+Bound: the asks in flight (each behind a bounded mailbox), plus the ones settled behind a late one,
+at most one deadline's worth of requests; they leave as the front of the queue settles or times out.
 """
 
 from __future__ import annotations
