@@ -24,9 +24,10 @@ import trio
 
 from kvrouter.actors.core.commands import Command, Reserve, ReserveSelection, SelectWorker
 from kvrouter.actors.core.decide import decide
-from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
+from kvrouter.actors.core.decisions import Accepted, Decision
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
+from kvrouter.actors.core.selection_rules import no_pending_selection
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Envelope
 from kvrouter.actors.pending import PendingSelections
@@ -186,11 +187,7 @@ class ScopeActor:
     def _replay_selection(self, envelope: Envelope, command: ReserveSelection) -> None:
         template = self.pending.take(command.selection_id, command.at)
         if template is None:
-            message = (
-                f"no pending selection {command.selection_id} for {self.state.scope.describe()} "
-                "(expired, already used, or never selected)"
-            )
-            self._settle(envelope, Rejected(Reason.NOT_FOUND, message), 0)
+            self._settle(envelope, no_pending_selection(self.state, command.selection_id), 0)
             return
         try:
             decision, lsn = self._apply(attrs.evolve(template, reservation_id=command.selection_id, at=command.at))

@@ -26,6 +26,8 @@ import trio
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import RemoveWorker, UpsertWorker
 from kvrouter.actors.core.decisions import Reason
+from kvrouter.actors.core.selection_rules import upsert_refusal
+from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.directory import Directory
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Overloaded
@@ -145,6 +147,11 @@ class CatalogWriter:
 
     async def _put(self, record: WorkerRecord) -> tuple[WorkerRecord, int]:
         system = self._system
+        # The upsert checks this too, but only after a move has removed the worker from its old scope:
+        # check first, so a refused move leaves it where it was (this task is the catalog's only writer).
+        refusal = upsert_refusal(system.state(record.scope) or ScopeState(record.scope), record)
+        if refusal is not None:
+            raise Refused.because(refusal)
         reserved: list[Hashable] = []
         if self._ingest is not None:
             try:

@@ -12,11 +12,12 @@ from typing import Any, NewType, TypeVar
 
 import attrs
 import cattrs
-from cattrs.errors import AttributeValidationNote
+from cattrs.errors import AttributeValidationNote, IterableValidationNote
 
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK, ScopeKey
+from kvrouter.actors.core.limits import MAX_PROMPT_BLOCKS
 from kvrouter.api.http import HttpError
-from kvrouter.api.wire import U32, U64, USize, WireTypeError, json_kind, make_strict_converter
+from kvrouter.api.wire import U32, U64, USize, WireSizeError, WireTypeError, json_kind, make_strict_converter
 
 DEFAULT_TENANT = "default"
 
@@ -35,6 +36,8 @@ class HashListError(WireTypeError):
 def _structure_hashes(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
         raise WireTypeError(f"invalid type: {json_kind(value)}, expected an array of signed 64-bit sequence hashes")
+    if len(value) > MAX_PROMPT_BLOCKS:
+        raise WireSizeError(f"{len(value)} hashes exceed the maximum of {MAX_PROMPT_BLOCKS} per prompt")
     if value and (set(map(type, value)) != {int} or min(value) < I64_MIN or max(value) > I64_MAX):
         for index, h in enumerate(value):  # name the first bad element, as serde does
             if type(h) is not int:
@@ -123,15 +126,18 @@ def parse(cls: type[T], value: Any) -> T:
     try:
         return hook(value, cls)
     except Exception as exc:  # cattrs raises ExceptionGroups; turn them into one readable line
-        raise HttpError(422, _deserialize_failed(_first_problem(exc))) from None
+        message, cause = _first_problem(exc)
+        if isinstance(cause, WireSizeError):
+            raise HttpError(413, message) from None
+        raise HttpError(422, _deserialize_failed(message)) from None
 
 
 def _deserialize_failed(detail: str) -> str:
     return f"Failed to deserialize the JSON body into the target type: {detail}"
 
 
-def _first_problem(exc: BaseException, path: str = "") -> str:
-    """serde's wording for the error a client would see first.
+def _first_problem(exc: BaseException, path: str = "") -> tuple[str, BaseException]:
+    """serde's wording for the error a client would see first, and that error.
 
     serde stops at the first bad value in document order and reports missing fields only at the
     end of the object; cattrs collects every problem, so prefer a bad value over a missing field.
@@ -144,9 +150,13 @@ def _first_problem(exc: BaseException, path: str = "") -> str:
         located.sort(key=lambda item: isinstance(item[1], KeyError))
         name, first = located[0]
         if isinstance(first, KeyError):
-            return f"{path}: missing field `{name}`" if path else f"missing field `{name}`"
+            return (f"{path}: missing field `{name}`" if path else f"missing field `{name}`"), first
         return _first_problem(first, f"{path}.{name}" if path else name)
+    if isinstance(exc, cattrs.BaseValidationError) and exc.exceptions:
+        element = exc.exceptions[0]  # a list's or map's first bad element
+        where = [n for n in getattr(element, "__notes__", ()) if isinstance(n, IterableValidationNote)]
+        return _first_problem(element, f"{path}[{where[0].index}]" if where else path)
     if isinstance(exc, HashListError):
-        return f"{path}[{exc.index}]: {exc}"
+        return f"{path}[{exc.index}]: {exc}", exc
     message = str(exc) if isinstance(exc, WireTypeError) else f"invalid value: {exc}"
-    return f"{path}: {message}" if path else message
+    return (f"{path}: {message}" if path else message), exc

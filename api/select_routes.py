@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvrouter.actors.core.catalog import WorkerRecord, record_view
-from kvrouter.actors.core.ids import to_i64
+from kvrouter.actors.core.endpoints import parse_decimal
+from kvrouter.actors.core.ids import U64_MASK, to_i64
 from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.select_service import Booking, SelectionRequest, SelectService, WorkerStatus
 from kvrouter.api.http import HttpError, Request, Response, Route, json_response
@@ -77,9 +78,10 @@ def selection_request(body: SelectBody) -> SelectionRequest:
 
 def worker_id_param(request: Request) -> int:
     raw = request.path_params["worker_id"]
-    if not raw.isdigit() or int(raw) >= 1 << 64:
+    worker_id = parse_decimal(raw, U64_MASK)
+    if worker_id is None:
         raise HttpError(400, f"Invalid URL: Cannot parse `{raw}` to a `u64`")
-    return int(raw)
+    return worker_id
 
 
 def patch_changes(value: Any) -> dict[str, Any]:

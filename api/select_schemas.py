@@ -11,9 +11,11 @@ from typing import Any, NewType
 
 import attrs
 
-from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.catalog import WorkerRecord, record_problem
 from kvrouter.actors.core.commands import Prompt, SelectionOptions
+from kvrouter.actors.core.endpoints import parse_decimal
 from kvrouter.actors.core.ids import U32_MAX, ScopeKey
+from kvrouter.actors.core.limits import MAX_PROMPT_TOKENS, MAX_RANKS_PER_WORKER, MAX_TAINTS, MAX_TOPOLOGY_DOMAINS
 from kvrouter.actors.core.router_config import RouterConfigOverride
 from kvrouter.api.http import HttpError
 from kvrouter.api.schemas import (
@@ -24,7 +26,7 @@ from kvrouter.api.schemas import (
     _deserialize_failed,
     parse,
 )
-from kvrouter.api.wire import U32, U64, USize, WireTypeError, json_kind
+from kvrouter.api.wire import U32, U64, USize, WireSizeError, WireTypeError, json_kind
 
 TokenIds = NewType("TokenIds", tuple)
 
@@ -32,6 +34,8 @@ TokenIds = NewType("TokenIds", tuple)
 def _structure_tokens(value: Any, _: Any = None) -> tuple[int, ...]:
     if type(value) is not list:
         raise WireTypeError(f"invalid type: {json_kind(value)}, expected a sequence")
+    if len(value) > MAX_PROMPT_TOKENS:
+        raise WireSizeError(f"{len(value)} tokens exceed the maximum of {MAX_PROMPT_TOKENS} per prompt")
     # Prompts run to thousands of tokens: check types and range with C-level passes (array('I')
     # refuses floats, strings and anything outside u32; bools need the type scan), and walk element
     # by element only to name the first bad one.
@@ -81,27 +85,23 @@ class WorkerBody:
     kv_transfer_preferred_weight: float | None = None
 
     def to_record(self) -> WorkerRecord:
-        endpoints = None
-        if self.kv_events_endpoints is not None:
-            ranks = []
-            for key, endpoint in self.kv_events_endpoints.items():
-                if not key.isdigit() or int(key) > U32_MAX:
-                    raise HttpError(
-                        422, _deserialize_failed(f"kv_events_endpoints: invalid dp_rank key {key!r}, expected a u32")
-                    )
-                ranks.append((int(key), endpoint))
-            endpoints = tuple(sorted(ranks))
-        start = self.data_parallel_start_rank or 0
-        if start + (1 if self.data_parallel_size is None else self.data_parallel_size) > U32_MAX + 1:
-            raise HttpError(400, f"data parallel range overflows u32: start={start} size={self.data_parallel_size}")
+        """The catalog record, fully checked (422 types, 413 sizes, 400 what could never work), so that
+        nothing journaled can fail later, at each restart."""
+        for field, size, limit in (
+            ("kv_events_endpoints", len(self.kv_events_endpoints or ()), MAX_RANKS_PER_WORKER),
+            ("taints", len(self.taints or ()), MAX_TAINTS),
+            ("topology_domains", len(self.topology_domains or ()), MAX_TOPOLOGY_DOMAINS),
+        ):
+            if size > limit:
+                raise HttpError(413, f"{field}: {size} entries exceed the maximum of {limit}")
         scope = _scope(self.model_name, self.tenant_id, self.routing_group)
-        return WorkerRecord(
+        record = WorkerRecord(
             worker_id=self.worker_id,
             model_name=scope.model_name,
             tenant_id=scope.tenant_id,
             endpoint=self.endpoint,
             kv_events_endpoint=self.kv_events_endpoint,
-            kv_events_endpoints=endpoints,
+            kv_events_endpoints=self._endpoints_by_rank(),
             replay_endpoint=self.replay_endpoint,
             block_size=self.block_size,
             data_parallel_start_rank=self.data_parallel_start_rank,
@@ -116,6 +116,25 @@ class WorkerBody:
             kv_transfer_enforcement=self.kv_transfer_enforcement,
             kv_transfer_preferred_weight=self.kv_transfer_preferred_weight,
         )
+        problem = record_problem(record)
+        if problem is not None:
+            raise HttpError(400, problem)
+        return record
+
+    def _endpoints_by_rank(self) -> tuple[tuple[int, str], ...] | None:
+        if self.kv_events_endpoints is None:
+            return None
+        ranks: dict[int, str] = {}
+        for key, endpoint in self.kv_events_endpoints.items():
+            rank = parse_decimal(key, U32_MAX)
+            if rank is None:
+                problem = f"kv_events_endpoints: invalid dp_rank key {key!r}, expected a u32 in ASCII digits"
+                raise HttpError(422, _deserialize_failed(problem))
+            if rank in ranks:
+                problem = f"kv_events_endpoints: dp_rank {rank} is given twice ({key!r})"
+                raise HttpError(422, _deserialize_failed(problem))
+            ranks[rank] = endpoint
+        return tuple(sorted(ranks.items()))
 
 
 def patched_record(current: WorkerRecord, changes: Any) -> WorkerRecord:

@@ -15,6 +15,7 @@ import cattrs
 import orjson
 
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK
+from kvrouter.actors.core.limits import MAX_TEXT_BYTES, text_too_long
 
 # Wire integer types: the API checks ranges exactly as the reference's serde types do.
 U64 = NewType("U64", int)
@@ -28,6 +29,10 @@ _RANGE_NAMES = {U64: "u64", U32: "u32", I64: "i64", USize: "usize"}
 
 class WireTypeError(TypeError):
     """A JSON value of the wrong type or out of range; the API answers 422."""
+
+
+class WireSizeError(WireTypeError):
+    """A string or list longer than the API accepts (``actors/core/limits.py``); the API answers 413."""
 
 
 def json_kind(value: Any) -> str:
@@ -58,6 +63,10 @@ def _exact_int(value: Any, _: Any = None) -> int:
 def _exact_str(value: Any, _: Any = None) -> str:
     if type(value) is not str:
         raise WireTypeError(f"invalid type: {json_kind(value)}, expected a string")
+    if text_too_long(value):
+        raise WireSizeError(
+            f"a string of {len(value.encode('utf-8', 'surrogatepass'))} bytes exceeds the maximum of {MAX_TEXT_BYTES}"
+        )
     return value
 
 

@@ -250,7 +250,8 @@ class Cluster:
 
     def _record(self, worker_id: int) -> WorkerRecord:
         dp = self.options.dp_size
-        endpoints = tuple((r, f"sim://worker-{worker_id}/kv/{r}") for r in range(dp))
+        # Never connected to (events enter as commands), but a catalog record must name a usable endpoint.
+        endpoints = tuple((r, f"inproc://sim-worker-{worker_id}-kv-{r}") for r in range(dp))
         return WorkerRecord(
             worker_id,
             self.options.model,

@@ -14,7 +14,9 @@ from typing import Any
 
 import attrs
 
-from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.endpoints import MAX_PORT, InvalidEndpoint, parse_zmq_endpoint
+from kvrouter.actors.core.ids import U32_MAX, ScopeKey, WorkerRank
+from kvrouter.actors.core.limits import MAX_RANKS_PER_WORKER
 
 
 @attrs.frozen
@@ -89,8 +91,39 @@ class WorkerRecord:
         offset = dp_rank - self.dp_start
         if offset == 0:
             return self.replay_endpoint
-        head, sep, port = self.replay_endpoint.rpartition(":")
-        return f"{head}{sep}{int(port) + offset}" if sep and port.isdigit() else None
+        try:
+            return parse_zmq_endpoint(self.replay_endpoint).with_port_offset(offset)
+        except InvalidEndpoint:
+            return None  # only a record journaled before endpoints were checked can get here
+
+
+def record_problem(record: WorkerRecord) -> str | None:
+    """Why the catalog must refuse ``record`` (a 400), or None.
+
+    Metadata that is merely missing makes a record incomplete, not invalid (``not_schedulable_reasons``);
+    what is refused here could never work, and would otherwise fail again at every restart.
+    """
+    size = record.dp_size
+    if size > MAX_RANKS_PER_WORKER:
+        return f"data_parallel_size {size} exceeds the maximum of {MAX_RANKS_PER_WORKER} ranks per worker"
+    if record.dp_start + size > U32_MAX + 1:
+        return f"data parallel range overflows u32: start={record.dp_start} size={record.data_parallel_size}"
+    named = [("kv_events_endpoint", record.kv_events_endpoint), ("replay_endpoint", record.replay_endpoint)]
+    named += [(f"kv_events_endpoints[{rank}]", endpoint) for rank, endpoint in record.kv_events_endpoints or ()]
+    for field, endpoint in named:
+        if endpoint:  # an empty string means "none", as in 1.6.1
+            try:
+                parse_zmq_endpoint(endpoint)
+            except InvalidEndpoint as exc:
+                return f"{field}: {exc}"
+    if record.replay_endpoint and size > 1:
+        replay = parse_zmq_endpoint(record.replay_endpoint)
+        if replay.port is not None and replay.with_port_offset(size - 1) is None:
+            return (
+                f"replay_endpoint: port {replay.port} + {size - 1} is beyond {MAX_PORT}; "
+                "rank r replays on the given port + (r - data_parallel_start_rank)"
+            )
+    return None
 
 
 def not_schedulable_reasons(

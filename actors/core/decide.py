@@ -30,9 +30,10 @@ from kvrouter.actors.core.events import (
     WorkerUnregistered,
 )
 from kvrouter.actors.core.ids import U32_MAX, U64_MASK, WorkerRank
+from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_RANKS_PER_WORKER
 from kvrouter.actors.core.state import ScopeState
 
-MAX_DP_SIZE = 4096  # the reference's cap on one registration's DP range
+MAX_DP_SIZE = MAX_RANKS_PER_WORKER  # the reference's cap on one registration's DP range
 
 
 def decide(state: ScopeState, command: Command) -> Decision:
@@ -64,6 +65,8 @@ def _register(command: RegisterWorker, state: ScopeState) -> Decision:
     if command.dp_start + command.dp_size > U32_MAX:
         return Rejected(Reason.INVALID, f"dp range overflows u32: start={command.dp_start} size={command.dp_size}")
     slots = state.slots
+    if command.worker_id not in slots.workers and len(slots.ranks) + command.dp_size > MAX_RANKS_PER_SCOPE:
+        return selection_rules.scope_full(state, len(slots.ranks), command.dp_size)
     if slots.block_size is not None and slots.block_size != command.block_size:
         return Rejected(
             Reason.CONFLICT,
@@ -160,6 +163,7 @@ _decide.register(selection_rules.decide_reset)
 _decide.register(selection_rules.decide_recover)
 _decide.register(selection_rules.decide_select)
 _decide.register(selection_rules.decide_reserve)
+_decide.register(selection_rules.decide_reserve_selection)
 _decide.register(selection_rules.decide_output_block)
 _decide.register(selection_rules.decide_reservation_prefill)
 _decide.register(selection_rules.decide_release)

@@ -16,6 +16,7 @@ from kvrouter.actors.core.decisions import Reason, Rejected
 from kvrouter.actors.core.hashing import block_hashes as hash_blocks
 from kvrouter.actors.core.hashing import sequence_hashes as chain_hashes
 from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.limits import MAX_PROMPT_BLOCKS
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad, rank_load
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.selection import (
@@ -65,6 +66,9 @@ def schedulable(state: ScopeState, use_kv_events: bool) -> tuple[WorkerRecord, .
 def normalize(prompt: Prompt, block_size: int) -> NormalizedPrompt | str:
     """Token ids are hashed here; precomputed hashes are checked (spec §2.2). A string is a 400."""
     if prompt.token_ids is not None:
+        blocks = len(prompt.token_ids) // block_size
+        if blocks > MAX_PROMPT_BLOCKS:
+            return f"token_ids make {blocks} blocks of {block_size} tokens, beyond the maximum of {MAX_PROMPT_BLOCKS}"
         local = hash_blocks(prompt.token_ids, block_size, lora_name=prompt.lora_name)
         return NormalizedPrompt(tuple(local), tuple(chain_hashes(local)), len(prompt.token_ids))
     if prompt.block_hashes is None:

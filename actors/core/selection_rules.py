@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
+from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_problem
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
     CompleteReservationPrefill,
@@ -20,6 +20,7 @@ from kvrouter.actors.core.commands import (
     ReleaseReservation,
     RemoveWorker,
     Reserve,
+    ReserveSelection,
     ResetKvStream,
     SelectWorker,
     UpsertWorker,
@@ -42,6 +43,7 @@ from kvrouter.actors.core.events import (
 )
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
+from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_WORKERS_PER_SCOPE
 from kvrouter.actors.core.selection import (
     Refusal,
     cost,
@@ -88,8 +90,38 @@ def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_e
     return None
 
 
+def upsert_refusal(state: ScopeState, record: WorkerRecord) -> Rejected | None:
+    """Why ``record`` cannot enter ``state``'s catalog: invalid (400), or the scope is full (409)."""
+    problem = record_problem(record)
+    if problem is not None:
+        return Rejected(Reason.INVALID, problem)
+    catalog = state.selection.catalog
+    if record.worker_id not in catalog and len(catalog) >= MAX_WORKERS_PER_SCOPE:
+        return Rejected(
+            Reason.CONFLICT,
+            f"{state.scope.describe()} already has {len(catalog)} workers, the limit per scope; remove one first",
+        )
+    slots = state.slots
+    held = slots.workers.get(record.worker_id, (0, 0))[1]  # this worker's ranks now (replaced by the upsert)
+    others = len(slots.ranks) - held
+    if others + record.dp_size > MAX_RANKS_PER_SCOPE:
+        return scope_full(state, others, record.dp_size)
+    return None
+
+
+def scope_full(state: ScopeState, ranks: int, more: int) -> Rejected:
+    return Rejected(
+        Reason.CONFLICT,
+        f"{state.scope.describe()} has {ranks} ranks; {more} more would exceed the limit of "
+        f"{MAX_RANKS_PER_SCOPE} ranks per scope",
+    )
+
+
 def decide_upsert(command: UpsertWorker, state: ScopeState) -> Decision:
     record = command.record
+    refusal = upsert_refusal(state, record)
+    if refusal is not None:
+        return refusal
     block_size = partition_block_size_after(state, record, command.use_kv_events)
     return Accepted((WorkerUpserted(record, block_size),), created=True)
 
@@ -280,6 +312,19 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
     )
     booked = approx_booking(rank, command.sequence_hashes, command.local_hashes, command.approx_ttl_ns, command.at)
     return Accepted((event, *booked), created=True)
+
+
+def no_pending_selection(state: ScopeState, selection_id: str) -> Rejected:
+    return Rejected(
+        Reason.NOT_FOUND,
+        f"no pending selection {selection_id} for {state.scope.describe()} (expired, already used, or never selected)",
+    )
+
+
+def decide_reserve_selection(command: ReserveSelection, state: ScopeState) -> Decision:
+    """Pending selections live in the scope's actor, which books them itself (``actors/actor.py``); a
+    scope without an actor (no worker was ever registered there) has none."""
+    return no_pending_selection(state, command.selection_id)
 
 
 def reservation_not_found(reservation_id: str) -> Rejected:

@@ -20,6 +20,8 @@ from typing import Final
 import attrs
 import trio
 
+from kvrouter.actors.core.endpoints import InvalidEndpoint, parse_zmq_endpoint
+
 # Lookups in flight at once, process-wide: their own limiter, so a slow resolver can never occupy
 # trio's default thread pool (the journal's fsyncs run there).
 RESOLVER_THREADS: Final = 4
@@ -30,7 +32,7 @@ _LIMITER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("kv_
 Resolver = Callable[[str, int], Awaitable[list[tuple[int, str]]]]
 
 
-class EndpointError(ValueError):
+class EndpointError(InvalidEndpoint):
     """The endpoint can never work (malformed); retrying will not help."""
 
 
@@ -56,24 +58,21 @@ class Resolved:
 
 
 def parse_connect_endpoint(endpoint: str) -> ConnectTarget:
-    """Split ``tcp://host:port``; raise EndpointError for a tcp endpoint zmq could never connect to."""
-    if not endpoint.startswith("tcp://"):
-        if "://" not in endpoint:
-            raise EndpointError(f"`{endpoint}` is not a ZMQ endpoint (expected tcp://host:port)")
-        return ConnectTarget(endpoint)
-    address = endpoint.removeprefix("tcp://")
-    if ";" in address:
-        return ConnectTarget(endpoint)  # tcp://source;destination: zmq's own syntax, left to zmq
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not host:
-        raise EndpointError(f"`{endpoint}` has no host:port")
-    if not port_text.isascii() or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise EndpointError(f"`{endpoint}` has an invalid port `{port_text}` (expected 1-65535)")
-    host = host.removeprefix("[").removesuffix("]")
+    """Split ``tcp://host:port``; raise EndpointError for an endpoint zmq could never connect to.
+
+    The catalog refuses such endpoints when a worker registers (``actors/core/endpoints.py``); this
+    check is for endpoints from elsewhere (tests, a journal written before that check existed).
+    """
     try:
-        ipaddress.ip_address(host)
+        parsed = parse_zmq_endpoint(endpoint)
+    except InvalidEndpoint as exc:
+        raise EndpointError(str(exc)) from None
+    if parsed.host is None or ";" in endpoint:
+        return ConnectTarget(endpoint)  # ipc, inproc, or zmq's tcp://source;destination: left to zmq
+    try:
+        ipaddress.ip_address(parsed.host)
     except ValueError:
-        return ConnectTarget(endpoint, host, int(port_text))
+        return ConnectTarget(endpoint, parsed.host, parsed.port or 0)
     return ConnectTarget(endpoint)  # numeric already
 
 

@@ -89,7 +89,14 @@ def warm() -> Scope:
     s = Scope()
     s.ok(UpsertWorker(record(1)))
     s.ok(
-        UpsertWorker(record(2, data_parallel_size=2, kv_events_endpoint=None, kv_events_endpoints=((0, "a"), (1, "b"))))
+        UpsertWorker(
+            record(
+                2,
+                data_parallel_size=2,
+                kv_events_endpoint=None,
+                kv_events_endpoints=((0, "tcp://w2:1"), (1, "tcp://w2:2")),
+            )
+        )
     )
     s.store(1, (11, 12, 13), TOKENS[:12])
     s.ok(Reserve("busy", 1, 0, (1, 2), isl_tokens=8))

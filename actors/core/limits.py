@@ -1,0 +1,47 @@
+"""How much one client may make a service hold: the caps, in one place, with why each is that big.
+
+Every cap is checked before anything is journaled (a refused request changes nothing) and never
+during recovery, so changing a cap can never make an existing journal unreadable. README's
+"Limits" section documents them; beyond one, the API answers a 4xx ``{"error"}`` naming the cap.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Ranks of one worker (slot tracker ``dp_size``, selection service ``data_parallel_size``): the
+# reference slot tracker's own cap, enough for one 4,096-rank worker. Beyond it: 400.
+MAX_RANKS_PER_WORKER: Final = 4096
+
+# Ranks of one (model, tenant) scope, all its workers together: a 4,096-rank cluster in a single
+# scope, twice over, so a rolling replacement of every worker still fits. Each rank costs ~700 bytes
+# idle and one row of every /loads. Beyond it: 409 (the scope is full; unregister workers first).
+MAX_RANKS_PER_SCOPE: Final = 8192
+
+# Catalog records of one selection-service scope (a record with data_parallel_size 0 holds no rank,
+# so ranks alone would not bound them). Beyond it: 409.
+MAX_WORKERS_PER_SCOPE: Final = 8192
+
+# One string of a request body: ids, model and tenant names, endpoints, taints, map keys. A scope
+# key is written into every journal record of its scope. Beyond it: 413.
+MAX_TEXT_BYTES: Final = 4096
+
+# Taints and topology domains of one catalog record (each string capped as above). Beyond: 413.
+MAX_TAINTS: Final = 256
+MAX_TOPOLOGY_DOMAINS: Final = 256
+
+# Blocks of one prompt: hash lists (``sequence_hashes``, ``block_hashes``) and ``token_ids`` once cut
+# into blocks. 262,144 blocks are a 4 Mi-token prompt at block size 16 (256 Ki tokens at page size
+# 1); booking one costs ~200 ms of the scope's time and ~40 MiB until it is freed. Beyond it: 413.
+MAX_PROMPT_BLOCKS: Final = 262_144
+
+# ``token_ids`` of one prompt: 4 Mi tokens (more than an 8 MiB body can carry as JSON). Beyond: 413.
+MAX_PROMPT_TOKENS: Final = 4 * 1024 * 1024
+
+
+def text_too_long(value: str) -> bool:
+    """More than ``MAX_TEXT_BYTES`` bytes of UTF-8 (encoding only when the length alone cannot tell)."""
+    length = len(value)
+    if length <= MAX_TEXT_BYTES // 4:
+        return False
+    return length > MAX_TEXT_BYTES or len(value.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES
