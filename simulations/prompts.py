@@ -12,6 +12,8 @@ id, so its local hash depends on the hash id alone and is memoised per id.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from kvrouter.actors.core.hashing import block_hashes, next_sequence_hash
@@ -32,8 +34,18 @@ class PromptHasher:
         self.engine_block_size = engine_block_size
         self._aligned = trace_block_size % engine_block_size == 0
         self._local: dict[int, int] = {}  # hash id -> local hash of an engine block of that token
+        self._done: dict[int, PromptBlocks] = {}  # request index -> its blocks, once ``warm`` computed them
+
+    def warm(self, requests: Iterable[TraceRequest]) -> None:
+        """Hash every request now (once for all policies; forked policy runs inherit the results)."""
+        for request in requests:
+            self._done[request.index] = self._compute(request)
 
     def blocks(self, request: TraceRequest) -> PromptBlocks:
+        done = self._done.get(request.index)
+        return done if done is not None else self._compute(request)
+
+    def _compute(self, request: TraceRequest) -> PromptBlocks:
         ebs = self.engine_block_size
         count = request.input_length // ebs
         if self._aligned:

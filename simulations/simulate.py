@@ -39,9 +39,12 @@ def outcome_of(run: ClusterRun, block_size: int) -> PolicyOutcome:
 
 
 def run_policy(
-    trace: Trace, options: ClusterOptions, progress: Callable[[int, int], None] | None = None
+    trace: Trace,
+    options: ClusterOptions,
+    progress: Callable[[int, int], None] | None = None,
+    hasher: PromptHasher | None = None,
 ) -> PolicyOutcome:
-    hasher = PromptHasher(trace.block_size, options.engine.block_size)
+    hasher = hasher or PromptHasher(trace.block_size, options.engine.block_size)
     run = simulate_policy(trace, options, hasher, progress)
     return outcome_of(run, options.engine.block_size)
 
@@ -58,18 +61,26 @@ def run_policies(
 ) -> dict[str, PolicyOutcome]:
     """Every policy's outcome, in the order given."""
     jobs = max(1, min(jobs, len(policies)))
+    hasher = PromptHasher(trace.block_size, options.engine.block_size)
+    if len(policies) > 1:
+        hasher.warm(trace.requests)  # once, before forking: every policy uses the same prompt hashes
     if jobs == 1 or len(policies) == 1:
         outcomes = {}
         for policy in policies:
             update = on_progress(policy, len(trace.requests)) if on_progress else None
             progress = (lambda done, total, update=update: update(done)) if update else None
-            outcomes[policy] = run_policy(trace, attrs.evolve(options, policy=policy), progress)
+            outcomes[policy] = run_policy(trace, attrs.evolve(options, policy=policy), progress, hasher)
         return outcomes
-    return _run_forked(trace, options, policies, jobs, on_progress)
+    return _run_forked(trace, options, policies, jobs, on_progress, hasher)
 
 
 def _run_forked(
-    trace: Trace, options: ClusterOptions, policies: tuple[str, ...], jobs: int, on_progress: ProgressFactory | None
+    trace: Trace,
+    options: ClusterOptions,
+    policies: tuple[str, ...],
+    jobs: int,
+    on_progress: ProgressFactory | None,
+    hasher: PromptHasher,
 ) -> dict[str, PolicyOutcome]:
     context = multiprocessing.get_context("fork")
     counters = {p: context.Value("i", 0, lock=False) for p in policies}
@@ -83,7 +94,7 @@ def _run_forked(
             counter.value = done
 
         try:
-            outcome = run_policy(trace, attrs.evolve(options, policy=policy), progress)
+            outcome = run_policy(trace, attrs.evolve(options, policy=policy), progress, hasher)
             results.put((policy, outcome, None))
         except BaseException as exc:  # the parent reports it; a child must not die silently
             results.put((policy, None, f"{type(exc).__name__}: {exc}"))
