@@ -59,3 +59,30 @@ def idle_load_problems(states: list[ScopeState]) -> list[str]:
                     f"requests {len(load.requests)})"
                 )
     return problems
+
+
+def replicas_disagree(replicas: dict[str, list[ScopeState]]) -> list[str]:
+    """Replicas fed the same KV events and kept in step by replica sync must end with the same view:
+    the same live requests, the same load per rank, the same blocks per rank and the same watermarks."""
+    if len(replicas) < 2:
+        return []
+    views = {name: _view(states) for name, states in replicas.items()}
+    (first_name, first), *others = sorted(views.items())
+    problems = []
+    for name, view in others:
+        for part, value in view.items():
+            if value != first[part]:
+                problems.append(f"{name} and {first_name} disagree on {part}")
+    return problems
+
+
+def _view(states: list[ScopeState]) -> dict[str, object]:
+    requests = sorted(r for s in states for r in s.slots.requests)
+    loads = sorted(
+        (s.scope, rank, load.prefill_tokens, load.active_decode_blocks, len(load.requests))
+        for s in states
+        for rank, load in s.slots.ranks.items()
+    )
+    blocks = sorted((s.scope, rank, s.selection.index.block_count(rank)) for s in states for rank in s.slots.ranks)
+    marks = sorted((s.scope, rank, seq) for s in states for rank, seq in s.selection.kv_watermarks.items())
+    return {"live requests": requests, "loads": loads, "KV blocks per rank": blocks, "KV watermarks": marks}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import trio.testing
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.simulations.cluster import ClusterOptions, InvariantViolation
+from kvrouter.simulations.faults import CacheReset, KvLoss, RouterCrash, WorkerCrash, parse_faults
 from kvrouter.simulations.generators import synthetic
 from kvrouter.simulations.harness import SimulationOptions, simulate
 from kvrouter.simulations.policies import POLICIES
@@ -70,6 +72,8 @@ def build_parser(prog: str = "kvrouter simulate") -> argparse.ArgumentParser:
     cluster.add_argument("--max-running", type=int, help="running sequences per worker rank")
     cluster.add_argument("--kv-event-delay-ms", type=float, default=0.0, help="KV event publish-to-index latency")
     cluster.add_argument("--router-temperature", type=float, help="selection softmax temperature (default 0)")
+    cluster.add_argument("--replicas", type=int, default=1, help="router replicas kept in step by replica sync")
+    cluster.add_argument("--faults", metavar="SPEC", help="e.g. 'worker-crash@60s:worker=3;sync-drop=0.1'")
     output = parser.add_argument_group("output")
     output.add_argument("--report", metavar="FILE", help="write the report as JSON")
     output.add_argument("--plots", metavar="DIR", help="write ttft_cdf.png, reuse.png, worker_load.png")
@@ -82,7 +86,9 @@ def build_parser(prog: str = "kvrouter simulate") -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvrouter simulate") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
+    args.argv = argv
     mode = args.mode or ("trace" if args.trace or args.synthetic else "crash")
     if mode == "crash":
         return crash_mode(args)
@@ -99,7 +105,7 @@ def configure(args: argparse.Namespace) -> tuple[Trace, ClusterOptions, tuple[st
         raise OptionError("give one workload: --trace FILE or --synthetic NAME")
     if args.trace_block_size <= 0:
         raise OptionError(f"--trace-block-size must be positive, got {args.trace_block_size}")
-    for name in ("workers", "dp_size"):
+    for name in ("workers", "dp_size", "replicas"):
         if getattr(args, name) <= 0:
             raise OptionError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.requests is not None and args.requests <= 0:
@@ -125,6 +131,14 @@ def configure(args: argparse.Namespace) -> tuple[Trace, ClusterOptions, tuple[st
         if not args.router_temperature >= 0:
             raise OptionError(f"--router-temperature must be >= 0, got {args.router_temperature}")
         router = attrs.evolve(router, router_temperature=args.router_temperature)
+    faults = parse_faults(args.faults)
+    if faults.sync.active and args.replicas < 2:
+        raise OptionError("sync-* faults need --replicas 2 or more")
+    for fault in faults.timed:
+        if isinstance(fault, RouterCrash) and fault.router >= args.replicas:
+            raise OptionError(f"router-crash names router {fault.router}; routers are 0..{args.replicas - 1}")
+        if isinstance(fault, WorkerCrash | CacheReset | KvLoss) and fault.worker > args.workers:
+            raise OptionError(f"a fault names worker {fault.worker}; workers are 1..{args.workers}")
     if args.trace:
         trace = load_mooncake(args.trace, args.trace_block_size)
     else:
@@ -138,6 +152,8 @@ def configure(args: argparse.Namespace) -> tuple[Trace, ClusterOptions, tuple[st
         engine=engine,
         router=router,
         kv_event_delay_ms=args.kv_event_delay_ms,
+        replicas=args.replicas,
+        faults=faults,
     )
     return trace, options, policies, args.speedup
 
@@ -148,7 +164,8 @@ def describe(args: argparse.Namespace, trace: Trace, options: ClusterOptions, po
         f"seed={options.seed} workload={trace.source or '-'} requests={len(trace.requests)} speedup={args.speedup:g} "
         f"workers={options.workers} dp_size={options.dp_size} policies={','.join(policies)} engine={args.engine} "
         f"(blocks={e.num_blocks}x{e.block_size} batch_tokens={e.max_batched_tokens} max_running={e.max_running}) "
-        f"kv_event_delay_ms={options.kv_event_delay_ms:g} router_temperature={options.router.router_temperature:g}"
+        f"kv_event_delay_ms={options.kv_event_delay_ms:g} router_temperature={options.router.router_temperature:g} "
+        f"replicas={options.replicas} faults={args.faults or '-'!r}"
     )
 
 
@@ -162,8 +179,8 @@ def trace_mode(
         with _progress(not args.no_progress) as on_progress:
             outcomes = run_policies(trace, options, policies, jobs, on_progress)
     except (InvariantViolation, SimulationFailed) as exc:
-        print(f"FAILED: {exc}", file=sys.stderr)
-        print(f"reproduce with: kvrouter simulate {' '.join(_argv_of(args))}", file=sys.stderr)
+        print(f"FAILED (seed {options.seed}): {exc}", file=sys.stderr)
+        print(f"reproduce with: kvrouter simulate {shlex.join(args.argv)}", file=sys.stderr)
         return FAILED
     wall = time.perf_counter() - started
     report = build_report(trace, options, speedup, outcomes, args.engine)
@@ -208,10 +225,6 @@ class _progress:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    return [a for a in sys.argv[1:] if a != "simulate"] if sys.argv else []
 
 
 def crash_mode(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ import random
 from typing import Protocol
 
 import attrs
+import trio
+import trio.testing
 
 from kvrouter.actors.core.commands import Prompt
 from kvrouter.actors.core.ids import WorkerRank
@@ -59,10 +61,16 @@ class ClientPolicy:
         self.ranks = sorted(ranks)
         self.rng = rng
 
+    reads_loads = False
+
     def choose(self, router: RouterReplica) -> WorkerRank:
         raise NotImplementedError
 
     async def place(self, router: RouterReplica, request_id: str, blocks: PromptBlocks, isl_tokens: int) -> Placement:
+        if self.reads_loads:
+            # KV batches and peers' sync messages are handed over without waiting: read the loads once
+            # the router has applied everything it was sent, so the read does not depend on scheduling.
+            await trio.testing.wait_all_tasks_blocked()
         rank = self.choose(router)
         await router.reserve(request_id, rank.worker_id, rank.dp_rank, blocks.sequence_hashes, isl_tokens)
         return Placement(rank, None)
@@ -90,6 +98,7 @@ class RandomPolicy(ClientPolicy):
 
 class LeastLoadedPolicy(ClientPolicy):
     name = "least_loaded"
+    reads_loads = True
 
     def choose(self, router: RouterReplica) -> WorkerRank:
         rows = {row.rank: row for row in router.loads()}

@@ -23,9 +23,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import orjson
 
-from kvrouter.simulations.cluster import ClusterRun
+from kvrouter.simulations.cluster import ClusterRun, FaultCounters
 
 REPORT_FORMAT = 1
 
@@ -108,6 +109,8 @@ def summarise(run: ClusterRun, block_size: int) -> dict[str, Any]:
             "events_processed": run.events_processed,
         },
     }
+    if run.faults != FaultCounters():
+        summary["faults"] = attrs.asdict(run.faults)
     overlap = overlap_report(served, block_size)
     if overlap is not None:
         summary["overlap"] = overlap

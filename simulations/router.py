@@ -20,6 +20,7 @@ from kvrouter.actors.core.commands import (
     Prompt,
     ReleaseReservation,
     Reserve,
+    ResetKvStream,
     SelectWorker,
     UpsertWorker,
 )
@@ -35,6 +36,7 @@ from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import EXPIRY_AGE_NS, ActorSystem
 from kvrouter.journal.memory import MemoryJournal
+from kvrouter.simulations.replication import SimReplicator
 
 NEVER = 1e12  # seconds: the system's own timers stay quiet; the driver issues expiry sweeps itself
 
@@ -44,8 +46,17 @@ class RouterRefused(Exception):
 
 
 class RouterReplica:
-    def __init__(self, name: str, scope: ScopeKey, config: RouterConfig, seed: str, clock: TrioClock) -> None:
+    def __init__(
+        self,
+        name: str,
+        scope: ScopeKey,
+        config: RouterConfig,
+        seed: str,
+        clock: TrioClock,
+        replica_id: int | None = None,
+    ) -> None:
         self.name = name
+        self.replica_id = replica_id  # replica-sync router id; None: no replica sync
         self.scope = scope
         self.config = config
         self.seed = seed
@@ -53,6 +64,7 @@ class RouterReplica:
         self.journal = MemoryJournal()
         self.system: ActorSystem | None = None
         self._cancel: trio.CancelScope | None = None
+        self.replicator: SimReplicator | None = None
         self.restarts = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -61,6 +73,9 @@ class RouterReplica:
         self._cancel = trio.CancelScope()
         started: ActorSystem = await nursery.start(self._run, states or {})
         self.system = started
+        if self.replica_id is not None:
+            self.replicator = SimReplicator(started, self.replica_id)
+            self.replicator.attach()
 
     async def _run(
         self,
@@ -91,6 +106,7 @@ class RouterReplica:
         assert self._cancel is not None
         self._cancel.cancel()
         self.system = None
+        self.replicator = None  # its unsent messages die with it
         self.journal = self.journal.crash_copy()
         await trio.lowlevel.checkpoint()
 
@@ -160,6 +176,10 @@ class RouterReplica:
         """A KV-event batch from a worker rank's stream, as the KV listener hands it to the actor."""
         system = self._system()
         await system.submit(self.scope, IngestKvBatch(worker_id, dp_rank, seq, batch, at=self.clock.now_ns()))
+
+    async def reset_kv_stream(self, worker_id: int, dp_rank: int) -> None:
+        """What the KV listener sends when a worker's publisher restarts (its sequence went back)."""
+        await self._system().submit(self.scope, ResetKvStream(worker_id, dp_rank, at=self.clock.now_ns()))
 
     async def expire_stale(self) -> None:
         """The stale-request sweep the system runs every 30 s in production."""
