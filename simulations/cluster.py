@@ -632,7 +632,7 @@ class Cluster:
         if down:
             raise InvariantViolation(self.step, self.now_ms, [f"{', '.join(down)} still down at the end"])
         await self._check_running(full=True)
-        leftovers = any(router.state() is not None and router.state().slots.requests for router in self.routers)
+        leftovers = any(state.slots.requests for router in self.routers for state in router.states())
         if leftovers and self.options.faults.sync.active:
             # Lost or reordered replica messages leave stale requests on peers, as in 1.6.1; the
             # stale-request expiry removes them. Jump past its horizon and sweep.
@@ -673,9 +673,9 @@ def simulate_policy(
     try:
         return trio.run(cluster.run, clock=trio.testing.MockClock())
     except BaseExceptionGroup as group:  # the driver's nursery wraps what the driver raised
-        matched, _ = group.split(InvariantViolation)
-        while isinstance(matched, BaseExceptionGroup):
-            matched = matched.exceptions[0]
-        if matched is not None:
-            raise matched from None
+        found: BaseException | None = group.split(InvariantViolation)[0]
+        while isinstance(found, BaseExceptionGroup):
+            found = found.exceptions[0]
+        if found is not None:
+            raise found from None
         raise

@@ -61,17 +61,11 @@ class ClientPolicy:
         self.ranks = sorted(ranks)
         self.rng = rng
 
-    reads_loads = False
-
-    def choose(self, router: RouterReplica) -> WorkerRank:
+    async def choose(self, router: RouterReplica) -> WorkerRank:
         raise NotImplementedError
 
     async def place(self, router: RouterReplica, request_id: str, blocks: PromptBlocks, isl_tokens: int) -> Placement:
-        if self.reads_loads:
-            # KV batches and peers' sync messages are handed over without waiting: read the loads once
-            # the router has applied everything it was sent, so the read does not depend on scheduling.
-            await trio.testing.wait_all_tasks_blocked()
-        rank = self.choose(router)
+        rank = await self.choose(router)
         await router.reserve(request_id, rank.worker_id, rank.dp_rank, blocks.sequence_hashes, isl_tokens)
         return Placement(rank, None)
 
@@ -83,7 +77,7 @@ class RoundRobinPolicy(ClientPolicy):
         super().__init__(ranks, rng)
         self._next = 0
 
-    def choose(self, router: RouterReplica) -> WorkerRank:
+    async def choose(self, router: RouterReplica) -> WorkerRank:
         rank = self.ranks[self._next % len(self.ranks)]
         self._next += 1
         return rank
@@ -92,16 +86,18 @@ class RoundRobinPolicy(ClientPolicy):
 class RandomPolicy(ClientPolicy):
     name = "random"
 
-    def choose(self, router: RouterReplica) -> WorkerRank:
+    async def choose(self, router: RouterReplica) -> WorkerRank:
         return self.ranks[self.rng.randrange(len(self.ranks))]
 
 
 class LeastLoadedPolicy(ClientPolicy):
     name = "least_loaded"
-    reads_loads = True
 
-    def choose(self, router: RouterReplica) -> WorkerRank:
-        rows = {row.rank: row for row in router.loads()}
+    async def choose(self, router: RouterReplica) -> WorkerRank:
+        # KV batches and peers' sync messages are handed over without waiting: read the loads once the
+        # router has applied everything it was sent, so what is read does not depend on scheduling.
+        await trio.testing.wait_all_tasks_blocked()
+        rows = {row.rank: row for row in await router.loads()}
         keyed = []
         for rank in self.ranks:
             row = rows.get(rank)

@@ -1,8 +1,10 @@
-"""One kvrouter replica inside a simulation: the real actor system on an in-memory journal.
+"""One kvrouter replica inside a simulation: the selection service on an in-memory journal.
 
-The calls are the selection service's: the same commands the HTTP routes send, in the same order,
-with the same arguments (``api/select_routes.py``). Time comes from trio's clock, which only the
-cluster driver moves, so every command's ``at`` is a function of the trace.
+Client calls go through ``SelectService``, the service object the HTTP routes call (``api/select_routes.py``
+is a thin layer of handlers over it), so a simulated ``/select_and_reserve`` is the route's code path minus
+HTTP parsing. KV-event batches enter as the KV listener hands them over (``IngestKvBatch`` into the scope's
+mailbox, ``ResetKvStream`` on a publisher restart). Time comes from trio's clock, which only the cluster
+driver moves, so every command's ``at`` is a function of the trace.
 
 A crash drops the live actors and what they held in memory; ``restart`` recovers a new system from
 whatever the journal holds, as a restarted process would.
@@ -13,27 +15,18 @@ from __future__ import annotations
 import trio
 
 from kvrouter.actors.core.catalog import WorkerRecord
-from kvrouter.actors.core.commands import (
-    CompleteReservationPrefill,
-    ExpireStale,
-    IngestKvBatch,
-    Prompt,
-    ReleaseReservation,
-    Reserve,
-    ResetKvStream,
-    SelectWorker,
-    UpsertWorker,
-)
-from kvrouter.actors.core.decisions import Accepted, Decision, Rejected
+from kvrouter.actors.core.commands import ExpireStale, IngestKvBatch, Prompt, ResetKvStream
+from kvrouter.actors.core.decisions import Rejected
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.kv_wire import KvBatch
 from kvrouter.actors.core.queries import RankLoad
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.core.selection_queries import partition_loads
 from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import TrioClock
+from kvrouter.actors.select_service import SelectionRequest, SelectService
+from kvrouter.actors.service_support import Refused
 from kvrouter.actors.system import EXPIRY_AGE_NS, ActorSystem
 from kvrouter.journal.memory import MemoryJournal
 from kvrouter.simulations.replication import SimReplicator
@@ -63,6 +56,7 @@ class RouterReplica:
         self.clock = clock
         self.journal = MemoryJournal()
         self.system: ActorSystem | None = None
+        self.service: SelectService | None = None
         self._cancel: trio.CancelScope | None = None
         self.replicator: SimReplicator | None = None
         self.restarts = 0
@@ -71,17 +65,17 @@ class RouterReplica:
 
     async def start(self, nursery: trio.Nursery, states: dict[ScopeKey, ScopeState] | None = None) -> None:
         self._cancel = trio.CancelScope()
-        started: ActorSystem = await nursery.start(self._run, states or {})
-        self.system = started
+        system, service = await nursery.start(self._run, states or {})
+        self.system, self.service = system, service
         if self.replica_id is not None:
-            self.replicator = SimReplicator(started, self.replica_id)
+            self.replicator = SimReplicator(system, self.replica_id)
             self.replicator.attach()
 
     async def _run(
         self,
         states: dict[ScopeKey, ScopeState],
         *,
-        task_status: trio.TaskStatus[ActorSystem] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[tuple[ActorSystem, SelectService]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         assert self._cancel is not None
         with self._cancel:
@@ -99,13 +93,15 @@ class RouterReplica:
                     seed=self.seed,
                 )
                 await nursery.start(system.run)
-                task_status.started(system)
+                service: SelectService = await nursery.start(SelectService(system, self.config).run)
+                task_status.started((system, service))
 
     async def crash(self) -> None:
         """Stop the replica now; what was not journaled is lost."""
         assert self._cancel is not None
         self._cancel.cancel()
         self.system = None
+        self.service = None
         self.replicator = None  # its unsent messages die with it
         self.journal = self.journal.crash_copy()
         await trio.lowlevel.checkpoint()
@@ -124,53 +120,49 @@ class RouterReplica:
             raise RouterRefused(f"router {self.name} is down")
         return self.system
 
-    async def _ask(self, command: object) -> Accepted:
-        decision: Decision = await self._system().ask(self.scope, command)  # type: ignore[arg-type]
-        if isinstance(decision, Rejected):
-            raise RouterRefused(f"{type(command).__name__}: {decision.message}")
-        return decision
+    def _service(self) -> SelectService:
+        if self.service is None:
+            raise RouterRefused(f"router {self.name} is down")
+        return self.service
 
-    # -- the selection service's calls ------------------------------------------------------------
+    # -- the selection service's calls (what the HTTP routes call) --------------------------------
 
     async def upsert_worker(self, record: WorkerRecord) -> None:
         """``POST /workers``."""
-        await self._ask(UpsertWorker(record, self.config.use_kv_events, at=self.clock.now_ns()))
+        with _refusals():
+            status = await self._service().put_worker(record)
+        if not status.schedulable:
+            raise RouterRefused(f"worker {record.worker_id} is not schedulable: {'; '.join(status.reasons)}")
 
     async def select_and_reserve(self, prompt: Prompt, reservation_id: str) -> Selection:
         """``POST /select_and_reserve``."""
-        command = SelectWorker(prompt, self.config, reserve=True, reservation_id=reservation_id, at=self.clock.now_ns())
-        decision = await self._ask(command)
-        selection: Selection = decision.reply
-        return selection
+        with _refusals():
+            return await self._service().select_and_reserve(
+                SelectionRequest(self.scope, prompt, reservation_id=reservation_id)
+            )
 
     async def reserve(
         self, reservation_id: str, worker_id: int, dp_rank: int, sequence_hashes: tuple[int, ...], isl_tokens: int
     ) -> None:
         """``POST /reservations`` with an explicit rank (the client chose the worker itself)."""
-        command = Reserve(
-            reservation_id,
-            worker_id,
-            dp_rank,
-            sequence_hashes,
-            isl_tokens,
-            config_tracks_prefill=self.config.router_track_prefill_tokens,
-            at=self.clock.now_ns(),
-        )
-        await self._ask(command)
+        with _refusals():
+            await self._service().reserve(self.scope, reservation_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
 
     async def prefill_complete(self, reservation_id: str) -> None:
         """``POST /reservations/{id}/prefill_complete``."""
-        await self._ask(CompleteReservationPrefill(reservation_id, at=self.clock.now_ns()))
+        with _refusals():
+            await self._service().complete_prefill(reservation_id)
 
     async def release(self, reservation_id: str) -> None:
         """``DELETE /reservations/{id}``."""
-        await self._ask(ReleaseReservation(reservation_id, at=self.clock.now_ns()))
+        with _refusals():
+            await self._service().release(reservation_id)
 
-    def loads(self) -> list[RankLoad]:
+    async def loads(self) -> list[RankLoad]:
         """``GET /loads`` of the simulated partition."""
-        state = self._system().state(self.scope)
-        rows = partition_loads(state, self.config.use_kv_events) if state is not None else None
-        return rows or []
+        with _refusals():
+            partitions = await self._service().loads()
+        return next((p.loads for p in partitions if p.scope == self.scope), [])
 
     async def ingest(self, worker_id: int, dp_rank: int, seq: int, batch: KvBatch) -> None:
         """A KV-event batch from a worker rank's stream, as the KV listener hands it to the actor."""
@@ -182,11 +174,24 @@ class RouterReplica:
         await self._system().submit(self.scope, ResetKvStream(worker_id, dp_rank, at=self.clock.now_ns()))
 
     async def expire_stale(self) -> None:
-        """The stale-request sweep the system runs every 30 s in production."""
-        await self._ask(ExpireStale(EXPIRY_AGE_NS, at=self.clock.now_ns()))
+        """The stale-request sweep the system runs every 30 s in production (here the driver runs it)."""
+        decision = await self._system().ask(self.scope, ExpireStale(EXPIRY_AGE_NS, at=self.clock.now_ns()))
+        if isinstance(decision, Rejected):
+            raise RouterRefused(f"ExpireStale: {decision.message}")
 
     def state(self) -> ScopeState | None:
         return self._system().state(self.scope)
 
     def states(self) -> list[ScopeState]:
         return self._system().states()
+
+
+class _refusals:
+    """A service refusal becomes ``RouterRefused`` (the simulated client's view of a 4xx/5xx answer)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, Refused):
+            raise RouterRefused(exc.message) from exc
