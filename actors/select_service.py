@@ -319,11 +319,11 @@ class SelectService:
         prepared = selection_input(state, prompt, self.config.use_kv_events)
         if not isinstance(prepared, SelectionInput):
             raise Refused.because(prepared)
-        return prepared, candidates(state, prepared)
+        return prepared, candidates(state, prepared, all_predicted=not self.config.use_kv_events)
 
     async def dump(self) -> dict[str, Any]:
         """The index of every scope in the standalone indexer's recovery format."""
-        document = dump_document(self.system.states())
+        document = dump_document(self.system.states(), include_predicted=not self.config.use_kv_events)
         await self.system.read_barrier()
         return document
 

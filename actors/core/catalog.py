@@ -127,7 +127,7 @@ def record_problem(record: WorkerRecord) -> str | None:
 
 
 def not_schedulable_reasons(
-    record: WorkerRecord, *, use_kv_events: bool, partition_block_size: int | None
+    record: WorkerRecord, *, use_kv_events: bool, partition_block_size: int | None, queueing: bool = False
 ) -> list[str]:
     reasons = []
     if not record.endpoint:
@@ -136,6 +136,8 @@ def not_schedulable_reasons(
         reasons.append("block_size must be greater than 0")
     if record.dp_size <= 0:
         reasons.append("data_parallel_size must be greater than 0")
+    if queueing and not record.max_num_batched_tokens:
+        reasons.append("max_num_batched_tokens is required while queueing is enabled")  # 1.6.1's rule and text
     if use_kv_events:
         for rank in record.ranks:
             if record.kv_events_endpoint_for(rank.dp_rank) is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import KvBatch
 from kvrouter.actors.core.router_config import RouterConfig
 
@@ -139,6 +140,8 @@ class SelectionOptions:
     preferred_taints: tuple[tuple[str, float], ...] = ()
     pinned_worker: tuple[int, int] | None = None
     expected_output_tokens: int | None = None
+    session_id: str | None = None  # with session affinity on, a booking pins the session (actors/core/sessions.py)
+    priority_jump: float = 0.0  # seconds ahead in the queue (fcfs/lcfs), extra weight (wspt)
 
 
 @attrs.frozen
@@ -157,6 +160,10 @@ class SelectWorker:
     selection_id: str | None = None
     draw: float = 0.0
     at: int = 0
+    # Ranks the shell scores on predicted (booked) blocks although KV events are on: their stream is absent or
+    # stale (actors/core/kv_modes.py). Bookings on them are predicted too.
+    predicted_ranks: frozenset[WorkerRank] = frozenset()
+    writer_id: int = 0  # this replica's id, the version of the session bindings it writes
 
 
 @attrs.frozen
@@ -175,6 +182,12 @@ class Reserve:
     # Approximate mode: the prompt's local hashes, assumed cached on the rank for this long.
     local_hashes: tuple[int, ...] = ()
     approx_ttl_ns: int = 0
+    # Session affinity of a replayed selection: the booking pins the session (0: affinity off).
+    session_id: str | None = None
+    session_ttl_ns: int = 0
+    writer_id: int = 0
+    max_predicted_blocks: int = 2**20
+    predicted_prune_target: int = 838_860
 
 
 @attrs.frozen
@@ -209,6 +222,19 @@ class ReleaseReservation:
     at: int = 0
 
 
+@attrs.frozen
+class BindSession:
+    """A replica peer's session binding; applied when its ``(sequence, writer_id)`` is newer than ours."""
+
+    session_id: str
+    worker_id: int
+    dp_rank: int
+    sequence: int
+    writer_id: int
+    ttl_ns: int
+    at: int = 0
+
+
 Command = (
     RegisterWorker
     | UnregisterWorker
@@ -227,6 +253,7 @@ Command = (
     | CompleteReservationPrefill
     | ReleaseReservation
     | RecoverKv
+    | BindSession
 )
 
 # Commands that may bring a scope into existence; every other command to a missing scope is

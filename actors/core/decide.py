@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import singledispatch
 
-from kvrouter.actors.core import selection_rules
+from kvrouter.actors.core import predictions, selection_rules, session_rules
 from kvrouter.actors.core.commands import (
     AddRequest,
     Command,
@@ -20,7 +20,6 @@ from kvrouter.actors.core.commands import (
 )
 from kvrouter.actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import (
-    ApproxBlocksExpired,
     Event,
     PrefillCompleted,
     RequestAdded,
@@ -140,7 +139,8 @@ def _free(command: FreeRequest, state: ScopeState) -> Decision:
         return no_tracker(state)
     if command.request_id not in state.slots.requests:
         return NOTHING_CHANGED  # idempotent; an early free is forgotten, as in the reference
-    return Accepted((RequestFreed(command.request_id),))
+    ended = session_rules.released(state.selection, (command.request_id,), command.at)
+    return Accepted((RequestFreed(command.request_id), *ended))
 
 
 @_decide.register
@@ -148,10 +148,9 @@ def _expire(command: ExpireStale, state: ScopeState) -> Decision:
     cutoff = command.at - command.max_age_ns
     stale = tuple(r.request_id for r in state.slots.requests.values() if r.started_at < cutoff)
     events: list[Event] = [RequestsExpired(stale, command.at)] if stale else []
-    for rank, expiry in state.selection.approx_expiry.items():
-        lapsed = tuple(h for h, expires_at in expiry.items() if expires_at <= command.at)
-        if lapsed:
-            events.append(ApproxBlocksExpired(rank.worker_id, rank.dp_rank, lapsed))
+    events.extend(session_rules.released(state.selection, stale, command.at))
+    events.extend(predictions.lapsed(state.selection, command.at))
+    events.extend(session_rules.expired(state, command.at))
     return Accepted(tuple(events)) if events else NOTHING_CHANGED
 
 
@@ -167,3 +166,4 @@ _decide.register(selection_rules.decide_reserve_selection)
 _decide.register(selection_rules.decide_output_block)
 _decide.register(selection_rules.decide_reservation_prefill)
 _decide.register(selection_rules.decide_release)
+_decide.register(session_rules.decide_bind_session)

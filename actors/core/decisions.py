@@ -17,6 +17,7 @@ class Reason(enum.Enum):
     NOT_FOUND = "not_found"  # 404
     CONFLICT = "conflict"  # 409
     UNAVAILABLE = "unavailable"  # 503: nothing schedulable
+    OVERLOADED = "overloaded"  # 429: every eligible rank is busy (the shell may queue the request instead)
 
 
 @attrs.frozen

@@ -25,20 +25,28 @@ class DumpError(ValueError):
     """A peer's /dump that is not in the recovery format."""
 
 
-def dump_document(states: Iterable[ScopeState]) -> dict[str, Any]:
+def dump_document(states: Iterable[ScopeState], *, include_predicted: bool = False) -> dict[str, Any]:
     """The whole ``/dump``: every partition whose block size is fixed (it stays after its last worker
     left, as in 1.6.1), and any partition whose index holds blocks (recovered from a peer before its
-    workers registered). A partition whose workers never were schedulable is not listed."""
+    workers registered). A partition whose workers never were schedulable is not listed.
+
+    ``include_predicted`` (approximate mode) adds the predicted (booked) blocks after the index's, as 1.6.1's
+    approximate indexer dumps them: block hash = the chained sequence hash, tokens hash = the local hash."""
     return {
-        f"{s.scope.model_name}:{s.scope.tenant_id}": dump_scope(s)
+        f"{s.scope.model_name}:{s.scope.tenant_id}": dump_scope(s, include_predicted=include_predicted)
         for s in states
-        if s.selection.listed or not s.selection.index.is_empty()
+        if s.selection.listed
+        or not s.selection.index.is_empty()
+        or (include_predicted and not s.selection.predicted.is_empty())
     }
 
 
-def dump_scope(state: ScopeState) -> dict[str, Any]:
+def dump_scope(state: ScopeState, *, include_predicted: bool = False) -> dict[str, Any]:
     events = []
-    for event_id, run in enumerate(state.selection.index.dump_events()):
+    runs = state.selection.index.dump_events()
+    if include_predicted:
+        runs += state.selection.predicted.dump_events()
+    for event_id, run in enumerate(runs):
         blocks = [{"block_hash": ext, "tokens_hash": local, "mm_extra_info": None} for ext, local in run.blocks]
         events.append(
             {

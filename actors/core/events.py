@@ -126,6 +126,37 @@ class ApproxBlocksExpired:
 
 
 @attrs.frozen
+class SessionBound:
+    """A session is pinned to a rank (created or refreshed) at ``at``; ``reservation_id`` is the booking that
+    did it (None when a replica peer's binding was applied). It lasts while any of its bookings is live and
+    ``ttl_ns`` after its last use. ``(sequence, writer_id)`` versions the binding across replicas."""
+
+    session_id: str
+    worker_id: int
+    dp_rank: int
+    reservation_id: str | None
+    at: int
+    ttl_ns: int
+    sequence: int
+    writer_id: int
+
+
+@attrs.frozen
+class SessionReleased:
+    """A booking of the session ended at ``at``: its idle time starts counting from here."""
+
+    session_id: str
+    reservation_id: str
+    at: int
+
+
+@attrs.frozen
+class SessionsExpired:
+    session_ids: tuple[str, ...]
+    at: int
+
+
+@attrs.frozen
 class OutputBlockAdded:
     request_id: str
     decay_fraction: float | None
@@ -145,6 +176,9 @@ Event = (
     | OutputBlockAdded
     | ApproxBlocksBooked
     | ApproxBlocksExpired
+    | SessionBound
+    | SessionReleased
+    | SessionsExpired
 )
 
 EVENT_TAGS: dict[type, str] = {
@@ -155,6 +189,9 @@ EVENT_TAGS: dict[type, str] = {
     OutputBlockAdded: "output_block_added",
     ApproxBlocksBooked: "approx_blocks_booked",
     ApproxBlocksExpired: "approx_blocks_expired",
+    SessionBound: "session_bound",
+    SessionReleased: "session_released",
+    SessionsExpired: "sessions_expired",
     WorkerRegistered: "worker_registered",
     WorkerUnregistered: "worker_unregistered",
     RequestAdded: "request_added",

@@ -23,6 +23,9 @@ from kvrouter.actors.core.events import (
     RequestAdded,
     RequestFreed,
     RequestsExpired,
+    SessionBound,
+    SessionReleased,
+    SessionsExpired,
     WorkerRegistered,
     WorkerRemoved,
     WorkerUnregistered,
@@ -30,6 +33,7 @@ from kvrouter.actors.core.events import (
 )
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_index import Tier
+from kvrouter.actors.core.sessions import SessionBinding
 from kvrouter.actors.core.slots import NO_OUTPUTS, ActiveRequest, add_output_block
 from kvrouter.actors.core.state import ScopeState
 
@@ -152,24 +156,42 @@ def _stream_reset(event: KvStreamReset, state: ScopeState) -> None:
 
 @_evolve.register
 def _approx_booked(event: ApproxBlocksBooked, state: ScopeState) -> None:
-    rank = WorkerRank(event.worker_id, event.dp_rank)
-    selection = state.selection
-    selection.index.apply_stored(rank, Tier.DEVICE, None, event.blocks)
-    expiry = selection.approx_expiry.setdefault(rank, {})
-    for seq_hash, _ in event.blocks:
-        expiry[seq_hash] = event.expires_at
+    state.selection.book_predicted(WorkerRank(event.worker_id, event.dp_rank), event.blocks, event.expires_at)
 
 
 @_evolve.register
 def _approx_expired(event: ApproxBlocksExpired, state: ScopeState) -> None:
-    rank = WorkerRank(event.worker_id, event.dp_rank)
+    state.selection.expire_predicted(WorkerRank(event.worker_id, event.dp_rank), event.block_hashes)
+
+
+@_evolve.register
+def _session_bound(event: SessionBound, state: ScopeState) -> None:
     selection = state.selection
-    selection.index.apply_removed(rank, Tier.DEVICE, event.block_hashes)
-    expiry = selection.approx_expiry.get(rank, {})
-    for seq_hash in event.block_hashes:
-        expiry.pop(seq_hash, None)
-    if not expiry:
-        selection.approx_expiry.pop(rank, None)
+    old = selection.sessions.get(event.session_id)
+    live = state.slots.requests
+    requests = {r for r in old.requests if r in live} if old is not None else set()
+    if event.reservation_id is not None:
+        requests.add(event.reservation_id)
+    binding = SessionBinding(
+        event.worker_id, event.dp_rank, event.at, event.ttl_ns, event.sequence, event.writer_id, requests
+    )
+    selection.bind_session(event.session_id, binding)
+
+
+@_evolve.register
+def _session_released(event: SessionReleased, state: ScopeState) -> None:
+    selection = state.selection
+    binding = selection.sessions.get(event.session_id)
+    if binding is not None:
+        binding.requests.discard(event.reservation_id)
+        binding.last_used = max(binding.last_used, event.at)
+    selection.session_of.pop(event.reservation_id, None)
+
+
+@_evolve.register
+def _sessions_expired(event: SessionsExpired, state: ScopeState) -> None:
+    for session_id in event.session_ids:
+        state.selection.drop_session(session_id)
 
 
 @_evolve.register

@@ -52,6 +52,36 @@ class RouterConfig:
     router_track_prefill_tokens: bool = True
     shared_cache_multiplier: float = 0.0
     router_ttl_secs: float = 120.0
+    # Approximate mode (spec §3.2): predicted blocks beyond this many are pruned, oldest expiry first, down to
+    # router_prune_target_ratio of it.
+    router_max_tree_size: int = 2**20
+    router_prune_target_ratio: float = 0.8
+    # Overload (spec §2.6); None disables each rule. See actors/core/admission.py.
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: float | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+    router_queue_threshold: float | None = None
+    router_queue_policy: str = "fcfs"
+    # Session affinity: None disables it (session_id is then ignored, as in 1.6.1 without the flag).
+    session_affinity_ttl_secs: float | None = None
+    # kvrouter's per-rank fallback in KV-event mode: a rank whose stream is absent, or silent this long after a
+    # booking on it, is scored on its predicted (booked) blocks until its events resume. 0 disables it.
+    kv_events_stale_secs: float = 10.0
+
+    @property
+    def queueing(self) -> bool:
+        """Whether requests wait (instead of a 429) while every eligible rank is busy."""
+        return self.router_queue_threshold is not None
+
+    @property
+    def affinity_ttl_ns(self) -> int:
+        return 0 if self.session_affinity_ttl_secs is None else int(self.session_affinity_ttl_secs * 1e9)
+
+    @property
+    def prune_target(self) -> int:
+        """How many predicted blocks a prune leaves (at least one fewer than the maximum)."""
+        limit = self.router_max_tree_size
+        return min(limit - 1, int(limit * self.router_prune_target_ratio)) if limit > 0 else 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> RouterConfig:
@@ -72,7 +102,20 @@ _FLOAT_FIELDS: dict[str, tuple[float, float | None]] = {
     "router_temperature": (0.0, None),
     "shared_cache_multiplier": (0.0, 1.0),
     "router_ttl_secs": (0.0, None),
+    "router_prune_target_ratio": (0.0, 1.0),
+    "kv_events_stale_secs": (0.0, None),
 }
+# Optional numbers: unset means the rule is off. Same grammar and bounds as the fields above.
+_OPTIONAL_FLOAT_FIELDS: dict[str, tuple[float, float | None]] = {
+    "active_decode_blocks_threshold": (0.0, 1.0),
+    "active_prefill_tokens_threshold": (0.0, None),
+    "active_prefill_tokens_threshold_frac": (0.0, None),
+    "router_queue_threshold": (0.0, None),
+    "session_affinity_ttl_secs": (0.0, None),
+}
+_INT_FIELDS: dict[str, tuple[int, int]] = {"router_max_tree_size": (1, 2**48)}
+QUEUE_POLICIES = ("fcfs", "lcfs", "wspt")
+_CHOICE_FIELDS: dict[str, tuple[str, ...]] = {"router_queue_policy": QUEUE_POLICIES}
 _BOOL_FIELDS = frozenset({"use_kv_events", "router_assume_kv_reuse", "router_track_prefill_tokens"})
 # Deprecated: x sets prefill_load_scale = x (over the scale given alongside it), and x == 0 also zeroes the credit.
 OVERLAP_SCORE_WEIGHT = "overlap_score_weight"
@@ -88,6 +131,15 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "router_temperature": ("DYN_ROUTER_TEMPERATURE",),
     "shared_cache_multiplier": ("DYN_SHARED_CACHE_MULTIPLIER",),
     "router_ttl_secs": ("DYN_ROUTER_TTL_SECS",),
+    "router_max_tree_size": ("DYN_ROUTER_MAX_TREE_SIZE",),
+    "router_prune_target_ratio": ("DYN_ROUTER_PRUNE_TARGET_RATIO",),
+    "kv_events_stale_secs": ("DYN_ROUTER_KV_EVENTS_STALE_SECS",),
+    "active_decode_blocks_threshold": ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",),
+    "active_prefill_tokens_threshold": ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",),
+    "active_prefill_tokens_threshold_frac": ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",),
+    "router_queue_threshold": ("DYN_ROUTER_QUEUE_THRESHOLD",),
+    "router_queue_policy": ("DYN_ROUTER_QUEUE_POLICY",),
+    "session_affinity_ttl_secs": ("DYN_SESSION_AFFINITY_TTL_SECS",),
     "use_kv_events": ("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS"),
     "router_assume_kv_reuse": ("DYN_ROUTER_ASSUME_KV_REUSE",),
     "router_track_prefill_tokens": ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
@@ -145,10 +197,26 @@ def resolve(*layers: Mapping[str, Setting]) -> RouterConfig:
     return RouterConfig(**values)
 
 
-def _parse_layer(layer: Mapping[str, Setting], problems: list[str]) -> dict[str, float | bool]:
-    values: dict[str, float | bool] = {}
+def _parse_layer(layer: Mapping[str, Setting], problems: list[str]) -> dict[str, float | bool | str | int]:
+    values: dict[str, float | bool | str | int] = {}
     for field, (label, raw) in layer.items():
-        if field in _BOOL_FIELDS:
+        if field in _OPTIONAL_FLOAT_FIELDS:
+            low, high = _OPTIONAL_FLOAT_FIELDS[field]
+            number = parse_float(label, raw, low, high, problems)
+            if number is not None:
+                values[field] = number
+        elif field in _INT_FIELDS:
+            low_int, high_int = _INT_FIELDS[field]
+            whole = parse_int(label, raw.strip(), low_int, high_int, problems)
+            if whole is not None:
+                values[field] = whole
+        elif field in _CHOICE_FIELDS:
+            word = raw.strip().lower()
+            if word in _CHOICE_FIELDS[field]:
+                values[field] = word
+            else:
+                problems.append(f"{label}={raw!r} must be one of {', '.join(_CHOICE_FIELDS[field])}")
+        elif field in _BOOL_FIELDS:
             flag = parse_bool(label, raw, problems)
             if flag is not None:
                 values[field] = flag
@@ -160,7 +228,7 @@ def _parse_layer(layer: Mapping[str, Setting], problems: list[str]) -> dict[str,
         else:
             raise KeyError(f"unknown router setting {field!r}")
     weight = values.pop(OVERLAP_SCORE_WEIGHT, None)
-    if weight is not None:
+    if isinstance(weight, float):
         values["prefill_load_scale"] = weight
         if weight == 0.0:
             values["overlap_score_credit"] = 0.0

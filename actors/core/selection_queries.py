@@ -8,6 +8,8 @@ from them. Routes only format the rows.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import attrs
 
 from kvrouter.actors.core.catalog import WorkerRecord
@@ -87,12 +89,14 @@ def normalize(prompt: Prompt, block_size: int) -> NormalizedPrompt | str:
     return NormalizedPrompt(prompt.block_hashes, prompt.sequence_hashes, prompt.isl_tokens)
 
 
-def selection_input(state: ScopeState, prompt: Prompt, use_kv_events: bool) -> SelectionInput | Rejected:
+def selection_input(
+    state: ScopeState, prompt: Prompt, use_kv_events: bool, *, queueing: bool = False
+) -> SelectionInput | Rejected:
     """The partition's schedulable workers and the normalized prompt, or why the prompt cannot be scored
     here (no schedulable worker: unavailable; a malformed prompt: invalid), in that order as in 1.6.1."""
     selection = state.selection
     block_size = selection.partition_block_size
-    workers = selection.schedulable(use_kv_events) if state.exists else ()
+    workers = selection.schedulable(use_kv_events, queueing) if state.exists else ()
     if not workers or block_size is None:
         return Rejected(Reason.UNAVAILABLE, no_schedulable_workers(state.scope))
     normalized = normalize(prompt, block_size)
@@ -101,12 +105,30 @@ def selection_input(state: ScopeState, prompt: Prompt, use_kv_events: bool) -> S
     return SelectionInput(workers, block_size, normalized)
 
 
-def candidates(state: ScopeState, request: SelectionInput) -> list[RankCandidate]:
-    """One candidate per rank of every schedulable worker, in catalog order then rank order."""
+def candidates(
+    state: ScopeState,
+    request: SelectionInput,
+    *,
+    predicted_ranks: Collection[WorkerRank] = (),
+    all_predicted: bool = False,
+) -> list[RankCandidate]:
+    """One candidate per rank of every schedulable worker, in catalog order then rank order.
+
+    A rank is scored on the KV-event index, or, when predicted (``all_predicted`` in approximate mode, else
+    listed in ``predicted_ranks``), on the longer device match of its predicted (booked) blocks and of what
+    the index last knew (in approximate mode the index holds only what peers' dumps recovered).
+    """
     prompt = request.prompt
     local_hashes = prompt.local_hashes
     sequence_hashes = prompt.sequence_hashes
-    matches = state.selection.index.find_matches(local_hashes) if local_hashes else {}
+    selection = state.selection
+    matches = selection.index.find_matches(local_hashes) if local_hashes else {}
+    if local_hashes and (all_predicted or predicted_ranks):
+        for rank, guess in selection.predicted.find_matches(local_hashes).items():
+            if all_predicted or rank in predicted_ranks:
+                known = matches.get(rank)
+                if known is None or guess.device > known.device:
+                    matches[rank] = guess
     ranks = state.slots.ranks
     out = []
     for record in request.workers:

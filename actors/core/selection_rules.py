@@ -11,6 +11,8 @@ from typing import Any
 
 import attrs
 
+from kvrouter.actors.core import predictions, session_rules
+from kvrouter.actors.core.admission import not_busy
 from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_problem
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
@@ -27,7 +29,7 @@ from kvrouter.actors.core.commands import (
 )
 from kvrouter.actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import (
-    ApproxBlocksBooked,
+    Event,
     KvClearedOp,
     KvIndexed,
     KvOp,
@@ -45,6 +47,7 @@ from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
 from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_WORKERS_PER_SCOPE
 from kvrouter.actors.core.selection import (
+    RankCandidate,
     Refusal,
     cost,
     effective_cached_tokens,
@@ -55,6 +58,7 @@ from kvrouter.actors.core.selection import (
     reported_decode_blocks,
 )
 from kvrouter.actors.core.selection_queries import candidates, selection_input
+from kvrouter.actors.core.session_rules import preferred_rank
 from kvrouter.actors.core.state import ScopeState
 
 REFUSAL_REASON = {Refusal.INVALID: Reason.INVALID, Refusal.UNAVAILABLE: Reason.UNAVAILABLE}
@@ -76,7 +80,13 @@ class Selection:
     track_prefill_tokens: bool
     reservation_id: str | None = None
     local_hashes: tuple[int, ...] = ()
-    approx_ttl_ns: int = 0  # > 0 in approximate mode: a booking counts as cached this long
+    approx_ttl_ns: int = 0  # > 0 on a predicted rank: a booking counts as cached this long
+    # What a later booking of this selection (the replay form) needs to pin the session and prune predictions.
+    session_id: str | None = None
+    session_ttl_ns: int = 0
+    writer_id: int = 0
+    max_predicted_blocks: int = 2**20
+    predicted_prune_target: int = 838_860
 
 
 def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_events: bool) -> int | None:
@@ -174,12 +184,12 @@ def decide_reset(command: ResetKvStream, state: ScopeState) -> Decision:
 
 def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     config = command.config
-    request = selection_input(state, command.prompt, config.use_kv_events)
+    request = selection_input(state, command.prompt, config.use_kv_events, queueing=config.queueing)
     if isinstance(request, Rejected):
         return request
     block_size = request.block_size
     prompt = request.prompt
-    found = candidates(state, request)
+    found = candidates(state, request, predicted_ranks=command.predicted_ranks, all_predicted=not config.use_kv_events)
     options = command.options
     pinned = WorkerRank(*options.pinned_worker) if options.pinned_worker is not None else None
     kept = eligible(
@@ -190,40 +200,22 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     )
     if not isinstance(kept, list):
         return Rejected(REFUSAL_REASON[kept.reason], kept.message)
-    min_prefill = min(c.active_prefill_tokens for c in kept)
-    preferred = dict(options.preferred_taints)
-    # Ranks in the same situation (typically idle and cold) cost the same: compute each once.
-    memo: dict[tuple[object, ...], float] = {}
-    costs = []
-    for c in kept:
-        key = (
-            c.overlap,
-            c.active_prefill_tokens,
-            c.active_decode_blocks,
-            c.active_requests,
-            c.prompt_overlap_depth,
-            c.taints,
-        )
-        value = memo.get(key)
-        if value is None:
-            value = memo[key] = cost(
-                c,
-                isl=prompt.isl_tokens,
-                num_seq_hashes=len(prompt.sequence_hashes),
-                block_size=block_size,
-                config=config,
-                min_active_prefill=min_prefill,
-                preferred_taints=preferred,
-            )
-        costs.append((c.rank, value))
-    chosen_rank = pick(costs, temperature=config.router_temperature, draw=command.draw)
-    chosen = next(c for c in kept if c.rank == chosen_rank)
+    free = not_busy(kept, state.selection.catalog, config)  # spec §2.6: busy ranks are left out
+    if isinstance(free, Rejected):
+        return free
+    session_id = options.session_id if config.affinity_ttl_ns > 0 else None
+    preferred = preferred_rank(state.selection, session_id, command.at, state.slots.requests)
+    chosen = next((c for c in free if c.rank == preferred), None)  # a pinned session's rank, while eligible
+    if chosen is None:
+        chosen = _cheapest(free, prompt.isl_tokens, len(prompt.sequence_hashes), block_size, command)
+    chosen_rank = chosen.rank
     cached = effective_cached_tokens(chosen.overlap, config, block_size)
     effective = effective_prefill_tokens(prompt.isl_tokens, cached)
     record = state.selection.catalog[chosen_rank.worker_id]
     # Every rank of the chosen worker is a candidate (the worker is schedulable), filtered out or not.
     per_rank = {c.rank.dp_rank: c.overlap for c in found if c.rank.worker_id == chosen_rank.worker_id}
     track = config.router_track_prefill_tokens
+    predicted = not config.use_kv_events or chosen_rank in command.predicted_ranks
     selection = Selection(
         worker_id=chosen_rank.worker_id,
         dp_rank=chosen_rank.dp_rank,
@@ -243,7 +235,12 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         track_prefill_tokens=track,
         reservation_id=command.reservation_id if command.reserve else None,
         local_hashes=prompt.local_hashes,
-        approx_ttl_ns=0 if config.use_kv_events else int(config.router_ttl_secs * 1e9),
+        approx_ttl_ns=int(config.router_ttl_secs * 1e9) if predicted else 0,
+        session_id=session_id,
+        session_ttl_ns=config.affinity_ttl_ns,
+        writer_id=command.writer_id,
+        max_predicted_blocks=config.router_max_tree_size,
+        predicted_prune_target=config.prune_target,
     )
     if not command.reserve:
         return Accepted(reply=selection)
@@ -258,27 +255,63 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         effective if track else 0,
         command.at,
     )
-    return Accepted(
-        (
-            event,
-            *approx_booking(
-                chosen_rank, prompt.sequence_hashes, prompt.local_hashes, selection.approx_ttl_ns, command.at
-            ),
-        ),
-        created=True,
-        reply=selection,
+    booked = predictions.book(
+        state.selection,
+        chosen_rank,
+        prompt.sequence_hashes,
+        prompt.local_hashes,
+        ttl_ns=selection.approx_ttl_ns,
+        at=command.at,
+        max_blocks=config.router_max_tree_size,
+        prune_target=config.prune_target,
     )
+    pinned_session: tuple[Event, ...] = ()
+    if session_id is not None:
+        pinned_session = session_rules.bind(
+            state,
+            session_id,
+            chosen_rank,
+            reservation_id,
+            at=command.at,
+            ttl_ns=config.affinity_ttl_ns,
+            writer_id=command.writer_id,
+        )
+    return Accepted((event, *booked, *pinned_session), created=True, reply=selection)
 
 
-def approx_booking(
-    rank: WorkerRank, sequence_hashes: tuple[int, ...], local_hashes: tuple[int, ...], ttl_ns: int, at: int
-) -> tuple[ApproxBlocksBooked, ...]:
-    """Approximate mode (spec §3.2): without KV events, what was just booked on a rank is assumed
-    cached there for ``router_ttl_secs``. Nothing in KV-event mode or without local hashes."""
-    if ttl_ns <= 0 or not local_hashes or len(local_hashes) != len(sequence_hashes):
-        return ()
-    blocks = tuple(zip(sequence_hashes, local_hashes, strict=True))
-    return (ApproxBlocksBooked(rank.worker_id, rank.dp_rank, blocks, at + ttl_ns),)
+def _cheapest(
+    kept: list[RankCandidate], isl: int, num_seq_hashes: int, block_size: int, command: SelectWorker
+) -> RankCandidate:
+    """The cost function's pick among the eligible ranks (spec §2.4)."""
+    config = command.config
+    min_prefill = min(c.active_prefill_tokens for c in kept)
+    preferred = dict(command.options.preferred_taints)
+    # Ranks in the same situation (typically idle and cold) cost the same: compute each once.
+    memo: dict[tuple[object, ...], float] = {}
+    costs = []
+    for c in kept:
+        key = (
+            c.overlap,
+            c.active_prefill_tokens,
+            c.active_decode_blocks,
+            c.active_requests,
+            c.prompt_overlap_depth,
+            c.taints,
+        )
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = cost(
+                c,
+                isl=isl,
+                num_seq_hashes=num_seq_hashes,
+                block_size=block_size,
+                config=config,
+                min_active_prefill=min_prefill,
+                preferred_taints=preferred,
+            )
+        costs.append((c.rank, value))
+    chosen_rank = pick(costs, temperature=config.router_temperature, draw=command.draw)
+    return next(c for c in kept if c.rank == chosen_rank)
 
 
 def already_reserved(reservation_id: str) -> Rejected:
@@ -310,8 +343,28 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
     event = RequestAdded(
         command.reservation_id, command.worker_id, command.dp_rank, command.sequence_hashes, prefill, command.at
     )
-    booked = approx_booking(rank, command.sequence_hashes, command.local_hashes, command.approx_ttl_ns, command.at)
-    return Accepted((event, *booked), created=True)
+    booked = predictions.book(
+        state.selection,
+        rank,
+        command.sequence_hashes,
+        command.local_hashes,
+        ttl_ns=command.approx_ttl_ns,
+        at=command.at,
+        max_blocks=command.max_predicted_blocks,
+        prune_target=command.predicted_prune_target,
+    )
+    pinned_session: tuple[Event, ...] = ()
+    if command.session_id is not None and command.session_ttl_ns > 0:
+        pinned_session = session_rules.bind(
+            state,
+            command.session_id,
+            rank,
+            command.reservation_id,
+            at=command.at,
+            ttl_ns=command.session_ttl_ns,
+            writer_id=command.writer_id,
+        )
+    return Accepted((event, *booked, *pinned_session), created=True)
 
 
 def no_pending_selection(state: ScopeState, selection_id: str) -> Rejected:
@@ -350,4 +403,5 @@ def decide_reservation_prefill(command: CompleteReservationPrefill, state: Scope
 def decide_release(command: ReleaseReservation, state: ScopeState) -> Decision:
     if command.reservation_id not in state.slots.requests:
         return reservation_not_found(command.reservation_id)
-    return Accepted((RequestFreed(command.reservation_id),))
+    ended = session_rules.released(state.selection, (command.reservation_id,), command.at)
+    return Accepted((RequestFreed(command.reservation_id), *ended))

@@ -12,48 +12,77 @@ from typing import Any
 
 from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
 from kvrouter.actors.core.ids import WorkerRank
-from kvrouter.actors.core.kv_index import KvIndex
+from kvrouter.actors.core.kv_index import KvIndex, Tier
+from kvrouter.actors.core.sessions import SessionBinding
 
 
 class SelectionState:
-    __slots__ = ("approx_expiry", "catalog", "index", "kv_watermarks", "partition_block_size", "schedulable_cache")
+    __slots__ = (
+        "approx_count",
+        "approx_expiry",
+        "catalog",
+        "index",
+        "kv_watermarks",
+        "partition_block_size",
+        "predicted",
+        "schedulable_cache",
+        "session_of",
+        "sessions",
+    )
 
     def __init__(self) -> None:
         self.partition_block_size: int | None = None
         self.catalog: dict[int, WorkerRecord] = {}
+        # What the workers' KV events (and peers' dumps) say is cached.
         self.index = KvIndex()
         # Per rank, the last KV-event sequence number applied (a restarted service resumes each stream there).
         self.kv_watermarks: dict[WorkerRank, int] = {}
-        # Approximate mode: when each booked block stops counting as cached, per rank.
+        # Predicted blocks (spec §3.2): what was booked on a rank scored without KV events, kept apart from the
+        # event-fed index so that the two never rename each other's blocks.
+        self.predicted = KvIndex()
+        # When each predicted block stops counting as cached, per rank, in booking order (a re-booked block
+        # moves to the end), which is expiry order while the TTL is fixed: pruning takes the oldest first.
         self.approx_expiry: dict[WorkerRank, dict[int, int]] = {}
-        # Derived: schedulable records per use_kv_events setting, dropped by evolve whenever the catalog
+        self.approx_count = 0  # derived: entries in approx_expiry
+        # Session affinity, least recently used first; ``session_of`` (derived) maps a booking to its session.
+        self.sessions: dict[str, SessionBinding] = {}
+        self.session_of: dict[str, str] = {}
+        # Derived: schedulable records per (use_kv_events, queueing), dropped by evolve whenever the catalog
         # or the partition's block size changes.
-        self.schedulable_cache: dict[bool, tuple[WorkerRecord, ...]] = {}
+        self.schedulable_cache: dict[tuple[bool, bool], tuple[WorkerRecord, ...]] = {}
 
     @property
     def exists(self) -> bool:
         """Once a partition has a block size it stays; before that it lives while it has records or blocks
         (blocks can arrive from a peer's ``/dump`` before any worker registers)."""
-        return bool(self.catalog) or self.partition_block_size is not None or not self.index.is_empty()
+        return (
+            bool(self.catalog)
+            or self.partition_block_size is not None
+            or not self.index.is_empty()
+            or not self.predicted.is_empty()
+        )
 
     @property
     def listed(self) -> bool:
         """Whether ``/loads`` shows the partition: once a schedulable worker fixed its block size."""
         return self.partition_block_size is not None
 
-    def schedulable(self, use_kv_events: bool) -> tuple[WorkerRecord, ...]:
+    def schedulable(self, use_kv_events: bool, queueing: bool = False) -> tuple[WorkerRecord, ...]:
         """Records that can take requests, in catalog order (cached until the catalog or block size changes)."""
-        cached = self.schedulable_cache.get(use_kv_events)
+        key = (use_kv_events, queueing)
+        cached = self.schedulable_cache.get(key)
         if cached is None:
-            cached = self.schedulable_cache[use_kv_events] = self._schedulable(use_kv_events)
+            cached = self.schedulable_cache[key] = self._schedulable(use_kv_events, queueing)
         return cached
 
-    def _schedulable(self, use_kv_events: bool) -> tuple[WorkerRecord, ...]:
+    def _schedulable(self, use_kv_events: bool, queueing: bool = False) -> tuple[WorkerRecord, ...]:
         block_size = self.partition_block_size
         return tuple(
             record
             for record in self.catalog.values()
-            if not not_schedulable_reasons(record, use_kv_events=use_kv_events, partition_block_size=block_size)
+            if not not_schedulable_reasons(
+                record, use_kv_events=use_kv_events, partition_block_size=block_size, queueing=queueing
+            )
         )
 
     # -- mutations (evolve only) ------------------------------------------------------------------------
@@ -75,7 +104,40 @@ class SelectionState:
     def forget_rank(self, rank: WorkerRank) -> None:
         self.index.remove_rank(rank)
         self.kv_watermarks.pop(rank, None)
-        self.approx_expiry.pop(rank, None)
+        self.predicted.remove_rank(rank)
+        self.approx_count -= len(self.approx_expiry.pop(rank, {}))
+
+    def book_predicted(self, rank: WorkerRank, blocks: tuple[tuple[int, int], ...], expires_at: int) -> None:
+        self.predicted.apply_stored(rank, Tier.DEVICE, None, blocks)
+        expiry = self.approx_expiry.setdefault(rank, {})
+        for seq_hash, _ in blocks:
+            if expiry.pop(seq_hash, None) is None:
+                self.approx_count += 1
+            expiry[seq_hash] = expires_at  # to the young end
+
+    def expire_predicted(self, rank: WorkerRank, block_hashes: tuple[int, ...]) -> None:
+        self.predicted.apply_removed(rank, Tier.DEVICE, block_hashes)
+        expiry = self.approx_expiry.get(rank, {})
+        for seq_hash in block_hashes:
+            if expiry.pop(seq_hash, None) is not None:
+                self.approx_count -= 1
+        if not expiry:
+            self.approx_expiry.pop(rank, None)
+
+    def bind_session(self, session_id: str, binding: SessionBinding) -> None:
+        old = self.sessions.pop(session_id, None)  # to the recently used end
+        if old is not None:
+            for request_id in old.requests - binding.requests:
+                self.session_of.pop(request_id, None)
+        self.sessions[session_id] = binding
+        for request_id in binding.requests:
+            self.session_of[request_id] = session_id
+
+    def drop_session(self, session_id: str) -> None:
+        binding = self.sessions.pop(session_id, None)
+        if binding is not None:
+            for request_id in binding.requests:
+                self.session_of.pop(request_id, None)
 
     # -- snapshot ---------------------------------------------------------------------------------------
 
@@ -88,6 +150,8 @@ class SelectionState:
             "approx_expiry": [
                 [r.worker_id, r.dp_rank, list(map(list, expiry.items()))] for r, expiry in self.approx_expiry.items()
             ],
+            "predicted": self.predicted.to_snapshot(),
+            "sessions": [[session_id, binding.to_plain()] for session_id, binding in self.sessions.items()],
         }
 
     @classmethod
@@ -100,6 +164,10 @@ class SelectionState:
         selection.index = KvIndex.from_snapshot(data["index"])
         selection.kv_watermarks = {WorkerRank(w, r): seq for w, r, seq in data["kv_watermarks"]}
         selection.approx_expiry = {WorkerRank(w, r): {h: t for h, t in items} for w, r, items in data["approx_expiry"]}
+        selection.approx_count = sum(map(len, selection.approx_expiry.values()))
+        selection.predicted = KvIndex.from_snapshot(data["predicted"])
+        for session_id, plain in data["sessions"]:
+            selection.bind_session(session_id, SessionBinding.from_plain(plain))
         return selection
 
     # -- invariants -------------------------------------------------------------------------------------
@@ -112,10 +180,19 @@ class SelectionState:
                 problems.append(f"catalog entry {worker_id} holds worker {record.worker_id}")
         if self.partition_block_size is not None and self.partition_block_size <= 0:
             problems.append(f"partition block size {self.partition_block_size}")
-        for use_kv_events, cached in self.schedulable_cache.items():
-            if cached != self._schedulable(use_kv_events):
-                problems.append(f"stale schedulable cache (use_kv_events={use_kv_events})")
+        problems.extend(f"predicted index: {problem}" for problem in self.predicted.check())
+        for (use_kv_events, queueing), cached in self.schedulable_cache.items():
+            if cached != self._schedulable(use_kv_events, queueing):
+                with_queue = ", queueing=True" if queueing else ""
+                problems.append(f"stale schedulable cache (use_kv_events={use_kv_events}{with_queue})")
         for rank, expiry in self.approx_expiry.items():
             if not expiry:
                 problems.append(f"{rank}: empty approximate-mode expiry kept")
+        if self.approx_count != sum(map(len, self.approx_expiry.values())):
+            problems.append(f"predicted block count {self.approx_count} does not match the expiry entries")
+        if self.approx_count < self.predicted.block_count():
+            problems.append("a predicted block has no expiry")
+        expected = {r: s for s, b in self.sessions.items() for r in b.requests}
+        if self.session_of != expected:
+            problems.append("the booking-to-session map does not match the sessions' bookings")
         return problems

@@ -6,7 +6,8 @@ A snapshot payload is JSON::
 
 Versions: 1 stored each scope flat (one shared ``block_size``, output blocks as ``[count, weight]``); 2 stores
 each scope as its two parts, ``{"model_name", "tenant_id", "slots": {...}, "selection": {...}}``, with output
-blocks as ``[decayed, weight, whole]`` (see ``actors/core/slots.py``).
+blocks as ``[decayed, weight, whole]`` (see ``actors/core/slots.py``); 3 keeps predicted (booked) blocks in their
+own index (``selection.predicted``, out of ``selection.index``) and adds ``selection.sessions``.
 
 To change the layout (as v2 did, splitting each scope in two): bump ``SNAPSHOT_VERSION`` to N+1 and write ONE
 function that turns a version-N document into an N+1 document, registered for its version::
@@ -28,12 +29,13 @@ from typing import Any, Final
 
 import orjson
 
-from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.kv_index import KvIndex, Tier
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import digest
 from kvrouter.journal.store import CorruptJournal
 
-SNAPSHOT_VERSION: Final = 2
+SNAPSHOT_VERSION: Final = 3
 
 SnapshotUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # version it reads -> a function turning that version's document into the next version's.
@@ -151,6 +153,34 @@ def _split_scope_v1(scope: dict[str, Any]) -> dict[str, Any]:
             "approx_expiry": scope["approx_expiry"],
         },
     }
+
+
+@snapshot_upcaster(from_version=2)
+def _scopes_v2_to_v3(document: dict[str, Any]) -> dict[str, Any]:
+    for scope in document["scopes"]:
+        _split_predicted_v2(scope["selection"])
+    return document
+
+
+def _split_predicted_v2(selection: dict[str, Any]) -> None:
+    """v2 kept booked blocks in the one index: move each rank's runs made only of booked blocks (those with an
+    expiry, chained from the root or from a booked block) to the predicted index. No sessions existed."""
+    index = KvIndex.from_snapshot(selection["index"])
+    predicted = KvIndex()
+    booked = {WorkerRank(w, r): {h for h, _ in items} for w, r, items in selection["approx_expiry"]}
+    moved = []
+    for run in index.dump_events():
+        hashes = booked.get(run.rank)
+        if run.tier is not Tier.DEVICE or hashes is None:
+            continue
+        if all(ext in hashes for ext, _ in run.blocks) and (run.parent_hash is None or run.parent_hash in hashes):
+            predicted.apply_stored(run.rank, Tier.DEVICE, run.parent_hash, run.blocks)
+            moved.append(run)
+    for run in moved:
+        index.apply_removed(run.rank, Tier.DEVICE, (run.blocks[0][0],))
+    selection["index"] = index.to_snapshot()
+    selection["predicted"] = predicted.to_snapshot()
+    selection["sessions"] = []
 
 
 def _outputs_v1_to_v2(count: int, weight: float) -> list[Any]:

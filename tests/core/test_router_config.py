@@ -44,6 +44,15 @@ def test_defaults_are_the_reference_defaults() -> None:
         "router_track_prefill_tokens": True,
         "shared_cache_multiplier": 0.0,
         "router_ttl_secs": 120.0,
+        "router_max_tree_size": 2**20,
+        "router_prune_target_ratio": 0.8,
+        "active_decode_blocks_threshold": None,
+        "active_prefill_tokens_threshold": None,
+        "active_prefill_tokens_threshold_frac": None,
+        "router_queue_threshold": None,
+        "router_queue_policy": "fcfs",
+        "session_affinity_ttl_secs": None,
+        "kv_events_stale_secs": 10.0,  # kvrouter's own (per-rank fallback); not a 1.6.1 knob
     }
 
 

@@ -224,9 +224,9 @@ def test_approximate_bookings_expire_after_their_ttl() -> None:
     config = RouterConfig(use_kv_events=False, router_ttl_secs=120.0)
     prompt = Prompt(token_ids=tuple(range(8)))
     s.ok(SelectWorker(prompt, config, reserve=True, reservation_id="r", at=0))
-    assert s.state.selection.index.block_count() == 2
+    assert s.state.selection.predicted.block_count() == 2
     s.ok(FreeRequest("r", at=SECOND))  # the cache outlives the request
-    assert s.state.selection.index.block_count() == 2
+    assert s.state.selection.predicted.block_count() == 2
     assert s.ok(ExpireStale(300 * SECOND, at=119 * SECOND)).events == ()
     s.ok(ExpireStale(300 * SECOND, at=120 * SECOND))
-    assert s.state.selection.index.block_count() == 0 and s.state.selection.approx_expiry == {}
+    assert s.state.selection.predicted.block_count() == 0 and s.state.selection.approx_expiry == {}

@@ -27,6 +27,9 @@ from kvrouter.actors.core.events import (
     RequestAdded,
     RequestFreed,
     RequestsExpired,
+    SessionBound,
+    SessionReleased,
+    SessionsExpired,
     WorkerRegistered,
     WorkerRemoved,
     WorkerUnregistered,
@@ -100,6 +103,18 @@ SAMPLES: dict[str, Event] = {
     ),
     "approx_blocks_expired": ApproxBlocksExpired(worker_id=9, dp_rank=0, block_hashes=(302,)),
     "worker_removed": WorkerRemoved(worker_id=10),
+    "session_bound": SessionBound(
+        session_id="sess-a",
+        worker_id=9,
+        dp_rank=1,
+        reservation_id="res-s",
+        at=1_700_000_000_000_000_020,
+        ttl_ns=30_000_000_000,
+        sequence=4,
+        writer_id=77,
+    ),
+    "session_released": SessionReleased(session_id="sess-a", reservation_id="res-s", at=1_700_000_000_000_000_021),
+    "sessions_expired": SessionsExpired(session_ids=("sess-b",), at=1_700_000_000_000_000_022),
 }
 
 
@@ -152,20 +167,52 @@ HISTORY: dict[ScopeKey, tuple[Event, ...]] = {
 }
 
 
-def sample_states() -> list[ScopeState]:
-    """``HISTORY`` folded, one state per scope, sorted by scope (the order snapshots use)."""
+# Events that exist since snapshot format 3 (session affinity), folded after ``HISTORY``. Kept apart because
+# ``golden/journals/history.v0.jsonl`` is ``HISTORY`` as builds before record versions wrote it.
+LATER_HISTORY: dict[ScopeKey, tuple[Event, ...]] = {
+    SELECTION_SCOPE: (
+        RequestAdded("res-s", worker_id=9, dp_rank=1, sequence_hashes=(71, 72), prefill_tokens=64, at=_AT + 19),
+        SAMPLES["session_bound"],
+        SessionBound(
+            "sess-b", worker_id=9, dp_rank=0, reservation_id=None, at=_AT + 12, ttl_ns=5, sequence=1, writer_id=3
+        ),
+        SessionBound(
+            "sess-c", worker_id=9, dp_rank=0, reservation_id=None, at=_AT + 13, ttl_ns=9, sequence=2, writer_id=5
+        ),
+        SAMPLES["sessions_expired"],
+        RequestAdded("res-t", worker_id=9, dp_rank=0, sequence_hashes=(81,), prefill_tokens=32, at=_AT + 23),
+        SessionBound(
+            "sess-a", worker_id=9, dp_rank=1, reservation_id="res-t", at=_AT + 24, ttl_ns=7, sequence=5, writer_id=77
+        ),
+        RequestFreed(request_id="res-s"),
+        SAMPLES["session_released"],
+    ),
+}
+
+
+def history_states() -> list[ScopeState]:
+    """``HISTORY`` folded, one state per scope, sorted by scope: what builds before snapshot format 3 held."""
     return sorted((fold(ScopeState(scope), events) for scope, events in HISTORY.items()), key=lambda s: s.scope)
+
+
+def sample_states() -> list[ScopeState]:
+    """``HISTORY`` then ``LATER_HISTORY`` folded, one state per scope, sorted by scope (the order snapshots use)."""
+    states = history_states()
+    for state in states:
+        fold(state, LATER_HISTORY.get(state.scope, ()))
+    return states
 
 
 def sample_states_written_by(snapshot_version: int) -> list[ScopeState]:
     """The sample states as the build that wrote ``snapshot.v<snapshot_version>.json`` held them.
 
-    Before snapshot version 2, every output block of a request weighed the request's latest decay fraction;
-    since then each block keeps its own weight (1.6.1's rule), so ``HISTORY``'s ``req-a`` (a block at 0.25,
-    then one at 1.0) held 2 x 0.25 then and holds 0.25 + 1.0 now. Restoring an old snapshot keeps the loads
+    Before snapshot version 3 there were no sessions (``LATER_HISTORY``). Before snapshot version 2, every
+    output block of a request weighed the request's latest decay fraction; since then each block keeps its own
+    weight (1.6.1's rule), so ``HISTORY``'s ``req-a`` (a block at 0.25, then one at 1.0) held 2 x 0.25 then and
+    holds 0.25 + 1.0 now. Restoring an old snapshot keeps the loads
     it recorded, so the old golden restores to the old weights.
     """
-    states = sample_states()
+    states = sample_states() if snapshot_version >= 3 else history_states()
     if snapshot_version < 2:
         for state in states:
             for rank in state.slots.ranks.values():

@@ -29,6 +29,8 @@ from golden_samples import (
 import kvrouter.actors.persistence.codec as codec
 import kvrouter.actors.persistence.snapshots as snapshots
 from kvrouter.actors.core.events import EVENT_TAGS, RequestAdded, RequestFreed
+from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.kv_index import Tier
 from kvrouter.actors.persistence.codec import (
     RECORD_VERSION,
     RecordFormatError,
@@ -208,21 +210,31 @@ def test_the_v1_snapshot_splits_its_block_size_between_the_parts() -> None:
 
 
 def test_a_snapshot_upcaster_is_one_registered_function(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build reading v3: the v1 golden goes through both steps, the v2 golden through the last one."""
-    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 3)
-    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {1: snapshots.SNAPSHOT_UPCASTERS[1]})
+    """A build reading v4: every older golden goes through each step up from its version, v3 through the last."""
+    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 4)
+    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {v: snapshots.SNAPSHOT_UPCASTERS[v] for v in (1, 2)})
 
-    @snapshot_upcaster(from_version=2)
-    def _scopes_v2_to_v3(document: dict[str, Any]) -> dict[str, Any]:
+    @snapshot_upcaster(from_version=3)
+    def _scopes_v3_to_v4(document: dict[str, Any]) -> dict[str, Any]:
         for scope in document["scopes"]:
             scope["tenant_id"] = scope["tenant_id"].upper()  # visible in the restored states
         return document
 
-    for version in (1, 2):
+    for version in (1, 2, 3):
         restored = restore_snapshot(snapshot_path(version).read_bytes())
         assert sorted(scope.tenant_id for scope in restored) == ["GOLDEN-TENANT", "SELECTION-TENANT"]
     with pytest.raises(ValueError, match="two snapshot upcasters"):
-        snapshot_upcaster(from_version=2)(_scopes_v2_to_v3)
+        snapshot_upcaster(from_version=3)(_scopes_v3_to_v4)
+
+
+def test_the_v2_snapshot_moves_booked_blocks_to_the_predicted_index() -> None:
+    """v2 kept approximate-mode bookings in the one index; v3 keeps them apart from the KV-event index."""
+    restored = restore_snapshot(snapshot_path(2).read_bytes())
+    selection = restored[sorted(restored)[1]].selection
+    booked, from_events = WorkerRank(9, 0), WorkerRank(9, 1)
+    assert selection.predicted.rank_block_counts() == {booked: {Tier.DEVICE: 2}}
+    assert selection.index.rank_block_counts() == {from_events: {Tier.DEVICE: 2}}
+    assert selection.sessions == {}
 
 
 def test_an_old_snapshot_is_checked_against_its_hash_before_upcasting() -> None:

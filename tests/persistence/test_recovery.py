@@ -8,7 +8,14 @@ from pathlib import Path
 import orjson
 import pytest
 import trio
-from golden_samples import GOLDEN, HISTORY, SNAPSHOT_LSN, sample_states, sample_states_written_by, snapshot_path
+from golden_samples import (
+    GOLDEN,
+    HISTORY,
+    SNAPSHOT_LSN,
+    history_states,
+    sample_states_written_by,
+    snapshot_path,
+)
 
 from kvrouter.actors.core.events import EVENT_TAGS, PrefillCompleted
 from kvrouter.actors.core.ids import ScopeKey
@@ -54,11 +61,11 @@ def test_a_journal_of_version_zero_records_recovers_like_a_current_one() -> None
     old = recover(memory_journal(v0_payloads))
     new = recover(memory_journal(history_records()))
 
-    expected = {state.scope: state for state in sample_states()}
+    expected = {state.scope: state for state in history_states()}
     assert states_digest(old.states) == states_digest(new.states) == states_digest(expected)
 
 
-@pytest.mark.parametrize("version", [1, SNAPSHOT_VERSION])
+@pytest.mark.parametrize("version", range(1, SNAPSHOT_VERSION + 1))
 def test_recovery_starts_from_the_golden_snapshot(version: int) -> None:
     payload = snapshot_path(version).read_bytes()
     journal = memory_journal([b"covered by the snapshot"] * SNAPSHOT_LSN, Snapshot(SNAPSHOT_LSN, payload))
@@ -188,4 +195,4 @@ def test_a_rotten_newest_snapshot_recovers_the_same_state_from_the_previous_one(
     recovered = recover(FileJournal.open(tmp_path, Durability.ALWAYS))
 
     assert (recovered.snapshot_lsn, recovered.replayed_records) == (6, len(records) - 6)
-    assert states_digest(recovered.states) == states_digest({s.scope: s for s in sample_states()})
+    assert states_digest(recovered.states) == states_digest({s.scope: s for s in history_states()})
