@@ -15,6 +15,9 @@ from collections.abc import Iterable
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
+import pytest
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = {"kvrouter", "tests", "benchmarks"}
 
@@ -101,3 +104,38 @@ def test_an_import_that_arrives_only_transitively_is_reported(tmp_path: Path) ->
         "hypothesis": [str(module)],
     }
     assert set(undeclared_imports([module], declared("test"))) == {"sortedcontainers", "idna"}
+
+
+def constraint_pins(text: str) -> dict[str, str]:
+    """``.ci/constraints.txt`` as {normalised name: version}; every non-comment line must be an exact pin."""
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        requirement = Requirement(line)
+        (specifier,) = requirement.specifier
+        assert specifier.operator == "==", f"{line!r} is not an exact pin"
+        pins[_normalise(requirement.name)] = specifier.version
+    return pins
+
+
+def test_ci_constraints_pin_every_declared_dependency_inside_its_range() -> None:
+    """pyproject.toml states compatible ranges (what a user installing kvrouter beside other packages needs);
+    CI and README install the exact set in .ci/constraints.txt. A range widened or narrowed without updating
+    the pins, or a new dependency without a pin, fails here instead of CI resolving something untested."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = constraint_pins((ROOT / ".ci" / "constraints.txt").read_text())
+    for spec in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+        requirement = Requirement(spec)
+        name = _normalise(requirement.name)
+        assert name in pins, f"{name} is declared but .ci/constraints.txt does not pin it"
+        assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {requirement.specifier}"
+        assert not any(s.operator == "==" for s in requirement.specifier), f"{spec!r}: pin in constraints, not here"
+
+
+def test_a_pin_outside_the_declared_range_is_reported() -> None:
+    pins = constraint_pins("# comment\ntrio==0.36.0\n")
+    assert not Requirement("trio>=0.35.0,<0.36").specifier.contains(pins["trio"])
+    with pytest.raises(AssertionError, match="not an exact pin"):
+        constraint_pins("trio>=0.35\n")
