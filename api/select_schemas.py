@@ -13,6 +13,7 @@ import attrs
 
 from kvrouter.actors.core.catalog import WorkerRecord, record_problem
 from kvrouter.actors.core.commands import Prompt, SelectionOptions
+from kvrouter.actors.core.constraints import ENFORCEMENTS
 from kvrouter.actors.core.endpoints import parse_decimal
 from kvrouter.actors.core.ids import U32_MAX, ScopeKey
 from kvrouter.actors.core.limits import MAX_PROMPT_TOKENS, MAX_RANKS_PER_WORKER, MAX_TAINTS, MAX_TOPOLOGY_DOMAINS
@@ -83,6 +84,7 @@ class WorkerBody:
     kv_transfer_domain: str | None = None
     kv_transfer_enforcement: str | None = None
     kv_transfer_preferred_weight: float | None = None
+    worker_role: str | None = None  # prefill / decode / both (kvrouter's; disaggregated serving)
 
     def to_record(self) -> WorkerRecord:
         """The catalog record, fully checked (422 types, 413 sizes, 400 what could never work), so that
@@ -94,6 +96,12 @@ class WorkerBody:
         ):
             if size > limit:
                 raise HttpError(413, f"{field}: {size} entries exceed the maximum of {limit}")
+        if self.kv_transfer_enforcement is not None and self.kv_transfer_enforcement not in ENFORCEMENTS:
+            variant = self.kv_transfer_enforcement
+            expected = " or ".join(f"`{e}`" for e in ENFORCEMENTS)
+            raise HttpError(
+                422, _deserialize_failed(f"kv_transfer_enforcement: unknown variant `{variant}`, expected {expected}")
+            )
         scope = _scope(self.model_name, self.tenant_id, self.routing_group)
         record = WorkerRecord(
             worker_id=self.worker_id,
@@ -110,11 +118,12 @@ class WorkerBody:
             total_kv_blocks=self.total_kv_blocks,
             stable_routing_id=self.stable_routing_id,
             is_eagle=self.is_eagle,
-            taints=tuple(self.taints or ()),
+            taints=tuple(sorted(set(self.taints or ()))),  # a set, as in 1.6.1 (which lists it in hash order)
             topology_domains=tuple(sorted((self.topology_domains or {}).items())),
             kv_transfer_domain=self.kv_transfer_domain,
             kv_transfer_enforcement=self.kv_transfer_enforcement,
             kv_transfer_preferred_weight=self.kv_transfer_preferred_weight,
+            worker_role=self.worker_role,
         )
         problem = record_problem(record)
         if problem is not None:

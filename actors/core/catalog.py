@@ -9,7 +9,7 @@ never stored and can never go stale.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -17,6 +17,19 @@ import attrs
 from kvrouter.actors.core.endpoints import MAX_PORT, InvalidEndpoint, parse_zmq_endpoint
 from kvrouter.actors.core.ids import U32_MAX, ScopeKey, WorkerRank
 from kvrouter.actors.core.limits import MAX_RANKS_PER_WORKER
+
+# Topology domains are routing taints too (spec §5); the prefix is reserved for them.
+TOPOLOGY_TAINT_PREFIX = "dynamo.topology/"
+
+
+def topology_taint(domain: str, value: str) -> str:
+    """The canonical taint of one topology entry: ``zone=us-east-1a`` is ``dynamo.topology/zone=us-east-1a``."""
+    return f"{TOPOLOGY_TAINT_PREFIX}{domain}={value}"
+
+
+def routing_taints(taints: Iterable[str], topology_domains: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """Every taint a worker carries for routing: its own and one per topology domain."""
+    return frozenset(taints) | {topology_taint(domain, value) for domain, value in topology_domains}
 
 
 @attrs.frozen
@@ -40,6 +53,7 @@ class WorkerRecord:
     kv_transfer_domain: str | None = None
     kv_transfer_enforcement: str | None = None
     kv_transfer_preferred_weight: float | None = None
+    worker_role: str | None = None  # prefill / decode / both (None: both); see actors/core/constraints.py
 
     def to_plain(self) -> dict[str, Any]:
         """JSON-ready form for snapshots (tuples become lists)."""
@@ -68,7 +82,8 @@ class WorkerRecord:
 
     @functools.cached_property
     def taint_set(self) -> frozenset[str]:
-        return frozenset(self.taints)
+        """The taints routing matches: the worker's own and one per topology domain."""
+        return routing_taints(self.taints, self.topology_domains)
 
     @functools.cached_property
     def ranks(self) -> tuple[WorkerRank, ...]:
@@ -178,6 +193,8 @@ def record_view(record: WorkerRecord, lifecycle: str, reasons: list[str]) -> dic
         kv_transfer_enforcement=record.kv_transfer_enforcement,
         kv_transfer_preferred_weight=record.kv_transfer_preferred_weight,
     )
+    if record.worker_role is not None:  # shown only when set, like 1.6.1's optional router hints
+        view["worker_role"] = record.worker_role
     if reasons:
         view["not_schedulable_reasons"] = reasons
     return view

@@ -164,6 +164,25 @@ class SelectWorker:
     # stale (actors/core/kv_modes.py). Bookings on them are predicted too.
     predicted_ranks: frozenset[WorkerRank] = frozenset()
     writer_id: int = 0  # this replica's id, the version of the session bindings it writes
+    turn: int = 0  # round-robin position, counted per scope by the actor (round-robin selections only)
+
+
+@attrs.frozen
+class SelectDisaggregated:
+    """Pick a prefill rank (KV-aware) and then a decode rank (load only) and book both, atomically, as the two
+    parts ``<reservation_id>:prefill`` and ``<reservation_id>:decode``; decode only when no prefill rank is
+    eligible (see ``actors/core/disaggregation.py``). ``draw`` and ``decode_draw`` (one per stage) and ``turn``
+    (both stages' round-robin position) come from the actor, as for :class:`SelectWorker`."""
+
+    prompt: Prompt
+    config: RouterConfig
+    reservation_id: str
+    options: SelectionOptions = SelectionOptions()
+    draw: float = 0.0
+    decode_draw: float = 0.0
+    turn: int = 0
+    at: int = 0
+    predicted_ranks: frozenset[WorkerRank] = frozenset()  # as for SelectWorker
 
 
 @attrs.frozen
@@ -188,6 +207,7 @@ class Reserve:
     writer_id: int = 0
     max_predicted_blocks: int = 2**20
     predicted_prune_target: int = 838_860
+    expected_output_tokens: int | None = None
 
 
 @attrs.frozen
@@ -203,6 +223,9 @@ class AddOutputBlock:
     request_id: str
     decay_fraction: float | None = None
     at: int = 0
+    # ``router_track_output_blocks``: without a decay_fraction, derive it from the reservation's
+    # expected_output_tokens (when it was booked with them).
+    track_output_blocks: bool = False
 
 
 @attrs.frozen
@@ -247,6 +270,7 @@ Command = (
     | IngestKvBatch
     | ResetKvStream
     | SelectWorker
+    | SelectDisaggregated
     | Reserve
     | ReserveSelection
     | AddOutputBlock

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import singledispatch
 
-from kvrouter.actors.core import predictions, selection_rules, session_rules
+from kvrouter.actors.core import disaggregation, predictions, selection_rules, session_rules
 from kvrouter.actors.core.commands import (
     AddRequest,
     Command,
@@ -167,3 +167,4 @@ _decide.register(selection_rules.decide_output_block)
 _decide.register(selection_rules.decide_reservation_prefill)
 _decide.register(selection_rules.decide_release)
 _decide.register(session_rules.decide_bind_session)
+_decide.register(disaggregation.decide_select_disaggregated)

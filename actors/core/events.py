@@ -31,6 +31,7 @@ class RequestAdded:
     sequence_hashes: tuple[int, ...]
     prefill_tokens: int
     at: int
+    expected_output_tokens: int | None = None  # the selection service's, for output-block decay
 
 
 @attrs.frozen

@@ -73,7 +73,8 @@ def _unregistered(event: WorkerUnregistered, state: ScopeState) -> None:
 @_evolve.register
 def _added(event: RequestAdded, state: ScopeState) -> None:
     rank = WorkerRank(event.worker_id, event.dp_rank)
-    state.slots.admit(ActiveRequest(event.request_id, rank, event.sequence_hashes, event.at), event.prefill_tokens)
+    request = ActiveRequest(event.request_id, rank, event.sequence_hashes, event.at, event.expected_output_tokens)
+    state.slots.admit(request, event.prefill_tokens)
 
 
 @_evolve.register

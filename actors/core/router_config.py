@@ -67,6 +67,9 @@ class RouterConfig:
     # kvrouter's per-rank fallback in KV-event mode: a rank whose stream is absent, or silent this long after a
     # booking on it, is scored on its predicted (booked) blocks until its events resume. 0 disables it.
     kv_events_stale_secs: float = 10.0
+    router_mode: str = "kv"  # see actors/core/routing_modes.py
+    router_track_active_blocks: bool = True  # off: bookings hold no decode blocks (prefill-only pools)
+    router_track_output_blocks: bool = False  # on: output blocks decay by expected_output_tokens
 
     @property
     def queueing(self) -> bool:
@@ -116,7 +119,18 @@ _OPTIONAL_FLOAT_FIELDS: dict[str, tuple[float, float | None]] = {
 _INT_FIELDS: dict[str, tuple[int, int]] = {"router_max_tree_size": (1, 2**48)}
 QUEUE_POLICIES = ("fcfs", "lcfs", "wspt")
 _CHOICE_FIELDS: dict[str, tuple[str, ...]] = {"router_queue_policy": QUEUE_POLICIES}
-_BOOL_FIELDS = frozenset({"use_kv_events", "router_assume_kv_reuse", "router_track_prefill_tokens"})
+_BOOL_FIELDS = frozenset(
+    {
+        "use_kv_events",
+        "router_assume_kv_reuse",
+        "router_track_prefill_tokens",
+        "router_track_active_blocks",
+        "router_track_output_blocks",
+    }
+)
+_MODE_FIELD = "router_mode"
+# Spelled as Dynamo's --router-mode does (dashes); underscores are accepted too.
+ROUTER_MODES = ("kv", "round_robin", "random", "direct", "least_loaded")
 # Deprecated: x sets prefill_load_scale = x (over the scale given alongside it), and x == 0 also zeroes the credit.
 OVERLAP_SCORE_WEIGHT = "overlap_score_weight"
 
@@ -143,6 +157,9 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "use_kv_events": ("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS"),
     "router_assume_kv_reuse": ("DYN_ROUTER_ASSUME_KV_REUSE",),
     "router_track_prefill_tokens": ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
+    "router_track_active_blocks": ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",),
+    "router_track_output_blocks": ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",),
+    _MODE_FIELD: ("DYN_ROUTER_MODE",),
     OVERLAP_SCORE_WEIGHT: ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT"),
 }
 
@@ -190,17 +207,44 @@ def resolve(*layers: Mapping[str, Setting]) -> RouterConfig:
     # see through a name known only at run time.
     values: dict[str, Any] = {}
     problems: list[str] = []
+    labels: dict[str, str] = {}
     for layer in layers:
         values.update(_parse_layer(layer, problems))
+        labels.update({field: label for field, (label, _) in layer.items()})
     if problems:
         raise InvalidSettings(problems)
-    return RouterConfig(**values)
+    config = RouterConfig(**values)
+    problem = config_problem(config)
+    if problem:
+        involved = ("router_track_output_blocks", "router_track_active_blocks")
+        named = ", ".join(labels[field] for field in involved if field in labels)
+        raise InvalidSettings([f"{problem} ({named})" if named else problem])
+    return config
+
+
+def config_problem(config: RouterConfig) -> str | None:
+    """A combination of knobs that cannot work together (spec §2.9's validation), or None."""
+    if config.router_track_output_blocks and not config.router_track_active_blocks:
+        return "output-block tracking requires active-block tracking"
+    return None
+
+
+def parse_router_mode(raw: str) -> str | None:
+    """The canonical router mode for ``raw`` (``round-robin`` or ``round_robin``, any case), else None."""
+    name = raw.strip().lower().replace("-", "_")
+    return name if name in ROUTER_MODES else None
 
 
 def _parse_layer(layer: Mapping[str, Setting], problems: list[str]) -> dict[str, float | bool | str | int]:
     values: dict[str, float | bool | str | int] = {}
     for field, (label, raw) in layer.items():
-        if field in _OPTIONAL_FLOAT_FIELDS:
+        if field == _MODE_FIELD:
+            mode = parse_router_mode(raw)
+            if mode is None:
+                problems.append(f"{label}={raw!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
+            else:
+                values[field] = mode
+        elif field in _OPTIONAL_FLOAT_FIELDS:
             low, high = _OPTIONAL_FLOAT_FIELDS[field]
             number = parse_float(label, raw, low, high, problems)
             if number is not None:
@@ -305,6 +349,8 @@ class RouterConfigOverride:
     assume_kv_reuse: bool | None = None
     track_prefill_tokens: bool | None = None
     shared_cache_multiplier: float | None = None
+    track_active_blocks: bool | None = None  # kvrouter's: not in 1.6.1's override
+    track_output_blocks: bool | None = None  # kvrouter's: not in 1.6.1's override
 
     def credit_and_scale(self) -> tuple[float | None, float | None]:
         """Credit and scale after the deprecated weight: weight x sets scale x, and x == 0 also zeroes credit.
@@ -346,6 +392,8 @@ class RouterConfigOverride:
             router_assume_kv_reuse=_pick(self.assume_kv_reuse, config.router_assume_kv_reuse),
             router_track_prefill_tokens=_pick(self.track_prefill_tokens, config.router_track_prefill_tokens),
             shared_cache_multiplier=_pick(self.shared_cache_multiplier, config.shared_cache_multiplier),
+            router_track_active_blocks=_pick(self.track_active_blocks, config.router_track_active_blocks),
+            router_track_output_blocks=_pick(self.track_output_blocks, config.router_track_output_blocks),
         )
 
 

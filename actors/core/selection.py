@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
+from kvrouter.actors.core.constraints import preference_factor
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.router_config import RouterConfig
 
@@ -173,9 +174,7 @@ def cost(
         logit = config.prefill_load_scale * max(0.0, raw_prefill_blocks - credit_blocks) + decode_blocks + request_cost
 
     if preferred_taints:
-        # fsum is exact, so the total does not depend on the order of the request's map.
-        weight = math.fsum(w for taint, w in preferred_taints.items() if taint in candidate.taints)
-        logit *= math.exp(-math.tanh(weight))
+        logit *= preference_factor(candidate.taints, preferred_taints)
     return logit
 
 
@@ -262,16 +261,23 @@ def eligible(
     if pinned is not None and allowed is not None and pinned.worker_id not in allowed:
         return Ineligible(Refusal.INVALID, f"pinned worker {pinned.worker_id} is not in allowed worker set")
     required = frozenset(required_taints)
-    kept = [
+    reachable = [
         c
         for c in candidates
-        if (allowed is None or c.rank.worker_id in allowed)
-        and required <= c.taints
-        and (pinned is None or c.rank == pinned)
+        if (allowed is None or c.rank.worker_id in allowed) and (pinned is None or c.rank == pinned)
     ]
+    kept = [c for c in reachable if required <= c.taints] if required else reachable
     if not kept:
+        if reachable:  # the required taints alone left nothing: say which (1.6.1 says only the first part)
+            return Ineligible(Refusal.UNAVAILABLE, missing_required_taints(required))
         return Ineligible(Refusal.UNAVAILABLE, NO_ENDPOINTS)
     return kept
+
+
+def missing_required_taints(required: Collection[str]) -> str:
+    """503 text when no otherwise eligible worker carries every required taint."""
+    shown = ", ".join(sorted(required))
+    return f"{NO_ENDPOINTS}: no eligible worker carries every required taint of routing_constraints [{shown}]"
 
 
 def _round_half_away(value: float) -> int:

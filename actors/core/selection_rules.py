@@ -7,6 +7,7 @@ arrives in the command (``SelectWorker.draw``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -24,9 +25,11 @@ from kvrouter.actors.core.commands import (
     Reserve,
     ReserveSelection,
     ResetKvStream,
+    SelectionOptions,
     SelectWorker,
     UpsertWorker,
 )
+from kvrouter.actors.core.constraints import RoutingConstraints, can_decode, catalog_problem
 from kvrouter.actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import (
     Event,
@@ -46,7 +49,10 @@ from kvrouter.actors.core.events import (
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
 from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_WORKERS_PER_SCOPE
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.routing_modes import DIRECT_NEEDS_PIN, MODE_DIRECT, MODE_KV, choose_without_cost
 from kvrouter.actors.core.selection import (
+    NO_ENDPOINTS,
     RankCandidate,
     Refusal,
     cost,
@@ -57,8 +63,9 @@ from kvrouter.actors.core.selection import (
     pick,
     reported_decode_blocks,
 )
-from kvrouter.actors.core.selection_queries import candidates, selection_input
+from kvrouter.actors.core.selection_queries import SelectionInput, candidates, selection_input
 from kvrouter.actors.core.session_rules import preferred_rank
+from kvrouter.actors.core.slots import NO_OUTPUTS, expected_decay, output_block_count
 from kvrouter.actors.core.state import ScopeState
 
 REFUSAL_REASON = {Refusal.INVALID: Reason.INVALID, Refusal.UNAVAILABLE: Reason.UNAVAILABLE}
@@ -87,6 +94,7 @@ class Selection:
     writer_id: int = 0
     max_predicted_blocks: int = 2**20
     predicted_prune_target: int = 838_860
+    track_active_blocks: bool = True  # False: the booking holds no decode blocks
 
 
 def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_events: bool) -> int | None:
@@ -102,7 +110,7 @@ def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_e
 
 def upsert_refusal(state: ScopeState, record: WorkerRecord) -> Rejected | None:
     """Why ``record`` cannot enter ``state``'s catalog: invalid (400), or the scope is full (409)."""
-    problem = record_problem(record)
+    problem = record_problem(record) or catalog_problem(record)
     if problem is not None:
         return Rejected(Reason.INVALID, problem)
     catalog = state.selection.catalog
@@ -187,15 +195,85 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     request = selection_input(state, command.prompt, config.use_kv_events, queueing=config.queueing)
     if isinstance(request, Rejected):
         return request
-    block_size = request.block_size
-    prompt = request.prompt
-    found = candidates(state, request, predicted_ranks=command.predicted_ranks, all_predicted=not config.use_kv_events)
     options = command.options
     pinned = WorkerRank(*options.pinned_worker) if options.pinned_worker is not None else None
+    if config.router_mode == MODE_DIRECT and pinned is None:
+        return Rejected(Reason.INVALID, DIRECT_NEEDS_PIN)
+    serving = with_workers(request, can_decode)
+    if serving is None:
+        return Rejected(Reason.UNAVAILABLE, ONLY_PREFILL_WORKERS)
+    found = candidates(state, serving, predicted_ranks=command.predicted_ranks, all_predicted=not config.use_kv_events)
+    session_id = options.session_id if config.affinity_ttl_ns > 0 else None
+    chosen = choose_rank(
+        state,
+        found,
+        serving,
+        options,
+        RoutingConstraints(options.required_taints, options.preferred_taints),
+        pinned=pinned,
+        config=config,
+        draw=command.draw,
+        turn=command.turn,
+        at=command.at,
+        session_id=session_id,
+    )
+    if isinstance(chosen, Rejected):
+        return chosen
+    selection = selection_of(
+        state,
+        serving,
+        found,
+        chosen,
+        config,
+        command.reservation_id if command.reserve else None,
+        predicted_ranks=command.predicted_ranks,
+        session_id=session_id,
+        writer_id=command.writer_id,
+    )
+    if not command.reserve:
+        return Accepted(reply=selection)
+    reservation_id = command.reservation_id or ""
+    if reservation_id in state.slots.requests:
+        return already_reserved(reservation_id)
+    events = booking_events(state, selection, command.at, options.expected_output_tokens)
+    return Accepted(events, created=True, reply=selection)
+
+
+# 503 text when the partition's only schedulable workers cannot decode (aggregated selections need one).
+ONLY_PREFILL_WORKERS = (
+    f"{NO_ENDPOINTS}: every schedulable worker has worker_role prefill (use POST /select_disaggregated)"
+)
+
+
+def with_workers(request: SelectionInput, usable: Callable[[WorkerRecord], bool]) -> SelectionInput | None:
+    """``request`` restricted to the workers ``usable`` accepts (by role), or None when none is left."""
+    workers = tuple(record for record in request.workers if usable(record))
+    if len(workers) == len(request.workers):
+        return request
+    return attrs.evolve(request, workers=workers) if workers else None
+
+
+def choose_rank(
+    state: ScopeState,
+    found: list[RankCandidate],
+    request: SelectionInput,
+    options: SelectionOptions,
+    constraints: RoutingConstraints,
+    *,
+    pinned: WorkerRank | None,
+    config: RouterConfig,
+    draw: float,
+    turn: int,
+    at: int,
+    session_id: str | None = None,
+) -> RankCandidate | Rejected:
+    """The rank a selection takes (spec §2.4-§2.6, §5), or why there is none: the eligible ranks (allowed ids,
+    required taints, pin), minus busy ones; then a session's pinned rank while it is among them; else the
+    router mode's pick (the cost function for ``kv``)."""
     kept = eligible(
         found,
         allowed_worker_ids=options.allowed_worker_ids,
-        required_taints=options.required_taints,
+        required_taints=constraints.required,
         pinned=pinned,
     )
     if not isinstance(kept, list):
@@ -203,89 +281,31 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     free = not_busy(kept, state.selection.catalog, config)  # spec §2.6: busy ranks are left out
     if isinstance(free, Rejected):
         return free
-    session_id = options.session_id if config.affinity_ttl_ns > 0 else None
-    preferred = preferred_rank(state.selection, session_id, command.at, state.slots.requests)
+    preferred = preferred_rank(state.selection, session_id, at, state.slots.requests)
     chosen = next((c for c in free if c.rank == preferred), None)  # a pinned session's rank, while eligible
-    if chosen is None:
-        chosen = _cheapest(free, prompt.isl_tokens, len(prompt.sequence_hashes), block_size, command)
-    chosen_rank = chosen.rank
-    cached = effective_cached_tokens(chosen.overlap, config, block_size)
-    effective = effective_prefill_tokens(prompt.isl_tokens, cached)
-    record = state.selection.catalog[chosen_rank.worker_id]
-    # Every rank of the chosen worker is a candidate (the worker is schedulable), filtered out or not.
-    per_rank = {c.rank.dp_rank: c.overlap for c in found if c.rank.worker_id == chosen_rank.worker_id}
-    track = config.router_track_prefill_tokens
-    predicted = not config.use_kv_events or chosen_rank in command.predicted_ranks
-    selection = Selection(
-        worker_id=chosen_rank.worker_id,
-        dp_rank=chosen_rank.dp_rank,
-        endpoint=record.endpoint,
-        block_size=block_size,
-        overlap=overlap_summary(per_rank, block_size),
-        effective_prefill_tokens=effective,
-        potential_decode_blocks=reported_decode_blocks(
-            chosen.active_decode_blocks,
-            num_seq_hashes=len(prompt.sequence_hashes),
-            isl=prompt.isl_tokens,
-            block_size=block_size,
-            prompt_overlap_depth=chosen.prompt_overlap_depth,
-        ),
-        sequence_hashes=prompt.sequence_hashes,
-        isl_tokens=prompt.isl_tokens,
-        track_prefill_tokens=track,
-        reservation_id=command.reservation_id if command.reserve else None,
-        local_hashes=prompt.local_hashes,
-        approx_ttl_ns=int(config.router_ttl_secs * 1e9) if predicted else 0,
-        session_id=session_id,
-        session_ttl_ns=config.affinity_ttl_ns,
-        writer_id=command.writer_id,
-        max_predicted_blocks=config.router_max_tree_size,
-        predicted_prune_target=config.prune_target,
-    )
-    if not command.reserve:
-        return Accepted(reply=selection)
-    reservation_id = command.reservation_id or ""
-    if reservation_id in state.slots.requests:
-        return already_reserved(reservation_id)
-    event = RequestAdded(
-        reservation_id,
-        chosen_rank.worker_id,
-        chosen_rank.dp_rank,
-        prompt.sequence_hashes,
-        effective if track else 0,
-        command.at,
-    )
-    booked = predictions.book(
-        state.selection,
-        chosen_rank,
-        prompt.sequence_hashes,
-        prompt.local_hashes,
-        ttl_ns=selection.approx_ttl_ns,
-        at=command.at,
-        max_blocks=config.router_max_tree_size,
-        prune_target=config.prune_target,
-    )
-    pinned_session: tuple[Event, ...] = ()
-    if session_id is not None:
-        pinned_session = session_rules.bind(
-            state,
-            session_id,
-            chosen_rank,
-            reservation_id,
-            at=command.at,
-            ttl_ns=config.affinity_ttl_ns,
-            writer_id=command.writer_id,
-        )
-    return Accepted((event, *booked, *pinned_session), created=True, reply=selection)
+    if chosen is not None:
+        return chosen
+    if config.router_mode != MODE_KV:
+        chosen_rank = choose_without_cost(config.router_mode, free, draw=draw, turn=turn)
+        return next(c for c in free if c.rank == chosen_rank)
+    prompt = request.prompt
+    # Without active-block tracking a booking adds no decode blocks, so none are projected either.
+    num_seq_hashes = len(prompt.sequence_hashes) if config.router_track_active_blocks else 0
+    return _cheapest(free, prompt.isl_tokens, num_seq_hashes, request.block_size, config, constraints, draw)
 
 
 def _cheapest(
-    kept: list[RankCandidate], isl: int, num_seq_hashes: int, block_size: int, command: SelectWorker
+    kept: list[RankCandidate],
+    isl: int,
+    num_seq_hashes: int,
+    block_size: int,
+    config: RouterConfig,
+    constraints: RoutingConstraints,
+    draw: float,
 ) -> RankCandidate:
     """The cost function's pick among the eligible ranks (spec §2.4)."""
-    config = command.config
     min_prefill = min(c.active_prefill_tokens for c in kept)
-    preferred = dict(command.options.preferred_taints)
+    preferred = dict(constraints.preferred)
     # Ranks in the same situation (typically idle and cold) cost the same: compute each once.
     memo: dict[tuple[object, ...], float] = {}
     costs = []
@@ -310,8 +330,106 @@ def _cheapest(
                 preferred_taints=preferred,
             )
         costs.append((c.rank, value))
-    chosen_rank = pick(costs, temperature=config.router_temperature, draw=command.draw)
+    chosen_rank = pick(costs, temperature=config.router_temperature, draw=draw)
     return next(c for c in kept if c.rank == chosen_rank)
+
+
+def selection_of(
+    state: ScopeState,
+    request: SelectionInput,
+    found: list[RankCandidate],
+    chosen: RankCandidate,
+    config: RouterConfig,
+    reservation_id: str | None,
+    *,
+    predicted_ranks: frozenset[WorkerRank] = frozenset(),
+    session_id: str | None = None,
+    writer_id: int = 0,
+) -> Selection:
+    """What a selection of ``chosen`` answers, and everything its booking (now or replayed) needs."""
+    block_size = request.block_size
+    prompt = request.prompt
+    cached = effective_cached_tokens(chosen.overlap, config, block_size)
+    record = state.selection.catalog[chosen.rank.worker_id]
+    # Every rank of the chosen worker is a candidate (the worker is schedulable), filtered out or not.
+    per_rank = {c.rank.dp_rank: c.overlap for c in found if c.rank.worker_id == chosen.rank.worker_id}
+    predicted = not config.use_kv_events or chosen.rank in predicted_ranks
+    tracks_blocks = config.router_track_active_blocks
+    return Selection(
+        worker_id=chosen.rank.worker_id,
+        dp_rank=chosen.rank.dp_rank,
+        endpoint=record.endpoint,
+        block_size=block_size,
+        overlap=overlap_summary(per_rank, block_size),
+        effective_prefill_tokens=effective_prefill_tokens(prompt.isl_tokens, cached),
+        potential_decode_blocks=reported_decode_blocks(
+            chosen.active_decode_blocks,
+            num_seq_hashes=len(prompt.sequence_hashes) if tracks_blocks else 0,
+            isl=prompt.isl_tokens if tracks_blocks else 0,
+            block_size=block_size,
+            prompt_overlap_depth=chosen.prompt_overlap_depth if tracks_blocks else 0,
+        ),
+        sequence_hashes=prompt.sequence_hashes,
+        isl_tokens=prompt.isl_tokens,
+        track_prefill_tokens=config.router_track_prefill_tokens,
+        reservation_id=reservation_id,
+        local_hashes=prompt.local_hashes,
+        approx_ttl_ns=int(config.router_ttl_secs * 1e9) if predicted else 0,
+        session_id=session_id,
+        session_ttl_ns=config.affinity_ttl_ns,
+        writer_id=writer_id,
+        max_predicted_blocks=config.router_max_tree_size,
+        predicted_prune_target=config.prune_target,
+        track_active_blocks=tracks_blocks,
+    )
+
+
+def booking_events(
+    state: ScopeState,
+    selection: Selection,
+    at: int,
+    expected_output_tokens: int | None,
+    *,
+    predict: bool = True,
+) -> tuple[Event, ...]:
+    """The events that book ``selection`` under its reservation id: its loads (no decode blocks without
+    active-block tracking), its blocks as predicted on a rank scored without KV events (unless ``predict`` is
+    off), and its session's pin."""
+    rank = WorkerRank(selection.worker_id, selection.dp_rank)
+    reservation_id = selection.reservation_id or ""
+    booked = RequestAdded(
+        reservation_id,
+        selection.worker_id,
+        selection.dp_rank,
+        selection.sequence_hashes if selection.track_active_blocks else (),
+        selection.effective_prefill_tokens if selection.track_prefill_tokens else 0,
+        at,
+        expected_output_tokens,
+    )
+    predicted: tuple[Event, ...] = ()
+    if predict:
+        predicted = predictions.book(
+            state.selection,
+            rank,
+            selection.sequence_hashes,
+            selection.local_hashes,
+            ttl_ns=selection.approx_ttl_ns,
+            at=at,
+            max_blocks=selection.max_predicted_blocks,
+            prune_target=selection.predicted_prune_target,
+        )
+    pinned_session: tuple[Event, ...] = ()
+    if selection.session_id is not None:
+        pinned_session = session_rules.bind(
+            state,
+            selection.session_id,
+            rank,
+            reservation_id,
+            at=at,
+            ttl_ns=selection.session_ttl_ns,
+            writer_id=selection.writer_id,
+        )
+    return (booked, *predicted, *pinned_session)
 
 
 def already_reserved(reservation_id: str) -> Rejected:
@@ -341,7 +459,13 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
         tracked = command.config_tracks_prefill if override is None else override
         prefill = command.isl_tokens if tracked else 0
     event = RequestAdded(
-        command.reservation_id, command.worker_id, command.dp_rank, command.sequence_hashes, prefill, command.at
+        command.reservation_id,
+        command.worker_id,
+        command.dp_rank,
+        command.sequence_hashes,
+        prefill,
+        command.at,
+        command.expected_output_tokens,
     )
     booked = predictions.book(
         state.selection,
@@ -385,9 +509,16 @@ def reservation_not_found(reservation_id: str) -> Rejected:
 
 
 def decide_output_block(command: AddOutputBlock, state: ScopeState) -> Decision:
-    if command.request_id not in state.slots.requests:
+    request = state.slots.requests.get(command.request_id)
+    if request is None:
         return reservation_not_found(command.request_id)
-    return Accepted((OutputBlockAdded(command.request_id, command.decay_fraction),))
+    decay = command.decay_fraction
+    expected = request.expected_output_tokens
+    block_size = state.block_size
+    if decay is None and command.track_output_blocks and expected is not None and block_size:
+        so_far = output_block_count(state.slots.ranks[request.rank].outputs.get(command.request_id, NO_OUTPUTS))
+        decay = expected_decay(so_far, block_size, expected)
+    return Accepted((OutputBlockAdded(command.request_id, decay),))
 
 
 def decide_reservation_prefill(command: CompleteReservationPrefill, state: ScopeState) -> Decision:

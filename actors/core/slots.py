@@ -30,6 +30,21 @@ class ActiveRequest:
     rank: WorkerRank
     sequence_hashes: tuple[int, ...]
     started_at: int  # admission time, ns; expiry counts from here only
+    expected_output_tokens: int | None = None  # selection service bookings that said how long they run
+
+
+def output_block_count(blocks: OutputBlocks) -> int:
+    decayed, _, whole = blocks
+    return decayed + whole
+
+
+def expected_decay(blocks_so_far: int, block_size: int, expected_output_tokens: int) -> float:
+    """The decay of the next output block when the router tracks output blocks: ``1 - generated / expected``,
+    never below 0 (Dynamo's frontend formula). A new block starts with its first token, so ``generated`` is
+    ``blocks_so_far * block_size + 1``: exact when the prompt filled its last block; the client reports blocks,
+    not tokens, so a partial last prompt block is not known here."""
+    generated = blocks_so_far * block_size + 1
+    return max(0.0, 1.0 - generated / max(expected_output_tokens, 1))
 
 
 def add_output_block(blocks: OutputBlocks, decay_fraction: float | None) -> OutputBlocks:
@@ -132,6 +147,7 @@ class SlotTracking:
                     r.started_at,
                     ranks[r.rank].prefill.get(r.request_id, 0),
                     list(ranks[r.rank].outputs.get(r.request_id, NO_OUTPUTS)),
+                    r.expected_output_tokens,
                 ]
                 for r in self.requests.values()
             ],
@@ -152,8 +168,8 @@ class SlotTracking:
         slots.block_size = data["block_size"]
         for worker_id, start, size in data["workers"]:
             slots.add_range(worker_id, start, size)
-        for request_id, worker_id, dp_rank, hashes, started_at, prefill, outputs in data["requests"]:
-            request = ActiveRequest(request_id, WorkerRank(worker_id, dp_rank), tuple(hashes), started_at)
+        for request_id, worker_id, dp_rank, hashes, started_at, prefill, outputs, expected in data["requests"]:
+            request = ActiveRequest(request_id, WorkerRank(worker_id, dp_rank), tuple(hashes), started_at, expected)
             slots.admit(request, prefill)
             decayed, weight, whole = outputs
             if decayed or whole:

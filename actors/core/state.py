@@ -64,7 +64,7 @@ class ScopeState:
     # -- snapshot ---------------------------------------------------------------------------------------
 
     def to_snapshot(self) -> dict[str, Any]:
-        """Plain, JSON-ready, canonical form (format version 2 of ``actors/persistence/snapshots.py``)."""
+        """Plain, JSON-ready, canonical form (format version 4 of ``actors/persistence/snapshots.py``)."""
         return {
             "model_name": self.scope.model_name,
             "tenant_id": self.scope.tenant_id,

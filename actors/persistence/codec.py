@@ -40,7 +40,7 @@ from cattrs.strategies import configure_tagged_union
 from kvrouter.actors.core.events import EVENT_TAGS, KV_OP_TAGS, Event, KvOp
 from kvrouter.actors.core.ids import ScopeKey
 
-RECORD_VERSION: Final = 1
+RECORD_VERSION: Final = 2
 
 EventUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # (event tag, version it reads) -> a function turning that event's fields into the next version's.
@@ -64,6 +64,20 @@ def event_upcaster(tag: str, *, from_version: int) -> Callable[[EventUpcaster], 
 
 class RecordFormatError(ValueError):
     """A record this build cannot decode; the message says what is wrong with it."""
+
+
+# Version 2: a catalog record has a worker_role (prefill / decode / both; none before, which means both), and
+# a booking its expected_output_tokens (output-block decay; none before).
+@event_upcaster("worker_upserted", from_version=1)
+def _worker_upserted_v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
+    fields["record"]["worker_role"] = None
+    return fields
+
+
+@event_upcaster("request_added", from_version=1)
+def _request_added_v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
+    fields["expected_output_tokens"] = None
+    return fields
 
 
 def _is_int_tuple(cls: Any) -> bool:

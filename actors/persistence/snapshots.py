@@ -7,7 +7,8 @@ A snapshot payload is JSON::
 Versions: 1 stored each scope flat (one shared ``block_size``, output blocks as ``[count, weight]``); 2 stores
 each scope as its two parts, ``{"model_name", "tenant_id", "slots": {...}, "selection": {...}}``, with output
 blocks as ``[decayed, weight, whole]`` (see ``actors/core/slots.py``); 3 keeps predicted (booked) blocks in their
-own index (``selection.predicted``, out of ``selection.index``) and adds ``selection.sessions``.
+own index (``selection.predicted``, out of ``selection.index``) and adds ``selection.sessions``; 4 adds each
+catalog record's ``worker_role`` and each request row's ``expected_output_tokens``.
 
 To change the layout (as v2 did, splitting each scope in two): bump ``SNAPSHOT_VERSION`` to N+1 and write ONE
 function that turns a version-N document into an N+1 document, registered for its version::
@@ -35,7 +36,7 @@ from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import digest
 from kvrouter.journal.store import CorruptJournal
 
-SNAPSHOT_VERSION: Final = 3
+SNAPSHOT_VERSION: Final = 4
 
 SnapshotUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # version it reads -> a function turning that version's document into the next version's.
@@ -185,6 +186,17 @@ def _split_predicted_v2(selection: dict[str, Any]) -> None:
 
 def _outputs_v1_to_v2(count: int, weight: float) -> list[Any]:
     return [0, 1.0, count] if weight == 1.0 else [count, weight, 0]
+
+
+@snapshot_upcaster(from_version=3)
+def _scopes_v3_to_v4(document: dict[str, Any]) -> dict[str, Any]:
+    """v4: catalog records have a ``worker_role`` and request rows end with ``expected_output_tokens`` (none
+    before: a role-less worker is "both", and a booking without the figure decays only as the client says)."""
+    for scope in document["scopes"]:
+        for record in scope["selection"]["catalog"]:
+            record["worker_role"] = None
+        scope["slots"]["requests"] = [[*row, None] for row in scope["slots"]["requests"]]
+    return document
 
 
 def _load(payload: bytes) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from kvrouter.actors.core.commands import (
     ReleaseReservation,
     RemoveWorker,
     Reserve,
+    SelectDisaggregated,
+    SelectionOptions,
     SelectWorker,
     UnregisterWorker,
     UpsertWorker,
@@ -108,7 +110,9 @@ prompt_tokens = st.lists(st.integers(0, 3), min_size=1, max_size=5).map(
 )
 
 
-def worker_record(worker_id: int, block_size: int, complete: bool, dp_size: int) -> WorkerRecord:
+def worker_record(
+    worker_id: int, block_size: int, complete: bool, dp_size: int, role: str | None = None, zone: str = "a"
+) -> WorkerRecord:
     return WorkerRecord(
         worker_id,
         SCOPE.model_name,
@@ -117,6 +121,9 @@ def worker_record(worker_id: int, block_size: int, complete: bool, dp_size: int)
         kv_events_endpoints=tuple((r, f"tcp://w:{r}") for r in range(dp_size)),
         block_size=block_size,
         data_parallel_size=dp_size,
+        topology_domains=(("zone", zone),),
+        kv_transfer_domain="zone" if role == "prefill" else None,
+        worker_role=role,
     )
 
 
@@ -127,11 +134,13 @@ def stored(worker_id: int, tokens: tuple[int, ...], first_hash: int) -> IngestKv
 
 selection_commands = st.one_of(
     st.builds(
-        lambda w, bs, complete, dp: UpsertWorker(worker_record(w, bs, complete, dp)),
+        lambda w, bs, complete, dp, role, zone: UpsertWorker(worker_record(w, bs, complete, dp, role, zone)),
         st.integers(0, 2),
         st.sampled_from([SEL_BLOCK, SEL_BLOCK, 8]),
         st.booleans(),
         st.integers(1, 2),
+        st.sampled_from([None, "prefill", "decode", "both"]),
+        st.sampled_from(["a", "b"]),
     ),
     st.builds(RemoveWorker, st.integers(0, 2)),
     st.builds(stored, st.integers(0, 2), prompt_tokens, st.integers(1, 40)),
@@ -141,17 +150,38 @@ selection_commands = st.one_of(
         st.integers(1, 40),
     ),
     st.builds(
-        lambda tokens, rid, t, draw, approx: SelectWorker(
+        lambda tokens, rid, t, draw, approx, mode, blocks, expected: SelectWorker(
             Prompt(token_ids=tokens),
-            RouterConfig(router_temperature=t, use_kv_events=not approx),
+            RouterConfig(
+                router_temperature=t, use_kv_events=not approx, router_mode=mode, router_track_active_blocks=blocks
+            ),
+            SelectionOptions(expected_output_tokens=expected),
             reserve=True,
             reservation_id=rid,
             draw=draw,
             at=0,
+            turn=int(draw * 10),
         ),
         prompt_tokens,
         reservation_ids,
         st.sampled_from([0.0, 1.0]),
+        st.floats(0.0, 0.999),
+        st.booleans(),
+        st.sampled_from(["kv", "kv", "round_robin", "random", "least_loaded"]),
+        st.booleans(),
+        st.sampled_from([None, 8]),
+    ),
+    st.builds(
+        lambda tokens, rid, draw, approx: SelectDisaggregated(
+            Prompt(token_ids=tokens),
+            RouterConfig(use_kv_events=not approx),
+            rid,
+            draw=draw,
+            decode_draw=(draw + 0.5) % 1.0,
+            at=0,
+        ),
+        prompt_tokens,
+        reservation_ids,
         st.floats(0.0, 0.999),
         st.booleans(),
     ),
@@ -162,7 +192,9 @@ selection_commands = st.one_of(
         st.integers(0, 1),
         hashes,
     ),
-    st.builds(AddOutputBlock, reservation_ids, st.sampled_from([None, None, 0.5, 0.0, 1.0])),
+    st.builds(AddOutputBlock, reservation_ids, st.sampled_from([None, None, 0.5, 0.0, 1.0]), st.just(0), st.booleans()),
+    st.builds(AddOutputBlock, st.sampled_from(["s0:prefill", "s1:decode"]), st.just(None), st.just(0), st.booleans()),
+    st.builds(ReleaseReservation, st.sampled_from(["s0:prefill", "s0:decode", "s1:decode"])),
     st.builds(CompleteReservationPrefill, reservation_ids),
     st.builds(ReleaseReservation, reservation_ids),
     st.builds(ExpireStale, st.just(300), at=st.integers(0, 400) | st.just(121_000_000_000)),

@@ -53,6 +53,9 @@ def test_defaults_are_the_reference_defaults() -> None:
         "router_queue_policy": "fcfs",
         "session_affinity_ttl_secs": None,
         "kv_events_stale_secs": 10.0,  # kvrouter's own (per-rank fallback); not a 1.6.1 knob
+        "router_mode": "kv",  # spec §2.9 and the seed: kv routing, active blocks tracked, output blocks not
+        "router_track_active_blocks": True,
+        "router_track_output_blocks": False,
     }
 
 

@@ -613,6 +613,15 @@ CATALOG = [
 UNAVAILABLE = Ineligible(Refusal.UNAVAILABLE, "no endpoints available to route work")
 
 
+def missing_taints(shown: str) -> Ineligible:
+    """1.6.1 answers the same 503 with only "no endpoints available to route work"; kvrouter names the taints."""
+    return Ineligible(
+        Refusal.UNAVAILABLE,
+        f"no endpoints available to route work: no eligible worker carries every required taint of "
+        f"routing_constraints [{shown}]",
+    )
+
+
 def ranks_of(result: list[RankCandidate] | Ineligible) -> list[WorkerRank] | Ineligible:
     return result if isinstance(result, Ineligible) else [c.rank for c in result]
 
@@ -622,7 +631,7 @@ def ranks_of(result: list[RankCandidate] | Ineligible) -> list[WorkerRank] | Ine
     [
         # All verified against 1.6.1 with the catalog above.
         ({}, [R10, R11_0, R11_1]),
-        ({"required_taints": ["nope"]}, UNAVAILABLE),  # case 47: required taint missing everywhere => 503
+        ({"required_taints": ["nope"]}, missing_taints("nope")),  # case 47: required taint missing everywhere => 503
         ({"required_taints": ["gpu=a100"]}, [R10]),
         ({"required_taints": []}, [R10, R11_0, R11_1]),
         ({"allowed_worker_ids": [99]}, UNAVAILABLE),
@@ -649,7 +658,9 @@ def ranks_of(result: list[RankCandidate] | Ineligible) -> list[WorkerRank] | Ine
             {"pinned": R10, "allowed_worker_ids": [11], "required_taints": ["a"]},
             Ineligible(Refusal.INVALID, "pinned worker 10 is not in allowed worker set"),
         ),
-        ({"pinned": R11_1, "required_taints": ["gpu=a100"]}, UNAVAILABLE),  # pinned worker lacks the taint
+        ({"pinned": R11_1, "required_taints": ["gpu=a100"]}, missing_taints("gpu=a100")),  # pinned one lacks it
+        # another filter already left nothing: the taints are not what excluded the workers
+        ({"allowed_worker_ids": [99], "required_taints": ["gpu=a100"]}, UNAVAILABLE),
         ({"pinned": R10, "required_taints": ["gpu=a100"]}, [R10]),
         ({"pinned": R10, "allowed_worker_ids": [10, 11]}, [R10]),
     ],
@@ -659,7 +670,7 @@ def test_eligibility(kwargs: dict, expected: list[WorkerRank] | Ineligible) -> N
 
 
 def test_required_taints_match_exactly() -> None:
-    assert ranks_of(eligible(CATALOG, required_taints=["GPU=A100"])) == UNAVAILABLE
+    assert ranks_of(eligible(CATALOG, required_taints=["GPU=A100"])) == missing_taints("GPU=A100")
     assert ranks_of(eligible(CATALOG, required_taints=["gpu=a100", "zone=x"])) == [R10]
 
 

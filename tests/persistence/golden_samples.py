@@ -55,6 +55,7 @@ SAMPLES: dict[str, Event] = {
         sequence_hashes=(11, 2**64 - 5, 13),
         prefill_tokens=48,
         at=1_700_000_000_000_000_001,
+        expected_output_tokens=96,
     ),
     "output_block_added": OutputBlockAdded(request_id="req-a", decay_fraction=0.25),
     "prefill_completed": PrefillCompleted(request_id="req-a"),
@@ -82,6 +83,7 @@ SAMPLES: dict[str, Event] = {
             kv_transfer_domain="nvlink-a",
             kv_transfer_enforcement="prefer",
             kv_transfer_preferred_weight=0.75,
+            worker_role="decode",
         ),
         partition_block_size=32,
     ),
@@ -116,6 +118,21 @@ SAMPLES: dict[str, Event] = {
     "session_released": SessionReleased(session_id="sess-a", reservation_id="res-s", at=1_700_000_000_000_000_021),
     "sessions_expired": SessionsExpired(session_ids=("sess-b",), at=1_700_000_000_000_000_022),
 }
+
+
+def sample_written_by(tag: str, record_version: int) -> Event:
+    """``SAMPLES[tag]`` as the build that wrote record version ``record_version`` held it: fields added since
+    then decode to their defaults (version 2 added a record's ``worker_role`` and a booking's
+    ``expected_output_tokens``)."""
+    return _without_v2_fields(SAMPLES[tag]) if record_version < 2 else SAMPLES[tag]
+
+
+def _without_v2_fields(event: Event) -> Event:
+    if isinstance(event, WorkerUpserted):
+        return attrs.evolve(event, record=attrs.evolve(event.record, worker_role=None))
+    if isinstance(event, RequestAdded):
+        return attrs.evolve(event, expected_output_tokens=None)
+    return event
 
 
 def record_path(tag: str, version: int) -> Path:
@@ -206,13 +223,19 @@ def sample_states() -> list[ScopeState]:
 def sample_states_written_by(snapshot_version: int) -> list[ScopeState]:
     """The sample states as the build that wrote ``snapshot.v<snapshot_version>.json`` held them.
 
-    Before snapshot version 3 there were no sessions (``LATER_HISTORY``). Before snapshot version 2, every
-    output block of a request weighed the request's latest decay fraction; since then each block keeps its own
-    weight (1.6.1's rule), so ``HISTORY``'s ``req-a`` (a block at 0.25, then one at 1.0) held 2 x 0.25 then and
-    holds 0.25 + 1.0 now. Restoring an old snapshot keeps the loads
-    it recorded, so the old golden restores to the old weights.
+    Before snapshot version 4 records had no worker_role and bookings no expected_output_tokens (record
+    version 2 added them). Before snapshot version 3 there were no sessions (``LATER_HISTORY``). Before
+    snapshot version 2, every output block of a request weighed the request's latest decay fraction; since then
+    each block keeps its own weight (1.6.1's rule), so ``HISTORY``'s ``req-a`` (a block at 0.25, then one at
+    1.0) held 2 x 0.25 then and holds 0.25 + 1.0 now. Restoring an old snapshot keeps the loads it recorded,
+    so the old golden restores to the old weights.
     """
-    states = sample_states() if snapshot_version >= 3 else history_states()
+    events = {
+        scope: HISTORY[scope] + (LATER_HISTORY.get(scope, ()) if snapshot_version >= 3 else ()) for scope in HISTORY
+    }
+    if snapshot_version < 4:  # v4 added worker_role and expected_output_tokens: they restore as defaults
+        events = {scope: tuple(map(_without_v2_fields, history)) for scope, history in events.items()}
+    states = sorted((fold(ScopeState(scope), history) for scope, history in events.items()), key=lambda s: s.scope)
     if snapshot_version < 2:
         for state in states:
             for rank in state.slots.ranks.values():

@@ -23,6 +23,7 @@ from golden_samples import (
     record_path,
     sample_states,
     sample_states_written_by,
+    sample_written_by,
     snapshot_path,
 )
 
@@ -94,13 +95,13 @@ def test_the_golden_names_every_field_of_the_event_class(tag: str) -> None:
 def test_every_golden_record_of_every_version_decodes_to_its_sample(tag: str, version: int, path: Path) -> None:
     record = decode_record(path.read_bytes())
     assert record.scope == SCOPE
-    assert record.events == (SAMPLES[tag],)
+    assert record.events == (sample_written_by(tag, version),)
 
 
 def test_version_zero_records_have_no_version_field_and_still_decode() -> None:
     payload = record_path("request_added", 0).read_bytes()
     assert "v" not in orjson.loads(payload)
-    assert decode_record(payload).events == (SAMPLES["request_added"],)
+    assert decode_record(payload).events == (sample_written_by("request_added", 0),)
 
 
 def test_upcasters_run_in_version_order_on_old_records_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,21 +211,21 @@ def test_the_v1_snapshot_splits_its_block_size_between_the_parts() -> None:
 
 
 def test_a_snapshot_upcaster_is_one_registered_function(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build reading v4: every older golden goes through each step up from its version, v3 through the last."""
-    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 4)
-    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {v: snapshots.SNAPSHOT_UPCASTERS[v] for v in (1, 2)})
+    """A build reading v5: every older golden goes through each step up from its version, v4 through the last."""
+    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 5)
+    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {v: snapshots.SNAPSHOT_UPCASTERS[v] for v in (1, 2, 3)})
 
-    @snapshot_upcaster(from_version=3)
-    def _scopes_v3_to_v4(document: dict[str, Any]) -> dict[str, Any]:
+    @snapshot_upcaster(from_version=4)
+    def _scopes_v4_to_v5(document: dict[str, Any]) -> dict[str, Any]:
         for scope in document["scopes"]:
             scope["tenant_id"] = scope["tenant_id"].upper()  # visible in the restored states
         return document
 
-    for version in (1, 2, 3):
+    for version in (1, 2, 3, 4):
         restored = restore_snapshot(snapshot_path(version).read_bytes())
         assert sorted(scope.tenant_id for scope in restored) == ["GOLDEN-TENANT", "SELECTION-TENANT"]
     with pytest.raises(ValueError, match="two snapshot upcasters"):
-        snapshot_upcaster(from_version=3)(_scopes_v3_to_v4)
+        snapshot_upcaster(from_version=4)(_scopes_v4_to_v5)
 
 
 def test_the_v2_snapshot_moves_booked_blocks_to_the_predicted_index() -> None:
