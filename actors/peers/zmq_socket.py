@@ -29,9 +29,12 @@ import zmq
 
 from kvrouter.actors.peers.socket_budget import ZMQ_MAX_SOCKETS
 
-# How long a parked task trusts the FD edge before re-checking EVENTS by itself. Short enough that
-# a missed edge is a hiccup, long enough that idle sockets cost ~2 wakeups per second.
-SAFETY_TIMEOUT: Final = 0.5
+# How long a parked task trusts the FD edge before re-checking EVENTS by itself: the most a missed edge
+# (which the single-owner rule above should make impossible) can delay a socket. Every parked socket
+# wakes this often, and a KV listener parks two (SUB and monitor): at 0.5 s, 1,024 idle listeners cost
+# 27% of a core in wakeups and 4,096 saturated the event loop (benchmarks/socket_scale_bench.py); at
+# 5 s, 12% for 1,024 (8 points of which are libzmq's heartbeats).
+SAFETY_TIMEOUT: Final = 5.0
 
 # Default high-water marks (messages per peer pipe). Explicit on every socket (TIGER_STYLE: no
 # library defaults); callers that care pass their own.
