@@ -32,6 +32,7 @@ from kvrouter.api.cli_settings import (
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
 from kvrouter.api.http import Route
 from kvrouter.api.main import RouteBuilder, ServiceOptions, run_until_signal, select_service_builder, slot_tracker_app
+from kvrouter.api.replica_cli import KEYS, add_keys_command, add_replica_security_flags, run_keys
 from kvrouter.journal.store import Durability
 
 log = logging.getLogger("kvrouter")
@@ -74,6 +75,7 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
         metavar="ENDPOINTS",
         help="comma-separated ZMQ PUB endpoints of peer replicas (requires --replica-sync-port)",
     )
+    add_replica_security_flags(parser)
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +132,9 @@ def _reference_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
-    services = parser.add_subparsers(dest="service", required=True, metavar="{slot-tracker,select-service,simulate}")
+    services = parser.add_subparsers(
+        dest="service", required=True, metavar="{slot-tracker,select-service,simulate,keys}"
+    )
     slot = services.add_parser(
         SLOT_TRACKER,
         help="active-request accounting service (Dynamo slot tracker)",
@@ -176,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for subparser in (slot, select):
         subparser.set_defaults(subparser=subparser)
+    add_keys_command(services)
     return parser
 
 
@@ -195,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulate(arguments[1:])
     parser = build_parser()
     args = parse_arguments(parser, argv)
+    if args.service == KEYS:
+        return run_keys(args)
     log_setup.configure(args.log_level, args.service)
     try:
         launch = settings_from(args, os.environ)

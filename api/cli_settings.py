@@ -26,6 +26,7 @@ from kvrouter.actors.core.router_config import (
 )
 from kvrouter.actors.peers.replicator import validate_endpoint
 from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
+from kvrouter.api.replica_cli import replica_security_from
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from kvrouter.journal.layout import is_journal_file
 from kvrouter.journal.store import Durability
@@ -77,6 +78,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
     if args.host == "":
         problems.append("--host='' is empty; pass an address or a name (0.0.0.0 serves a cluster)")
     peers = _replica_peers(args, replica_port, problems)
+    replica_security = replica_security_from(args, replica_port, peers, problems, warnings)
     data_dir = _data_dir(args, problems)
     launch = Launch(
         service,
@@ -89,6 +91,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
             body_limit=SLOT_TRACKER_BODY_LIMIT,
             replica_sync_port=replica_port,
             replica_sync_peers=peers,
+            replica_security=replica_security,
         ),
     )
     if service == SELECT_SERVICE:

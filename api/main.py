@@ -29,6 +29,7 @@ from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.kv_ingest import KvIngest
+from kvrouter.actors.peers.replicator import ReplicaSecurity
 from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import WallClock
@@ -66,6 +67,7 @@ class ServiceOptions:
     replica_sync_port: int | None = None  # None: replica sync disabled
     replica_sync_peers: tuple[str, ...] = ()
     reply_deadline: float = REPLY_DEADLINE_SECONDS
+    replica_security: ReplicaSecurity | None = None  # None: no CURVE, default peer limits
 
 
 # Builds a service's routes once the actor system runs; may start more components in the nursery.
@@ -74,7 +76,12 @@ RouteBuilder = Callable[[ServiceOptions, ActorSystem, trio.Nursery], Awaitable[l
 
 async def start_replication_for(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
     replicator = await start_replication(
-        system, nursery, host=options.host, port=options.replica_sync_port, peers=options.replica_sync_peers
+        system,
+        nursery,
+        host=options.host,
+        port=options.replica_sync_port,
+        peers=options.replica_sync_peers,
+        security=options.replica_security,
     )
     return replica_routes(replicator)
 

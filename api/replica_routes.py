@@ -3,6 +3,8 @@
 Same paths, bodies, statuses and messages as 1.6.1 (spec §1.5, §1.6): without
 ``--replica-sync-port`` the write routes answer 409 ``replica sync is disabled`` and the peer
 list is ``[]``. Dynamic peers are in memory: after a restart only ``--replica-sync-peers`` return.
+kvrouter's additions: a registration beyond ``--replica-max-peers`` answers 409, and with CURVE an
+endpoint no trusted certificate names answers 400 (see actors/peers/curve.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from kvrouter.actors.peers.replicator import Replicator, random_router_id
+from kvrouter.actors.peers.replicator import PeerLimitError, ReplicaSecurity, Replicator, random_router_id
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.http import HttpError, Request, Response, Route, json_response
 from kvrouter.api.schemas import parse
@@ -22,11 +24,17 @@ class PeerBody:
 
 
 async def start_replication(
-    system: ActorSystem, nursery: trio.Nursery, *, host: str, port: int | None, peers: tuple[str, ...]
+    system: ActorSystem,
+    nursery: trio.Nursery,
+    *,
+    host: str,
+    port: int | None,
+    peers: tuple[str, ...],
+    security: ReplicaSecurity | None = None,
 ) -> Replicator | None:
     if port is None:
         return None
-    replicator = Replicator(system, port=port, peers=peers, router_id=random_router_id(), host=host)
+    replicator = Replicator(system, port=port, peers=peers, router_id=random_router_id(), host=host, security=security)
     await nursery.start(replicator.run)
     return replicator
 
@@ -44,6 +52,8 @@ def replica_routes(replicator: Replicator | None) -> list[Route]:
             added = active.register_peer(body.endpoint)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from None
+        except PeerLimitError as exc:
+            raise HttpError(409, str(exc)) from None
         return json_response(201 if added else 200, {"status": "ok"})
 
     async def deregister_peer(request: Request) -> Response:

@@ -20,6 +20,7 @@ can tell the difference, and checking the rank here would race with adds still q
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections.abc import Sequence
@@ -42,6 +43,10 @@ from kvrouter.actors.core.events import (
 )
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.mailbox import MAILBOX_SIZE
+from kvrouter.actors.peers.curve import CurveIdentity, RefusalLog, TrustedPeers, zap_domain
+from kvrouter.actors.peers.peer_limits import PeerLimits
+from kvrouter.actors.peers.peer_link import CurveClient, LinkStats, PeerLink
 from kvrouter.actors.peers.replica_wire import (
     TOPIC,
     AddRequestData,
@@ -70,7 +75,34 @@ OUTBOX_SIZE: Final = 10_000
 # before dropping; ours wait in the kernel/zmq instead, because the reader blocks on the mailbox.
 REPLICA_HWM: Final = 10_000
 
+# Request ids of remote admissions handed to an actor but not yet applied, per scope: a free or a
+# prefill-complete for one of them is not "unknown" (it may arrive before the admission is applied).
+# Bounded: a mailbox holds MAILBOX_SIZE commands; beyond this many the oldest is forgotten (an admission
+# that was a no-op, e.g. a duplicate, never leaves otherwise).
+INFLIGHT_ADDS_PER_SCOPE: Final = 4 * MAILBOX_SIZE
+
 _SCHEMES: Final = ("tcp", "ipc", "inproc")
+_LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@attrs.frozen
+class CurveSettings:
+    """CURVE on the replica sockets: our identity and the replicas we trust."""
+
+    identity: CurveIdentity
+    trusted: TrustedPeers
+
+
+@attrs.frozen
+class ReplicaSecurity:
+    """How much a replica peer is trusted: CURVE (None: plain 1.6.1 wire) and the per-peer limits."""
+
+    curve: CurveSettings | None = None
+    limits: PeerLimits = attrs.Factory(PeerLimits)
+
+
+class PeerLimitError(Exception):
+    """A peer registration beyond ``PeerLimits.max_peers``; ``str`` is the one-line reason."""
 
 
 class DropReason:
@@ -81,6 +113,8 @@ class DropReason:
     UNKNOWN_SCOPE = "unknown_scope"
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     UNREGISTERED_RANK = "unregistered_rank"
+    UNKNOWN_REQUEST = "unknown_request"  # a free or prefill-complete for a request this replica does not have
+    RATE_LIMITED = "rate_limited"  # over the peer's rate (see peer_limits)
 
 
 @attrs.define
@@ -94,6 +128,7 @@ class ReplicaStats:
     received: int = 0
     applied: int = 0
     dropped: dict[str, int] = attrs.Factory(dict)
+    refused_subscribers: int = 0  # CURVE handshakes our PUB refused (key not trusted)
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -152,7 +187,8 @@ class Replicator:
     """Replica sync for one ActorSystem: a PUB on ``tcp://{host}:{port}`` and a SUB per peer.
 
     ``port=0`` binds an ephemeral port (kvrouter's extension, for tests); ``run`` reports the bound
-    endpoint through ``task_status``. Peers may be added and removed while running.
+    endpoint through ``task_status``. Peers may be added and removed while running. ``security``
+    adds CURVE (every peer must hold a trusted key, and prove it) and sets the per-peer limits.
     """
 
     def __init__(
@@ -165,6 +201,7 @@ class Replicator:
         host: str = "0.0.0.0",
         outbox_size: int = OUTBOX_SIZE,
         hwm: int = REPLICA_HWM,
+        security: ReplicaSecurity | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"replica sync port {port} is not in 0..=65535")
@@ -179,15 +216,23 @@ class Replicator:
         self._port = port
         self._host = host
         self._hwm = hwm
+        self._security = security = security if security is not None else ReplicaSecurity()
         self.router_id = router_id
         self.endpoint: str | None = None  # the PUB's bound endpoint, once running
         self.stats = ReplicaStats()
-        # endpoint -> the cancel scope of its SUB task (None while not running)
-        self._peers: dict[str, trio.CancelScope | None] = dict.fromkeys(peers)
+        # endpoint -> its link and the cancel scope of its task (both None while not running)
+        self._peers: dict[str, tuple[PeerLink, trio.CancelScope] | None] = {}
+        for endpoint in dict.fromkeys(peers):
+            self._check_room(endpoint)
+            self._server_key(endpoint)
+            self._peers[endpoint] = None
         self._outbox_send, self._outbox_receive = trio.open_memory_channel[list[bytes]](outbox_size)
         # request id -> (rank, lora) per scope: a free's event names only the request, but the wire
         # (and a 1.6.1 receiver, which ignores a free naming the wrong rank) needs its rank.
         self._requests: dict[ScopeKey, dict[str, tuple[WorkerRank, str | None]]] = {}
+        self._inflight_adds: dict[ScopeKey, dict[str, None]] = {}
+        self._drops_logged: set[tuple[str, str]] = set()  # (peer, reason) already logged once
+        self._refusals = RefusalLog(f"replica sync (router_id {router_id})")
         self._nursery: trio.Nursery | None = None
         self._ran = False
 
@@ -196,29 +241,41 @@ class Replicator:
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         assert not self._ran, "a Replicator runs once"
         self._ran = True
-        pub = open_socket(zmq.PUB, sndhwm=self._hwm, rcvhwm=self._hwm)
-        with pub:
+        curve = self._security.curve
+        with contextlib.ExitStack() as stack:
+            options: dict[int, int | bytes] = {}
+            if curve is not None:
+                # The ZAP handler must answer before the PUB accepts anyone: without one, libzmq lets
+                # any CURVE client in.
+                domain = f"kvrouter.replica.{self.router_id}"
+                stack.enter_context(zap_domain(domain, curve.trusted, self._refused))
+                options = {
+                    zmq.CURVE_SERVER: 1,
+                    zmq.CURVE_SECRETKEY: curve.identity.secret_key,
+                    zmq.ZAP_DOMAIN: domain.encode(),
+                }
+            pub = stack.enter_context(open_socket(zmq.PUB, sndhwm=self._hwm, rcvhwm=self._hwm, options=options))
             pub.socket.bind(f"tcp://{self._host}:{self._port or '*'}")
             endpoint = self.endpoint = pub.socket.getsockopt_string(zmq.LAST_ENDPOINT)
             # Connect every configured peer before anything runs: one zmq refuses fails startup, as in
             # 1.6.1, with a plain exception rather than one wrapped by a nursery.
-            subs: list[tuple[str, TrioZmqSocket]] = []
+            links: list[PeerLink] = []
             try:
                 for peer in self._peers:
-                    subs.append((peer, self._connect(peer)))
+                    links.append(self._connect(peer))
             except BaseException:
-                for _, sub in subs:
-                    sub.close()
+                for link in links:
+                    link.close()
                 raise
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
-                    for peer, sub in subs:
-                        self._spawn(peer, sub)
+                    for link in links:
+                        self._spawn(link)
                     self._seed_requests()
                     self._system.observers.append(self._observe)
                     nursery.start_soon(self._drain, pub)
-                    log.info("replica sync on %s (router_id %d), peers %s", self.endpoint, self.router_id, self.peers())
+                    self._log_start()
                     task_status.started(endpoint)
             finally:
                 self._nursery = None
@@ -226,23 +283,56 @@ class Replicator:
                     self._system.observers.remove(self._observe)
                 self._peers = dict.fromkeys(self._peers)
 
+    def _log_start(self) -> None:
+        curve = self._security.curve
+        limits = self._security.limits
+        if curve is None:
+            mode = "plain (no CURVE: peers are not authenticated and traffic is readable)"
+            if self._host not in _LOOPBACK_HOSTS:
+                log.warning(
+                    "replica sync on %s without CURVE: anyone who reaches this port reads every request id, and "
+                    "peers are not authenticated; see README 'Replica sync security'",
+                    self.endpoint,
+                )
+        else:
+            mode = f"CURVE, key {curve.identity.public_key.decode()}, {len(curve.trusted.keys)} trusted peer keys"
+        log.info(
+            "replica sync on %s (router_id %d, %s), peers %s; per peer at most %d bytes a message and %g messages/s, "
+            "%d peers at most",
+            self.endpoint,
+            self.router_id,
+            mode,
+            self.peers(),
+            limits.max_message_bytes,
+            limits.rate,
+            limits.max_peers,
+        )
+
     # -- peers ------------------------------------------------------------------------------------
 
     def peers(self) -> list[str]:
         return sorted(self._peers)
 
+    def peer_stats(self) -> dict[str, LinkStats]:
+        """Per running peer link: what it received, dropped for rate, and how its connection went."""
+        return {endpoint: entry[0].stats for endpoint, entry in sorted(self._peers.items()) if entry is not None}
+
     def register_peer(self, endpoint: str) -> bool:
         """True if newly added (a SUB starts at once when running), False if already present.
 
-        Raises ValueError with 1.6.1's message for an invalid endpoint or one zmq refuses.
+        Raises ValueError with 1.6.1's message for an invalid endpoint or one zmq refuses (and, with
+        CURVE, for an endpoint no trusted certificate names); PeerLimitError beyond ``max_peers``.
         """
         problem = validate_endpoint(endpoint)
         if problem is not None:
             raise ValueError(problem)
         if endpoint in self._peers:
             return False
+        self._check_room(endpoint)
         if self._nursery is not None:
-            self._spawn(endpoint, self._connect(endpoint))
+            self._spawn(self._connect(endpoint))
+        else:
+            self._server_key(endpoint)
         self._peers.setdefault(endpoint, None)
         return True
 
@@ -253,28 +343,56 @@ class Replicator:
             raise ValueError(problem)
         if endpoint not in self._peers:
             return False
-        scope = self._peers.pop(endpoint)
-        if scope is not None:
-            scope.cancel()  # the SUB task closes its socket on the way out
+        entry = self._peers.pop(endpoint)
+        if entry is not None:
+            entry[1].cancel()  # the link's task closes its sockets on the way out
         return True
 
-    def _connect(self, endpoint: str) -> TrioZmqSocket:
-        """A connected SUB, created by the caller so that an endpoint zmq refuses fails the caller."""
-        sub = open_socket(zmq.SUB, sndhwm=self._hwm, rcvhwm=self._hwm, options={zmq.SUBSCRIBE: TOPIC})
+    def _check_room(self, endpoint: str) -> None:
+        cap = self._security.limits.max_peers
+        if len(self._peers) >= cap:
+            raise PeerLimitError(
+                f"cannot add replica peer `{endpoint}`: {len(self._peers)} of at most {cap} peers are registered "
+                "(--replica-max-peers); deregister one first"
+            )
+
+    def _server_key(self, endpoint: str) -> bytes | None:
+        """With CURVE, the key the peer at ``endpoint`` must prove; ValueError if no certificate names it."""
+        curve = self._security.curve
+        if curve is None:
+            return None
+        key = curve.trusted.server_key_for(endpoint)
+        if key is None:
+            raise ValueError(
+                f"no trusted certificate names replica peer `{endpoint}`: put its public certificate, with "
+                f'`endpoint = "{endpoint}"` in its metadata, in {curve.trusted.directory}'
+            )
+        return key
+
+    def _connect(self, endpoint: str) -> PeerLink:
+        """A connected link, created by the caller so that an endpoint zmq refuses fails the caller."""
+        server_key = self._server_key(endpoint)
+        curve = self._security.curve
+        client = None
+        if curve is not None and server_key is not None:
+            client = CurveClient(curve.identity.public_key, curve.identity.secret_key, server_key)
         try:
-            sub.socket.connect(endpoint)
+            return PeerLink.open(endpoint, TOPIC, self._security.limits, self._hwm, client)
         except zmq.ZMQError as error:
-            sub.close()
             log.warning("replica peer %s refused by zmq: %s", endpoint, error)
             raise ValueError(f"failed to register replica peer `{endpoint}`") from None
-        return sub
 
-    def _spawn(self, endpoint: str, sub: TrioZmqSocket) -> None:
-        """Hand ``sub`` to its own task, which owns (and closes) it from now on."""
+    def _spawn(self, link: PeerLink) -> None:
+        """Hand ``link`` to its own task, which owns (and closes) it from now on."""
         assert self._nursery is not None
         scope = trio.CancelScope()
-        self._peers[endpoint] = scope
-        self._nursery.start_soon(self._subscribe, endpoint, sub, scope)
+        self._peers[link.endpoint] = (link, scope)
+        self._nursery.start_soon(self._subscribe, link, scope)
+
+    def _refused(self, key: bytes) -> None:
+        """ZAP thread: a subscriber's key is not trusted."""
+        self.stats.refused_subscribers += 1
+        self._refusals(key)
 
     # -- outbound ---------------------------------------------------------------------------------
 
@@ -299,6 +417,9 @@ class Replicator:
             if isinstance(event, RequestAdded):
                 rank = WorkerRank(event.worker_id, event.dp_rank)
                 index[event.request_id] = (rank, lora_name)
+                inflight = self._inflight_adds.get(state.scope)
+                if inflight is not None:
+                    inflight.pop(event.request_id, None)
                 if local:
                     tokens = event.prefill_tokens
                     data: EventData = AddRequestData(
@@ -326,6 +447,7 @@ class Replicator:
                 prune = True  # these take a worker's requests with them
         if not state.exists:
             self._requests.pop(state.scope, None)
+            self._inflight_adds.pop(state.scope, None)
         elif prune or len(index) > 2 * len(state.requests) + 1024:
             # The size check is a safety net against request-removing events this module does not know.
             self._requests[state.scope] = {rid: entry for rid, entry in index.items() if rid in state.requests}
@@ -371,29 +493,48 @@ class Replicator:
 
     # -- inbound ----------------------------------------------------------------------------------
 
-    async def _subscribe(self, endpoint: str, sub: TrioZmqSocket, scope: trio.CancelScope) -> None:
-        with sub, scope:
-            while True:
-                await self._receive(await sub.recv_multipart())
+    async def _subscribe(self, link: PeerLink, scope: trio.CancelScope) -> None:
+        with scope:
+            await link.run(lambda frames: self._receive(frames, link.endpoint), self._rate_limited)
 
-    async def _receive(self, frames: list[bytes]) -> None:
-        """Apply one peer message, or drop it by 1.6.1's rules. Waiting in ``submit`` blocks this
-        peer's reader (policy: block; zmq's RCVHWM then makes the publisher drop)."""
+    def _rate_limited(self) -> None:
+        self.stats.received += 1
+        self.stats.drop(DropReason.RATE_LIMITED)  # the link logs it, once per peer
+
+    async def _receive(self, frames: list[bytes], peer: str = "") -> None:
+        """Apply one peer message, or drop it (1.6.1's rules, plus ids this replica does not know).
+        Waiting in ``submit`` blocks this peer's reader (policy: block; zmq's RCVHWM then makes the
+        publisher drop)."""
         stats = self.stats
         stats.received += 1
         try:
             event = decode(frames)
         except ReplicaWireError as error:
-            stats.drop(DropReason.MALFORMED)
-            log.debug("replica message dropped: %s", error)
+            self._drop(DropReason.MALFORMED, peer, str(error))
             return
         reason = self._drop_reason(event)
         if reason is not None:
-            stats.drop(reason)
-            log.debug("replica event %s for %s dropped: %s", event.request_id, event.scope.describe(), reason)
+            self._drop(reason, peer, f"request {event.request_id!r} on rank {event.rank} of {event.scope.describe()}")
             return
-        await self._system.submit(event.scope, self._command(event))
+        command = self._command(event)
+        if isinstance(command, AddRequest):
+            self._note_inflight_add(event.scope, event.request_id)
+        await self._system.submit(event.scope, command)
         stats.applied += 1
+
+    def _drop(self, reason: str, peer: str, detail: str) -> None:
+        """Count a dropped message; the first of each kind from each peer is logged at warning."""
+        self.stats.drop(reason)
+        if (peer, reason) in self._drops_logged:
+            log.debug("replica message from %s dropped (%s): %s", peer, reason, detail)
+            return
+        self._drops_logged.add((peer, reason))
+        log.warning(
+            "replica message from %s dropped (%s): %s; further drops of this kind from it are only counted",
+            peer or "a peer",
+            reason,
+            detail,
+        )
 
     def _drop_reason(self, event: ReplicaEvent) -> str | None:
         if event.router_id == self.router_id:
@@ -405,7 +546,17 @@ class Replicator:
             return DropReason.BLOCK_SIZE_MISMATCH
         if event.rank not in state.ranks:
             return DropReason.UNREGISTERED_RANK  # replica traffic never creates workers
+        if not isinstance(event.data, AddRequestData):
+            known = event.request_id in state.requests or event.request_id in self._inflight_adds.get(event.scope, ())
+            if not known:
+                return DropReason.UNKNOWN_REQUEST
         return None
+
+    def _note_inflight_add(self, scope: ScopeKey, request_id: str) -> None:
+        pending = self._inflight_adds.setdefault(scope, {})
+        pending[request_id] = None
+        if len(pending) > INFLIGHT_ADDS_PER_SCOPE:  # policy: forget the oldest
+            del pending[next(iter(pending))]
 
     def _command(self, event: ReplicaEvent) -> Command:
         at = self._system.clock.now_ns()  # the receiver's clock, as in 1.6.1
