@@ -121,7 +121,7 @@ def add_keys_command(services: argparse._SubParsersAction[argparse.ArgumentParse
         help="generate CURVE certificates for replica sync",
         description="CURVE certificates for replica sync (README 'Replica sync security').",
     )
-    actions = keys.add_subparsers(dest="keys_action", required=True, metavar="{generate}")
+    actions = keys.add_subparsers(dest="keys_action", required=True, metavar="{generate}", help="what to do")
     generate = actions.add_parser(
         "generate",
         help="write NAME.key (public) and NAME.key_secret (secret, mode 600) into --dir",

@@ -24,7 +24,7 @@ directory that turns unreadable or invalid at run time keeps the previous set (l
 
 ZAP is one handler per zmq context (``inproc://zeromq.zap.01``), and the context is process-wide, so
 one ``zmq.auth`` ThreadAuthenticator serves every replicator in the process, each under its own ZAP
-domain (:func:`zap_domain`); it runs while at least one domain is open.
+domain (:func:`zap_domain`); it starts with the first one and stays.
 """
 
 from __future__ import annotations
@@ -267,7 +267,9 @@ class _KeyCheck:
 
 
 class _ZapGate:
-    """The process's one ThreadAuthenticator, running while any domain is open."""
+    """The process's one ThreadAuthenticator: started with the first domain, then kept for the life of
+    the process. (Stopping it would unbind ``inproc://zeromq.zap.01`` only once libzmq's reaper gets to
+    it, so binding again at once can fail with EADDRINUSE; an idle handler costs one parked thread.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -291,10 +293,7 @@ class _ZapGate:
                 return
             self._domains.discard(domain)
             assert self._authenticator is not None
-            self._authenticator.credentials_providers.pop(domain, None)
-            if not self._domains:
-                self._authenticator.stop()  # joins its thread: it exits at once
-                self._authenticator = None
+            self._authenticator.credentials_providers.pop(domain, None)  # its handshakes now fail
 
 
 _GATE: Final = _ZapGate()
