@@ -15,6 +15,7 @@ The first line printed names the seed and every derived option, so any run can b
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -72,6 +73,8 @@ def build_parser(prog: str = "kvrouter simulate") -> argparse.ArgumentParser:
     cluster.add_argument("--max-running", type=int, help="running sequences per worker rank")
     cluster.add_argument("--kv-event-delay-ms", type=float, default=0.0, help="KV event publish-to-index latency")
     cluster.add_argument("--router-temperature", type=float, help="selection softmax temperature (default 0)")
+    cluster.add_argument("--prefill-load-scale", type=float, help="weight of prefill load in the cost (default 1)")
+    cluster.add_argument("--overlap-score-credit", type=float, help="credit per cached block (default 1)")
     cluster.add_argument("--replicas", type=int, default=1, help="router replicas kept in step by replica sync")
     cluster.add_argument("--faults", metavar="SPEC", help="e.g. 'worker-crash@60s:worker=3;sync-drop=0.1'")
     output = parser.add_argument_group("output")
@@ -127,10 +130,16 @@ def configure(args: argparse.Namespace) -> tuple[Trace, ClusterOptions, tuple[st
     }
     engine = attrs.evolve(engine, **{k: v for k, v in overrides.items() if v is not None})
     router = RouterConfig()
-    if args.router_temperature is not None:
-        if not args.router_temperature >= 0:
-            raise OptionError(f"--router-temperature must be >= 0, got {args.router_temperature}")
-        router = attrs.evolve(router, router_temperature=args.router_temperature)
+    for flag, field in (
+        ("router_temperature", "router_temperature"),
+        ("prefill_load_scale", "prefill_load_scale"),
+        ("overlap_score_credit", "overlap_score_credit"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            if not (value >= 0 and math.isfinite(value)):
+                raise OptionError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+            router = attrs.evolve(router, **{field: value})
     faults = parse_faults(args.faults)
     if faults.sync.active and args.replicas < 2:
         raise OptionError("sync-* faults need --replicas 2 or more")
@@ -165,6 +174,8 @@ def describe(args: argparse.Namespace, trace: Trace, options: ClusterOptions, po
         f"workers={options.workers} dp_size={options.dp_size} policies={','.join(policies)} engine={args.engine} "
         f"(blocks={e.num_blocks}x{e.block_size} batch_tokens={e.max_batched_tokens} max_running={e.max_running}) "
         f"kv_event_delay_ms={options.kv_event_delay_ms:g} router_temperature={options.router.router_temperature:g} "
+        f"prefill_load_scale={options.router.prefill_load_scale:g} "
+        f"overlap_score_credit={options.router.overlap_score_credit:g} "
         f"replicas={options.replicas} faults={args.faults or '-'!r}"
     )
 
