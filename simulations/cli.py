@@ -72,6 +72,7 @@ def build_parser(prog: str = "kvrouter simulate") -> argparse.ArgumentParser:
     cluster.add_argument("--max-batched-tokens", type=int, help="chunked-prefill budget per pass")
     cluster.add_argument("--max-running", type=int, help="running sequences per worker rank")
     cluster.add_argument("--kv-event-delay-ms", type=float, default=0.0, help="KV event publish-to-index latency")
+    cluster.add_argument("--kv-wire", action="store_true", help="carry KV batches in vLLM's msgpack wire format")
     cluster.add_argument("--router-temperature", type=float, help="selection softmax temperature (default 0)")
     cluster.add_argument("--prefill-load-scale", type=float, help="weight of prefill load in the cost (default 1)")
     cluster.add_argument("--overlap-score-credit", type=float, help="credit per cached block (default 1)")
@@ -161,6 +162,7 @@ def configure(args: argparse.Namespace) -> tuple[Trace, ClusterOptions, tuple[st
         engine=engine,
         router=router,
         kv_event_delay_ms=args.kv_event_delay_ms,
+        kv_wire=args.kv_wire,
         replicas=args.replicas,
         faults=faults,
     )

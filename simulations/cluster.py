@@ -30,7 +30,7 @@ import trio.testing
 
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
-from kvrouter.actors.core.kv_wire import KvBatch, KvEvent
+from kvrouter.actors.core.kv_wire import KvBatch, KvEvent, decode_batch, encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import EXPIRY_AGE_NS
@@ -67,6 +67,7 @@ class ClusterOptions:
     router: RouterConfig = attrs.Factory(RouterConfig)
     model: str = "sim-model"
     kv_event_delay_ms: float = 0.0  # publish-to-index latency of KV events
+    kv_wire: bool = False  # carry KV batches as vLLM's msgpack payload (encode, then the listener's decoder)
     replicas: int = 1  # router replicas, kept in step by replica sync when more than one
     faults: FaultPlan = NO_FAULTS
     check_every: int = 500  # run the load-accounting checks every N arrivals (everything at the end)
@@ -452,6 +453,9 @@ class Cluster:
         worker.kv_seq += 1
         seq = worker.kv_seq
         batch = KvBatch(self.now_ms / 1000.0, tuple(events))
+        if self.options.kv_wire:
+            # What crosses the socket: vLLM's array encoding, read back by the listener's decoder.
+            batch = decode_batch(encode_batch(batch.events, ts=batch.ts, dp_rank=worker.rank.dp_rank))
         worker.replay.append((seq, batch))
         if worker.lose > 0:  # kv-loss fault: this batch never reaches a router
             worker.lose -= 1

@@ -156,6 +156,7 @@ def build_report(
             "engine_params": {k: list(v) if isinstance(v, tuple) else v for k, v in engine.items()},
             "router_config": attrs.asdict(options.router),
             "kv_event_delay_ms": options.kv_event_delay_ms,
+            "kv_wire": options.kv_wire,
             "replicas": options.replicas,
             "faults": repr(options.faults) if not options.faults.empty else None,
         },

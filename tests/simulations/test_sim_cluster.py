@@ -67,3 +67,11 @@ def test_dp_ranks_are_routed_and_report_per_rank() -> None:
     trace = synthetic("shared-prefix:requests=80,rate=20", 4)
     run = simulate_policy(trace, options("round_robin", workers=2, dp_size=2))
     assert [w.requests for w in run.workers] == [20, 20, 20, 20]
+
+
+def test_kv_batches_through_the_wire_format_index_the_same() -> None:
+    trace = synthetic("shared-prefix:requests=80,rate=20", 6)
+    plain = simulate_policy(trace, options())
+    wired = simulate_policy(trace, options(kv_wire=True))
+    assert [r.cached_tokens for r in wired.records] == [r.cached_tokens for r in plain.records]
+    assert [r.predicted_tokens for r in wired.records] == [r.predicted_tokens for r in plain.records]
