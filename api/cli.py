@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
     services = parser.add_subparsers(
-        dest="service", required=True, metavar="{slot-tracker,select-service,simulate,keys}"
+        dest="service", required=True, metavar="{slot-tracker,select-service,simulate,keys,journal}"
     )
     slot = services.add_parser(
         SLOT_TRACKER,
@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     services.add_parser(
         "simulate", help="deterministic cluster simulation (see kvrouter simulate --help)", add_help=False
     )
+    services.add_parser(
+        "journal", help="inspect or repair a stopped service's journal (see kvrouter journal --help)", add_help=False
+    )
     for subparser in (slot, select):
         subparser.set_defaults(subparser=subparser)
     add_keys_command(services)
@@ -198,6 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.simulations.cli import main as simulate
 
         return simulate(arguments[1:])
+    if arguments[:1] == ["journal"]:
+        from kvrouter.api.journal_cli import main as journal
+
+        return journal(arguments[1:])
     parser = build_parser()
     args = parse_arguments(parser, argv)
     if args.service == KEYS:

@@ -38,7 +38,11 @@ def snapshot_name(lsn: int) -> str:
 
 def corrupt(path: Path, offset: int, lsn: int, problem: str) -> str:
     """The message of a ``CorruptJournal`` about one place in one file."""
-    return f"journal corrupt: {path} at byte offset {offset} (lsn {lsn}): {problem}. {OPERATOR_HINT}"
+    cut = (
+        f"To keep the records before it, cut the log there: `kvrouter journal truncate-after --data-dir "
+        f"{path.parent} --lsn {lsn - 1} --yes` (`kvrouter journal inspect --data-dir {path.parent}` shows the log)."
+    )
+    return f"journal corrupt: {path} at byte offset {offset} (lsn {lsn}): {problem}. {OPERATOR_HINT} {cut}"
 
 
 def list_segments(directory: Path) -> list[tuple[int, Path]]:

@@ -93,7 +93,7 @@ def inspect_snapshots(path: str | Path) -> list[SnapshotInfo]:
 
 @attrs.frozen
 class Truncation:
-    """What ``truncate_after`` changed."""
+    """What ``truncate_after`` changed (or, from ``plan_truncation``, would change)."""
 
     lsn: int  # the last lsn left in the log
     records_removed: int  # readable records dropped (what follows damage in its segment cannot be counted)
@@ -101,22 +101,15 @@ class Truncation:
     segments_deleted: list[str]
     segment_cut: str | None  # the segment cut short, if any
     snapshots_deleted: list[str]
+    cut_offset: int = 0  # where segment_cut is cut
 
 
 class CannotTruncate(Exception):
     """Cutting there would leave a journal that cannot recover; nothing was changed."""
 
 
-def truncate_after(path: str | Path, lsn: int) -> Truncation:
-    """Drop every record after ``lsn`` and every snapshot that includes one; keep everything else.
-
-    Refuses (``CannotTruncate``, nothing changed) when the log that would be left is not a clean run
-    of records from a readable snapshot (or from the first record) up to ``lsn``: a damaged record at
-    or before ``lsn``, or records at or before ``lsn`` that only a newer snapshot still holds.
-
-    Crash-safe order: snapshots after ``lsn`` go first, then whole segments from the newest back, then
-    the cut; an interruption leaves a shorter log that recovers, and running it again finishes.
-    """
+def plan_truncation(path: str | Path, lsn: int) -> Truncation:
+    """What ``truncate_after(path, lsn)`` would do, changing nothing; raises ``CannotTruncate`` as it would."""
     directory = Path(path)
     if lsn < 0:
         raise ValueError("lsn must be >= 0")
@@ -125,7 +118,7 @@ def truncate_after(path: str | Path, lsn: int) -> Truncation:
     cut: tuple[str, int] | None = None  # (segment name, offset of the first frame to drop)
     removed = 0
     needed = base + 1  # the next record the kept log must hold
-    for entry in inspect_records(directory):
+    for entry in inspect_records(directory, head_bytes=0):
         if isinstance(entry, DamagedFrame):
             if entry.lsn <= base:
                 continue  # in a segment kept only for an older snapshot: recovery does not read it
@@ -152,22 +145,44 @@ def truncate_after(path: str | Path, lsn: int) -> Truncation:
         match = SNAPSHOT_TMP_RE.fullmatch(path_.name)
         if match and int(match[1]) > lsn:
             doomed_snapshots.append(path_.name)
-    for name in doomed_snapshots:
+    deleted = [segment for first, segment in list_segments(directory) if first > lsn]
+    bytes_removed = sum(segment.stat().st_size for segment in deleted)
+    segment_cut, cut_offset = None, 0
+    if cut is not None and all(cut[0] != segment.name for segment in deleted):
+        segment_cut, cut_offset = cut
+        bytes_removed += (directory / segment_cut).stat().st_size - cut_offset
+    return Truncation(
+        lsn,
+        removed,
+        bytes_removed,
+        [segment.name for segment in deleted],
+        segment_cut,
+        sorted(doomed_snapshots),
+        cut_offset,
+    )
+
+
+def truncate_after(path: str | Path, lsn: int) -> Truncation:
+    """Drop every record after ``lsn`` and every snapshot that includes one; keep everything else.
+
+    Refuses (``CannotTruncate``, nothing changed) when the log that would be left is not a clean run
+    of records from a readable snapshot (or from the first record) up to ``lsn``: a damaged record at
+    or before ``lsn``, or records at or before ``lsn`` that only a newer snapshot still holds.
+
+    Crash-safe order: snapshots after ``lsn`` go first, then whole segments from the newest back, then
+    the cut; an interruption leaves a shorter log that recovers, and running it again finishes.
+    """
+    directory = Path(path)
+    plan = plan_truncation(directory, lsn)
+    for name in plan.snapshots_deleted:
         (directory / name).unlink()
     fsync_dir(directory)
-    deleted = [segment for first, segment in reversed(list_segments(directory)) if first > lsn]
-    bytes_removed = 0
-    for segment in deleted:
-        bytes_removed += segment.stat().st_size
-        segment.unlink()
+    for name in reversed(plan.segments_deleted):
+        (directory / name).unlink()
     fsync_dir(directory)
-    segment_cut = None
-    if cut is not None and (directory / cut[0]).exists():
-        bytes_removed += (directory / cut[0]).stat().st_size - cut[1]
-        truncate(directory / cut[0], cut[1])
-        segment_cut = cut[0]
-    deleted_names = [s.name for s in reversed(deleted)]
-    return Truncation(lsn, removed, bytes_removed, deleted_names, segment_cut, sorted(doomed_snapshots))
+    if plan.segment_cut is not None:
+        truncate(directory / plan.segment_cut, plan.cut_offset)
+    return plan
 
 
 def _missing(first: int, last: int, snapshots: list[SnapshotInfo]) -> str:

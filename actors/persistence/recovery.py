@@ -2,7 +2,7 @@
 
 A record that cannot be used stops recovery with a ``PoisonRecord`` naming its LSN and what is wrong
 (never a traceback): the CLI prints it on one line and exits 2. The operator then runs the build that
-wrote it, restores a backup, or cuts the log before it (``journal.repair.truncate_after``).
+wrote it, restores a backup, or cuts the log before it (``kvrouter journal truncate-after``, ``api/journal_cli.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Final
 
 import attrs
@@ -20,14 +21,16 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import RecordFormatError, decode_record
 from kvrouter.actors.persistence.snapshots import restore_snapshot
+from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import CorruptJournal, Journal
 
 log = logging.getLogger("kvrouter.journal")
 
 _REPAIR_HINT: Final = (
-    "if a newer kvrouter wrote it, run that one; otherwise restore the data directory from a backup, "
-    "or truncate the journal after lsn {before} (this loses record {lsn} and every later one), "
-    "or start with --fresh (this loses everything)"
+    "if a newer kvrouter wrote it, run that one; otherwise cut the log before it with "
+    "`kvrouter journal truncate-after --data-dir {data_dir} --lsn {before} --yes` (this loses record {lsn} and "
+    "every later one; `kvrouter journal inspect --data-dir {data_dir}` lists them), restore the data directory "
+    "from a backup, or start with --fresh (this loses everything)"
 )
 
 
@@ -36,10 +39,10 @@ class PoisonRecord(CorruptJournal):
 
     verb = "used"
 
-    def __init__(self, lsn: int, problem: str) -> None:
+    def __init__(self, lsn: int, problem: str, data_dir: Path | None = None) -> None:
         self.lsn = lsn
         self.problem = problem
-        hint = _REPAIR_HINT.format(before=lsn - 1, lsn=lsn)
+        hint = _REPAIR_HINT.format(before=lsn - 1, lsn=lsn, data_dir=data_dir or "DIR")
         super().__init__(f"journal record at lsn {lsn} cannot be {self.verb}: {problem}. To start: {hint}")
 
 
@@ -64,14 +67,19 @@ class Recovered:
     seconds: float
 
 
-def replay(states: dict[ScopeKey, ScopeState], records: Iterable[tuple[int, bytes]]) -> int:
-    """Fold (lsn, payload) records into ``states`` in place; returns how many were folded."""
+def replay(
+    states: dict[ScopeKey, ScopeState], records: Iterable[tuple[int, bytes]], data_dir: Path | None = None
+) -> int:
+    """Fold (lsn, payload) records into ``states`` in place; returns how many were folded.
+
+    ``data_dir`` is named in the repair command of a PoisonRecord's message.
+    """
     count = 0
     for lsn, payload in records:
         try:
             record = decode_record(payload)
         except RecordFormatError as exc:
-            raise UndecodableRecord(lsn, str(exc)) from exc
+            raise UndecodableRecord(lsn, str(exc), data_dir) from exc
         state = states.get(record.scope)
         if state is None:
             state = states[record.scope] = ScopeState(record.scope)
@@ -80,7 +88,7 @@ def replay(states: dict[ScopeKey, ScopeState], records: Iterable[tuple[int, byte
                 evolve(state, event)
             except Exception as exc:
                 problem = f"event {index} ({EVENT_TAGS[type(event)]}) of {record.scope.describe()} raised {exc!r}"
-                raise RecordDoesNotApply(lsn, problem) from exc
+                raise RecordDoesNotApply(lsn, problem, data_dir) from exc
         if not state.exists:
             del states[record.scope]
         count += 1
@@ -92,7 +100,8 @@ def recover(journal: Journal) -> Recovered:
     snapshot = journal.latest_snapshot()
     states = restore_snapshot(snapshot.payload) if snapshot else {}
     after = snapshot.lsn if snapshot else 0
-    count = replay(states, journal.read(after))
+    data_dir = journal.path if isinstance(journal, FileJournal) else None
+    count = replay(states, journal.read(after), data_dir)
     seconds = time.perf_counter() - started
     log.info(
         "recovered %d scopes: snapshot lsn %d + %d journal records (last lsn %d) in %.3f s",

@@ -100,7 +100,7 @@ def test_an_undecodable_record_stops_recovery_naming_its_lsn(poison: bytes, prob
     assert error.lsn == 4 and problem in error.problem
     message = str(error)
     assert message.startswith("journal record at lsn 4 cannot be decoded: ") and "\n" not in message
-    assert "truncate the journal after lsn 3" in message and "backup" in message
+    assert "`kvrouter journal truncate-after --data-dir DIR --lsn 3 --yes`" in message and "backup" in message
 
 
 def test_an_event_that_does_not_apply_stops_recovery_naming_its_lsn() -> None:
