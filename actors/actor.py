@@ -22,12 +22,14 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from kvrouter.actors.core.commands import Command, Reserve, ReserveSelection, SelectWorker
+from kvrouter.actors.core.commands import Command, Reserve, ReserveSelection, SelectDisaggregated, SelectWorker
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted, Decision
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
-from kvrouter.actors.core.selection_rules import no_pending_selection
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.routing_modes import MODE_ROUND_ROBIN
+from kvrouter.actors.core.selection_rules import no_pending_selection, tracked_output
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Envelope
 from kvrouter.actors.pending import PendingSelections
@@ -55,7 +57,7 @@ class ActorPorts:
 
 
 class ScopeActor:
-    __slots__ = ("_inbox", "_journal", "_ports", "last_lsn", "outbox", "pending", "rng", "state")
+    __slots__ = ("_inbox", "_journal", "_ports", "last_lsn", "outbox", "pending", "rng", "state", "turns")
 
     def __init__(
         self, state: ScopeState, ports: ActorPorts, rng: random.Random, pending: PendingSelections, last_lsn: int = 0
@@ -68,6 +70,9 @@ class ScopeActor:
         # seeded by the owner from its seed and the scope so that a simulation replays exactly.
         self.rng = rng
         self.pending = pending
+        # Round-robin selections taken in this scope: the next one's position (not journaled; a restart
+        # starts the cycle over, which spreads load just as well).
+        self.turns = 0
         # The LSN of this scope's last appended record: a read of this scope is safe to answer once
         # it is durable (the per-scope read barrier). Starts at what the owner says may be unseen.
         self.last_lsn = last_lsn
@@ -102,6 +107,8 @@ class ScopeActor:
         try:
             if isinstance(command, SelectWorker):
                 command = self._with_draw(command)
+            elif isinstance(command, SelectDisaggregated):
+                command = self._with_draws(command)
             elif isinstance(command, ReserveSelection):
                 self._replay_selection(envelope, command)
                 return
@@ -161,7 +168,25 @@ class ScopeActor:
         reservation_id = command.reservation_id
         if command.reserve and reservation_id is None:
             reservation_id = command.selection_id or str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
-        return attrs.evolve(command, draw=self.rng.random(), reservation_id=reservation_id)
+        return attrs.evolve(
+            command, draw=self.rng.random(), reservation_id=reservation_id, turn=self._turn(command.config)
+        )
+
+    def _with_draws(self, command: SelectDisaggregated) -> SelectDisaggregated:
+        reservation_id = command.reservation_id
+        if reservation_id is None:
+            reservation_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        draw, decode_draw = self.rng.random(), self.rng.random()
+        return attrs.evolve(
+            command, reservation_id=reservation_id, draw=draw, decode_draw=decode_draw, turn=self._turn(command.config)
+        )
+
+    def _turn(self, config: RouterConfig) -> int:
+        """The round-robin position of this selection; only round-robin selections advance it."""
+        if config.router_mode != MODE_ROUND_ROBIN:
+            return 0
+        turn, self.turns = self.turns, self.turns + 1
+        return turn
 
     def _remember_selection(self, command: SelectWorker, decision: Accepted) -> None:
         if command.reserve:
@@ -181,6 +206,8 @@ class ScopeActor:
             track_prefill_tokens=chosen.track_prefill_tokens,
             local_hashes=chosen.local_hashes,
             approx_ttl_ns=chosen.approx_ttl_ns,
+            expected_output_tokens=tracked_output(command.config, command.options.expected_output_tokens),
+            track_active_blocks=chosen.track_active_blocks,
         )
         self.pending.put(command.selection_id, template, command.at)
 

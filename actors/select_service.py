@@ -35,14 +35,16 @@ from kvrouter.actors.core.commands import (
     ReleaseReservation,
     Reserve,
     ReserveSelection,
+    SelectDisaggregated,
     SelectionOptions,
     SelectWorker,
 )
 from kvrouter.actors.core.decisions import Accepted, Reason
+from kvrouter.actors.core.disaggregation import DECODE_PART, PREFILL_PART, DisaggregatedSelection, part_id
 from kvrouter.actors.core.dump import dump_document
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad
-from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride
+from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride, config_problem
 from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
 from kvrouter.actors.core.selection_queries import (
     OverlapScore,
@@ -54,7 +56,7 @@ from kvrouter.actors.core.selection_queries import (
     schedulable,
     selection_input,
 )
-from kvrouter.actors.core.selection_rules import Selection, reservation_not_found
+from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.directory import Directory
 from kvrouter.actors.kv_ingest import KvIngest
@@ -83,6 +85,7 @@ class SelectionRequest:
     override: RouterConfigOverride | None = None
     selection_id: str | None = None
     reservation_id: str | None = None  # select_and_reserve only
+    router_mode: str | None = None  # this request's router mode (a canonical name); None: the service's
 
 
 @attrs.frozen
@@ -191,8 +194,45 @@ class SelectService:
         selection: Selection = decision.reply
         return selection
 
-    def _selection(self, request: SelectionRequest, *, reserve: bool) -> SelectWorker:
+    async def select_disaggregated(self, request: SelectionRequest) -> DisaggregatedSelection:
+        """Pick a prefill rank and a decode rank and book both under ``<id>:prefill`` and ``<id>:decode``
+        (``actors/core/disaggregation.py``); ``<id>`` is ``reservation_id``, else ``selection_id``, else
+        generated. Either both parts are booked or neither."""
+        config = self._config(request)
+        self._require_any_schedulable()
+        booking = request.reservation_id if request.reservation_id is not None else request.selection_id
+        command = SelectDisaggregated(request.prompt, config, booking, request.options, at=self._now())
+        # A generated id (the actor draws it) is unique; a given one is claimed, both parts, service-wide.
+        parts = () if booking is None else (part_id(booking, PREFILL_PART), part_id(booking, DECODE_PART))
+        claimed: list[str] = []
+        for part in parts:
+            conflict = self.directory.claim_reservation(part, request.scope)
+            if conflict is not None:
+                for held in claimed:
+                    self.directory.release_claim(held)
+                raise Refused.because(conflict)
+            claimed.append(part)
+
+        def release() -> None:
+            for held in claimed:
+                self.directory.release_claim(held)
+
+        decision = accepted(await self.system.ask(request.scope, command, on_settled=release))
+        chosen: DisaggregatedSelection = decision.reply
+        return chosen
+
+    def _config(self, request: SelectionRequest) -> RouterConfig:
+        """The service's router configuration with this request's override and mode applied, checked."""
         config = request.override.apply(self.config) if request.override is not None else self.config
+        if request.router_mode is not None:
+            config = attrs.evolve(config, router_mode=request.router_mode)
+        problem = config_problem(config)
+        if problem is not None:
+            raise Refused(Reason.INVALID, f"router_config_override: {problem}")
+        return config
+
+    def _selection(self, request: SelectionRequest, *, reserve: bool) -> SelectWorker:
+        config = self._config(request)
         self._require_any_schedulable()
         return SelectWorker(
             request.prompt,
@@ -222,6 +262,7 @@ class SelectService:
         isl_tokens: int,
         effective_prefill_tokens: int | None = None,
         track_prefill_tokens: bool | None = None,
+        expected_output_tokens: int | None = None,
     ) -> Booking:
         """Book a prompt on a chosen rank (the seed's explicit reservation)."""
         command = Reserve(
@@ -234,6 +275,8 @@ class SelectService:
             track_prefill_tokens,
             config_tracks_prefill=self.config.router_track_prefill_tokens,
             at=self._now(),
+            expected_output_tokens=tracked_output(self.config, expected_output_tokens),
+            track_active_blocks=self.config.router_track_active_blocks,
         )
         await self._book(scope, command, reservation_id)
         return self._booking(scope, reservation_id, worker_id, dp_rank)

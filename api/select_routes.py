@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrouter.actors.core.catalog import WorkerRecord, record_view
+from kvrouter.actors.core.disaggregation import DisaggregatedSelection
 from kvrouter.actors.core.endpoints import parse_decimal
 from kvrouter.actors.core.ids import U64_MASK, to_i64
 from kvrouter.actors.core.selection_rules import Selection
@@ -72,8 +73,48 @@ def booking_view(booking: Booking) -> dict[str, Any]:
 
 def selection_request(body: SelectBody) -> SelectionRequest:
     return SelectionRequest(
-        body.scope(), body.prompt(), body.options(), body.override(), body.selection_id, body.reservation_id
+        body.scope(),
+        body.prompt(),
+        body.options(),
+        body.override(),
+        body.selection_id,
+        body.reservation_id,
+        router_mode=body.mode(),
     )
+
+
+def part_view(part: Selection) -> dict[str, Any]:
+    return {
+        "reservation_id": part.reservation_id,
+        "worker_id": part.worker_id,
+        "dp_rank": part.dp_rank,
+        "endpoint": part.endpoint,
+        "overlap": part.overlap,
+        "effective_prefill_tokens": part.effective_prefill_tokens,
+        "potential_decode_blocks": part.potential_decode_blocks,
+    }
+
+
+def disaggregated_view(chosen: DisaggregatedSelection, body: SelectBody) -> dict[str, Any]:
+    """Both parts with their own reservation ids (each has the usual lifecycle routes), and the decode
+    stage's constraints as merged from the request's and the prefill worker's KV-transfer policy."""
+    decode = chosen.decode
+    view: dict[str, Any] = {"reservation_id": chosen.reservation_id, **scope_fields(body.scope())}
+    view.update(
+        mode="disaggregated" if chosen.prefill is not None else "decode_only",
+        block_size=decode.block_size,
+        isl_tokens=decode.isl_tokens,
+        sequence_hashes=[to_i64(h) for h in decode.sequence_hashes],
+        prefill=part_view(chosen.prefill) if chosen.prefill is not None else None,
+        decode=part_view(decode),
+        decode_constraints={
+            "required_taints": sorted(chosen.decode_constraints.required),
+            "preferred_taints": dict(chosen.decode_constraints.preferred),
+        },
+    )
+    if chosen.fallback_reason is not None:
+        view["fallback_reason"] = chosen.fallback_reason
+    return view
 
 
 def worker_id_param(request: Request) -> int:
@@ -145,6 +186,13 @@ async def select_and_reserve(service: SelectService, request: Request) -> Respon
     return json_response(200, selection_view(await service.select_and_reserve(selection_request(body)), body, True))
 
 
+async def select_disaggregated(service: SelectService, request: Request) -> Response:
+    body = parse(SelectBody, request.json())
+    if body.pinned_worker is not None:
+        raise HttpError(400, "pinned_worker is not available for a disaggregated selection (it picks two workers)")
+    return json_response(200, disaggregated_view(await service.select_disaggregated(selection_request(body)), body))
+
+
 async def post_reservation(service: SelectService, request: Request) -> Response:
     body = parse(ReservationBody, request.json())
     booking_id = body.booking_id()
@@ -162,6 +210,7 @@ async def post_reservation(service: SelectService, request: Request) -> Response
         body.isl_tokens,
         body.effective_prefill_tokens,
         body.track_prefill_tokens,
+        body.expected_output_tokens,
     )
     return json_response(201, booking_view(booking))
 
@@ -268,6 +317,7 @@ def select_service_routes(service: SelectService) -> list[Route]:
         route("GET", "/health", health),
         route("POST", "/select", select, json_body=True),
         route("POST", "/select_and_reserve", select_and_reserve, json_body=True),
+        route("POST", "/select_disaggregated", select_disaggregated, json_body=True),
         route("POST", "/reservations", post_reservation, json_body=True),
         route("POST", "/reservations/{reservation_id}/prefill_complete", prefill_complete),
         route("POST", "/reservations/{reservation_id}/output_block", output_block, json_body=True),

@@ -17,7 +17,7 @@ from kvrouter.actors.core.constraints import ENFORCEMENTS
 from kvrouter.actors.core.endpoints import parse_decimal
 from kvrouter.actors.core.ids import U32_MAX, ScopeKey
 from kvrouter.actors.core.limits import MAX_PROMPT_TOKENS, MAX_RANKS_PER_WORKER, MAX_TAINTS, MAX_TOPOLOGY_DOMAINS
-from kvrouter.actors.core.router_config import RouterConfigOverride
+from kvrouter.actors.core.router_config import ROUTER_MODES, RouterConfigOverride, parse_router_mode
 from kvrouter.api.http import HttpError
 from kvrouter.api.schemas import (
     API_CONVERTER,
@@ -183,6 +183,8 @@ class Override:
     assume_kv_reuse: bool | None = None
     track_prefill_tokens: bool | None = None
     shared_cache_multiplier: float | None = None
+    track_active_blocks: bool | None = None  # kvrouter's
+    track_output_blocks: bool | None = None  # kvrouter's
 
 
 @attrs.frozen
@@ -212,6 +214,19 @@ class SelectBody(PromptBody):
     pinned_worker: PinnedWorker | None = None
     allowed_worker_ids: list[U64] | None = None
     routing_constraints: RoutingConstraints | None = None
+    router_mode: str | None = None  # kvrouter's: kv, round_robin, random, direct, least_loaded
+
+    def mode(self) -> str | None:
+        """The request's router mode (canonical name), None for the service's; 422 for an unknown one."""
+        if self.router_mode is None:
+            return None
+        mode = parse_router_mode(self.router_mode)
+        if mode is None:
+            modes = ", ".join(f"`{m}`" for m in ROUTER_MODES)
+            raise HttpError(
+                422, _deserialize_failed(f"router_mode: unknown variant `{self.router_mode}`, expected one of {modes}")
+            )
+        return mode
 
     def override(self) -> RouterConfigOverride | None:
         if self.router_config_override is None:
@@ -248,6 +263,7 @@ class ReservationBody:
     isl_tokens: USize | None = None
     effective_prefill_tokens: USize | None = None
     track_prefill_tokens: bool | None = None
+    expected_output_tokens: U32 | None = None
 
     def scope(self) -> ScopeKey:
         return _scope(self.model_name, self.tenant_id, self.routing_group)

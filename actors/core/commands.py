@@ -176,7 +176,7 @@ class SelectDisaggregated:
 
     prompt: Prompt
     config: RouterConfig
-    reservation_id: str
+    reservation_id: str | None = None  # None: the actor generates one from the scope's random source
     options: SelectionOptions = SelectionOptions()
     draw: float = 0.0
     decode_draw: float = 0.0
@@ -207,7 +207,8 @@ class Reserve:
     writer_id: int = 0
     max_predicted_blocks: int = 2**20
     predicted_prune_target: int = 838_860
-    expected_output_tokens: int | None = None
+    expected_output_tokens: int | None = None  # kept for output-block decay (router_track_output_blocks)
+    track_active_blocks: bool = True  # False: the booking holds no decode blocks
 
 
 @attrs.frozen
@@ -223,9 +224,6 @@ class AddOutputBlock:
     request_id: str
     decay_fraction: float | None = None
     at: int = 0
-    # ``router_track_output_blocks``: without a decay_fraction, derive it from the reservation's
-    # expected_output_tokens (when it was booked with them).
-    track_output_blocks: bool = False
 
 
 @attrs.frozen

@@ -43,6 +43,7 @@ from kvrouter.actors.core.selection_rules import (
     booking_events,
     choose_rank,
     selection_of,
+    tracked_output,
     with_workers,
 )
 from kvrouter.actors.core.state import ScopeState
@@ -98,8 +99,11 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
         return request
     if config.router_mode == MODE_DIRECT:
         return Rejected(Reason.INVALID, DIRECT_NOT_DISAGGREGATED)
-    prefill_id = part_id(command.reservation_id, PREFILL_PART)
-    decode_id = part_id(command.reservation_id, DECODE_PART)
+    reservation_id = command.reservation_id
+    if reservation_id is None:
+        return Rejected(Reason.INVALID, "a disaggregated selection needs a reservation id")
+    prefill_id = part_id(reservation_id, PREFILL_PART)
+    decode_id = part_id(reservation_id, DECODE_PART)
     for booked in (prefill_id, decode_id):
         if booked in state.slots.requests:
             return already_reserved(booked)
@@ -177,7 +181,7 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
     events: list[Event] = []
     if prefill is not None:
         events.extend(booking_events(state, prefill, command.at, None))
-    expected = options.expected_output_tokens
+    expected = tracked_output(decode_config, options.expected_output_tokens)
     events.extend(booking_events(state, decode, command.at, expected, predict=prefill is None))
-    reply = DisaggregatedSelection(command.reservation_id, prefill, decode, constraints, fallback)
+    reply = DisaggregatedSelection(reservation_id, prefill, decode, constraints, fallback)
     return Accepted(tuple(events), created=True, reply=reply)

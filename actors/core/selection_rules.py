@@ -235,8 +235,14 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     reservation_id = command.reservation_id or ""
     if reservation_id in state.slots.requests:
         return already_reserved(reservation_id)
-    events = booking_events(state, selection, command.at, options.expected_output_tokens)
+    events = booking_events(state, selection, command.at, tracked_output(config, options.expected_output_tokens))
     return Accepted(events, created=True, reply=selection)
+
+
+def tracked_output(config: RouterConfig, expected_output_tokens: int | None) -> int | None:
+    """What a booking keeps of ``expected_output_tokens``: with ``router_track_output_blocks`` its output blocks
+    decay by it (``actors/core/slots.py``, ``expected_decay``), so it is stored; otherwise it is not needed."""
+    return expected_output_tokens if config.router_track_output_blocks else None
 
 
 # 503 text when the partition's only schedulable workers cannot decode (aggregated selections need one).
@@ -462,7 +468,7 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
         command.reservation_id,
         command.worker_id,
         command.dp_rank,
-        command.sequence_hashes,
+        command.sequence_hashes if command.track_active_blocks else (),
         prefill,
         command.at,
         command.expected_output_tokens,
@@ -515,7 +521,7 @@ def decide_output_block(command: AddOutputBlock, state: ScopeState) -> Decision:
     decay = command.decay_fraction
     expected = request.expected_output_tokens
     block_size = state.block_size
-    if decay is None and command.track_output_blocks and expected is not None and block_size:
+    if decay is None and expected is not None and block_size:  # booked with output-block tracking
         so_far = output_block_count(state.slots.ranks[request.rank].outputs.get(command.request_id, NO_OUTPUTS))
         decay = expected_decay(so_far, block_size, expected)
     return Accepted((OutputBlockAdded(command.request_id, decay),))

@@ -153,7 +153,11 @@ selection_commands = st.one_of(
         lambda tokens, rid, t, draw, approx, mode, blocks, expected: SelectWorker(
             Prompt(token_ids=tokens),
             RouterConfig(
-                router_temperature=t, use_kv_events=not approx, router_mode=mode, router_track_active_blocks=blocks
+                router_temperature=t,
+                use_kv_events=not approx,
+                router_mode=mode,
+                router_track_active_blocks=blocks,
+                router_track_output_blocks=blocks,
             ),
             SelectionOptions(expected_output_tokens=expected),
             reserve=True,
@@ -192,8 +196,8 @@ selection_commands = st.one_of(
         st.integers(0, 1),
         hashes,
     ),
-    st.builds(AddOutputBlock, reservation_ids, st.sampled_from([None, None, 0.5, 0.0, 1.0]), st.just(0), st.booleans()),
-    st.builds(AddOutputBlock, st.sampled_from(["s0:prefill", "s1:decode"]), st.just(None), st.just(0), st.booleans()),
+    st.builds(AddOutputBlock, reservation_ids, st.sampled_from([None, None, 0.5, 0.0, 1.0])),
+    st.builds(AddOutputBlock, st.sampled_from(["s0:prefill", "s1:decode"])),
     st.builds(ReleaseReservation, st.sampled_from(["s0:prefill", "s0:decode", "s1:decode"])),
     st.builds(CompleteReservationPrefill, reservation_ids),
     st.builds(ReleaseReservation, reservation_ids),

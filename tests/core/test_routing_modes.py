@@ -172,20 +172,25 @@ def test_output_block_decay_follows_the_expected_output_length(so_far: int, expe
 def test_output_block_tracking_derives_the_decay_from_expected_output_tokens() -> None:
     s = Scope()
     s.ok(UpsertWorker(record(1)))
-    s.ok(booking(select(RouterConfig(), expected_output_tokens=8), "r"))  # 8 blocks of 4
+    tracking = RouterConfig(router_track_output_blocks=True)
+    booked = s.ok(booking(select(tracking, expected_output_tokens=8), "r"))  # 8 blocks of 4
+    assert [e.expected_output_tokens for e in booked.events if isinstance(e, RequestAdded)] == [8]
     assert s.decode_blocks() == 8
-    s.ok(AddOutputBlock("r", track_output_blocks=True))  # 1 token of 8 generated: every block at 7/8
-    assert s.state.slots.ranks[WorkerRank(1, 0)].outputs["r"] == (1, 7 / 8, 0)
-    s.ok(AddOutputBlock("r", track_output_blocks=True))  # 5 of 8: 3/8
-    s.ok(AddOutputBlock("r", track_output_blocks=True))  # 9 of 8: 0
-    assert s.state.slots.ranks[WorkerRank(1, 0)].outputs["r"] == (3, 0.0, 0)
-    s.ok(AddOutputBlock("r", decay_fraction=0.5, track_output_blocks=True))  # the client's fraction wins
-    assert s.state.slots.ranks[WorkerRank(1, 0)].outputs["r"] == (4, 0.5, 0)
-    # without the knob, or without an expected length, a block weighs 1 as in 1.6.1
+    outputs = s.state.slots.ranks[WorkerRank(1, 0)].outputs
+    s.ok(AddOutputBlock("r"))  # 1 token of 8 generated: every block at 7/8
+    assert outputs["r"] == (1, 7 / 8, 0)
+    s.ok(AddOutputBlock("r"))  # 5 of 8: 3/8
+    s.ok(AddOutputBlock("r"))  # 9 of 8: 0
+    assert outputs["r"] == (3, 0.0, 0)
+    s.ok(AddOutputBlock("r", decay_fraction=0.5))  # the client's fraction wins
+    assert outputs["r"] == (4, 0.5, 0)
+    # booked without the knob (the expected length is not kept), or without an expected length: a block
+    # weighs 1, as in 1.6.1
+    s.ok(booking(select(RouterConfig(), expected_output_tokens=8), "untracked"))
     s.ok(Reserve("plain", 1, 0, (1,), isl_tokens=4))
-    s.ok(AddOutputBlock("plain", track_output_blocks=True))
-    s.ok(AddOutputBlock("r", track_output_blocks=False))
-    assert s.state.slots.ranks[WorkerRank(1, 0)].outputs == {"r": (4, 0.5, 1), "plain": (0, 1.0, 1)}
+    s.ok(AddOutputBlock("untracked"))
+    s.ok(AddOutputBlock("plain"))
+    assert (outputs["untracked"], outputs["plain"]) == ((0, 1.0, 1), (0, 1.0, 1))
 
 
 # -- configuration ------------------------------------------------------------------------------------
