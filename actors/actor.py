@@ -24,7 +24,7 @@ import trio
 
 from kvrouter.actors.core.commands import Command, Reserve, ReserveSelection, SelectDisaggregated, SelectWorker
 from kvrouter.actors.core.decide import decide
-from kvrouter.actors.core.decisions import Accepted, Decision
+from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.router_config import RouterConfig
@@ -34,6 +34,7 @@ from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Envelope
 from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.persistence.codec import encode_record
+from kvrouter.actors.waiting_room import WaitingRoom
 from kvrouter.journal.store import Journal
 
 # Commands taken from the mailbox per scheduling turn. Bounds how long one busy scope holds the
@@ -57,7 +58,20 @@ class ActorPorts:
 
 
 class ScopeActor:
-    __slots__ = ("_inbox", "_journal", "_ports", "last_lsn", "outbox", "pending", "rng", "state", "turns")
+    __slots__ = (
+        "_changed",
+        "_inbox",
+        "_journal",
+        "_last_at",
+        "_ports",
+        "last_lsn",
+        "outbox",
+        "pending",
+        "rng",
+        "state",
+        "turns",
+        "waiting",
+    )
 
     def __init__(
         self, state: ScopeState, ports: ActorPorts, rng: random.Random, pending: PendingSelections, last_lsn: int = 0
@@ -76,6 +90,11 @@ class ScopeActor:
         # The LSN of this scope's last appended record: a read of this scope is safe to answer once
         # it is durable (the per-scope read barrier). Starts at what the owner says may be unseen.
         self.last_lsn = last_lsn
+        # Selections waiting for a rank to stop being busy (queueing on); asked again after a turn that
+        # changed the state, at the latest time a command brought in (the core never reads a clock).
+        self.waiting = WaitingRoom()
+        self._changed = False
+        self._last_at = 0
 
     async def run(self) -> None:
         journal = self._journal
@@ -89,6 +108,8 @@ class ScopeActor:
                     except trio.WouldBlock:
                         break
                     self._handle(envelope)
+                if self._changed and len(self.waiting):
+                    self._admit_waiting()
                 self._ports.after_turn()
                 if not journal.has_room():
                     # Policy: block this scope until the disk catches up. A journal that failed meanwhile
@@ -104,6 +125,7 @@ class ScopeActor:
 
     def _handle(self, envelope: Envelope) -> None:
         command = envelope.command
+        self._last_at = max(self._last_at, command.at)
         try:
             if isinstance(command, SelectWorker):
                 command = self._with_draw(command)
@@ -116,11 +138,49 @@ class ScopeActor:
         except JOURNAL_GONE as exc:
             self._fail(envelope, exc)
             return
-        if isinstance(command, SelectWorker) and isinstance(decision, Accepted):
-            self._remember_selection(command, decision)
+        if isinstance(command, SelectWorker):
+            if isinstance(decision, Accepted):
+                self._remember_selection(command, decision)
+            elif self._overloaded(decision, command) and not envelope.abandoned:
+                refusal = self.waiting.park(envelope, command, _isl_tokens(command))
+                if refusal is None:
+                    return  # answered when a rank frees up (or the asker's deadline passes)
+                decision = Rejected(Reason.OVERLOADED, refusal)
         elif isinstance(command, Reserve):
             self.pending.discard(command.reservation_id)
         self._settle(envelope, decision, lsn)
+
+    @staticmethod
+    def _overloaded(decision: Decision, command: SelectWorker) -> bool:
+        return isinstance(decision, Rejected) and decision.reason is Reason.OVERLOADED and command.config.queueing
+
+    def _admit_waiting(self) -> None:
+        """Ask the core again for the waiting selections, in policy order, until one still finds every rank
+        busy: the rest wait for the next change. Overlaps and loads are the current ones."""
+        self._changed = False
+        for waiter in self.waiting.in_order():
+            envelope = waiter.envelope
+            if envelope.timed_out or envelope.abandoned:
+                self.waiting.remove(waiter)  # its asker has answered already; never applied
+                continue
+            command = attrs.evolve(waiter.command, at=max(waiter.command.at, self._last_at))
+            try:
+                decision, lsn = self._apply(command)
+            except JOURNAL_GONE as exc:
+                self.waiting.remove(waiter)
+                self._fail(envelope, exc)
+                continue
+            if self._overloaded(decision, command):
+                break
+            self.waiting.remove(waiter)
+            if isinstance(decision, Accepted):
+                self._remember_selection(command, decision)
+            self._settle(envelope, decision, lsn)
+        self._changed = False
+
+    def pending_loads(self) -> tuple[int, int]:
+        """``(pending_count, pending_isl_tokens)`` of the scope's queue, as ``/loads`` shows them."""
+        return len(self.waiting), self.waiting.isl_tokens
 
     def query(self, command: SelectWorker) -> Decision:
         """A selection that books nothing, answered at once from the current state.
@@ -160,6 +220,7 @@ class ScopeActor:
         if isinstance(decision, Accepted) and decision.events:
             lsn = self.last_lsn = self._journal.append(encode_record(self.state.scope, decision.events))
             fold(self.state, decision.events)
+            self._changed = True
             for observe in self._ports.observers:
                 observe(self.state, command, decision.events)
         return decision, lsn
@@ -208,6 +269,11 @@ class ScopeActor:
             approx_ttl_ns=chosen.approx_ttl_ns,
             expected_output_tokens=tracked_output(command.config, command.options.expected_output_tokens),
             track_active_blocks=chosen.track_active_blocks,
+            session_id=chosen.session_id,
+            session_ttl_ns=chosen.session_ttl_ns,
+            writer_id=chosen.writer_id,
+            max_predicted_blocks=chosen.max_predicted_blocks,
+            predicted_prune_target=chosen.predicted_prune_target,
         )
         self.pending.put(command.selection_id, template, command.at)
 
@@ -227,3 +293,8 @@ class ScopeActor:
 
     def mailbox_statistics(self) -> trio.MemoryChannelStatistics:
         return self._inbox.statistics()
+
+
+def _isl_tokens(command: SelectWorker) -> int:
+    prompt = command.prompt
+    return len(prompt.token_ids) if prompt.token_ids is not None else prompt.isl_tokens or 0

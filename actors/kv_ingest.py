@@ -114,6 +114,13 @@ class KvIngest:
             for key, running in sorted(listeners.items(), key=lambda item: item[0].rank)
         }
 
+    def connected(self, worker_id: int, dp_rank: int) -> bool | None:
+        """Whether the rank's listener is connected now; None when the rank has no listener."""
+        for key, running in self._running.get(worker_id, {}).items():
+            if key.rank.dp_rank == dp_rank:
+                return running.status.state == "active"
+        return None
+
     @property
     def listeners(self) -> int:
         return sum(len(listeners) for listeners in self._running.values())

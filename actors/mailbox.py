@@ -22,7 +22,18 @@ ENQUEUE_TIMEOUT = 1.0
 
 
 class Envelope:
-    __slots__ = ("command", "deadline", "decision", "done", "failure", "lsn", "on_settled", "timed_out")
+    __slots__ = (
+        "abandoned",
+        "command",
+        "deadline",
+        "decision",
+        "done",
+        "failure",
+        "lsn",
+        "on_settled",
+        "queued",
+        "timed_out",
+    )
 
     def __init__(self, command: Command, on_settled: Callable[[], None] | None = None) -> None:
         self.command = command
@@ -34,6 +45,8 @@ class Envelope:
         self.failure: BaseException | None = None  # the journal refused the events: nothing was applied
         self.deadline = 0.0  # trio time after which the asker stops waiting (see actors/deadlines.py)
         self.timed_out = False
+        self.queued = False  # waiting in the scope's queue for a rank to stop being busy (actors/waiting_room.py)
+        self.abandoned = False  # the asker went away: a queued envelope is dropped, never applied
 
     def settle(self, decision: Decision, lsn: int) -> None:
         """Record the decision; ``done`` is set by whoever knows it is durable (the actor)."""

@@ -28,6 +28,7 @@ from kvrouter.actors.catalog_writer import CatalogWriter, DeleteWorker, PatchWor
 from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
+    BindSession,
     CompleteReservationPrefill,
     Prompt,
     RecoveredRun,
@@ -39,10 +40,10 @@ from kvrouter.actors.core.commands import (
     SelectionOptions,
     SelectWorker,
 )
-from kvrouter.actors.core.decisions import Accepted, Reason
+from kvrouter.actors.core.decisions import Accepted, Reason, Rejected
 from kvrouter.actors.core.disaggregation import DECODE_PART, PREFILL_PART, DisaggregatedSelection, part_id
 from kvrouter.actors.core.dump import dump_document
-from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad
 from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride, config_problem
 from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
@@ -59,6 +60,7 @@ from kvrouter.actors.core.selection_queries import (
 from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.directory import Directory
+from kvrouter.actors.kv_health import KvHealth
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
 from kvrouter.actors.system import ActorSystem
@@ -71,6 +73,8 @@ class WorkerStatus:
     record: WorkerRecord
     reasons: tuple[str, ...]  # why it is not schedulable; empty when it is
     listeners: dict[str, dict[str, object]] = attrs.Factory(dict)
+    # Per dp rank, how selections score it: {"mode": "exact" | "predicted", "reason"?} (core/kv_modes.py).
+    kv_modes: dict[str, dict[str, str]] = attrs.Factory(dict)
 
     @property
     def schedulable(self) -> bool:
@@ -103,6 +107,8 @@ class Booking:
 class PartitionLoads:
     scope: ScopeKey
     loads: list[RankLoad]
+    pending_count: int = 0  # selections waiting in the scope's queue
+    pending_isl_tokens: int = 0
 
 
 @attrs.frozen
@@ -119,10 +125,19 @@ class SelectService:
         config: RouterConfig,
         ingest: KvIngest | None = None,
         directory: Directory | None = None,
+        writer_id: int = 0,
     ) -> None:
         self.system = system
         self.config = config
         self.ingest = ingest
+        # This replica's id: the version writer of the session bindings it makes (replica sync's router id).
+        self.writer_id = writer_id
+        # Per-rank fallback to predicted blocks while a rank's KV events are absent or stale (KV-event mode).
+        self.health = (
+            KvHealth(ingest.connected, config.kv_events_stale_secs)
+            if ingest is not None and config.use_kv_events and config.kv_events_stale_secs > 0
+            else None
+        )
         self.directory = directory or Directory()
         self._catalog = CatalogWriter(system, self.directory, ingest, use_kv_events=config.use_kv_events)
         self._now = system.clock.now_ns
@@ -133,6 +148,8 @@ class SelectService:
         for state in self.system.states():
             self.directory.adopt(state)
         self.system.observers.append(self.directory.observe)
+        if self.health is not None:
+            self.system.observers.append(self.health.observe)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._catalog.run)
@@ -140,6 +157,8 @@ class SelectService:
         finally:
             if self.directory.observe in self.system.observers:
                 self.system.observers.remove(self.directory.observe)
+            if self.health is not None and self.health.observe in self.system.observers:
+                self.system.observers.remove(self.health.observe)
 
     # -- the catalog ----------------------------------------------------------------------------------
 
@@ -172,16 +191,31 @@ class SelectService:
             record,
             use_kv_events=self.config.use_kv_events,
             partition_block_size=state.selection.partition_block_size if state else None,
+            queueing=self.config.queueing,
         )
         listeners = self.ingest.status(record.worker_id) if self.ingest is not None else {}
-        return WorkerStatus(record, tuple(reasons), listeners)
+        return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record))
+
+    def _kv_modes(self, record: WorkerRecord) -> dict[str, dict[str, str]]:
+        if not self.config.use_kv_events:
+            return {str(rank.dp_rank): {"mode": "predicted", "reason": "approximate mode"} for rank in record.ranks}
+        if self.health is None:
+            return {}
+        modes = self.health.modes(record.scope, record, self._now())
+        return {
+            str(rank.dp_rank): {"mode": m.mode.value, **({"reason": m.reason} if m.reason else {})}
+            for rank, m in modes.items()
+        }
 
     # -- selection ------------------------------------------------------------------------------------
 
     async def select(self, request: SelectionRequest) -> Selection:
         """Pick a rank and book nothing (with a ``selection_id``, remember it for ``reserve_selection``)."""
         command = self._selection(request, reserve=False)
-        decision = accepted(self.system.query(request.scope, command))
+        decision = self.system.query(request.scope, command)
+        if isinstance(decision, Rejected) and decision.reason is Reason.OVERLOADED and command.config.queueing:
+            decision = await self.system.ask(request.scope, command)  # waits in the scope's queue (spec §2.6)
+        decision = accepted(decision)
         await self.system.read_barrier(request.scope)
         selection: Selection = decision.reply
         return selection
@@ -234,6 +268,7 @@ class SelectService:
     def _selection(self, request: SelectionRequest, *, reserve: bool) -> SelectWorker:
         config = self._config(request)
         self._require_any_schedulable()
+        now = self._now()
         return SelectWorker(
             request.prompt,
             config,
@@ -241,13 +276,21 @@ class SelectService:
             reserve=reserve,
             reservation_id=request.reservation_id if reserve else None,
             selection_id=request.selection_id,
-            at=self._now(),
+            at=now,
+            predicted_ranks=self._predicted_ranks(request.scope, now),
+            writer_id=self.writer_id,
         )
+
+    def _predicted_ranks(self, scope: ScopeKey, now: int) -> frozenset[WorkerRank]:
+        state = self.system.state(scope)
+        if self.health is None or state is None:
+            return frozenset()
+        return self.health.predicted_ranks(state, schedulable(state, True, self.config.queueing), now)
 
     def _require_any_schedulable(self) -> None:
         """1.6.1 answers differently when the whole service has no schedulable worker."""
-        use_kv_events = self.config.use_kv_events
-        if not any(schedulable(state, use_kv_events) for state in self.system.states()):
+        use_kv_events, queueing = self.config.use_kv_events, self.config.queueing
+        if not any(schedulable(state, use_kv_events, queueing) for state in self.system.states()):
             raise Refused(Reason.UNAVAILABLE, NO_SCHEDULABLE_WORKERS_ANYWHERE)
 
     # -- reservations ---------------------------------------------------------------------------------
@@ -334,9 +377,9 @@ class SelectService:
         use_kv_events = self.config.use_kv_events
         partitions = []
         for state in self.system.states():
-            rows = partition_loads(state, use_kv_events) if wanted(state.scope) else None
+            rows = partition_loads(state, use_kv_events, queueing=self.config.queueing) if wanted(state.scope) else None
             if rows is not None:
-                partitions.append(PartitionLoads(state.scope, rows))
+                partitions.append(PartitionLoads(state.scope, rows, *self.system.pending_loads(state.scope)))
         await self.system.read_barrier()
         return partitions
 
@@ -359,16 +402,30 @@ class SelectService:
     def _prompt_read(self, scope: ScopeKey, prompt: Prompt) -> tuple[SelectionInput, list[Any]]:
         self._require_any_schedulable()
         state = self.system.state(scope) or ScopeState(scope)
-        prepared = selection_input(state, prompt, self.config.use_kv_events)
+        prepared = selection_input(state, prompt, self.config.use_kv_events, queueing=self.config.queueing)
         if not isinstance(prepared, SelectionInput):
             raise Refused.because(prepared)
-        return prepared, candidates(state, prepared, all_predicted=not self.config.use_kv_events)
+        predicted = self._predicted_ranks(scope, self._now())
+        return prepared, candidates(
+            state, prepared, predicted_ranks=predicted, all_predicted=not self.config.use_kv_events
+        )
 
     async def dump(self) -> dict[str, Any]:
         """The index of every scope in the standalone indexer's recovery format."""
         document = dump_document(self.system.states(), include_predicted=not self.config.use_kv_events)
         await self.system.read_barrier()
         return document
+
+    async def bind_session(
+        self, scope: ScopeKey, session_id: str, worker_id: int, dp_rank: int, sequence: int, writer_id: int
+    ) -> None:
+        """A replica peer's session binding (applied when newer than ours; ignored without affinity)."""
+        if self.config.affinity_ttl_ns <= 0:
+            return
+        command = BindSession(
+            session_id, worker_id, dp_rank, sequence, writer_id, self.config.affinity_ttl_ns, self._now()
+        )
+        await self.system.ask(scope, command)
 
     async def recover_index(self, scope: ScopeKey, runs: tuple[RecoveredRun, ...]) -> None:
         """Seed ``scope``'s index with a peer's runs (``--indexer-peers``), before serving."""

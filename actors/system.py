@@ -22,7 +22,7 @@ import trio
 from kvrouter.actors.actor import JOURNAL_GONE, ActorPorts, Observer, ScopeActor
 from kvrouter.actors.core.commands import SCOPE_CREATING, Command, ExpireStale, SelectWorker
 from kvrouter.actors.core.decide import decide
-from kvrouter.actors.core.decisions import Decision
+from kvrouter.actors.core.decisions import Decision, Reason, Rejected
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.deadlines import Deadlines
@@ -46,6 +46,10 @@ EXPIRY_SWEEP_SECONDS = 30.0  # sweep twice per reference interval: stale request
 SNAPSHOT_EVERY_RECORDS = 50_000
 SNAPSHOT_EVERY_BYTES = 64 * 1024 * 1024
 MAX_SCOPES = 10_000  # (model, tenant) scopes are client input: cap them (policy: reject, 503)
+
+
+def queue_timeout(seconds: float) -> str:
+    return f"every eligible worker stayed busy for {seconds:g} s while the request waited in the queue"
 
 
 class ActorSystem:
@@ -128,8 +132,14 @@ class ActorSystem:
         if immediate is not None:
             return immediate
         self.deadlines.track(envelope)
-        await envelope.done.wait()
+        try:
+            await envelope.done.wait()
+        except trio.Cancelled:
+            envelope.abandoned = True  # if it waits in the scope's queue, it is dropped there, never applied
+            raise
         if envelope.timed_out:
+            if envelope.queued:  # still waiting for a rank: it never will be applied now
+                return Rejected(Reason.OVERLOADED, queue_timeout(self.deadlines.seconds))
             raise self.reply_timeout(f"{type(command).__name__} in {scope.describe()}")
         if envelope.failure is not None:
             raise JournalUnavailable(envelope.failure)
@@ -200,6 +210,11 @@ class ActorSystem:
             if waited.cancelled_caught:
                 raise Overloaded(f"mailbox of {scope.describe()} is full") from None
         return None
+
+    def pending_loads(self, scope: ScopeKey) -> tuple[int, int]:
+        """``(pending_count, pending_isl_tokens)``: selections waiting in the scope's queue."""
+        actor = self.actors.get(scope)
+        return actor.pending_loads() if actor is not None else (0, 0)
 
     def query(self, scope: ScopeKey, command: SelectWorker) -> Decision:
         """Answer a non-booking selection without a mailbox round trip (see ScopeActor.query)."""

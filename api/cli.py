@@ -100,6 +100,45 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
         help="DYN_USE_KV_EVENTS (true): index from worker KV events; without, count what selections book",
     )
     knobs.add_argument(
+        "--router-ttl-secs", **number, help="DYN_ROUTER_TTL_SECS, >= 0 (120): predicted blocks' lifetime"
+    )
+    knobs.add_argument(
+        "--router-max-tree-size",
+        metavar="N",
+        help="DYN_ROUTER_MAX_TREE_SIZE (1048576): predicted blocks before pruning",
+    )
+    knobs.add_argument(
+        "--router-prune-target-ratio", **number, help="DYN_ROUTER_PRUNE_TARGET_RATIO, 0-1 (0.8): what a prune keeps"
+    )
+    knobs.add_argument(
+        "--active-decode-blocks-threshold",
+        **number,
+        help="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD, 0-1: a rank is busy above this fraction of its total_kv_blocks",
+    )
+    knobs.add_argument(
+        "--active-prefill-tokens-threshold",
+        **number,
+        help="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD: a rank is busy above this many active prefill tokens",
+    )
+    knobs.add_argument(
+        "--active-prefill-tokens-threshold-frac",
+        **number,
+        help="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC: busy above this fraction of its max_num_batched_tokens",
+    )
+    knobs.add_argument(
+        "--router-queue-threshold",
+        **number,
+        help="DYN_ROUTER_QUEUE_THRESHOLD (off): requests wait while every rank's prefill exceeds X x its "
+        "max_num_batched_tokens (or a busy threshold)",
+    )
+    knobs.add_argument("--router-queue-policy", choices=("fcfs", "lcfs", "wspt"), help="DYN_ROUTER_QUEUE_POLICY (fcfs)")
+    knobs.add_argument(
+        "--kv-events-stale-secs",
+        **number,
+        help="score a rank on its bookings while its KV events are absent, or silent this long after a booking "
+        "(10; 0: never)",
+    )
+    knobs.add_argument(
         "--router-assume-kv-reuse",
         action=argparse.BooleanOptionalAction,
         help="DYN_ROUTER_ASSUME_KV_REUSE (true); kvrouter always assumes reuse: the --no- form is ignored, with a "
@@ -107,15 +146,19 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _affinity_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--session-affinity-ttl-secs",
+        metavar="S",
+        help="pin each session_id to the worker that served it, until S seconds (1-31536000) after its last "
+        "request ends (default: off)",
+    )
+
+
 def _reference_flags(parser: argparse.ArgumentParser) -> None:
     """1.6.1's flags that kvrouter accepts (checked as 1.6.1 checks them) but does not act on yet."""
     compat = parser.add_argument_group("accepted for compatibility with 1.6.1 (a warning says each is ignored)")
     compat.add_argument("--threads", metavar="N", help="indexer threads in 1.6.1; kvrouter indexes on one thread")
-    compat.add_argument(
-        "--session-affinity-ttl-secs",
-        metavar="S",
-        help="pin a session_id to its worker for S seconds (1-31536000); session affinity is not implemented yet",
-    )
     compat.add_argument(
         "--router-tracking-hash",
         choices=TRACKING_HASHES,
@@ -174,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed (0 to 2**64-1) of the scopes' random sources (tie-breaks, softmax); default: fresh per process",
     )
     _router_flags(select)
+    _affinity_flags(select)
     _reference_flags(select)
     services.add_parser(
         "simulate", help="deterministic cluster simulation (see kvrouter simulate --help)", add_help=False

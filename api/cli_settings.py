@@ -52,6 +52,15 @@ _ROUTER_NUMBER_FLAGS = (
     "router_temperature",
     "host_cache_hit_weight",
     "disk_cache_hit_weight",
+    "router_ttl_secs",
+    "router_max_tree_size",
+    "router_prune_target_ratio",
+    "active_decode_blocks_threshold",
+    "active_prefill_tokens_threshold",
+    "active_prefill_tokens_threshold_frac",
+    "router_queue_threshold",
+    "router_queue_policy",
+    "kv_events_stale_secs",
 )
 _ROUTER_BOOL_FLAGS = ("use_kv_events", "router_assume_kv_reuse")
 
@@ -115,11 +124,8 @@ def _select_service(
 
     if threads is not None:
         warnings.append(f"--threads {args.threads} has no effect: kvrouter's index runs on the service's one thread")
-    if affinity is not None:
-        warnings.append(
-            f"--session-affinity-ttl-secs {args.session_affinity_ttl_secs} is ignored: session affinity is not "
-            "implemented yet (a request's session_id does not pin it to a worker)"
-        )
+    if affinity is not None and router is not None:
+        router = attrs.evolve(router, session_affinity_ttl_secs=affinity)
     if args.selection_cache_max_bytes is not None and max_bytes is not None:
         warnings.append(
             f"--selection-cache-max-bytes {max_bytes} is not enforced yet: the pending-selection cache is bounded "

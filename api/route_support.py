@@ -12,7 +12,15 @@ from kvrouter.actors.mailbox import JournalUnavailable, ReplyTimeout
 from kvrouter.actors.service_support import Refused, ScopeFilter
 from kvrouter.api.http import Handler, Request, Response, error_response, json_response
 
-REASON_STATUS = {Reason.INVALID: 400, Reason.NOT_FOUND: 404, Reason.CONFLICT: 409, Reason.UNAVAILABLE: 503}
+REASON_STATUS = {
+    Reason.INVALID: 400,
+    Reason.NOT_FOUND: 404,
+    Reason.CONFLICT: 409,
+    Reason.UNAVAILABLE: 503,
+    Reason.OVERLOADED: 429,
+}
+# Overloaded (every eligible worker busy, or the queue full): the client should retry shortly.
+RETRY_AFTER = {Reason.OVERLOADED: ((b"retry-after", b"1"),)}
 
 Service = TypeVar("Service")
 
@@ -25,7 +33,7 @@ def bound(service: Service, handler: Callable[[Service, Request], Awaitable[Resp
         try:
             return await handler(service, request)
         except Refused as refused:
-            return error_response(REASON_STATUS[refused.reason], refused.message)
+            return error_response(REASON_STATUS[refused.reason], refused.message, RETRY_AFTER.get(refused.reason, ()))
         except ReplyTimeout as late:
             return json_response(504, {"error": str(late), "request_id": late.request_id})
         except JournalUnavailable as gone:

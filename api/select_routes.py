@@ -30,6 +30,8 @@ def worker_view(status: WorkerStatus) -> dict[str, Any]:
     shown = record_view(status.record, "incomplete" if status.reasons else "schedulable", list(status.reasons))
     if status.listeners:
         shown["kv_listeners"] = status.listeners
+    if status.kv_modes:
+        shown["kv_modes"] = status.kv_modes
     return shown
 
 
@@ -248,8 +250,8 @@ async def loads(service: SelectService, request: Request) -> Response:
                 }
                 for row in partition.loads
             ],
-            "pending_count": 0,
-            "pending_isl_tokens": 0,
+            "pending_count": partition.pending_count,
+            "pending_isl_tokens": partition.pending_isl_tokens,
         }
         for partition in await service.loads(scope_filter(request))
     ]

@@ -6,6 +6,7 @@ As in ``api/schemas.py``: strict JSON types, serde-like 422 messages, unknown fi
 
 from __future__ import annotations
 
+import math
 from array import array
 from typing import Any, NewType
 
@@ -169,6 +170,16 @@ class PinnedWorker:
 
 
 @attrs.frozen
+class SessionContext:
+    """1.6.1's ``session_context``; its ``session_id`` wins over the body's ``session_id``."""
+
+    session_id: str
+    parent_session_id: str | None = None
+    session_final: bool | None = None
+    input_trigger: str | None = None
+
+
+@attrs.frozen
 class RoutingConstraints:
     required_taints: list[str] | None = None
     preferred_taints: dict[str, float] | None = None
@@ -214,6 +225,9 @@ class SelectBody(PromptBody):
     pinned_worker: PinnedWorker | None = None
     allowed_worker_ids: list[U64] | None = None
     routing_constraints: RoutingConstraints | None = None
+    session_id: str | None = None
+    session_context: SessionContext | None = None
+    priority_jump: float | None = None
     router_mode: str | None = None  # kvrouter's: kv, round_robin, random, direct, least_loaded
 
     def mode(self) -> str | None:
@@ -247,7 +261,17 @@ class SelectBody(PromptBody):
             if self.pinned_worker is None
             else (self.pinned_worker.worker_id, self.pinned_worker.dp_rank),
             expected_output_tokens=self.expected_output_tokens,
+            session_id=self.session_context.session_id if self.session_context is not None else self.session_id,
+            priority_jump=self._priority_jump(),
         )
+
+    def _priority_jump(self) -> float:
+        jump = self.priority_jump
+        if jump is None:
+            return 0.0
+        if not math.isfinite(jump):
+            raise HttpError(422, _deserialize_failed("priority_jump must be a finite number"))
+        return jump
 
 
 @attrs.frozen

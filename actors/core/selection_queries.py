@@ -61,8 +61,8 @@ class OverlapScore:
     disk_extension_blocks: int
 
 
-def schedulable(state: ScopeState, use_kv_events: bool) -> tuple[WorkerRecord, ...]:
-    return state.selection.schedulable(use_kv_events)
+def schedulable(state: ScopeState, use_kv_events: bool, queueing: bool = False) -> tuple[WorkerRecord, ...]:
+    return state.selection.schedulable(use_kv_events, queueing)
 
 
 def normalize(prompt: Prompt, block_size: int) -> NormalizedPrompt | str:
@@ -190,11 +190,11 @@ def overlap_scores(found: list[RankCandidate]) -> list[OverlapScore]:
     return rows
 
 
-def partition_loads(state: ScopeState, use_kv_events: bool) -> list[RankLoad] | None:
+def partition_loads(state: ScopeState, use_kv_events: bool, *, queueing: bool = False) -> list[RankLoad] | None:
     """``GET /loads`` of one partition: the current loads of its schedulable workers' ranks, sorted; None
     while no schedulable worker has fixed the partition's block size (1.6.1 does not list it then)."""
     if not state.selection.listed:
         return None
     ranks = state.slots.ranks
-    shown = sorted(rank for record in state.selection.schedulable(use_kv_events) for rank in record.ranks)
+    shown = sorted(rank for record in state.selection.schedulable(use_kv_events, queueing) for rank in record.ranks)
     return [rank_load(rank, ranks[rank]) for rank in shown]

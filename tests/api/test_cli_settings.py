@@ -156,14 +156,36 @@ def test_tracking_key_rules(flags: list[str], expected: str, tmp_path: Path) -> 
     assert expected in problem
 
 
-def test_session_affinity_is_checked_as_1_6_1_checks_it_then_warned() -> None:
+def test_session_affinity_is_checked_as_1_6_1_checks_it_then_used() -> None:
     # as 1.6.1: "session_affinity_ttl_secs must be between 1 and 31536000" for 0.5 and 31536001; 1.5 starts.
     assert problems("--session-affinity-ttl-secs", "0.5") == (
         "--session-affinity-ttl-secs='0.5' must be between 1 and 31536000",
     )
     assert problems("--session-affinity-ttl-secs", "31536001")
-    (warning,) = launch("--session-affinity-ttl-secs", "1.5").warnings
-    assert warning.startswith("--session-affinity-ttl-secs 1.5 is ignored: session affinity is not implemented")
+    started = launch("--session-affinity-ttl-secs", "1.5")
+    assert started.warnings == ()
+    assert started.router is not None and started.router.session_affinity_ttl_secs == 1.5
+    assert launch().router.session_affinity_ttl_secs is None  # type: ignore[union-attr]
+
+
+def test_overload_and_approximate_mode_flags_go_through_the_router_rules() -> None:
+    started = launch(
+        "--router-queue-threshold", "1.5", "--router-queue-policy", "lcfs", "--active-decode-blocks-threshold", "0.9",
+        "--active-prefill-tokens-threshold", "4096", "--active-prefill-tokens-threshold-frac", "2",
+        "--router-max-tree-size", "1000", "--router-prune-target-ratio", "0.5", "--router-ttl-secs", "30",
+        "--kv-events-stale-secs", "0",
+    )  # fmt: skip
+    router = started.router
+    assert router is not None
+    assert (router.router_queue_threshold, router.router_queue_policy) == (1.5, "lcfs")
+    assert (router.active_decode_blocks_threshold, router.active_prefill_tokens_threshold) == (0.9, 4096.0)
+    assert router.active_prefill_tokens_threshold_frac == 2.0
+    assert (router.router_max_tree_size, router.router_prune_target_ratio, router.router_ttl_secs) == (1000, 0.5, 30.0)
+    assert router.kv_events_stale_secs == 0.0
+    assert problems("--active-decode-blocks-threshold", "1.2", "--router-max-tree-size", "0") == (
+        "--router-max-tree-size='0' must be between 1 and 281474976710656",
+        "--active-decode-blocks-threshold='1.2' must be between 0 and 1",
+    )
 
 
 def test_threads_is_warned_only_when_given() -> None:
