@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
     services = parser.add_subparsers(
-        dest="service", required=True, metavar="{slot-tracker,select-service,simulate,keys,journal}"
+        dest="service", required=True, metavar="{slot-tracker,select-service,simulate,keys,journal,worker-topology}"
     )
     slot = services.add_parser(
         SLOT_TRACKER,
@@ -225,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     services.add_parser(
         "journal", help="inspect or repair a stopped service's journal (see kvrouter journal --help)", add_help=False
     )
+    services.add_parser(
+        "worker-topology",
+        help="publish a worker's topology files and KV-transfer policy (see kvrouter worker-topology --help)",
+        add_help=False,
+    )
     for subparser in (slot, select):
         subparser.set_defaults(subparser=subparser)
     add_keys_command(services)
@@ -249,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.api.journal_cli import main as journal
 
         return journal(arguments[1:])
+    if arguments[:1] == ["worker-topology"]:
+        from kvrouter.api.worker_topology import main as worker_topology
+
+        return worker_topology(arguments[1:])
     parser = build_parser()
     args = parse_arguments(parser, argv)
     if args.service == KEYS:
