@@ -92,7 +92,8 @@ def part_view(part: Selection) -> dict[str, Any]:
         "dp_rank": part.dp_rank,
         "endpoint": part.endpoint,
         "overlap": part.overlap,
-        "effective_prefill_tokens": part.effective_prefill_tokens,
+        # a decode part computes no prefill (its KV cache arrives by transfer) unless it prefills itself
+        "effective_prefill_tokens": part.effective_prefill_tokens if part.track_prefill_tokens else 0,
         "potential_decode_blocks": part.potential_decode_blocks,
     }
 

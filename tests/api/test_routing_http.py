@@ -199,6 +199,8 @@ async def test_disaggregated_selection_books_both_parts_with_their_own_lifecycle
                 "required_taints": [f"dynamo.topology/zone={zone}"],
                 "preferred_taints": {},
             }
+            assert (prefill["effective_prefill_tokens"], decode["effective_prefill_tokens"]) == (32, 0)
+            assert (prefill["potential_decode_blocks"], decode["potential_decode_blocks"]) == (0, 8)
             booked = await loads(http)
             assert booked[prefill["worker_id"]] == (32, 0, 1)  # prefill tokens, no decode blocks
             assert booked[decode["worker_id"]] == (0, 8, 1)  # decode blocks, no prefill tokens
