@@ -235,7 +235,11 @@ class SelectService:
         config = self._config(request)
         self._require_any_schedulable()
         booking = request.reservation_id if request.reservation_id is not None else request.selection_id
-        command = SelectDisaggregated(request.prompt, config, booking, request.options, at=self._now())
+        now = self._now()
+        predicted = self._predicted_ranks(request.scope, now)
+        command = SelectDisaggregated(
+            request.prompt, config, booking, request.options, at=now, predicted_ranks=predicted
+        )
         # A generated id (the actor draws it) is unique; a given one is claimed, both parts, service-wide.
         parts = () if booking is None else (part_id(booking, PREFILL_PART), part_id(booking, DECODE_PART))
         claimed: list[str] = []

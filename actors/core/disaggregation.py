@@ -14,9 +14,11 @@ The seed's "Disaggregated Serving" and ``topology-aware-kv-transfer.md``, spec Â
 4. Both bookings are events of one decision, so one journal record: both or neither survive a crash. They
    are two reservations, ``<id>:prefill`` and ``<id>:decode``, each with the usual lifecycle routes.
 
-When no prefill rank is eligible (no prefill-capable worker, or the request's constraints exclude them all),
-the request falls back to decode only, as the seed says: one booking, ``<id>:decode``, chosen and booked like
-an aggregated selection (KV-aware, prefill tracked) among the decode-capable workers.
+When no prefill rank is available (no prefill-capable worker, the request's constraints exclude them all, or
+every one is busy by the overload thresholds), the request falls back to decode only, as the seed says: one
+booking, ``<id>:decode``, chosen and booked like an aggregated selection (KV-aware, prefill tracked) among
+the decode-capable workers. A disaggregated selection never waits in the queue: when every decode rank is
+busy it is refused (429).
 """
 
 from __future__ import annotations
@@ -135,9 +137,9 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
             at=command.at,
         )
         if isinstance(chosen, Rejected):
-            if chosen.reason is not Reason.UNAVAILABLE:
+            if chosen.reason not in (Reason.UNAVAILABLE, Reason.OVERLOADED):
                 return chosen
-            fallback = f"no prefill rank is eligible ({chosen.message})"
+            fallback = f"no prefill rank is available ({chosen.message})"
         else:
             prefill = selection_of(
                 state, prefill_pool, found, chosen, prefill_config, prefill_id, predicted_ranks=command.predicted_ranks

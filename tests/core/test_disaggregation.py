@@ -147,7 +147,7 @@ def test_the_requests_own_constraints_apply_to_both_stages() -> None:
     ("setup", "reason"),
     [
         ("no_prefill_workers", "no schedulable worker can prefill (worker_role prefill or both)"),
-        ("constraints_exclude_them", "no prefill rank is eligible (no endpoints available to route work"),
+        ("constraints_exclude_them", "no prefill rank is available (no endpoints available to route work"),
     ],
 )
 def test_without_an_eligible_prefill_rank_the_request_falls_back_to_decode_only(setup: str, reason: str) -> None:
@@ -201,3 +201,17 @@ def test_aggregated_selections_skip_prefill_only_workers() -> None:
     message = only_prefill.rejected(SelectWorker(Prompt(TOKENS), RouterConfig()), Reason.UNAVAILABLE)
     assert message.endswith("every schedulable worker has worker_role prefill (use POST /select_disaggregated)")
     assert only_prefill.rejected(disaggregated(), Reason.UNAVAILABLE).endswith("(every one has worker_role prefill)")
+
+
+def test_busy_prefill_workers_fall_back_to_decode_only_and_busy_decode_workers_refuse() -> None:
+    s = cluster()
+    for worker_id in (1, 2):
+        s.ok(Reserve(f"load{worker_id}", worker_id, 0, (), isl_tokens=64))  # 64 prefill tokens each
+    busy_prefill = RouterConfig(active_prefill_tokens_threshold=31)  # a rank above 31 tokens is busy
+    reply, booked = bookings(s, disaggregated(config=busy_prefill))
+    assert reply.prefill is None and reply.fallback_reason is not None
+    assert reply.fallback_reason.startswith("no prefill rank is available (all 2 eligible workers are overloaded")
+    assert set(booked) == {"r:decode"} and booked["r:decode"].prefill_tokens == 32
+    # now the decode worker that took it is busy too, and so is the other one
+    s.ok(Reserve("load4", 4 if reply.decode.worker_id == 3 else 3, 0, (), isl_tokens=64))
+    assert s.rejected(disaggregated("r2", config=busy_prefill), Reason.OVERLOADED)
