@@ -72,8 +72,9 @@ SCENARIO: list[tuple[str, str, Any]] = [
     *[select(routing_constraints={"preferred_taints": {"spot": 2.0}})] * 4,
     # negative weights repel: 1 and 2 (cost 20 each) cost 20 x e^tanh(1) = 42.9, so the busier 3 (20) wins
     *[select(routing_constraints={"preferred_taints": {"gpu-h100": -1.0}})] * 4,
-    ("PATCH", "/workers/2", {"taints": ["gpu-h100"]}),
-    *[select(routing_constraints={"required_taints": ["gpu-h100"], "preferred_taints": {"gpu-h100": 1.0}})] * 2,
+    ("PATCH", "/workers/2", {"taints": ["spot"]}),  # a PATCH replaces the taints
+    *[select(routing_constraints={"required_taints": ["gpu-h100"]})] * 2,
+    *[select(routing_constraints={"preferred_taints": {"spot": 0.5, "gpu-h100": 0.1}})] * 2,
 ]
 
 

@@ -102,9 +102,14 @@ SCENARIO: list[tuple[str, str, Any]] = [
 ]
 
 
+# Fields only kvrouter's answers carry: the seed's scope name, its KV listeners and per-rank KV modes, and the
+# seed's reservation_id beside 1.6.1's selection_id.
+KVROUTER_ONLY_FIELDS = ("tenant_id", "kv_listeners", "kv_modes", "reservation_id")
+
+
 def normalise(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: normalise(v) for k, v in value.items() if k not in ("tenant_id", "kv_listeners", "reservation_id")}
+        return {k: normalise(v) for k, v in value.items() if k not in KVROUTER_ONLY_FIELDS}
     if isinstance(value, list):
         return [normalise(v) for v in value]
     if isinstance(value, str):
