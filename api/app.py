@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote, unquote_to_bytes
 
 from kvrouter.actors.mailbox import Overloaded
 from kvrouter.api.http import HttpError, Request, Response, Route, error_response
@@ -21,14 +22,22 @@ UNSUPPORTED_MEDIA = "Expected request with `Content-Type: application/json`"
 
 
 class RouteTable:
-    """Exact paths in a dict; parameterised paths ("/reservations/{id}") matched by segments."""
+    """Routes matched on the raw, percent-encoded path, one segment at a time.
+
+    Splitting comes before decoding, so a ``%2F`` inside an id stays part of that id (``DELETE
+    /reservations/a%2Fb`` reaches reservation ``a/b``) and ids that can be booked can be addressed.
+    An empty segment is an empty id (``DELETE /reservations/`` reaches reservation ``""``), so every
+    id a body can name is reachable; literal segments never match an empty one (``/health/`` is 404).
+    """
 
     def __init__(self, routes: Iterable[Route]) -> None:
-        self.exact: dict[str, dict[str, Route]] = {}
+        # Literal paths by their raw bytes: the common case is one dict lookup, no decoding.
+        self.exact: dict[bytes, dict[str, Route]] = {}
+        self.by_segments: dict[tuple[str, ...], dict[str, Route]] = {}
         self.patterns: list[tuple[tuple[str, ...], dict[str, Route]]] = []
         for route in routes:
+            segments = tuple(route.path.removeprefix("/").split("/"))
             if "{" in route.path:
-                segments = tuple(route.path.strip("/").split("/"))
                 for known, methods in self.patterns:
                     if known == segments:
                         methods[route.method] = route
@@ -36,27 +45,52 @@ class RouteTable:
                 else:
                     self.patterns.append((segments, {route.method: route}))
             else:
-                self.exact.setdefault(route.path, {})[route.method] = route
+                methods = self.by_segments.setdefault(segments, {})
+                methods[route.method] = route
+                self.exact[route.path.encode()] = methods
 
-    def lookup(self, path: str) -> tuple[dict[str, Route], dict[str, str]] | None:
-        methods = self.exact.get(path)
+    def lookup(self, raw_path: bytes) -> tuple[dict[str, Route], dict[str, str]] | None:
+        """The methods at ``raw_path`` and its decoded path parameters; None: no such route.
+
+        Raises ``HttpError(400)`` for a segment that is not percent-encoded UTF-8.
+        """
+        methods = self.exact.get(raw_path)
         if methods is not None:
             return methods, {}
-        parts = path.strip("/").split("/")
+        parts = split_path(raw_path)
+        if parts is None:
+            return None
+        methods = self.by_segments.get(parts)
+        if methods is not None:
+            return methods, {}
         for segments, methods in self.patterns:
             if len(segments) != len(parts):
                 continue
             params = {}
             for pattern, part in zip(segments, parts, strict=True):
                 if pattern.startswith("{"):
-                    if not part:
-                        break
                     params[pattern[1:-1]] = part
                 elif pattern != part:
                     break
             else:
                 return methods, params
         return None
+
+
+def split_path(raw_path: bytes) -> tuple[str, ...] | None:
+    """The decoded segments of an origin-form path (``/a/b%2Fc`` -> ``("a", "b/c")``); None otherwise."""
+    if not raw_path.startswith(b"/"):
+        return None  # "*", or an absolute URI: no route has that form
+    try:
+        return tuple(unquote_to_bytes(part).decode("utf-8") for part in raw_path[1:].split(b"/"))
+    except UnicodeDecodeError:
+        raise HttpError(400, "Invalid URL: the path is not percent-encoded UTF-8") from None
+
+
+def raw_path_of(scope: ASGIScope) -> bytes:
+    """The path as the client sent it (ASGI ``raw_path`` is optional: rebuild it from ``path`` if absent)."""
+    raw = scope.get("raw_path")
+    return raw if raw is not None else quote(scope["path"]).encode("ascii")
 
 
 def _is_json(content_type: bytes | None) -> bool:
@@ -93,7 +127,10 @@ def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
                     return
 
     async def _respond(scope: ASGIScope, receive: Any) -> Response:
-        found = table.lookup(scope["path"])
+        try:
+            found = table.lookup(raw_path_of(scope))
+        except HttpError as exc:
+            return error_response(exc.status, exc.message)
         if found is None:
             return error_response(404, "route not found")
         methods, params = found
