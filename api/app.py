@@ -1,24 +1,38 @@
-"""The raw ASGI application: route lookup, body limits, content types, error mapping.
+"""The raw ASGI application: route lookup, authentication, body limits, content types, error mapping.
 
 No domain logic lives here; handlers come from a route table (``api/routes.py``). Each response
 goes out as one ``http.response.body`` message with its content-length, and nothing on this path
-starts tasks, opens cancel scopes or logs (each of those costs 10-30 µs per request here).
+starts tasks or opens cancel scopes (each costs 10-30 µs per request here); the per-request log line
+is only formatted when debug logging is on.
+
+A response sent before the request's body was read (401, 404, 405, 413, 415, 408) carries
+``Connection: close``: hypercorn closes such a connection after the response, and a keep-alive client
+must know not to send its next request on it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from time import perf_counter
 from typing import Any
 from urllib.parse import quote, unquote_to_bytes
 
+import trio
+
 from kvrouter.actors.mailbox import Overloaded
-from kvrouter.api.http import HttpError, Request, Response, Route, error_response
+from kvrouter.api.auth import BearerToken
+from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
 
 log = logging.getLogger("kvrouter.api")
+request_log = logging.getLogger("kvrouter.api.requests")  # one line per request, at debug
 
 ASGIScope = dict[str, Any]
 UNSUPPORTED_MEDIA = "Expected request with `Content-Type: application/json`"
+BODY_TOO_LARGE = "Failed to buffer the request body: length limit exceeded"
+WEBSOCKET_REFUSED = "this route does not accept WebSocket connections; send a plain HTTP request"
+CONNECTION_CLOSE = (b"connection", b"close")
+OPEN_PATH = b"/health"  # GET/HEAD /health answers without the token (liveness probes)
 
 
 class RouteTable:
@@ -101,21 +115,67 @@ def _is_json(content_type: bytes | None) -> bool:
     return mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))
 
 
-def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
+class _Headers:
+    """The request headers the app reads, found in one pass (names arrive lower-cased)."""
+
+    __slots__ = ("authorization", "content_length", "content_type", "has_body")
+
+    def __init__(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
+        self.content_type: bytes | None = None
+        self.content_length: int | None = None
+        self.authorization: bytes | None = None
+        self.has_body = False
+        authorizations = 0
+        for name, value in raw:
+            if name == b"content-type":
+                self.content_type = value
+            elif name == b"content-length":
+                self.content_length = int(value) if value.isdigit() else None  # h11 has checked it
+                self.has_body = self.has_body or self.content_length != 0
+            elif name == b"transfer-encoding":
+                self.has_body = True
+            elif name == b"authorization":
+                self.authorization = value
+                authorizations += 1
+        if authorizations > 1:
+            self.authorization = None  # ambiguous: treated as absent
+
+
+def make_app(
+    routes: Iterable[Route],
+    *,
+    body_limit: int,
+    body_timeout: float | None = None,
+    auth: BearerToken | None = None,
+) -> Any:
+    """The ASGI app serving ``routes``.
+
+    ``body_timeout``: seconds a request body may take to arrive in full, counted from the app's first
+    read (a trickling client gets 408; a silent one is hypercorn's read timeout). ``auth``: every route
+    but ``GET /health`` requires this bearer token.
+    """
     table = RouteTable(routes)
+    open_methods = table.exact.get(OPEN_PATH)
 
     async def app(scope: ASGIScope, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
-            response = await _respond(scope, receive)
+            started = perf_counter() if request_log.isEnabledFor(logging.DEBUG) else None
+            response, body_unread = await _respond(scope, receive)
             headers = [(b"content-length", str(len(response.body)).encode())]
             if response.content_type is not None:
                 headers.append((b"content-type", response.content_type))
             headers.extend(response.headers)
+            if body_unread:
+                headers.append(CONNECTION_CLOSE)
+            if started is not None:
+                _log_request(scope, response.status, started)  # before sending: logged by the time it is read
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             # HEAD: same headers (content-length included), no body.
             body = b"" if scope["method"] == "HEAD" else response.body
             await send({"type": "http.response.body", "body": body})
+        elif kind == "websocket":
+            await _refuse_websocket(scope, send)
         elif kind == "lifespan":
             # The actor system lives in the outer nursery, not in lifespan; just answer.
             while True:
@@ -126,49 +186,98 @@ def make_app(routes: Iterable[Route], *, body_limit: int) -> Any:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
-    async def _respond(scope: ASGIScope, receive: Any) -> Response:
+    def _route(scope: ASGIScope, method: str, headers: _Headers) -> tuple[Route, dict[str, str]] | Response:
+        """The route and its path parameters, or the response refusing the request (bad path or token,
+        unknown route, wrong method). The token is checked before revealing whether a route exists."""
         try:
             found = table.lookup(raw_path_of(scope))
         except HttpError as exc:
             return error_response(exc.status, exc.message)
+        if auth is not None and not auth.admits(headers.authorization):
+            public = found is not None and found[0] is open_methods and method in ("GET", "HEAD")
+            if not public:
+                return auth.refusal(headers.authorization)
         if found is None:
             return error_response(404, "route not found")
         methods, params = found
-        method = scope["method"]
         route = methods.get(method) or (methods.get("GET") if method == "HEAD" else None)
         if route is None:
             allowed = ",".join([*methods, "HEAD"] if "GET" in methods else methods)
             return error_response(405, "method not allowed", ((b"allow", allowed.encode()),))
+        return route, params
+
+    async def _respond(scope: ASGIScope, receive: Any) -> tuple[Response, bool]:
+        """The response, and whether the request body was left unread (then the connection closes)."""
+        headers = _Headers(scope["headers"])
+        body_unread = headers.has_body
+        method = scope["method"]
+        found = _route(scope, method, headers)
+        if isinstance(found, Response):
+            return found, body_unread
+        route, params = found
         try:
             body = b""
             if route.json_body or route.optional_body:
-                content_type = None
-                for name, value in scope["headers"]:
-                    if name == b"content-type":
-                        content_type = value
-                if route.json_body and not _is_json(content_type):
-                    return error_response(415, UNSUPPORTED_MEDIA)
-                body = await _read_body(receive, body_limit)
-                if body and not _is_json(content_type):
-                    return error_response(415, UNSUPPORTED_MEDIA)
+                if route.json_body and not _is_json(headers.content_type):
+                    return error_response(415, UNSUPPORTED_MEDIA), body_unread
+                if headers.content_length is not None and headers.content_length > body_limit:
+                    return error_response(413, BODY_TOO_LARGE), body_unread  # refused before reading a byte
+                body = await _read_body(receive, body_limit, body_timeout)
+                body_unread = False
+                if body and not _is_json(headers.content_type):
+                    return error_response(415, UNSUPPORTED_MEDIA), body_unread
             request = Request(method, scope["path"], scope["query_string"], body, params)
-            return await route.handler(request)
+            return await route.handler(request), body_unread
         except HttpError as exc:
+            release(exc)
             if exc.plain:
-                return Response(exc.status, exc.message.encode(), b"text/plain; charset=utf-8", exc.headers)
-            return error_response(exc.status, exc.message, exc.headers)
+                plain = Response(exc.status, exc.message.encode(), b"text/plain; charset=utf-8", exc.headers)
+                return plain, body_unread
+            return error_response(exc.status, exc.message, exc.headers), body_unread
         except Overloaded as exc:
-            return error_response(503, str(exc), ((b"retry-after", b"1"),))
-        except Exception:
+            release(exc)
+            return error_response(503, str(exc), ((b"retry-after", b"1"),)), body_unread
+        except Exception as exc:
             # A bug in a handler: answer in the API's shape and keep serving (actor bugs are
             # fail-stop instead, since they may have left state half-applied).
             log.exception("unhandled error in %s %s", method, scope["path"])
-            return error_response(500, "internal error")
+            release(exc)
+            return error_response(500, "internal error"), body_unread
+
+    async def _refuse_websocket(scope: ASGIScope, send: Any) -> None:
+        """No route speaks WebSocket: answer the upgrade with a plain 4xx ``{"error"}`` (401 without the
+        token, 404 for an unknown path, else 400), through ASGI's denial-response extension when the
+        server has it (hypercorn does), else by closing before accepting (the server then answers 403)."""
+        found = _route(scope, "GET", _Headers(scope["headers"]))  # a WebSocket handshake is a GET
+        if isinstance(found, Response) and found.status in (400, 401, 404):
+            response = found
+        else:
+            response = error_response(400, WEBSOCKET_REFUSED)
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close"})
+            return
+        headers = [(b"content-length", str(len(response.body)).encode()), (b"content-type", JSON), CONNECTION_CLOSE]
+        headers.extend(response.headers)
+        await send({"type": "websocket.http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": response.body})
 
     return app
 
 
-async def _read_body(receive: Any, limit: int) -> bytes:
+def _log_request(scope: ASGIScope, status: int, started: float) -> None:
+    """``METHOD raw-path status duration`` (the time to produce the response): never a header (the token is
+    in one), a query string or a body."""
+    path = raw_path_of(scope).decode("ascii", "backslashreplace")
+    request_log.debug("%s %s %d %.3f ms", scope["method"], path, status, (perf_counter() - started) * 1000)
+
+
+async def _read_body(receive: Any, limit: int, seconds: float | None) -> bytes:
+    """The whole body, refused (413) past ``limit`` bytes and (408) past ``seconds`` from the first read.
+
+    The deadline is checked as each chunk arrives (no cancel scope on this path): a client that sends
+    nothing at all is hypercorn's read timeout to close.
+    """
+    deadline = None if seconds is None else trio.current_time() + seconds
     chunks = []
     size = 0
     while True:
@@ -178,7 +287,9 @@ async def _read_body(receive: Any, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise HttpError(413, "Failed to buffer the request body: length limit exceeded")
+            raise HttpError(413, BODY_TOO_LARGE)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+        if deadline is not None and trio.current_time() > deadline:
+            raise HttpError(408, f"the request body did not arrive within {seconds:g} s")

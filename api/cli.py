@@ -31,6 +31,7 @@ from kvrouter.api.cli_settings import (
 )
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
 from kvrouter.api.http import Route
+from kvrouter.api.http_flags import add_http_flags
 from kvrouter.api.main import RouteBuilder, ServiceOptions, run_until_signal, select_service_builder, slot_tracker_app
 from kvrouter.api.replica_cli import KEYS, add_keys_command, add_replica_security_flags, run_keys
 from kvrouter.journal.store import Durability
@@ -76,6 +77,7 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
         help="comma-separated ZMQ PUB endpoints of peer replicas (requires --replica-sync-port)",
     )
     add_replica_security_flags(parser)
+    add_http_flags(parser)
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:

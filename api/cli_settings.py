@@ -25,6 +25,7 @@ from kvrouter.actors.core.router_config import (
     resolve,
 )
 from kvrouter.actors.peers.replicator import validate_endpoint
+from kvrouter.api.http_flags import http_options
 from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
 from kvrouter.api.replica_cli import replica_security_from
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
@@ -89,6 +90,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
     peers = _replica_peers(args, replica_port, problems)
     replica_security = replica_security_from(args, replica_port, peers, problems, warnings)
     data_dir = _data_dir(args, problems)
+    http, auth = http_options(args, env, problems, warnings)
     launch = Launch(
         service,
         ServiceOptions(
@@ -101,6 +103,8 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
             replica_sync_port=replica_port,
             replica_sync_peers=peers,
             replica_security=replica_security,
+            http=http,
+            auth=auth,
         ),
     )
     if service == SELECT_SERVICE:

@@ -37,11 +37,12 @@ from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.app import make_app
+from kvrouter.api.auth import BearerToken
 from kvrouter.api.http import Route
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
 from kvrouter.api.select_routes import select_service_routes
-from kvrouter.api.server import hypercorn_config, serve_http
+from kvrouter.api.server import HttpSettings, hypercorn_config, serve_http
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import DataDirectoryInUse, Durability
 
@@ -68,6 +69,8 @@ class ServiceOptions:
     replica_sync_peers: tuple[str, ...] = ()
     reply_deadline: float = REPLY_DEADLINE_SECONDS
     replica_security: ReplicaSecurity | None = None  # None: no CURVE, default peer limits
+    http: HttpSettings = attrs.Factory(HttpSettings)  # client timeouts, connection cap, shutdown grace
+    auth: BearerToken | None = None  # every route but GET /health requires it
 
 
 # Builds a service's routes once the actor system runs; may start more components in the nursery.
@@ -223,11 +226,16 @@ async def _run_service(
         await outer.start(run_journal)
         async with trio.open_nursery() as inner:
             await inner.start(system.run)
-            app = make_app(await build_routes(options, system, inner), body_limit=options.body_limit)
+            routes = await build_routes(options, system, inner)
+            app = make_app(
+                routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth
+            )
 
             async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-                config = hypercorn_config(options.host, options.port)
-                await serve_http(app, config, stopping.wait, task_status=task_status)
+                config = hypercorn_config(options.host, options.port, options.http)
+                await serve_http(
+                    app, config, stopping.wait, max_connections=options.http.max_connections, task_status=task_status
+                )
                 inner.cancel_scope.cancel()  # HTTP drained: now stop the actors
 
             urls = await inner.start(http)

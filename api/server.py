@@ -1,34 +1,315 @@
-"""Hypercorn embedded in our own nursery (trio worker), configured for a JSON API service."""
+"""The HTTP server: hypercorn's protocol handling (h11/h2, one ``TCPServer`` per connection) under our own
+accept loop, embedded in the service's nursery.
+
+Hypercorn's own config bounds what it does well: a complete request head must arrive within
+``idle_timeout`` of the connection opening or of its previous response (``keep_alive_timeout``: the
+idle timer only stops once a whole head is parsed, so it bounds slow headers as well as idle keep-alive
+connections), and a connection silent for ``body_timeout`` is closed (``read_timeout``); the app adds a
+total deadline for a body that trickles in (:func:`kvrouter.api.app.make_app`). What hypercorn's
+``serve`` lacks, this module adds:
+
+* an open-connection cap: beyond ``max_connections``, a new connection is refused (overflow policy:
+  *refuse newest*): it gets a 503 ``{"error"}`` with ``Connection: close`` and is closed at once, so a
+  connection flood cannot exhaust file descriptors (the listeners' budget assumes at most ~450 HTTP
+  connections, see ``actors/peers/socket_budget.py``);
+* a shutdown that answers what is in flight, then closes: the listening sockets close first (new
+  connections are refused by the kernel), every later response says ``Connection: close``
+  (hypercorn's ``keep_alive_max_requests`` set to 0), idle keep-alive connections close after
+  ``IDLE_DRAIN_SECONDS`` (a request already on its way is answered), and the service stops as soon as
+  the last in-flight request is answered, or after ``shutdown_grace`` at the latest;
+* a connection is over once hypercorn closes its stream, or stops reading it: its remaining tasks are
+  cancelled then, and its keep-alive timer stopped. Under hypercorn's own ``serve`` a connection task
+  could outlive its socket: waiting forever for a request pipelined behind a response after which it
+  closed (h11's PAUSED state; this held every busy keep-alive connection for the whole graceful timeout
+  at shutdown), or for the keep-alive timeout after its client had closed. Each such task would hold a
+  connection slot;
+* a lingering close: when hypercorn closes a connection whose client is still sending (a body refused
+  early with 413), the unread bytes are drained and discarded for up to ``LINGER_SECONDS`` first, since
+  closing a socket with unread data sends a reset that can destroy the response before the client
+  reads it.
+
+The app's lifespan protocol is not driven: kvrouter's state lives in the service's nursery, not in
+ASGI lifespan.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import struct
+import termios
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import attrs
+import orjson
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.utils import repr_socket_addr
+
+log = logging.getLogger("kvrouter.http")
+
+# Leaves room in FD_RESERVE (512 descriptors, actors/peers/socket_budget.py) for the journal, zmq's
+# own and the refusals in progress.
+DEFAULT_MAX_CONNECTIONS = 400
+MAX_REFUSALS_IN_PROGRESS = 32  # beyond this many 503s being written, a refused connection is just closed
+LINGER_SECONDS = 1.0
+IDLE_DRAIN_SECONDS = 1.0  # at shutdown, idle keep-alive connections may still deliver a request this long
+REFUSAL_LOG_INTERVAL = 10.0  # seconds between warnings about refused connections
+# accept(2) failures that mean "out of a resource for now": wait and retry, as trio.serve_listeners does.
+_ACCEPT_RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
-def hypercorn_config(host: str, port: int) -> Config:
+@attrs.frozen
+class HttpSettings:
+    """Limits on clients (seconds and counts; all > 0)."""
+
+    idle_timeout: float = 5.0  # open or after a response -> a complete request head (slow headers, idle keep-alive)
+    body_timeout: float = 30.0  # head -> complete body; also closes a connection silent this long
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open HTTP connections; newer ones are refused (503)
+    shutdown_grace: float = 10.0  # SIGTERM -> in-flight requests answered; then they are cut
+
+
+def _refusal(message: str) -> bytes:
+    body = orjson.dumps({"error": message})
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def hypercorn_config(host: str, port: int, settings: HttpSettings = HttpSettings()) -> Config:
     config = Config()
     bind_host = f"[{host}]" if ":" in host else host
     config.bind = [f"{bind_host}:{port}"]
-    config.accesslog = None  # the access log costs ~25% of throughput; off by default
+    config.accesslog = None  # the access log costs ~25% of throughput; kvrouter logs requests at debug instead
     # Through our logging setup (one line per message, our format and level), not a second handler.
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.keep_alive_max_requests = 1 << 62  # never recycle healthy keep-alive connections
-    config.graceful_timeout = 3.0
+    config.keep_alive_max_requests = 1 << 62  # never recycle healthy keep-alive connections (0 while draining)
+    config.keep_alive_timeout = settings.idle_timeout
+    config.read_timeout = settings.body_timeout  # type: ignore[assignment]  # hypercorn's hint says int; any number works
+    config.graceful_timeout = settings.shutdown_grace
     config.websocket_ping_interval = None
     config.websocket_max_message_size = 1 << 20
     return config
 
 
+class _Stream:
+    """A connection's stream as hypercorn sees it; closing it ends the connection (see the module doc)."""
+
+    def __init__(self, stream: trio.SocketStream, connection: trio.CancelScope) -> None:
+        self._stream = stream
+        self._connection = connection
+        self._closed = False
+        self._closing = False  # hypercorn has started to close: no more sends
+        self._sent: trio.Event | None = None  # set while a send is in progress, fired when it ends
+        self.socket = stream.socket  # hypercorn reads the peer and local addresses from it
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        # Hypercorn serialises its sends with a lock, but not the close it may start from its read task
+        # (h11 refusing a request pipelined behind a "Connection: close" response): the close waits for
+        # the send in progress, and a send after the close began fails as on a closed stream (which
+        # hypercorn handles quietly), instead of either failing with BusyResourceError (an "app error").
+        if self._closing:
+            raise trio.ClosedResourceError("the connection is closing")
+        self._sent = sent = trio.Event()
+        try:
+            await self._stream.send_all(data)
+        finally:
+            self._sent = None
+            sent.set()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        self._closing = True
+        await self._send_finished()
+        await self._stream.send_eof()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = self._closing = True
+        try:
+            await self._send_finished()
+            if _unread_bytes(self._stream) > 0:
+                await self._linger()
+        finally:
+            await self._stream.aclose()
+            self._connection.cancel()
+
+    async def _send_finished(self) -> None:
+        sent = self._sent
+        if sent is not None:
+            with trio.move_on_after(LINGER_SECONDS):
+                await sent.wait()
+
+    async def _linger(self) -> None:
+        """Read and discard what the client still sends (after our FIN), until it closes or time is up."""
+        with trio.move_on_after(LINGER_SECONDS):
+            try:
+                await self._stream.send_eof()
+                while await self._stream.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                pass
+
+
+class _Connection(TCPServer):
+    """Hypercorn's connection, which stops waiting for a next request once reading has ended (the client
+    closed, or the read timeout fired): hypercorn's keep-alive timer would otherwise keep the task, and its
+    descriptor, for up to the idle timeout, holding a connection slot."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+def _unread_bytes(stream: trio.SocketStream) -> int:
+    """Bytes the client sent that nobody has read yet (FIONREAD)."""
+    try:
+        found = fcntl.ioctl(stream.socket.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int(struct.unpack("i", found)[0])
+
+
+class _Server:
+    def __init__(self, app: Any, config: Config, max_connections: int) -> None:
+        self.app = ASGIWrapper(app)
+        self.config = config
+        self.context = WorkerContext(None)
+        self.all_closed = trio.Event()  # set once draining and the last connection has ended
+        self.max_connections = max_connections
+        self.open = 0
+        self.refusing = 0
+        self.refused_since_log = 0
+        self.last_refusal_log = -REFUSAL_LOG_INTERVAL
+        self.refusal = _refusal(
+            f"too many open connections (--http-max-connections {max_connections}); retry, or reuse a connection"
+        )
+
+    async def accept(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        resource_errors = 0
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_RESOURCE_ERRORS:
+                    raise
+                resource_errors += 1
+                if resource_errors == 1:
+                    log.warning("cannot accept HTTP connections (%s); retrying every 0.1 s", exc.strerror)
+                await trio.sleep(0.1)
+                continue
+            resource_errors = 0
+            if self.open >= self.max_connections:
+                self._note_refusal()
+                if self.refusing < MAX_REFUSALS_IN_PROGRESS:
+                    self.refusing += 1
+                    connections.start_soon(self._refuse, stream)
+                else:
+                    stream.socket.close()
+                continue
+            self.open += 1
+            connections.start_soon(self._serve, stream)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        try:
+            with trio.CancelScope() as connection:
+                await _Connection(self.app, self.config, self.context, {}, _Stream(stream, connection))  # type: ignore[arg-type]
+        finally:
+            self.open -= 1
+            stream.socket.close()
+            if self.open == 0 and self.config.keep_alive_max_requests == 0:
+                self.all_closed.set()  # already closed, unless the connection was cancelled before hypercorn closed it
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        try:
+            with trio.move_on_after(LINGER_SECONDS):
+                await stream.send_all(self.refusal)
+            await _Stream(stream, trio.CancelScope()).aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await stream.aclose()
+        finally:
+            self.refusing -= 1
+
+    def _note_refusal(self) -> None:
+        self.refused_since_log += 1
+        now = trio.current_time()
+        if now - self.last_refusal_log >= REFUSAL_LOG_INTERVAL:
+            log.warning(
+                "refused %d HTTP connection(s): %d open, the --http-max-connections limit",
+                self.refused_since_log,
+                self.open,
+            )
+            self.refused_since_log = 0
+            self.last_refusal_log = now
+
+    async def drain(self) -> None:
+        """Answer what is in flight, then close every connection (see the module doc).
+
+        Every response from now on says ``Connection: close``. Idle keep-alive connections stay open
+        ``IDLE_DRAIN_SECONDS`` more (or until none is left), so a request a client has just sent is answered
+        and told to close rather than meeting a closed connection; hypercorn's "terminated" then closes the
+        idle ones at once. (Terminated first would also close connections whose last response had already
+        gone out without ``Connection: close``, and their clients' next requests would go unanswered.)
+        """
+        self.config.keep_alive_max_requests = 0
+        if self.open == 0:
+            self.all_closed.set()
+        with trio.move_on_after(IDLE_DRAIN_SECONDS):
+            await self.all_closed.wait()
+        await self.context.terminated.set()
+
+
 async def serve_http(
     app: Any,
     config: Config,
-    shutdown_trigger: Any,
+    shutdown_trigger: Callable[[], Awaitable[Any]],
     *,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    """Serve ``app`` until ``shutdown_trigger`` returns, then drain (see the module doc) and return."""
+    sockets = config.create_sockets()
+    listeners = []
+    binds = []
+    for sock in sockets.insecure_sockets:
+        sock.listen(config.backlog)
+        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+    server = _Server(app, config, max_connections)
+    try:
+        async with trio.open_nursery() as connections:
+            async with trio.open_nursery() as accepting:
+                for listener in listeners:
+                    accepting.start_soon(server.accept, listener, connections)
+                task_status.started(binds)
+                await shutdown_trigger()
+                accepting.cancel_scope.cancel()
+            _close_listeners(listeners)  # from now on the kernel refuses new connections
+            grace = config.graceful_timeout
+            connections.cancel_scope.deadline = trio.current_time() + grace
+            if server.open:
+                log.info(
+                    "answering in-flight requests on %d connection(s) before stopping (at most %g s)",
+                    server.open,
+                    grace,
+                )
+            await server.drain()
+    finally:
+        _close_listeners(listeners)
+    if connections.cancel_scope.cancelled_caught:
+        log.warning("shutdown grace of %g s ran out: in-flight requests were cut", grace)
+
+
+def _close_listeners(listeners: list[trio.SocketListener]) -> None:
+    for listener in listeners:
+        listener.socket.close()  # synchronous, so it also happens when the service is cancelled
