@@ -24,6 +24,7 @@ import attrs
 import trio
 import zmq
 
+from kvrouter.api.data_dir import DataDirectoryOwned
 from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse
 
 BAD_CONFIGURATION = 2
@@ -84,7 +85,7 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _explain_leaf(exc: BaseException, context: ServiceContext, journal_open: bool) -> ExitReason | None:
-    if isinstance(exc, DataDirectoryInUse | CorruptJournal):
+    if isinstance(exc, DataDirectoryInUse | DataDirectoryOwned | CorruptJournal):
         return ExitReason(f"cannot start: {_one_line(str(exc))}", BAD_CONFIGURATION)
     if isinstance(exc, KeyboardInterrupt):
         return ExitReason("interrupted (Ctrl-C) while starting", INTERRUPTED)

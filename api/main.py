@@ -36,6 +36,7 @@ from kvrouter.actors.ports import WallClock
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
+from kvrouter.api import data_dir
 from kvrouter.api.app import make_app
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.http import Route
@@ -161,6 +162,7 @@ async def run_service(
     task_status: trio.TaskStatus[ServiceHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     with lock_data_dir(options.data_dir):
+        data_dir.check_owner(options.data_dir, name)
         await _run_service(name, options, build_routes, task_status=task_status)
 
 
@@ -194,6 +196,7 @@ async def _run_service(
         partial(FileJournal.open, options.data_dir, options.durability, fresh=options.fresh)
     )
     recovered = await trio.to_thread.run_sync(recover, journal)
+    data_dir.claim(options.data_dir, name, recovered.states.values())
     # Recovered state is long-lived: move it out of the cyclic GC's sight, and collect young
     # objects less often (request handling allocates many short-lived containers).
     gc.freeze()

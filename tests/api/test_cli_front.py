@@ -87,6 +87,23 @@ def test_an_unreadable_token_file_from_the_environment_is_one_line(tmp_path: Pat
     assert "KVROUTER_AUTH_TOKEN_FILE='nope' cannot be read" in the_error_line(result.stderr)
 
 
+def test_the_other_services_data_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    port = free_tcp_port()
+    argv = [*CLI, "slot-tracker", "--port", str(port), "--data-dir", "shared"]
+    tracker = subprocess.Popen(argv, cwd=tmp_path, env=child_env(tmp_path), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_listening(tracker, port)
+    finally:
+        tracker.terminate()
+        tracker.communicate(timeout=60)
+    assert tracker.returncode == 0
+    result = run_cli([*CLI, "select-service", "--port", "0", "--data-dir", "shared"], tmp_path)
+    assert result.returncode == 2
+    line = the_error_line(result.stderr)
+    assert "cannot start: the data directory shared belongs to the slot tracker" in line
+    assert "give this selection service its own --data-dir" in line
+
+
 def test_a_token_protected_service_answers_only_with_the_token(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("the-token\n")
     (tmp_path / "token").chmod(0o600)
