@@ -166,16 +166,15 @@ GRACE = "120"  # far longer than any test waits: a service that waited out its g
 
 async def start_process(tmp_path: Path, port: int) -> trio.Process:
     argv = [sys.executable, "-m", "kvrouter.api.cli", "slot-tracker", "--port", str(port), "--data-dir", "data"]
-    argv += ["--shutdown-grace-secs", GRACE, "--log-level", "warning"]
-    with (tmp_path / "service.log").open("wb") as stderr:
+    argv += ["--shutdown-grace-secs", GRACE, "--log-level", "info"]
+    log = tmp_path / "service.log"
+    with log.open("wb") as stderr:
         process = await trio.lowlevel.open_process(argv, cwd=tmp_path, stderr=stderr, stdout=subprocess.DEVNULL)
-    while True:
-        try:
-            await (await trio.open_tcp_stream("127.0.0.1", port)).aclose()
-            return process
-        except OSError:
-            assert process.poll() is None, (tmp_path / "service.log").read_text()
-            await trio.sleep(0.05)
+    # Its own line, not just an open port: another process on this machine may hold the port we were given.
+    while f"listening on http://127.0.0.1:{port} " not in log.read_text():
+        assert process.poll() is None, log.read_text()
+        await trio.sleep(0.05)
+    return process
 
 
 async def stop(process: trio.Process) -> None:
