@@ -13,20 +13,17 @@ Events are appended to ``events`` in the order they happen; the engine hands the
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
-
-from xxhash import xxh3_64_intdigest
 
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
-ENGINE_HASH_SEED = 0x5EED  # external (engine) hashes differ from the router's, as vLLM's do
-_U64 = struct.Struct("<Q")
+ENGINE_HASH_MASK = 0x9E37_79B9_7F4A_7C15  # external (engine) hashes differ from the router's, as vLLM's do
 
 
 def external_hash(sequence_hash: int) -> int:
-    """The engine's name for a block: a function of the block's whole prefix, unlike the router's local hash."""
-    return xxh3_64_intdigest(_U64.pack(sequence_hash), ENGINE_HASH_SEED)
+    """The engine's name for a block: a one-to-one function of its sequence hash (so of its whole prefix),
+    other than the router's local hash, which names the block's own tokens only."""
+    return sequence_hash ^ ENGINE_HASH_MASK
 
 
 class KvCache:

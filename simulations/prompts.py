@@ -37,7 +37,7 @@ class PromptHasher:
         self._done: dict[int, PromptBlocks] = {}  # request index -> its blocks, once ``warm`` computed them
 
     def warm(self, requests: Iterable[TraceRequest]) -> None:
-        """Hash every request now (once for all policies; forked policy runs inherit the results)."""
+        """Hash every request now, once for every policy run in this process."""
         for request in requests:
             self._done[request.index] = self._compute(request)
 

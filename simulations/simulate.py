@@ -2,7 +2,8 @@
 
 Each policy runs in its own ``trio.run`` from the same trace, options and seed, so their results are
 independent of each other and of how many run at once: with ``jobs > 1`` they run in parallel
-processes (forked), which changes nothing but the wall time.
+processes (forked), which changes nothing but the wall time (each process hashes the prompts itself,
+in parallel, rather than the parent hashing them first).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def run_policies(
     """Every policy's outcome, in the order given."""
     jobs = max(1, min(jobs, len(policies)))
     hasher = PromptHasher(trace.block_size, options.engine.block_size)
-    if len(policies) > 1:
-        hasher.warm(trace.requests)  # once, before forking: every policy uses the same prompt hashes
+    if jobs == 1 and len(policies) > 1:
+        hasher.warm(trace.requests)  # once for every policy run in this process
     if jobs == 1 or len(policies) == 1:
         outcomes = {}
         for policy in policies:
