@@ -42,6 +42,7 @@ from kvrouter.actors.core.events import (
     WorkerUpserted,
 )
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.limits import text_too_long
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.mailbox import MAILBOX_SIZE
 from kvrouter.actors.peers.curve import CurveIdentity, RefusalLog, TrustedPeers, zap_domain
@@ -114,6 +115,7 @@ class DropReason:
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     UNREGISTERED_RANK = "unregistered_rank"
     UNKNOWN_REQUEST = "unknown_request"  # a free or prefill-complete for a request this replica does not have
+    OVER_LIMIT = "over_limit"  # a request id longer than the API accepts (actors/core/limits.py)
     RATE_LIMITED = "rate_limited"  # over the peer's rate (see peer_limits)
 
 
@@ -525,6 +527,8 @@ class Replicator:
     def _drop(self, reason: str, peer: str, detail: str) -> None:
         """Count a dropped message; the first of each kind from each peer is logged at warning."""
         self.stats.drop(reason)
+        if len(detail) > 300:  # a peer chooses the ids: the log line stays short
+            detail = detail[:300] + "..."
         if (peer, reason) in self._drops_logged:
             log.debug("replica message from %s dropped (%s): %s", peer, reason, detail)
             return
@@ -539,6 +543,8 @@ class Replicator:
     def _drop_reason(self, event: ReplicaEvent) -> str | None:
         if event.router_id == self.router_id:
             return DropReason.OWN_ROUTER
+        if text_too_long(event.request_id):
+            return DropReason.OVER_LIMIT  # a peer may not store what a client could not
         state = self._system.state(event.scope)
         if state is None:
             return DropReason.UNKNOWN_SCOPE

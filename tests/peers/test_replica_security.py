@@ -455,6 +455,7 @@ async def test_forged_unknown_ids_change_nothing(caplog: pytest.LogCaptureFixtur
             add("phantom", worker_id=999),  # a worker that is not registered
             add("phantom-2", dp_rank=7),
             add("phantom-3", model="no-such-model"),
+            add("x" * 5000),  # an id longer than the HTTP API accepts (4,096 bytes)
         ]
         for frames in forged:
             await xpub.send_multipart(frames)
@@ -470,6 +471,7 @@ async def test_forged_unknown_ids_change_nothing(caplog: pytest.LogCaptureFixtur
             DropReason.UNKNOWN_REQUEST: 3,
             DropReason.UNREGISTERED_RANK: 3,
             DropReason.UNKNOWN_SCOPE: 1,
+            DropReason.OVER_LIMIT: 1,
         }
         assert replicator.stats.applied == 2
     unknown = [r for r in caplog.records if "(unknown_request)" in r.getMessage()]
