@@ -28,11 +28,10 @@ from kvrouter.actors.core.commands import RecoveredRun
 from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.peers.replicator import ReplicaSecurity
 from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.persistence.recovery import recover
-from kvrouter.actors.ports import WallClock
+from kvrouter.actors.runtime import running_actors, start_select_service
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
@@ -132,10 +131,9 @@ async def select_service_app(
     system: ActorSystem,
     nursery: trio.Nursery,
 ) -> list[Route]:
-    ingest = KvIngest(system, listener_slots or ListenerSlots.for_this_process())
-    service: SelectService = await nursery.start(SelectService(system, config, ingest).run)
-    await recover_from_peers(service, peers)
-    await nursery.start(ingest.run)
+    service = await start_select_service(
+        system, config, nursery, listener_slots, before_listeners=partial(recover_from_peers, peers=peers)
+    )
     replication = await start_replication_for(options, system, nursery)
     return select_service_routes(service) + replication
 
@@ -201,10 +199,10 @@ async def _run_service(
     # objects less often (request handling allocates many short-lived containers).
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
-    stopping = trio.Event()
-    system = ActorSystem(
+    # A failed journal write (a full disk) stops the service, but only after the requests in flight have
+    # been told (503: not acknowledged); the failure then ends ``run_service`` (one line, exit 1).
+    async with running_actors(
         journal,
-        WallClock(),
         recovered.states,
         seed=secrets.randbits(64) if options.seed is None else options.seed,
         pending_options={
@@ -212,51 +210,29 @@ async def _run_service(
             "max_entries": options.selection_cache_max_entries,
         },
         reply_deadline=options.reply_deadline,
-    )
-    journal_failure: list[OSError] = []
+    ) as runtime:
+        system, inner, stopping = runtime.system, runtime.nursery, runtime.stopping
+        routes = await build_routes(options, system, inner)
+        app = make_app(routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth)
 
-    async def run_journal(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """A failed journal write (a full disk) stops the service, but only after the requests in flight
-        have been told (503: not acknowledged); the failure then ends ``run_service`` (one line, exit 1)."""
-        try:
-            await journal.run(task_status=task_status)
-        except OSError as exc:
-            journal_failure.append(exc)
-            system.halt(exc)
-            stopping.set()
-
-    async with trio.open_nursery() as outer:
-        await outer.start(run_journal)
-        async with trio.open_nursery() as inner:
-            await inner.start(system.run)
-            routes = await build_routes(options, system, inner)
-            app = make_app(
-                routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth
+        async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            config = hypercorn_config(options.host, options.port, options.http)
+            await serve_http(
+                app, config, stopping.wait, max_connections=options.http.max_connections, task_status=task_status
             )
+            inner.cancel_scope.cancel()  # HTTP drained: now stop the actors
 
-            async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-                config = hypercorn_config(options.host, options.port, options.http)
-                await serve_http(
-                    app, config, stopping.wait, max_connections=options.http.max_connections, task_status=task_status
-                )
-                inner.cancel_scope.cancel()  # HTTP drained: now stop the actors
-
-            urls = await inner.start(http)
-            log.info(
-                "kvrouter %s listening on %s (data dir %s, durability %s, %d scopes recovered)",
-                name,
-                " ".join(urls),
-                options.data_dir,
-                options.durability.value,
-                len(recovered.states),
-            )
-            task_status.started(ServiceHandle(urls, system, stopping.set))
-        await journal.aclose()
-        if not journal_failure:
-            log.info("journal closed: %s", journal.statistics())
-        outer.cancel_scope.cancel()
-    if journal_failure:
-        raise journal_failure[0]
+        urls = await inner.start(http)
+        log.info(
+            "kvrouter %s listening on %s (data dir %s, durability %s, %d scopes recovered)",
+            name,
+            " ".join(urls),
+            options.data_dir,
+            options.durability.value,
+            len(recovered.states),
+        )
+        task_status.started(ServiceHandle(urls, system, stopping.set))
+    log.info("journal closed: %s", journal.statistics())  # (a failed journal raised instead)
 
 
 async def run_until_signal(name: str, options: ServiceOptions, build_routes: RouteBuilder) -> None:
