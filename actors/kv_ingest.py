@@ -46,12 +46,17 @@ class ListenerKey:
     replay_endpoint: str | None
 
 
+# The KV-events endpoint of a rank whose events the embedding process hands over itself
+# (``Router.apply_kv_events``, api/embedded.py): it counts as an endpoint, but nothing listens on it.
+IN_PROCESS_KV_EVENTS = "in-process"
+
+
 def listener_keys(scope: ScopeKey, record: WorkerRecord) -> list[ListenerKey]:
-    """The listeners ``record`` asks for: one per rank with a KV-events endpoint."""
+    """The listeners ``record`` asks for: one per rank with a KV-events endpoint (other than in-process)."""
     keys = []
     for rank in record.ranks:
         endpoint = record.kv_events_endpoint_for(rank.dp_rank)
-        if endpoint:
+        if endpoint and endpoint != IN_PROCESS_KV_EVENTS:
             keys.append(ListenerKey(scope, rank, endpoint, record.replay_endpoint_for(rank.dp_rank)))
     return keys
 

@@ -11,6 +11,7 @@ from kvrouter.actors.core.catalog import WorkerRecord, record_view
 from kvrouter.actors.core.disaggregation import DisaggregatedSelection
 from kvrouter.actors.core.endpoints import parse_decimal
 from kvrouter.actors.core.ids import U64_MASK, to_i64
+from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.select_service import Booking, SelectionRequest, SelectService, WorkerStatus
 from kvrouter.api.http import HttpError, Request, Response, Route, json_response
@@ -60,6 +61,16 @@ def selection_view(selection: Selection, body: SelectBody, reserved: bool) -> di
         potential_decode_blocks=selection.potential_decode_blocks,
     )
     return view
+
+
+def potential_load_view(row: PotentialLoad) -> dict[str, Any]:
+    return {
+        "worker_id": row.rank.worker_id,
+        "dp_rank": row.rank.dp_rank,
+        "potential_prefill_tokens": row.potential_prefill_tokens,
+        "potential_decode_blocks": row.potential_decode_blocks,
+        "active_requests": row.active_requests,
+    }
 
 
 def booking_view(booking: Booking) -> dict[str, Any]:
@@ -261,17 +272,8 @@ async def loads(service: SelectService, request: Request) -> Response:
 
 async def potential_loads(service: SelectService, request: Request) -> Response:
     body = parse(SelectBody, request.json())
-    rows = [
-        {
-            "worker_id": row.rank.worker_id,
-            "dp_rank": row.rank.dp_rank,
-            "potential_prefill_tokens": row.potential_prefill_tokens,
-            "potential_decode_blocks": row.potential_decode_blocks,
-            "active_requests": row.active_requests,
-        }
-        for row in await service.potential_loads(body.scope(), body.prompt(), body.override())
-    ]
-    return json_response(200, rows)
+    rows = await service.potential_loads(body.scope(), body.prompt(), body.override())
+    return json_response(200, [potential_load_view(row) for row in rows])
 
 
 async def overlap_scores(service: SelectService, request: Request) -> Response:
