@@ -47,8 +47,9 @@ class ListenerKey:
 
 
 # The KV-events endpoint of a rank whose events the embedding process hands over itself
-# (``Router.apply_kv_events``, api/embedded.py): it counts as an endpoint, but nothing listens on it.
-IN_PROCESS_KV_EVENTS = "in-process"
+# (``Router.apply_kv_events``, api/embedded.py): a valid zmq endpoint (so the catalog takes it and the rank
+# is schedulable), on which nothing listens.
+IN_PROCESS_KV_EVENTS = "inproc://kvrouter.apply_kv_events"
 
 
 def listener_keys(scope: ScopeKey, record: WorkerRecord) -> list[ListenerKey]:
