@@ -37,7 +37,7 @@ from kvrouter.actors.service_support import Refused, ScopeFilter, accepted
 from kvrouter.actors.snapshotter import SnapshotMethod
 from kvrouter.api.http import HttpError
 from kvrouter.api.main import REPLY_DEADLINE_SECONDS, lock_data_dir
-from kvrouter.api.route_support import REASON_STATUS
+from kvrouter.api.route_support import REASON_STATUS, RETRY_AFTER
 from kvrouter.api.schemas import parse
 from kvrouter.api.select_routes import potential_load_view, selection_request, worker_view
 from kvrouter.api.select_schemas import SelectBody, WorkerBody
@@ -45,18 +45,23 @@ from kvrouter.journal.file import FileJournal
 from kvrouter.journal.memory import MemoryJournal
 from kvrouter.journal.store import Durability, Journal
 
-# Fields the router fills in itself: its scope.
+# Fields the router fills in itself: its scope, and (in selections) the prompt and the booking's id.
 SCOPE_FIELDS = frozenset({"model_name", "tenant_id", "routing_group"})
+SELECTION_ARGUMENTS = SCOPE_FIELDS | {"token_ids", "block_hashes", "sequence_hashes", "isl_tokens"}
+SELECTION_ARGUMENTS |= {"router_config_override", "reservation_id", "selection_id"}
+RETRY_AFTER_SECONDS = 1.0  # what the HTTP API's Retry-After says
 
 
 class RouterError(Exception):
     """The router refused a call or could not complete it. ``status`` is the HTTP status the selection
-    service answers for the same call, ``message`` its ``{"error": ...}`` text (also ``str(error)``)."""
+    service answers for the same call, ``message`` its ``{"error": ...}`` text (also ``str(error)``),
+    ``retry_after`` the seconds of its ``Retry-After`` header when it sends one (overloaded: try again)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
 
 class RouterClosed(RouterError):
@@ -72,11 +77,14 @@ def as_router_errors() -> Iterator[None]:
     try:
         yield
     except Refused as refused:
-        raise RouterError(REASON_STATUS[refused.reason], refused.message) from None
+        retry_after = RETRY_AFTER_SECONDS if refused.reason in RETRY_AFTER else None
+        raise RouterError(REASON_STATUS[refused.reason], refused.message, retry_after) from None
     except HttpError as bad:
         raise RouterError(bad.status, bad.message) from None
-    except (Overloaded, JournalUnavailable) as unavailable:
-        raise RouterError(503, str(unavailable)) from None
+    except Overloaded as full:  # a scope's mailbox stayed full (the app's 503 with Retry-After)
+        raise RouterError(503, str(full), RETRY_AFTER_SECONDS) from None
+    except JournalUnavailable as gone:
+        raise RouterError(503, str(gone)) from None
     except ReplyTimeout as late:
         raise RouterError(504, str(late)) from None
 
@@ -221,15 +229,22 @@ class Router:
         token_ids: Sequence[int],
         router_config_override: dict[str, Any] | None = None,
         request_id: str | None = None,
+        **selection: Any,
     ) -> tuple[int, int, int]:
         """The rank ``POST /select`` would pick for ``token_ids``: ``(worker_id, dp_rank, overlap_blocks)``,
         ``overlap_blocks`` being the prompt blocks already cached on that rank's device tier.
 
         Without ``request_id`` nothing is booked. With it the request is booked on that rank, as
         ``POST /select_and_reserve`` with ``reservation_id``: call ``mark_prefill_complete`` after its
-        first token and ``free`` when it ends (requests left booked expire after 300 s).
+        first token and ``free`` when it ends (requests left booked expire after 300 s). ``selection``
+        takes the other fields of a ``/select`` body (``routing_constraints``, ``session_id``,
+        ``router_mode``, ``pinned_worker``, ``allowed_worker_ids``, ``expected_output_tokens``, ...).
         """
-        body = self._prompt_body(token_ids, router_config_override)
+        misplaced = SELECTION_ARGUMENTS & selection.keys()
+        if misplaced:
+            named = ", ".join(sorted(misplaced))
+            raise TypeError(f"best_worker: {named} is an argument of its own or set by the router")
+        body = {**selection, **self._prompt_body(token_ids, router_config_override)}
         if request_id is not None:
             body["reservation_id"] = request_id
         with as_router_errors():

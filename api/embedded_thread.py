@@ -199,8 +199,12 @@ class BlockingRouter:
         token_ids: Sequence[int],
         router_config_override: dict[str, Any] | None = None,
         request_id: str | None = None,
+        **selection: Any,
     ) -> tuple[int, int, int]:
-        return self._host.call_blocking(self._host.router.best_worker, token_ids, router_config_override, request_id)
+        router = self._host.router
+        return self._host.call_blocking(
+            lambda: router.best_worker(token_ids, router_config_override, request_id, **selection)
+        )
 
     def get_potential_loads(
         self, token_ids: Sequence[int], router_config_override: dict[str, Any] | None = None
@@ -272,8 +276,12 @@ class AsyncioRouter:
         token_ids: Sequence[int],
         router_config_override: dict[str, Any] | None = None,
         request_id: str | None = None,
+        **selection: Any,
     ) -> tuple[int, int, int]:
-        return await self._host.call(self._host.router.best_worker, token_ids, router_config_override, request_id)
+        router = self._host.router
+        return await self._host.call(
+            lambda: router.best_worker(token_ids, router_config_override, request_id, **selection)
+        )
 
     async def get_potential_loads(
         self, token_ids: Sequence[int], router_config_override: dict[str, Any] | None = None

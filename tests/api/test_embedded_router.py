@@ -247,3 +247,27 @@ async def test_answers_equal_the_http_services_for_the_same_state(nursery: trio.
         listeners = {w["worker_id"]: w["kv_listeners"]["0"] for w in await router.workers()}
         assert {w: (s["state"], s["last_seq"]) for w, s in listeners.items()} == {w: ("active", 0) for w in (1, 2, 3)}
     handle.stop()
+
+
+async def test_overload_is_429_with_retry_after_and_the_selection_fields_pass_through() -> None:
+    config = RouterConfig(use_kv_events=False, active_prefill_tokens_threshold=10)
+    async with Router.open("llama", config=config, seed=1) as router:
+        await router.register_worker(1, endpoint="http://w1", block_size=BLOCK, taints=["gpu=a100"])
+        await router.register_worker(2, endpoint="http://w2", block_size=BLOCK)
+        # The fields of a /select body beyond the prompt: constraints, allowed workers, routing mode.
+        assert (await router.best_worker(PROMPT, routing_constraints={"required_taints": ["gpu=a100"]}))[0] == 1
+        assert (await router.best_worker(PROMPT, allowed_worker_ids=[2]))[0] == 2
+        with pytest.raises(RouterError) as unknown_mode:
+            await router.best_worker(PROMPT, router_mode="fastest")
+        assert unknown_mode.value.status == 422 and "router_mode" in unknown_mode.value.message
+        with pytest.raises(TypeError, match="reservation_id"):
+            await router.best_worker(PROMPT, reservation_id="r")
+
+        await router.best_worker(list(range(100, 112)), request_id="a")
+        await router.best_worker(list(range(200, 212)), request_id="b")
+        with pytest.raises(RouterError) as busy:
+            await router.best_worker(PROMPT[:4], request_id="c")
+        assert (busy.value.status, busy.value.message) == (429, "all 2 eligible workers are overloaded")
+        assert busy.value.retry_after == 1.0
+        await router.mark_prefill_complete("a")
+        await router.best_worker(PROMPT[:4], request_id="c")
