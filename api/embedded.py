@@ -250,11 +250,11 @@ class Router:
         with as_router_errors():
             request = selection_request(parse(SelectBody, body))
             if request_id is None:
-                selection = await self.service.select(request)
+                chosen = await self.service.select(request)
             else:
-                selection = await self.service.select_and_reserve(request)
-        overlap_tokens: int = selection.overlap["dp"][str(selection.dp_rank)]
-        return selection.worker_id, selection.dp_rank, overlap_tokens // selection.block_size
+                chosen = await self.service.select_and_reserve(request)
+        overlap_tokens: int = chosen.overlap["dp"][str(chosen.dp_rank)]
+        return chosen.worker_id, chosen.dp_rank, overlap_tokens // chosen.block_size
 
     async def get_potential_loads(
         self, token_ids: Sequence[int], router_config_override: dict[str, Any] | None = None
