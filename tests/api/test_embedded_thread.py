@@ -25,8 +25,19 @@ def worker(worker_id: int) -> dict[str, Any]:
     return {"endpoint": f"http://w{worker_id}", "block_size": BLOCK, "kv_events_endpoint": IN_PROCESS_KV_EVENTS}
 
 
-def router_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(ROUTER_THREADS)]
+def router_threads(before: set[threading.Thread]) -> list[str]:
+    """The router threads started since ``before`` was taken (other tests' may still be ending)."""
+    return sorted(t.name for t in threading.enumerate() if t not in before and t.name.startswith(ROUTER_THREADS))
+
+
+def assert_all_ended(before: set[threading.Thread]) -> None:
+    """``close`` has joined the router's own thread; the journal's I/O thread was told to stop and ends on
+    its own right after (waited for here, so a thread that never ends fails the test)."""
+    assert "kvrouter-router" not in " ".join(router_threads(before))
+    for thread in threading.enumerate():
+        if thread not in before and thread.name.startswith(ROUTER_THREADS):
+            thread.join(timeout=10)
+    assert router_threads(before) == []
 
 
 def warm_prefix() -> list[BlockStored]:
@@ -34,10 +45,12 @@ def warm_prefix() -> list[BlockStored]:
 
 
 def test_from_asyncio_concurrent_calls_book_each_request_once() -> None:
+    before = set(threading.enumerate())
+
     async def main() -> None:
         router = await AsyncioRouter.start("llama", seed=3)
         async with router:
-            assert router_threads() == ["kvrouter-router llama"]
+            assert router_threads(before) == ["kvrouter-router llama"]
             for worker_id in (1, 2):
                 await router.register_worker(worker_id, **worker(worker_id))
             await router.apply_kv_events(2, warm_prefix())
@@ -59,7 +72,7 @@ def test_from_asyncio_concurrent_calls_book_each_request_once() -> None:
             with pytest.raises(RouterError) as gone:
                 await router.free("dup")
             assert (gone.value.status, gone.value.message) == (404, "reservation dup not found")
-        assert router_threads() == []
+        assert_all_ended(before)
         with pytest.raises(RouterClosed) as closed:
             await router.best_worker(PROMPT)
         assert closed.value.status == 503
@@ -68,6 +81,7 @@ def test_from_asyncio_concurrent_calls_book_each_request_once() -> None:
 
 
 def test_cancelling_an_asyncio_call_cancels_its_task_in_the_router_loop() -> None:
+    before = set(threading.enumerate())
     host = RouterThread("llama")
     running, cancelled = threading.Event(), threading.Event()
 
@@ -91,15 +105,16 @@ def test_cancelling_an_asyncio_call_cancels_its_task_in_the_router_loop() -> Non
         asyncio.run(main())
     finally:
         host.close()
-    assert router_threads() == []
+    assert_all_ended(before)
 
 
 def test_from_plain_threads_with_a_journal_a_restart_keeps_the_bookings(tmp_path: Path) -> None:
     data = tmp_path / "router"
+    before = set(threading.enumerate())
     with BlockingRouter("llama", data_dir=data, seed=3) as router:
         for worker_id in (1, 2):
             router.register_worker(worker_id, **worker(worker_id))
-        assert sorted(router_threads()) == ["kvrouter-journal-io", "kvrouter-router llama"]  # (it writes)
+        assert router_threads(before) == ["kvrouter-journal-io", "kvrouter-router llama"]  # (it writes)
         router.apply_kv_events(2, warm_prefix())
 
         def client(thread: int) -> list[str]:
@@ -121,20 +136,21 @@ def test_from_plain_threads_with_a_journal_a_restart_keeps_the_bookings(tmp_path
         assert len(kept) == 20
         with pytest.raises(DataDirectoryInUse):
             BlockingRouter("llama", data_dir=data)
-        assert sorted(router_threads()) == ["kvrouter-journal-io", "kvrouter-router llama"]
-    assert router_threads() == []
+        assert router_threads(before) == ["kvrouter-journal-io", "kvrouter-router llama"]
+    assert_all_ended(before)
 
     with BlockingRouter("llama", data_dir=data) as restarted:
         assert sum(row["active_requests"] for row in restarted.get_potential_loads(PROMPT)) == 20
-        assert restarted.best_worker(PROMPT)[2] == 3  # the index came back too
+        assert restarted.best_worker(PROMPT, allowed_worker_ids=[2]) == (2, 0, 3)  # the index came back too
         for request_id in kept:
             restarted.free(request_id)
         assert sum(row["active_requests"] for row in restarted.get_potential_loads(PROMPT)) == 0
         assert '"worker_id":2' in restarted.dump_events()
-    assert router_threads() == []
+    assert_all_ended(before)
 
 
 def test_a_closed_router_refuses_calls_and_a_bad_option_fails_at_start() -> None:
+    before = set(threading.enumerate())
     router = BlockingRouter("llama")
     router.close()
     router.close()  # idempotent
@@ -142,4 +158,4 @@ def test_a_closed_router_refuses_calls_and_a_bad_option_fails_at_start() -> None
         router.workers()
     with pytest.raises(TypeError, match="no_such_option"):
         BlockingRouter("llama", no_such_option=1)
-    assert router_threads() == []
+    assert_all_ended(before)
