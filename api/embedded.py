@@ -35,6 +35,7 @@ from kvrouter.actors.runtime import running_actors, start_select_service
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.service_support import Refused, ScopeFilter, accepted
 from kvrouter.actors.snapshotter import SnapshotMethod
+from kvrouter.api import data_dir as data_dirs
 from kvrouter.api.http import HttpError
 from kvrouter.api.main import REPLY_DEADLINE_SECONDS, lock_data_dir
 from kvrouter.api.route_support import REASON_STATUS, RETRY_AFTER
@@ -307,8 +308,11 @@ async def _opened_journal(
         return
     path = Path(data_dir)
     with lock_data_dir(path):
+        # The selection service's journal: either may open the other's directory, a slot tracker's is refused.
+        data_dirs.check_owner(path, data_dirs.SELECTION_SERVICE)
         journal = await trio.to_thread.run_sync(partial(FileJournal.open, path, durability, fresh=fresh))
         recovered = await trio.to_thread.run_sync(recover, journal)
+        data_dirs.claim(path, data_dirs.SELECTION_SERVICE, recovered.states.values())
         yield journal, recovered.states
 
 

@@ -23,6 +23,7 @@ from kvrouter import (
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
 from kvrouter.actors.snapshotter import SnapshotMethod
+from kvrouter.api import data_dir as data_dirs
 from kvrouter.journal.store import DataDirectoryInUse
 from tests.conftest import start_select_service
 from tests.support.kv_publisher import open_kv_publisher
@@ -154,6 +155,14 @@ async def test_a_journaled_router_keeps_bookings_and_the_index_across_a_restart(
         await restarted.free("after-snapshot")
     async with Router.open("llama", data_dir=data, fresh=True) as fresh:
         assert await fresh.workers() == []
+    # The directory is a selection service's (the service could take it over); a slot tracker's is refused.
+    assert data_dirs.owner(data) == data_dirs.SELECTION_SERVICE
+    slot_tracker = tmp_path / "slot-tracker"
+    slot_tracker.mkdir()
+    data_dirs.claim(slot_tracker, data_dirs.SLOT_TRACKER, ())
+    with pytest.raises(data_dirs.DataDirectoryOwned, match="belongs to the slot tracker"):
+        async with Router.open("llama", data_dir=slot_tracker):
+            pass
 
 
 async def test_an_in_memory_router_starts_empty_every_time() -> None:
