@@ -17,7 +17,10 @@ Live traffic is ``[topic, seq (8 BE), payload]`` on a SUB socket. The listener k
   so an idle publisher's earlier batches arrive without waiting for its next one. A PUB only starts
   sending to us once it has processed our subscription, which can be after the catch-up answered
   (libzmq's PUB looks at new subscribers at most about once per millisecond of sends): a batch
-  published in that window is missed until the next live batch reveals the gap.
+  published in that window is missed until the next live batch reveals the gap. Without a replay
+  endpoint (or when the catch-up fails) a lost connection cannot be repaired, and if no batch
+  follows, no gap ever shows the loss: such an outage is counted (``unrepaired_outages``) and shown
+  in ``last_error`` instead of passing silently.
 
 Publisher restarts. The wire carries no stream epoch, so a restart shows up only as the seq going
 back. A PUB never re-sends a batch, and a connecting SUB keeps one inbound pipe across reconnects
@@ -84,11 +87,16 @@ _END_MARKER: Final = END_SEQ.to_bytes(8, "big")  # only valid on replay streams;
 # publisher that binds after registration, or restarts, is heard within ~100 ms. A refused
 # connect to a local or LAN port costs next to nothing.
 RECONNECT_IVL_MS: Final = 50
-# ZMTP heartbeats so a publisher host that vanished without a FIN is noticed (and reconnected to)
-# within seconds instead of never. Side effect: a consumer stalled for longer than the timeout with
-# a full SUB pipe also gets disconnected; the pipe's backlog survives, and the gap is replayed.
-HEARTBEAT_IVL_MS: Final = 1_000
-HEARTBEAT_TIMEOUT_MS: Final = 3_000
+# TCP keepalive, not ZMTP heartbeats, notices a publisher host that vanished without a FIN (and so
+# gets it reconnected): ~10 s of silence, then 3 unanswered probes 2 s apart. The peer's kernel
+# answers the probes, so a busy service that stops reading (a full SUB pipe) is never taken for a
+# dead link. ZMTP heartbeats were: libzmq cannot read the peer's PONG while the pipe is full, so
+# any stall over the timeout (3 s) dropped a healthy connection with what was queued on it, and
+# libzmq 4.3.5 then aborted the whole process (``Assertion failed: _input_stopped``, libzmq
+# issue 3937) when the new connection's engine was told to resume input it never stopped.
+TCP_KEEPALIVE_IDLE_S: Final = 10
+TCP_KEEPALIVE_INTVL_S: Final = 2
+TCP_KEEPALIVE_CNT: Final = 3
 # Live batches queued in the SUB pipe while the consumer is busy. Overflow policy: block (we stop
 # reading); the backlog then waits in the publisher's PUB pipe (vLLM's HWM is 100,000), and only
 # past that does the PUB drop, leaving a gap that replay repairs. Kept small because this queue's
@@ -158,7 +166,12 @@ class ListenerStatus:
     stale_dropped: int = 0
     malformed: int = 0  # live messages or replay replies with the wrong shape
     restarts: int = 0  # publisher restarts detected (watermark reset)
-    disconnects: int = 0  # established connections lost (publisher gone, heartbeat timeout, frame over the cap)
+    disconnects: int = 0  # established connections lost (publisher gone, keepalive timeout, frame over the cap)
+    # Outages (a lost connection, or the time before the first one) after which nothing could show
+    # that no batch was missed: no replay endpoint to catch up from, or the catch-up failed. Batches
+    # published then may be lost uncounted in lost_batches (a later batch reveals the gap, if one
+    # comes); last_error says after which seq.
+    unrepaired_outages: int = 0
 
 
 class KvListener:
@@ -199,6 +212,7 @@ class KvListener:
         # Connection bookkeeping shared by the three tasks (see ``run``); ``_changed`` wakes waiters.
         self._link_up = False
         self._ever_connected = False
+        self._lost_link = False  # an established connection was lost, and no handshake since
         self._connect_to: Resolved | None = None  # asked for by the keeper, applied by the listen task
         self._connected_to: Resolved | None = None
         self._connection_problem: str | None = None  # shown in last_error and logged once
@@ -231,8 +245,10 @@ class KvListener:
             zmq.SUBSCRIBE: self._topic,
             zmq.RECONNECT_IVL: RECONNECT_IVL_MS,
             zmq.RECONNECT_IVL_MAX: 0,  # 0 = no exponential backoff
-            zmq.HEARTBEAT_IVL: HEARTBEAT_IVL_MS,
-            zmq.HEARTBEAT_TIMEOUT: HEARTBEAT_TIMEOUT_MS,
+            zmq.TCP_KEEPALIVE: 1,
+            zmq.TCP_KEEPALIVE_IDLE: TCP_KEEPALIVE_IDLE_S,
+            zmq.TCP_KEEPALIVE_INTVL: TCP_KEEPALIVE_INTVL_S,
+            zmq.TCP_KEEPALIVE_CNT: TCP_KEEPALIVE_CNT,
             zmq.MAXMSGSIZE: self._max_message_bytes,
         }
         with contextlib.ExitStack() as stack:
@@ -335,6 +351,7 @@ class KvListener:
             event = parse_monitor_message(await monitor.recv_multipart())
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                reconnected, self._lost_link = self._lost_link, False
                 self._link_up = self._ever_connected = True
                 self._notify()
                 self.status.state = "active"
@@ -347,11 +364,15 @@ class KvListener:
                     # now instead of waiting for the next live batch to reveal the gap.
                     self._catch_up_due = True
                     self._recv_scope.cancel()
+                elif reconnected:
+                    why = "no replay endpoint" if self.status.replay_endpoint is None else "catch-up on connect is off"
+                    self._unrepaired(f"reconnected, but cannot catch up ({why})")
             elif kind == zmq.EVENT_DISCONNECTED:
                 if self._link_up:
                     self._link_up = False
                     self._notify()
                     self.status.disconnects += 1
+                    self._lost_link = True
                     self.status.state = "connecting"
                     self._restart_check = "disconnect"
                     log.warning("kv listener %s: connecting (connection lost)", self.status.endpoint)
@@ -472,7 +493,7 @@ class KvListener:
             if end is not None:
                 self._lost(start, end, f"replay endpoint: {exc}")
             else:
-                log.warning("kv listener %s: no catch-up: replay endpoint: %s", self.status.endpoint, exc)
+                self._unrepaired(f"catch-up failed (replay endpoint: {exc})")
             return
         next_seq, problem = start, None
         async with replay_limiter():
@@ -532,9 +553,20 @@ class KvListener:
         elif next_seq > start:
             log.info("kv listener %s: replayed %d..%d", self.status.endpoint, start, next_seq - 1)
         elif problem is not None:
-            log.warning("kv listener %s: catch-up got nothing: %s", self.status.endpoint, problem)
+            self._unrepaired(f"catch-up failed ({problem})")
         else:
             log.info("kv listener %s: caught up, nothing was missed", self.status.endpoint)
+
+    def _unrepaired(self, why: str) -> None:
+        """Batches may have been missed and nothing can say how many: count it and show it."""
+        last = self.status.last_seq
+        self.status.unrepaired_outages += 1
+        after = "" if last is None else f" after seq {last}"
+        self.status.last_error = (
+            f"{why}: batches published{after} while not connected may be lost; "
+            "a later batch shows how many (counted in lost_batches)"
+        )
+        log.warning("kv listener %s: %s", self.status.endpoint, self.status.last_error)
 
     def _lost(self, start: int, end: int, why: str) -> None:
         self.status.lost_batches += end - start

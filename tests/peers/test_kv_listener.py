@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import msgpack
@@ -621,3 +622,57 @@ async def test_handshake_failure_is_logged_once_and_cleared_when_a_publisher_ans
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
     assert warnings[0].startswith(f"kv listener {endpoint}: handshake failed: the peer closed the connection or is not")
+
+
+async def test_a_blocked_event_loop_does_not_cost_the_connection(nursery: trio.Nursery) -> None:
+    """A busy service stops reading: the SUB pipe fills and libzmq stops reading the socket. That
+    must not look like a dead publisher. With ZMTP heartbeats (3 s timeout) libzmq dropped the
+    connection after a few seconds of this, losing what the publisher had queued for us (no replay
+    endpoint here to repair it), and then aborted the process (``Assertion failed: _input_stopped``)."""
+    count = 2_000  # far more than the SUB pipe (LIVE_RCVHWM) and the socket buffers hold
+    stall_seconds = 6.0  # longer than the old heartbeat interval + timeout (1 + 3 s)
+    sink = Sink()
+    blocked = False
+
+    async def on_batch(seq: int, data: bytes) -> None:
+        nonlocal blocked
+        if not blocked:
+            blocked = True
+            time.sleep(stall_seconds)  # noqa: ASYNC251 - the point: the whole event loop is stuck
+        await sink(seq, data)
+
+    with trio.fail_after(30):
+        async with open_kv_publisher(replay=False) as pub:
+            listener = KvListener(pub.endpoint, None, on_batch)
+            await nursery.start(listener.run)
+            await pub.wait_for_subscribers()
+            for seq in range(count):
+                pub.publish(sample_payload(seq))
+            await sink.wait_for(count)
+    status = listener.status
+    assert sink.seqs == list(range(count))
+    assert (status.disconnects, status.unrepaired_outages, status.lost_batches) == (0, 0, 0)
+
+
+async def test_an_outage_without_replay_endpoint_is_counted_and_shown(nursery: trio.Nursery) -> None:
+    """A lost connection with no replay endpoint cannot be repaired, and with no later batch no gap
+    reveals the loss: the listener must say so instead of staying silent."""
+    cap = 64 * 1024
+    sink = Sink()
+    with trio.fail_after(10):
+        async with open_kv_publisher(replay=False) as pub:
+            listener = await start_listener(nursery, pub, sink, max_message_bytes=cap, reconnect_after=0.05)
+            await pub.wait_for_subscribers()
+            for seq in range(3):
+                pub.publish(payload(seq))
+            await sink.wait_for(3)
+            pub.publish(b"\x00" * (cap + 1))  # seq 3: libzmq drops the connection on it
+            await pub.wait_for_subscribers(2)  # the listener reconnected
+            await wait_until(lambda: listener.status.unrepaired_outages == 1)
+    status = listener.status
+    assert sink.seqs == [0, 1, 2]
+    assert (status.disconnects, status.state, status.lost_batches) == (1, "active", 0)
+    assert status.last_error == (
+        "reconnected, but cannot catch up (no replay endpoint): batches published after seq 2 while not "
+        "connected may be lost; a later batch shows how many (counted in lost_batches)"
+    )
