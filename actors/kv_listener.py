@@ -29,7 +29,9 @@ that does not continue the watermark decides: at or below it, the publisher's co
 We treat as a new stream (1) seq 0 after any watermark >= 0, and (2) a seq <= last that is the first
 batch heard after start (e.g. resumed at 100, the restarted publisher is at 3), or the first
 non-contiguous batch after a disconnect seen by the socket monitor (contiguous ones may be the old
-backlog still draining). Any other seq <= last is a stale duplicate. A new stream resets the
+backlog still draining). Any other seq <= last is a stale duplicate, and so is every live batch up to
+the last one a catch-up delivered: the old connection's backlog (libzmq keeps it across its own
+reconnects) and what was sent while the catch-up ran come after the catch-up, not before it. A new stream resets the
 watermark to -1 (so a first seq > 0 replays from 0 against the new publisher's buffer) and awaits
 ``on_restart`` first, where the consumer should drop what it knew about this rank (its GPU cache is
 gone). Ambiguous and not handled: a restarted publisher that is already past our old watermark
@@ -208,6 +210,9 @@ class KvListener:
         # whatever the publisher buffered after our watermark.
         self._catch_up_on_connect = catch_up_on_connect
         self._catch_up_due = False
+        # The last seq a catch-up delivered, while live batches up to it may still be queued in the
+        # SUB pipe (sent before the catch-up answered): those are duplicates, not a restart.
+        self._caught_up_through: int | None = None
         self._recv_scope = trio.CancelScope()
         # Connection bookkeeping shared by the three tasks (see ``run``); ``_changed`` wakes waiters.
         self._link_up = False
@@ -440,6 +445,12 @@ class KvListener:
                 self._restart_check = None
             await self._deliver(seq, payload, replayed=False)
             return
+        if self._caught_up_through is not None:
+            if seq <= min(last, self._caught_up_through):
+                status.stale_dropped += 1
+                log.debug("kv listener %s: batch %d already caught up, dropped", status.endpoint, seq)
+                return
+            self._caught_up_through = None
         check, self._restart_check = self._restart_check, None
         if seq <= last and (seq == 0 or check is not None):
             log.warning(
@@ -548,6 +559,8 @@ class KvListener:
                     next_seq = seq + 1
             # Leaving the block closed the DEALER (linger 0): replies past ``end`` are simply dropped,
             # since the live socket is delivering those.
+        if end is None:
+            self._caught_up_through = next_seq - 1 if next_seq > start else None
         if end is not None and next_seq < end:
             self._lost(next_seq, end, f"replay incomplete ({problem or 'ended early'})")
         elif next_seq > start:

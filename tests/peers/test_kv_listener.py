@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import socket
@@ -676,3 +677,96 @@ async def test_an_outage_without_replay_endpoint_is_counted_and_shown(nursery: t
         "reconnected, but cannot catch up (no replay endpoint): batches published after seq 2 while not "
         "connected may be lost; a later batch shows how many (counted in lost_batches)"
     )
+
+
+class CuttableProxy:
+    """A TCP forwarder between a listener and its publisher that can cut the connection, as a
+    network blip does: libzmq on the SUB side sees the link drop and reconnects by itself, and what
+    it already read stays queued in its SUB pipe (the old backlog)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self.forwarded = 0  # bytes passed from the publisher to the listener
+        self._streams: list[trio.SocketStream] = []
+        self._changed = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[CuttableProxy] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self)
+        await trio.serve_listeners(self._serve, listeners)
+
+    async def _serve(self, downstream: trio.SocketStream) -> None:
+        async with downstream, await trio.open_tcp_stream("127.0.0.1", self.upstream_port) as upstream:
+            self._streams += [downstream, upstream]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, upstream, downstream, True)
+                nursery.start_soon(self._pump, downstream, upstream, False)
+
+    async def _pump(self, source: trio.SocketStream, sink: trio.SocketStream, counted: bool) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            async for data in source:
+                await sink.send_all(data)
+                if counted:
+                    self.forwarded += len(data)
+                    self._changed.set()
+                    self._changed = trio.Event()
+
+    async def wait_forwarded(self, count: int) -> None:
+        while self.forwarded < count:
+            await self._changed.wait()
+
+    async def cut(self) -> None:
+        """Close every proxied connection (a FIN, after everything already forwarded)."""
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            await stream.aclose()
+
+
+def zmtp_size(frames: list[bytes]) -> int:
+    """Bytes of one message on the wire (ZMTP 3 short frames: a flags byte and a size byte each)."""
+    assert all(len(frame) < 256 for frame in frames)
+    return sum(2 + len(frame) for frame in frames)
+
+
+async def test_catch_up_after_a_network_blip_is_not_mistaken_for_a_restart(nursery: trio.Nursery) -> None:
+    """After libzmq reconnects by itself, the catch-up replays what was published meanwhile, and
+    then the old backlog still queued in the SUB pipe drains: those batches are duplicates of what
+    the catch-up delivered, not a publisher whose seq went back (which would drop the rank's cache)."""
+    sink = Sink()
+    release = trio.Event()
+    held = trio.Event()
+
+    async def on_batch(seq: int, data: bytes) -> None:
+        if seq == 0:
+            held.set()
+            await release.wait()
+        await sink(seq, data)
+
+    with trio.fail_after(10):
+        async with open_kv_publisher() as pub:
+            assert pub.port is not None and pub.replay_endpoint is not None
+            proxy = await nursery.start(CuttableProxy(pub.port).run)
+            listener = KvListener(f"tcp://127.0.0.1:{proxy.port}", pub.replay_endpoint, on_batch)
+            await nursery.start(listener.run)
+            await pub.wait_for_subscribers()
+            await wait_until(lambda: pub.replay_requests == [0])  # the first catch-up had nothing
+            pub.publish(payload(0))
+            await held.wait()
+            before = proxy.forwarded
+            for seq in range(1, 50):
+                pub.publish(payload(seq))
+            await proxy.wait_forwarded(before + sum(zmtp_size([b"", bytes(8), payload(s)]) for s in range(1, 50)))
+            await proxy.cut()  # 1..49 are in the SUB pipe (or its socket buffer), behind batch 0
+            # libzmq reconnects by itself (the SUB re-sends its subscription only once the listener
+            # touches the socket again, which it does not while held).
+            await wait_until(lambda: listener.status.disconnects == 1 and listener.status.state == "active")
+            release.set()
+            await sink.wait_for(50)
+            await pub.wait_for_subscribers(2)
+            pub.publish(payload(50))
+            await sink.wait_for(51)
+    status = listener.status
+    assert sink.seqs == list(range(51))
+    assert (status.restarts, status.disconnects, status.replayed_batches, status.stale_dropped) == (0, 1, 49, 49)
