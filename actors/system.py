@@ -27,6 +27,7 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.deadlines import Deadlines
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.operator_log import log_operator_events
 from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.ports import Clock
 from kvrouter.actors.snapshotter import (
@@ -85,7 +86,7 @@ class ActorSystem:
         self.seed = seed  # root of every scope's random source
         # Observers of applied decisions (replica publisher, directory, KV ingest): called synchronously
         # by the actor right after fold, so they must not block; each keeps its own bounded queue.
-        self.observers: list[Observer] = []
+        self.observers: list[Observer] = [log_operator_events]
         self.pending_options = pending_options or {}
         # Every ask waits at most this long for its durable decision (then ReplyTimeout); the command
         # itself goes on. Infinite by default: simulations and tests opt in.
