@@ -263,7 +263,7 @@ async def loads(service: SelectService, request: Request) -> Response:
                 for row in partition.loads
             ],
             "pending_count": partition.pending_count,
-            "pending_isl_tokens": partition.pending_isl_tokens,
+            "pending_isl_tokens": min(partition.pending_isl_tokens, U64_MASK),  # u64 on the wire: saturate
         }
         for partition in await service.loads(scope_filter(request))
     ]

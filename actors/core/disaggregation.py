@@ -42,8 +42,10 @@ from kvrouter.actors.core.selection_queries import candidates, selection_input
 from kvrouter.actors.core.selection_rules import (
     Selection,
     already_reserved,
+    booked_prefill,
     booking_events,
     choose_rank,
+    prefill_overflow,
     selection_of,
     tracked_output,
     with_workers,
@@ -180,6 +182,10 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
 
     # Predicted blocks (a rank scored without KV events) go where the prompt is computed: the prefill rank, or
     # the decode rank when it prefills itself. The decode stage never scores cached blocks.
+    booked = [booked_prefill(selection) for selection in (prefill, decode) if selection is not None]
+    overflow = prefill_overflow(state, booked)
+    if overflow is not None:
+        return overflow
     events: list[Event] = []
     if prefill is not None:
         events.extend(booking_events(state, prefill, command.at, None))

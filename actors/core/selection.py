@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 
 from kvrouter.actors.core.constraints import preference_factor
-from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.ids import U64_MASK, ScopeKey, WorkerRank
 from kvrouter.actors.core.router_config import RouterConfig
 
 
@@ -86,7 +86,8 @@ def reported_decode_blocks(
 
 def potential_prefill_tokens(active_prefill_tokens: int, isl: int, cached: int, track: bool) -> int:
     """Prefill tokens the rank would carry with this prompt (``/potential_loads``); only active ones if untracked."""
-    return active_prefill_tokens + (effective_prefill_tokens(isl, cached) if track else 0)
+    potential = active_prefill_tokens + (effective_prefill_tokens(isl, cached) if track else 0)
+    return min(potential, U64_MASK)  # saturate: the wire type is u64 (as the slot tracker's /potential_loads)
 
 
 def overlap_summary(per_rank: Mapping[int, TierOverlap], block_size: int) -> dict[str, object]:

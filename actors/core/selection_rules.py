@@ -7,7 +7,7 @@ arrives in the command (``SelectWorker.draw``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -46,7 +46,7 @@ from kvrouter.actors.core.events import (
     WorkerRemoved,
     WorkerUpserted,
 )
-from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.ids import U64_MASK, WorkerRank
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
 from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_WORKERS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
@@ -235,6 +235,9 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     reservation_id = command.reservation_id or ""
     if reservation_id in state.slots.requests:
         return already_reserved(reservation_id)
+    overflow = prefill_overflow(state, [booked_prefill(selection)])
+    if overflow is not None:
+        return overflow
     events = booking_events(state, selection, command.at, tracked_output(config, options.expected_output_tokens))
     return Accepted(events, created=True, reply=selection)
 
@@ -438,6 +441,28 @@ def booking_events(
     return (booked, *predicted, *pinned_session)
 
 
+def prefill_overflow(state: ScopeState, bookings: Iterable[tuple[WorkerRank, int]]) -> Rejected | None:
+    """Refuse bookings whose prefill tokens would take a rank's load past u64, the wire type of every load
+    (1.6.1 wraps; kvrouter's slot tracker refuses the same way). Ranks are known to exist."""
+    extra: dict[WorkerRank, int] = {}
+    for rank, tokens in bookings:
+        extra[rank] = extra.get(rank, 0) + tokens
+    for rank, tokens in extra.items():
+        if state.slots.ranks[rank].prefill_tokens + tokens > U64_MASK:
+            return Rejected(
+                Reason.INVALID,
+                f"{tokens} prefill tokens would overflow the prefill load of worker {rank.worker_id} "
+                f"dp_rank {rank.dp_rank}",
+            )
+    return None
+
+
+def booked_prefill(selection: Selection) -> tuple[WorkerRank, int]:
+    """The rank a booking of ``selection`` loads, and its prefill tokens."""
+    tokens = selection.effective_prefill_tokens if selection.track_prefill_tokens else 0
+    return WorkerRank(selection.worker_id, selection.dp_rank), tokens
+
+
 def already_reserved(reservation_id: str) -> Rejected:
     return Rejected(Reason.CONFLICT, f"selection {reservation_id} is already reserved or being reserved")
 
@@ -464,6 +489,9 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
         override = command.track_prefill_tokens
         tracked = command.config_tracks_prefill if override is None else override
         prefill = command.isl_tokens if tracked else 0
+    overflow = prefill_overflow(state, [(rank, prefill)])
+    if overflow is not None:
+        return overflow
     event = RequestAdded(
         command.reservation_id,
         command.worker_id,

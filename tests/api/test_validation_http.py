@@ -127,3 +127,19 @@ async def test_slot_tracker_request_sizes_are_capped(client: httpx.AsyncClient) 
     too_many = {**add, "request_id": "r", "sequence_hashes": [7] * (MAX_PROMPT_BLOCKS + 1)}
     await refused(client, "POST", "/add", too_many, 413, "sequence_hashes: 262145 hashes exceed")
     assert await slot_state(client) == before
+
+
+async def test_prefill_loads_past_u64_are_refused_not_a_500(selector: httpx.AsyncClient) -> None:
+    """A reservation of 2**64 - 1 tokens made /potential_loads answer 500 (its sum no longer fits the wire's u64),
+    and a second one on the same rank made /loads answer 500 for good."""
+    assert (await selector.post("/workers", json={**WORKER, "kv_events_endpoint": "tcp://127.0.0.1:9"})).is_success
+    top = 2**64 - 1
+    booking = {"model_name": "m", "worker_id": 1, "sequence_hashes": [1], "isl_tokens": top}
+    assert (await selector.post("/reservations", json={**booking, "reservation_id": "a"})).status_code == 201
+    prompt = {"model_name": "m", "block_hashes": [2], "sequence_hashes": [2], "isl_tokens": 5}
+    potential = await selector.post("/potential_loads", json=prompt)
+    assert potential.status_code == 200 and potential.json()[0]["potential_prefill_tokens"] == top  # saturated
+    before = await select_state(selector)
+    await refused(selector, "POST", "/reservations", {**booking, "reservation_id": "b"}, 400, "would overflow")
+    await refused(selector, "POST", "/select_and_reserve", {**prompt, "reservation_id": "c"}, 400, "would overflow")
+    assert await select_state(selector) == before

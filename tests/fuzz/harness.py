@@ -1,0 +1,187 @@
+"""Run a real service in-process, drive it with generated requests, and check what every answer must be.
+
+Per request: never a 5xx (a row's ``unavailable_ok`` allows the 503 1.6.1 gives when no worker is
+eligible, never with Retry-After); an error is ``{"error": "..."}`` (or the plain text of a query-string
+rejection); and a rejected request leaves the state exactly as it was. After the run, the service
+restarts from its journal to the same state.
+
+Hypothesis runs in a worker thread (it calls the test function synchronously); each request is sent
+on the trio loop that also runs the service, through ``trio.from_thread.run``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.api.http import Route
+from kvrouter.api.main import RouteBuilder, ServiceHandle, ServiceOptions, run_service, select_service_builder
+from kvrouter.api.main import slot_tracker_app as slot_tracker_builder
+from kvrouter.journal.store import Durability
+from tests.fuzz.requests import SPOILS, FuzzRequest, RawResponse, draw_request, known_request, raw_request, send
+from tests.fuzz.routes import FuzzRoute
+
+# Examples per service (each a few requests); KVROUTER_FUZZ_EXAMPLES raises it for a longer hunt, and
+# KVROUTER_FUZZ_RANDOM=1 explores new inputs instead of the fixed, reproducible sequence CI runs.
+EXAMPLES = int(os.environ.get("KVROUTER_FUZZ_EXAMPLES", "250"))
+DERANDOMIZE = os.environ.get("KVROUTER_FUZZ_RANDOM", "") != "1"
+REQUESTS_PER_EXAMPLE = 8
+
+
+@attrs.frozen
+class ServiceUnderTest:
+    name: str
+    builder: Callable[[], RouteBuilder]
+    body_limit: int
+    rows: list[FuzzRoute]
+    known: list[tuple[str, str, Any]]  # fixed requests sent first (past crashes)
+    state_paths: tuple[str, ...]  # GETs whose answers together are the service's observable state
+    restart_paths: tuple[str, ...]  # the part of it kept across a restart (peers added at run time are not)
+
+
+def slot_tracker() -> RouteBuilder:
+    return slot_tracker_builder
+
+
+def selection_service() -> RouteBuilder:
+    return select_service_builder(RouterConfig())
+
+
+@attrs.define
+class RunningService:
+    """A service on an ephemeral port, its route table as served, and its nursery (stopping waits for it)."""
+
+    handle: ServiceHandle
+    port: int
+    routes: list[Route]
+
+
+async def start(nursery: trio.Nursery, service: ServiceUnderTest, data_dir: Path) -> RunningService:
+    served: list[Route] = []
+    build = service.builder()
+
+    async def capture(options: ServiceOptions, system: Any, inner: trio.Nursery) -> list[Route]:
+        routes = await build(options, system, inner)
+        served.extend(routes)
+        return routes
+
+    options = ServiceOptions(
+        port=0,
+        data_dir=data_dir,
+        durability=Durability.ALWAYS,
+        seed=7,
+        body_limit=service.body_limit,
+        replica_sync_port=0,
+    )
+    handle: ServiceHandle = await nursery.start(run_service, service.name, options, capture)
+    return RunningService(handle, int(handle.urls[0].rsplit(":", 1)[1]), served)
+
+
+async def observe(port: int, paths: tuple[str, ...]) -> tuple[Any, ...]:
+    """The answers to the state GETs (KV listener status and the per-rank KV modes it drives are live
+    health, which changes with time, not state: left out)."""
+    seen = []
+    for path in paths:
+        response = await raw_request(port, "GET", path)
+        assert response.status == 200, (path, response.status, response.body[:300])
+        value = response.json()
+        if path.startswith("/workers"):
+            for row in value:
+                row.pop("kv_listeners", None)
+                row.pop("kv_modes", None)
+        seen.append(value)
+    return tuple(seen)
+
+
+def check_answer(request: FuzzRequest, response: RawResponse) -> None:
+    where = f"{request.describe()} -> {response.status} {response.body[:300]!r}"
+    if response.status >= 500:
+        allowed = response.status == 503 and request.route.unavailable_ok and "retry-after" not in response.headers
+        assert allowed, f"a 5xx: {where}"
+    if response.status >= 400 and request.method != "HEAD":
+        if response.headers.get("content-type", "").startswith("text/plain"):
+            assert response.status == 400 and response.body, where  # axum's query-string rejection, in 1.6.1 too
+        elif request.route.path != "/ready":
+            body = response.json()
+            assert isinstance(body, dict) and isinstance(body.get("error"), str) and body["error"], where
+
+
+class Fuzzer:
+    """Sends generated requests to one running service; remembers the state between requests."""
+
+    def __init__(self, service: ServiceUnderTest, running: RunningService) -> None:
+        self.service = service
+        self.port = running.port
+        self.state: tuple[Any, ...] | None = None
+        self.sent = 0
+        self.statuses: dict[int, int] = {}
+        self.by_route: dict[tuple[str, str, int], int] = {}  # (method, path template, status) -> count
+
+    async def exercise(self, request: FuzzRequest) -> None:
+        if self.state is None:
+            self.state = await observe(self.port, self.service.state_paths)
+        response = await send(self.port, request)
+        self.sent += 1
+        self.statuses[response.status] = self.statuses.get(response.status, 0) + 1
+        key = (request.route.method, request.route.path, response.status)
+        self.by_route[key] = self.by_route.get(key, 0) + 1
+        check_answer(request, response)
+        if response.status >= 400:
+            after = await observe(self.port, self.service.state_paths)
+            changed = [
+                f"{path}: {before!r:.600} -> {now!r:.600}"
+                for path, before, now in zip(self.service.state_paths, self.state, after, strict=True)
+                if before != now
+            ]
+            assert not changed, f"a rejected request changed the state: {request.describe()}: {changed}"
+        elif request.method not in ("GET", "HEAD"):
+            self.state = None  # accepted: the state may have changed
+
+
+def run_examples(fuzzer: Fuzzer, rows: list[FuzzRoute], spoils: list[str]) -> None:
+    """Hypothesis's search, in this worker thread; each request goes to the trio loop."""
+
+    weighted = [row for row in rows for _ in range(row.weight)]
+
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=DERANDOMIZE,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.data())
+    def example(data: st.DataObject) -> None:
+        for _ in range(data.draw(st.integers(1, REQUESTS_PER_EXAMPLE), label="requests")):
+            row = data.draw(st.sampled_from(weighted), label="route")
+            trio.from_thread.run(fuzzer.exercise, draw_request(row, data, spoils))
+
+    example()
+
+
+async def fuzz_service(service: ServiceUnderTest, data_dir: Path, spoils: list[str] = SPOILS) -> Fuzzer:
+    """Fuzz ``service`` on a fresh data directory, then restart it from its journal and compare."""
+    async with trio.open_nursery() as nursery:
+        running = await start(nursery, service, data_dir)
+        served = {(route.method, route.path) for route in running.routes}
+        table = {(row.method, row.path) for row in service.rows}
+        assert served == table, f"routes without a fuzz row: {served - table}; rows of no route: {table - served}"
+        fuzzer = Fuzzer(service, running)
+        for method, target, body in service.known:
+            await fuzzer.exercise(known_request(service.rows, method, target, body))
+        await trio.to_thread.run_sync(run_examples, fuzzer, service.rows, spoils)
+        before = await observe(running.port, service.restart_paths)
+        running.handle.stop()
+    async with trio.open_nursery() as nursery:
+        restarted = await start(nursery, service, data_dir)
+        assert await observe(restarted.port, service.restart_paths) == before
+        restarted.handle.stop()
+    return fuzzer

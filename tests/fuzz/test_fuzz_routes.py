@@ -1,0 +1,43 @@
+"""Property-based fuzzing of every route of both services (``tests/fuzz/routes.py``), against real hypercorn:
+never a 5xx, a rejected request changes nothing, and the service restarts from its journal afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT
+from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from tests.fuzz.harness import ServiceUnderTest, fuzz_service, selection_service, slot_tracker
+from tests.fuzz.requests import SPOILS
+from tests.fuzz.routes import SELECTION_KNOWN, SELECTION_ROUTES, SLOT_TRACKER_KNOWN, SLOT_TRACKER_ROUTES
+
+SPOILS_NOW = [spoil for spoil in SPOILS if spoil != "upgrade"]
+
+SLOT_TRACKER = ServiceUnderTest(
+    "slot tracker",
+    slot_tracker,
+    SLOT_TRACKER_BODY_LIMIT,
+    SLOT_TRACKER_ROUTES,
+    SLOT_TRACKER_KNOWN,
+    state_paths=("/workers", "/loads", "/replica_sync/peers"),
+    restart_paths=("/workers", "/loads"),
+)
+SELECTION = ServiceUnderTest(
+    "selection service",
+    selection_service,
+    SELECTION_BODY_LIMIT,
+    SELECTION_ROUTES,
+    SELECTION_KNOWN,
+    state_paths=("/workers", "/loads", "/dump", "/replica_sync/peers"),
+    restart_paths=("/workers", "/loads", "/dump"),
+)
+
+
+async def test_slot_tracker_routes_survive_generated_requests(tmp_path: Path) -> None:
+    fuzzer = await fuzz_service(SLOT_TRACKER, tmp_path / "data", SPOILS_NOW)
+    assert fuzzer.sent > 0 and any(200 <= status < 300 for status in fuzzer.statuses)
+
+
+async def test_selection_routes_survive_generated_requests(tmp_path: Path) -> None:
+    fuzzer = await fuzz_service(SELECTION, tmp_path / "data", SPOILS_NOW)
+    assert fuzzer.sent > 0 and any(200 <= status < 300 for status in fuzzer.statuses)
