@@ -182,8 +182,8 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
 
     # Predicted blocks (a rank scored without KV events) go where the prompt is computed: the prefill rank, or
     # the decode rank when it prefills itself. The decode stage never scores cached blocks.
-    booked = [booked_prefill(selection) for selection in (prefill, decode) if selection is not None]
-    overflow = prefill_overflow(state, booked)
+    loads = [booked_prefill(selection) for selection in (prefill, decode) if selection is not None]
+    overflow = prefill_overflow(state, loads)
     if overflow is not None:
         return overflow
     events: list[Event] = []

@@ -22,11 +22,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.api.auth import BearerToken
 from kvrouter.api.http import Route
 from kvrouter.api.main import RouteBuilder, ServiceHandle, ServiceOptions, run_service, select_service_builder
 from kvrouter.api.main import slot_tracker_app as slot_tracker_builder
 from kvrouter.journal.store import Durability
-from tests.fuzz.requests import SPOILS, FuzzRequest, RawResponse, draw_request, known_request, raw_request, send
+from tests.fuzz.requests import (
+    SPOILS,
+    VALID_TOKEN,
+    FuzzRequest,
+    RawResponse,
+    draw_request,
+    known_request,
+    raw_request,
+    send,
+)
 from tests.fuzz.routes import FuzzRoute
 
 # Examples per service (each a few requests); KVROUTER_FUZZ_EXAMPLES raises it for a longer hunt, and
@@ -45,6 +55,7 @@ class ServiceUnderTest:
     known: list[tuple[str, str, Any]]  # fixed requests sent first (past crashes)
     state_paths: tuple[str, ...]  # GETs whose answers together are the service's observable state
     restart_paths: tuple[str, ...]  # the part of it kept across a restart (peers added at run time are not)
+    token: str | None = None  # bearer token the service requires (--auth-token-file), if any
 
 
 def slot_tracker() -> RouteBuilder:
@@ -80,17 +91,19 @@ async def start(nursery: trio.Nursery, service: ServiceUnderTest, data_dir: Path
         seed=7,
         body_limit=service.body_limit,
         replica_sync_port=0,
+        auth=None if service.token is None else BearerToken(service.token.encode()),
     )
     handle: ServiceHandle = await nursery.start(run_service, service.name, options, capture)
     return RunningService(handle, int(handle.urls[0].rsplit(":", 1)[1]), served)
 
 
-async def observe(port: int, paths: tuple[str, ...]) -> tuple[Any, ...]:
+async def observe(port: int, paths: tuple[str, ...], token: str | None) -> tuple[Any, ...]:
     """The answers to the state GETs (KV listener status and the per-rank KV modes it drives are live
     health, which changes with time, not state: left out)."""
     seen = []
     for path in paths:
-        response = await raw_request(port, "GET", path)
+        headers = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        response = await raw_request(port, "GET", path, headers)
         assert response.status == 200, (path, response.status, response.body[:300])
         value = response.json()
         if path.startswith("/workers"):
@@ -101,8 +114,10 @@ async def observe(port: int, paths: tuple[str, ...]) -> tuple[Any, ...]:
     return tuple(seen)
 
 
-def check_answer(request: FuzzRequest, response: RawResponse) -> None:
+def check_answer(request: FuzzRequest, response: RawResponse, token: str | None = None) -> None:
     where = f"{request.describe()} -> {response.status} {response.body[:300]!r}"
+    if token is not None and request.authorization != VALID_TOKEN and request.route.path != "/health":
+        assert response.status in (401, 404, 405), f"served without its token: {where}"
     if response.status >= 500:
         allowed = response.status == 503 and request.route.unavailable_ok and "retry-after" not in response.headers
         assert allowed, f"a 5xx: {where}"
@@ -127,15 +142,15 @@ class Fuzzer:
 
     async def exercise(self, request: FuzzRequest) -> None:
         if self.state is None:
-            self.state = await observe(self.port, self.service.state_paths)
-        response = await send(self.port, request)
+            self.state = await observe(self.port, self.service.state_paths, self.service.token)
+        response = await send(self.port, request, self.service.token)
         self.sent += 1
         self.statuses[response.status] = self.statuses.get(response.status, 0) + 1
         key = (request.route.method, request.route.path, response.status)
         self.by_route[key] = self.by_route.get(key, 0) + 1
-        check_answer(request, response)
+        check_answer(request, response, self.service.token)
         if response.status >= 400:
-            after = await observe(self.port, self.service.state_paths)
+            after = await observe(self.port, self.service.state_paths, self.service.token)
             changed = [
                 f"{path}: {before!r:.600} -> {now!r:.600}"
                 for path, before, now in zip(self.service.state_paths, self.state, after, strict=True)
@@ -178,10 +193,10 @@ async def fuzz_service(service: ServiceUnderTest, data_dir: Path, spoils: list[s
         for method, target, body in service.known:
             await fuzzer.exercise(known_request(service.rows, method, target, body))
         await trio.to_thread.run_sync(run_examples, fuzzer, service.rows, spoils)
-        before = await observe(running.port, service.restart_paths)
+        before = await observe(running.port, service.restart_paths, service.token)
         running.handle.stop()
     async with trio.open_nursery() as nursery:
         restarted = await start(nursery, service, data_dir)
-        assert await observe(restarted.port, service.restart_paths) == before
+        assert await observe(restarted.port, service.restart_paths, service.token) == before
         restarted.handle.stop()
     return fuzzer

@@ -33,11 +33,16 @@ JSON = "application/json"
 RESPONSE_TIMEOUT = 10.0
 
 # How a request departs from a plausible one (plausible ones build the state the others meet).
-SPOILS = (
-    ["plausible"] * 4
-    + ["body"] * 4
-    + ["param"] * 2
-    + ["raw body", "content type", "method", "path", "query", "upgrade"]
+SPOILS = [
+    *["plausible"] * 8,
+    *["body"] * 4,
+    *["param"] * 2,
+    *["raw body", "content type", "method", "path", "query", "framing", "upgrade", "auth"],
+]
+VALID_TOKEN = "valid"  # FuzzRequest.authorization: the service's own token, whatever it is
+# Authorization headers a service with a token must refuse (a service without one ignores them).
+BAD_AUTHORIZATION = st.sampled_from(
+    [None, "", "Bearer", "Bearer ", "bearer wrong", "Bearer wrong", "Basic dXNlcjpwYXNz", "Bearer " + "x" * 5000]
 )
 
 
@@ -49,6 +54,7 @@ class FuzzRequest:
     headers: tuple[tuple[str, str], ...]
     route: FuzzRoute
     spoil: str
+    authorization: str | None = VALID_TOKEN  # the header's value; None: no header
 
     def describe(self) -> str:
         body = (self.body or b"")[:300]
@@ -111,8 +117,9 @@ def draw_request(route: FuzzRoute, data: st.DataObject, spoils: list[str]) -> Fu
             headers = [*headers, ("expect", "100-continue")]
     elif spoil == "upgrade":
         headers = [*headers, *UPGRADE_HEADERS.items()]
+    authorization = data.draw(BAD_AUTHORIZATION) if spoil == "auth" else VALID_TOKEN
     target = f"{path}?{query}" if query else path
-    return FuzzRequest(method, target, raw, tuple(headers), route, spoil)
+    return FuzzRequest(method, target, raw, tuple(headers), route, spoil, authorization)
 
 
 def known_request(rows: list[FuzzRoute], method: str, target: str, body: Any) -> FuzzRequest:
@@ -130,8 +137,13 @@ def known_request(rows: list[FuzzRoute], method: str, target: str, body: Any) ->
     return FuzzRequest(method, target, None if body is None else encode(body), headers, row, "known")
 
 
-async def send(port: int, request: FuzzRequest) -> RawResponse:
-    return await raw_request(port, request.method, request.target, request.headers, request.body)
+async def send(port: int, request: FuzzRequest, token: str | None) -> RawResponse:
+    """Send ``request``, with the service's bearer ``token`` where the request carries a valid one."""
+    authorization = f"Bearer {token}" if request.authorization == VALID_TOKEN else request.authorization
+    headers = request.headers
+    if authorization is not None and (token is not None or request.authorization != VALID_TOKEN):
+        headers = (*headers, ("authorization", authorization))
+    return await raw_request(port, request.method, request.target, headers, request.body)
 
 
 async def raw_request(
