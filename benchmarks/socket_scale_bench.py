@@ -19,7 +19,9 @@ Phases, each printed as it ends:
    (each listener delivers in order, so a rank holding the marker holds everything before it). First
    paced (``--rate`` batches/s from all publishers together), then, after the latency measurements,
    all at once: a burst backs the listeners up behind the scope's mailbox, and the listener totals from
-   ``GET /workers`` (batches, gaps, lost batches, disconnects) show what that costs.
+   ``GET /workers`` (batches, gaps, lost batches, disconnects, unrepaired outages, restarts) show what that
+   costs. The publishers have no replay endpoint, so a lost connection cannot be caught up: the listener
+   counts it as an unrepaired outage.
 4. between the two rounds: ``/select`` (64-block prompts sharing a prefix with one rank's chain) and
    ``/health`` latency, one client, one request at a time; and one ``GET /workers`` (every rank's
    listener status).
@@ -352,12 +354,17 @@ async def wait_for_marker(
     return None, have, failures
 
 
+# Listener status counters summed per ingest round. unrepaired_outages: connections lost with no replay
+# endpoint to catch up from (none here), so batches may be gone without a gap to show it.
+LISTENER_COUNTERS = ("batches", "gaps", "lost_batches", "disconnects", "unrepaired_outages", "restarts")
+
+
 def listener_totals(rows: Any) -> dict[str, int]:
     """Sums over every rank's listener status (GET /workers), and the count per state."""
     totals: dict[str, int] = {}
     for row in rows if isinstance(rows, list) else []:
         for listener in row.get("kv_listeners", {}).values():
-            for key in ("batches", "gaps", "lost_batches", "disconnects", "malformed"):
+            for key in (*LISTENER_COUNTERS, "malformed"):
                 totals[key] = totals.get(key, 0) + int(listener.get(key) or 0)
             state = "state_" + str(listener.get("state"))
             totals[state] = totals.get(state, 0) + 1
@@ -388,7 +395,7 @@ def ingest_round(
         "publish_seconds": publish_seconds,
         "cpu": (figures["cpu_seconds"] - cpu_before) / elapsed,
         "rss_mib": figures["rss_mib"],
-        "delta": {k: after.get(k, 0) - before.get(k, 0) for k in ("batches", "gaps", "lost_batches", "disconnects")},
+        "delta": {k: after.get(k, 0) - before.get(k, 0) for k in LISTENER_COUNTERS},
         "states": {k[6:]: v for k, v in after.items() if k.startswith("state_")},
         "failed_polls": failures,
     }
