@@ -236,9 +236,11 @@ async def _run_service(
 
 
 async def run_until_signal(name: str, options: ServiceOptions, build_routes: RouteBuilder) -> None:
-    async with trio.open_nursery() as nursery:
-        handle: ServiceHandle = await nursery.start(run_service, name, options, build_routes)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # The receiver opens first: a signal that arrives while the service starts (or just after it says it
+    # listens) waits for the start to finish and then stops it gracefully, instead of killing the process.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            handle: ServiceHandle = await nursery.start(run_service, name, options, build_routes)
             async for signum in signals:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
                 handle.stop()

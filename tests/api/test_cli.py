@@ -7,14 +7,16 @@ interpreter start-up, not ten.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import logging
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +29,6 @@ from kvrouter.api.cli import build_parser, main
 from kvrouter.api.main import lock_data_dir
 from kvrouter.journal.frames import encode_frame
 from kvrouter.journal.layout import segment_name
-from tests.support.kv_publisher import free_tcp_port
 
 CLI = [sys.executable, "-m", "kvrouter.api.cli"]
 TIMEOUT = 60
@@ -52,17 +53,58 @@ def the_error_line(stderr: str) -> str:
     return errors[0]
 
 
-def wait_until_listening(process: subprocess.Popen[str], port: int) -> None:
-    for _ in range(600):
+LISTENING = re.compile(r" listening on http://127\.0\.0\.1:(\d+) ")
+
+
+class Service:
+    """A service process started on ``--port 0``, and the port its own listening line names.
+
+    Not a probe of a port picked beforehand: another process on this machine may bind that port first (ours then
+    exits 2) or already listen on it (the probe then succeeds against a stranger). A thread reads stderr as it comes,
+    so the service never blocks on a full pipe and the test sees every line.
+    """
+
+    def __init__(self, argv: list[str], tmp_path: Path) -> None:
+        self.process = subprocess.Popen(
+            [*argv, "--port", "0"], env=child_env(tmp_path), stderr=subprocess.PIPE, text=True
+        )
+        self._lines: list[str] = []
+        self._ports: queue.Queue[int | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            if process.poll() is not None:
-                raise AssertionError(f"exited with {process.returncode}: {process.communicate()[1]}") from None
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=0.05)
-    raise AssertionError("the service never listened")
+            port = self._ports.get(timeout=TIMEOUT)  # a hang guard only: the line comes, or stderr closes
+        except queue.Empty:
+            self.kill()
+            raise AssertionError(f"no listening line: {self.stderr()}") from None
+        if port is None:
+            raise AssertionError(f"exited with {self.process.wait(TIMEOUT)}: {self.stderr()}")
+        self.port = port
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        with self.process.stderr:
+            for line in self.process.stderr:
+                self._lines.append(line)
+                if found := LISTENING.search(line):
+                    self._ports.put(int(found[1]))
+        self._ports.put(None)  # stderr closed: the process has exited
+
+    def stop(self) -> int:
+        """SIGTERM (if still running), then the exit status once the process and its stderr have ended."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(TIMEOUT)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(TIMEOUT)
+
+    def stderr(self) -> str:
+        """Everything the process wrote to stderr (waits for the end of the stream)."""
+        self._reader.join(TIMEOUT)
+        return "".join(self._lines)
 
 
 # -- bad router settings and selection-cache flags (item 1) ----------------------------------------------
@@ -249,45 +291,57 @@ def post(port: int, path: str, body: dict) -> int:
 
 
 def test_a_journal_that_fails_while_serving_ends_in_one_line_and_loses_nothing_acknowledged(tmp_path: Path) -> None:
-    port = free_tcp_port()
-    data = ["--data-dir", str(tmp_path / "data"), "--port", str(port)]
-    limited = subprocess.Popen(
-        [sys.executable, "-c", FILE_SIZE_LIMITED, "slot-tracker", *data],
-        env=child_env(tmp_path),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    data = ["--data-dir", str(tmp_path / "data")]
+    limited = Service([sys.executable, "-c", FILE_SIZE_LIMITED, "slot-tracker", *data], tmp_path)
     acknowledged = 0
     try:
-        wait_until_listening(limited, port)
         for worker_id in range(5000):  # ~100 journal bytes each: the limit is hit long before the end
             body = {"worker_id": worker_id, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
             try:
-                if post(port, "/register", body) != 201:
+                if post(limited.port, "/register", body) != 201:
                     break
             except OSError:  # the service stopped while answering
                 break
             acknowledged += 1
-        _, stderr = limited.communicate(timeout=TIMEOUT)
+        returncode = limited.process.wait(TIMEOUT)
     finally:
-        if limited.poll() is None:
-            limited.kill()
+        limited.kill()
+    stderr = limited.stderr()
     assert 0 < acknowledged < 5000
-    assert limited.returncode == 1
+    assert returncode == 1
     assert "Traceback" not in stderr
     last = stderr.splitlines()[-1]
     assert " ERROR kvrouter: stopped: writing the journal in " in last
     assert "nothing acknowledged was lost" in last and "ulimit -f" in last and "restart" in last
 
-    restarted = subprocess.Popen([*CLI, "slot-tracker", *data], env=child_env(tmp_path), stderr=subprocess.PIPE)
+    restarted = Service([*CLI, "slot-tracker", *data], tmp_path)
     try:
-        wait_until_listening(restarted, port)  # type: ignore[arg-type]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/workers", timeout=10) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{restarted.port}/workers", timeout=10) as response:
             workers = orjson.loads(response.read())
     finally:
-        restarted.send_signal(signal.SIGTERM)
-        restarted.communicate(timeout=TIMEOUT)
+        restarted.stop()
     assert len(workers) >= acknowledged  # every 201 survived (one in flight may have been written too)
+
+
+def test_a_sigterm_while_the_service_starts_stops_it_gracefully_once_started(tmp_path: Path) -> None:
+    # Before: the signal receiver opened only after the listening line, so a SIGTERM sent on seeing that line (or any
+    # earlier, as here, once recovery has logged) killed the process by the default action: status -15, no
+    # "shutting down", journal not closed.
+    argv = [*CLI, "slot-tracker", "--port", "0", "--data-dir", str(tmp_path / "data")]
+    process = subprocess.Popen(argv, env=child_env(tmp_path), stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    seen: list[str] = []
+    for line in process.stderr:
+        seen.append(line)
+        if " kvrouter.journal: recovered " in line:  # inside the service's start, before it listens
+            process.send_signal(signal.SIGTERM)
+            break
+    _, rest = process.communicate(timeout=TIMEOUT)
+    stderr = "".join(seen) + rest
+    assert process.returncode == 0, stderr
+    assert " INFO kvrouter: received SIGTERM: shutting down" in stderr
+    assert " INFO kvrouter: journal closed: " in stderr
+    assert "Traceback" not in stderr
 
 
 # -- unexpected errors -------------------------------------------------------------------------------------
@@ -323,12 +377,9 @@ def test_an_unexpected_error_is_one_line_naming_the_file_that_holds_its_tracebac
 def test_a_reference_launch_script_starts_kvrouter_and_each_ignored_flag_is_warned_once(tmp_path: Path) -> None:
     key = tmp_path / "tracking.key"
     key.write_bytes(bytes(range(32)))
-    port = free_tcp_port()
     argv = [
         *CLI,
         "select-service",
-        "--port",
-        str(port),
         "--data-dir",
         str(tmp_path / "data"),
         "--threads",
@@ -349,13 +400,10 @@ def test_a_reference_launch_script_starts_kvrouter_and_each_ignored_flag_is_warn
         "--router-tracking-key-id",
         "epoch-7",
     ]
-    process = subprocess.Popen(argv, env=child_env(tmp_path), stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_listening(process, port)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=TIMEOUT)
-    assert process.returncode == 0, stderr
+    service = Service(argv, tmp_path)
+    returncode = service.stop()
+    stderr = service.stderr()
+    assert returncode == 0, stderr
     warnings = [
         line.split(" WARNING kvrouter: ", 1)[1] for line in stderr.splitlines() if " WARNING kvrouter: " in line
     ]
