@@ -112,9 +112,8 @@ def own_rss() -> int:
 async def _serve(port: int, data: Path) -> None:
     from kvrouter.actors.core.router_config import RouterConfig
     from kvrouter.actors.snapshotter import SnapshotMethod, Snapshotter
-    from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service
+    from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
     from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
-    from kvrouter.api.select_service import builder
     from kvrouter.journal.store import Durability
 
     probe = LoopProbe()
@@ -122,7 +121,9 @@ async def _serve(port: int, data: Path) -> None:
         port=port, data_dir=data, durability=Durability.ALWAYS, fresh=True, body_limit=SELECTION_BODY_LIMIT
     )
     async with trio.open_nursery() as nursery:
-        handle: ServiceHandle = await nursery.start(run_service, "selection service", options, builder(RouterConfig()))
+        handle: ServiceHandle = await nursery.start(
+            run_service, "selection service", options, select_service_builder(RouterConfig())
+        )
         system = handle.system
         system.snapshot_every_records = system.snapshot_every_bytes = 1 << 62  # only when asked
         trio.lowlevel.add_instrument(probe)
