@@ -64,9 +64,9 @@ class Service:
     so the service never blocks on a full pipe and the test sees every line.
     """
 
-    def __init__(self, argv: list[str], tmp_path: Path) -> None:
+    def __init__(self, argv: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
-            [*argv, "--port", "0"], env=child_env(tmp_path), stderr=subprocess.PIPE, text=True
+            [*argv, "--port", "0"], cwd=tmp_path, env=child_env(tmp_path, env), stderr=subprocess.PIPE, text=True
         )
         self._lines: list[str] = []
         self._ports: queue.Queue[int | None] = queue.Queue()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -12,8 +11,7 @@ import pytest
 from kvrouter.api.cli import build_parser
 from kvrouter.api.cli_settings import settings_from
 from kvrouter.api.server import HttpSettings
-from tests.api.test_cli import CLI, child_env, run_cli, the_error_line, wait_until_listening
-from tests.support.kv_publisher import free_tcp_port
+from tests.api.test_cli import CLI, Service, run_cli, the_error_line
 
 
 def launch(argv: list[str], env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
@@ -88,15 +86,8 @@ def test_an_unreadable_token_file_from_the_environment_is_one_line(tmp_path: Pat
 
 
 def test_the_other_services_data_dir_is_refused_in_one_line(tmp_path: Path) -> None:
-    port = free_tcp_port()
-    argv = [*CLI, "slot-tracker", "--port", str(port), "--data-dir", "shared"]
-    tracker = subprocess.Popen(argv, cwd=tmp_path, env=child_env(tmp_path), stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_listening(tracker, port)
-    finally:
-        tracker.terminate()
-        tracker.communicate(timeout=60)
-    assert tracker.returncode == 0
+    tracker = Service([*CLI, "slot-tracker", "--data-dir", "shared"], tmp_path)
+    assert tracker.stop() == 0, tracker.stderr()
     result = run_cli([*CLI, "select-service", "--port", "0", "--data-dir", "shared"], tmp_path)
     assert result.returncode == 2
     line = the_error_line(result.stderr)
@@ -107,13 +98,9 @@ def test_the_other_services_data_dir_is_refused_in_one_line(tmp_path: Path) -> N
 def test_a_token_protected_service_answers_only_with_the_token(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("the-token\n")
     (tmp_path / "token").chmod(0o600)
-    port = free_tcp_port()
-    argv = [*CLI, "slot-tracker", "--port", str(port), "--log-level", "debug"]
-    env = child_env(tmp_path, {"KVROUTER_AUTH_TOKEN_FILE": "token"})
-    service = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    service = Service([*CLI, "slot-tracker", "--log-level", "debug"], tmp_path, {"KVROUTER_AUTH_TOKEN_FILE": "token"})
     try:
-        wait_until_listening(service, port)
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{service.port}"
         with urllib.request.urlopen(f"{url}/health", timeout=10) as health:
             assert health.status == 200
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -124,8 +111,8 @@ def test_a_token_protected_service_answers_only_with_the_token(tmp_path: Path) -
         with urllib.request.urlopen(request, timeout=10) as allowed:
             assert allowed.status == 200
     finally:
-        service.terminate()
-        _, stderr = service.communicate(timeout=60)
-    assert service.returncode == 0
+        returncode = service.stop()
+    stderr = service.stderr()
+    assert returncode == 0, stderr
     assert "GET /loads 401" in stderr and "GET /loads 200" in stderr  # one debug line per request
     assert "the-token" not in stderr
