@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import io
+from functools import partial
 from pathlib import Path
 
+import trio
+
 from kvrouter.actors.core.events import PrefillCompleted, WorkerRegistered
+from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.actors.persistence.journal_check import Stop, check_recovery
+from kvrouter.actors.persistence.snapshots import encode_snapshot
 from kvrouter.api import journal_cli
 from kvrouter.api.main import lock_data_dir
+from kvrouter.journal.file import FileJournal
+from kvrouter.journal.store import Durability, Snapshot
 from tests.support.journal_files import append_records
 
 SCOPE = ScopeKey("m", "default")
@@ -90,3 +98,26 @@ def test_stop_kinds_name_their_repair(tmp_path: Path) -> None:
     line = journal_cli._stop_line(Stop("gap", 5, "records 5..6 are missing"), tmp_path)
     repair = f"kvrouter journal truncate-after --data-dir {tmp_path} --lsn 4 --yes"
     assert line == f"records 5..6 are missing; cut before it: {repair}"
+
+
+async def test_recovery_from_a_snapshot_replays_only_the_records_after_it(tmp_path: Path) -> None:
+    journal = await trio.to_thread.run_sync(partial(FileJournal.open, tmp_path, Durability.ALWAYS))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        journal.append(GOOD)
+        state = fold(ScopeState(SCOPE), [WorkerRegistered(1, 4, 0, 1)])
+        await journal.write_snapshot(Snapshot(1, encode_snapshot(1, [state.to_snapshot()])))
+        journal.append(encode_record(SCOPE, (WorkerRegistered(2, 4, 0, 1),)))
+        journal.append(POISON)
+        await journal.aclose()
+
+    check = check_recovery(tmp_path)
+    assert (check.snapshot_lsn, check.replayed, check.last_lsn, check.scopes) == (1, 1, 2, 1)
+    assert check.stop == Stop("record", 3, check.stop.problem if check.stop else "")
+    status, out, _ = run("inspect", "--data-dir", str(tmp_path))
+    assert status == 1 and "snapshot lsn 1  " in out and out.count("  ok\n") == 1
+
+    status, out, _ = run("truncate-after", "--data-dir", str(tmp_path), "--lsn", "2", "--yes")
+    assert status == 0 and out.splitlines()[-1] == (
+        "recovery: ok, from snapshot lsn 1 plus 1 records to lsn 2 (1 scopes)"
+    )
