@@ -218,6 +218,9 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         session_id=session_id,
     )
     if isinstance(chosen, Rejected):
+        booked = command.reservation_id or ""
+        if chosen.reason is Reason.OVERLOADED and command.reserve and booked in state.slots.requests:
+            return already_reserved(booked)  # it would wait in the queue for nothing, then get 429
         return chosen
     selection = selection_of(
         state,

@@ -203,3 +203,16 @@ def test_the_queue_threshold_makes_a_rank_busy_above_its_batch_budget() -> None:
     assert isinstance(s.select(config, 2, "b"), Accepted)  # 10 still is not: now 12
     refused = s.select(config, 4, "c")
     assert isinstance(refused, Rejected) and refused.reason is Reason.OVERLOADED
+
+
+def test_a_reservation_id_already_booked_is_a_conflict_even_when_every_rank_is_busy() -> None:
+    """The shell queues an overloaded booking; one whose id is already booked must not wait (10 s, then
+    429) for capacity it can never use: it is refused at once with 409, as when a rank is free."""
+    config = RouterConfig(use_kv_events=False, router_queue_threshold=1.0)
+    s = Scope()
+    s.worker(1, max_num_batched_tokens=10)
+    assert isinstance(s.select(config, 12, "a"), Accepted)  # the only rank is busy from now on
+    duplicate = s.select(config, 12, "a")
+    assert isinstance(duplicate, Rejected) and duplicate.reason is Reason.CONFLICT
+    fresh = s.select(config, 4, "b")
+    assert isinstance(fresh, Rejected) and fresh.reason is Reason.OVERLOADED
