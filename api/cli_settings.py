@@ -74,7 +74,6 @@ class Launch:
     options: ServiceOptions
     router: RouterConfig | None = None  # the selection service's knobs
     indexer_peers: tuple[str, ...] = ()
-    selection_cache_max_bytes: int = SELECTION_CACHE_MAX_BYTES  # parsed and checked; not enforced yet
     warnings: tuple[str, ...] = ()
 
 
@@ -130,11 +129,6 @@ def _select_service(
         warnings.append(f"--threads {args.threads} has no effect: kvrouter's index runs on the service's one thread")
     if affinity is not None and router is not None:
         router = attrs.evolve(router, session_affinity_ttl_secs=affinity)
-    if args.selection_cache_max_bytes is not None and max_bytes is not None:
-        warnings.append(
-            f"--selection-cache-max-bytes {max_bytes} is not enforced yet: the pending-selection cache is bounded "
-            f"by --selection-cache-max-entries ({entries}) only"
-        )
     if router is not None and not router.router_assume_kv_reuse:
         source = "--no-router-assume-kv-reuse" if args.router_assume_kv_reuse is False else _env_source(env)
         warnings.append(
@@ -156,13 +150,13 @@ def _select_service(
         seed=seed,
         selection_cache_ttl_secs=ttl if ttl is not None else SELECTION_CACHE_TTL_SECS,
         selection_cache_max_entries=entries if entries is not None else SELECTION_CACHE_MAX_ENTRIES,
+        selection_cache_max_bytes=max_bytes if max_bytes is not None else SELECTION_CACHE_MAX_BYTES,
     )
     return attrs.evolve(
         launch,
         options=options,
         router=router,
         indexer_peers=indexer_peers,
-        selection_cache_max_bytes=max_bytes if max_bytes is not None else SELECTION_CACHE_MAX_BYTES,
     )
 
 

@@ -30,6 +30,8 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.peers.replicator import ReplicaSecurity
 from kvrouter.actors.peers.socket_budget import ListenerSlots
+from kvrouter.actors.pending import DEFAULT_MAX_BYTES as DEFAULT_SELECTION_CACHE_MAX_BYTES
+from kvrouter.actors.pending import SelectionCacheBudget
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import running_actors, start_select_service
 from kvrouter.actors.select_service import SelectService
@@ -65,6 +67,7 @@ class ServiceOptions:
     seed: int | None = None  # root of the scopes' random sources; None = fresh per process
     selection_cache_ttl_secs: float = 120.0
     selection_cache_max_entries: int = 4096
+    selection_cache_max_bytes: int = DEFAULT_SELECTION_CACHE_MAX_BYTES
     replica_sync_port: int | None = None  # None: replica sync disabled
     replica_sync_peers: tuple[str, ...] = ()
     reply_deadline: float = REPLY_DEADLINE_SECONDS
@@ -208,6 +211,7 @@ async def _run_service(
         pending_options={
             "ttl_seconds": options.selection_cache_ttl_secs,
             "max_entries": options.selection_cache_max_entries,
+            "budget": SelectionCacheBudget(options.selection_cache_max_bytes),  # one, shared by every scope
         },
         reply_deadline=options.reply_deadline,
     ) as runtime:

@@ -409,14 +409,13 @@ def test_a_reference_launch_script_starts_kvrouter_and_each_ignored_flag_is_warn
     ]
     for flag in (
         "--threads 8",
-        "--selection-cache-max-bytes 1048576",
         "--no-router-assume-kv-reuse",
         "--router-tracking-hash keyed-xxh3-v1",
         "--router-tracking-key-file",
         "--router-tracking-key-id epoch-7",
     ):
         assert len([w for w in warnings if w.startswith(flag + " ")]) == 1, (flag, warnings)
-    assert len(warnings) == 6
+    assert len(warnings) == 5  # --selection-cache-max-bytes is enforced, --session-affinity-ttl-secs implemented
     assert str(bytes(range(32))) not in stderr
 
 

@@ -29,7 +29,7 @@ def test_defaults() -> None:
     assert started.router == RouterConfig()
     assert started.options.port == 8092 and started.options.seed is None
     assert (started.options.selection_cache_ttl_secs, started.options.selection_cache_max_entries) == (120.0, 4096)
-    assert started.selection_cache_max_bytes == SELECTION_CACHE_MAX_BYTES == 268_435_456  # 1.6.1's default
+    assert started.options.selection_cache_max_bytes == SELECTION_CACHE_MAX_BYTES == 268_435_456  # 1.6.1's default
     assert started.warnings == ()
 
 
@@ -52,11 +52,8 @@ def test_the_selection_cache_flags_reach_the_service_options() -> None:
 
 def test_selection_cache_max_bytes_is_checked_and_carried() -> None:
     started = launch("--selection-cache-max-bytes", "1048576")
-    assert started.selection_cache_max_bytes == 1_048_576
-    assert started.warnings == (
-        "--selection-cache-max-bytes 1048576 is not enforced yet: the pending-selection cache is bounded by "
-        "--selection-cache-max-entries (4096) only",
-    )
+    assert started.options.selection_cache_max_bytes == 1_048_576
+    assert started.warnings == ()  # enforced now (actors/pending.py), so nothing to warn about
 
 
 def test_assume_kv_reuse_flag_sets_the_config_and_the_ignored_form_is_warned() -> None:

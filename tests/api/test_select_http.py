@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import trio
 
+from kvrouter.actors.core.commands import Reserve
 from kvrouter.actors.core.hashing import block_hashes, sequence_hashes
 from kvrouter.actors.core.ids import to_i64
 from kvrouter.actors.core.kv_wire import encode_batch
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.pending import entry_bytes
+from kvrouter.api.main import ServiceOptions, run_service, select_service_builder
+from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from tests.support.kv_publisher import open_kv_publisher
 
 BLOCK = 4
@@ -277,3 +284,23 @@ async def test_loads_and_dump_show_only_partitions_and_ranks_a_schedulable_worke
     assert (await selector.get("/loads")).json() == [partition("m", [idle(1)])]
     assert (await selector.get("/dump")).json() == {"m:default": {"block_size": BLOCK, "events": []}}
     assert [row["worker_id"] for row in (await selector.get("/workers")).json()] == [3, 1, 4]
+
+
+async def test_selection_cache_max_bytes_bounds_what_replays_can_find(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """--selection-cache-max-bytes reaches the cache: with room for one small selection, a second evicts
+    the first, whose replay then answers 404 while the second's books."""
+    room = entry_bytes("s1", Reserve("", 1, 0, (0, 0), isl_tokens=0)) * 3 // 2
+    options = ServiceOptions(
+        port=0, data_dir=tmp_path / "data", seed=7, body_limit=SELECTION_BODY_LIMIT, selection_cache_max_bytes=room
+    )
+    handle = await nursery.start(run_service, "selection service", options, select_service_builder(RouterConfig()))
+    async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as selector:
+        await selector.post("/workers", json=worker(1, "tcp://127.0.0.1:1"))
+        prompt = {"model_name": "m", "token_ids": list(range(2 * BLOCK))}
+        for selection_id in ("s1", "s2"):
+            assert (await selector.post("/select", json={**prompt, "selection_id": selection_id})).status_code == 200
+        evicted = await selector.post("/reservations", json={"model_name": "m", "selection_id": "s1"})
+        assert evicted.status_code == 404
+        kept = await selector.post("/reservations", json={"model_name": "m", "selection_id": "s2"})
+        assert kept.status_code == 201
+    handle.stop()
