@@ -239,8 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Like ``parse_args``, but an unknown flag after a subcommand shows that subcommand's usage."""
-    args, unknown = parser.parse_known_args(argv)
+    """Like ``parse_args``, but an unknown flag after a subcommand shows that subcommand's usage, and a
+    flag before any subcommand is named (argparse would only say a subcommand is required)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    first = arguments[0] if arguments else ""
+    if first.startswith("-") and first.split("=", 1)[0] not in {"-h", "--help", "--version"}:
+        parser.error(f"unrecognized argument {first}: the subcommand comes first, e.g. kvrouter select-service {first}")
+    args, unknown = parser.parse_known_args(arguments)
     if unknown:
         args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args

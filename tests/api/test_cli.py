@@ -440,6 +440,17 @@ def test_an_unknown_flag_shows_the_subcommands_usage(service: str, capsys: pytes
     assert f"kvrouter {service}: error: unrecognized arguments: --bogus" in err
 
 
+def test_a_flag_before_the_subcommand_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse alone said only that a subcommand is required, leaving the user to guess what was wrong."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--port", "8092"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == (
+        "kvrouter: error: unrecognized argument --port: the subcommand comes first, e.g. kvrouter select-service --port"
+    )
+
+
 def test_every_flag_has_help_text() -> None:
     parser = build_parser()
     (services,) = [a for a in parser._actions if a.dest == "service"]
