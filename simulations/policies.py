@@ -14,6 +14,7 @@ lifecycle calls are the same for every policy.
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import attrs
@@ -52,7 +53,7 @@ class KvPolicy:
         return Placement(WorkerRank(selection.worker_id, selection.dp_rank), per_rank[str(selection.dp_rank)])
 
 
-class ClientPolicy:
+class ClientPolicy(ABC):
     """A policy that picks the rank itself, then books it explicitly."""
 
     name = "client"
@@ -61,8 +62,9 @@ class ClientPolicy:
         self.ranks = sorted(ranks)
         self.rng = rng
 
+    @abstractmethod
     async def choose(self, router: RouterReplica) -> WorkerRank:
-        raise NotImplementedError
+        """The rank this policy sends the next request to."""
 
     async def place(self, router: RouterReplica, request_id: str, blocks: PromptBlocks, isl_tokens: int) -> Placement:
         rank = await self.choose(router)

@@ -38,7 +38,7 @@ from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.routing_modes import MODE_DIRECT
 from kvrouter.actors.core.selection import NO_ENDPOINTS
-from kvrouter.actors.core.selection_queries import candidates, selection_input
+from kvrouter.actors.core.selection_queries import SelectionInput, candidates, selection_input
 from kvrouter.actors.core.selection_rules import (
     Selection,
     already_reserved,
@@ -116,7 +116,6 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
         return Rejected(Reason.UNAVAILABLE, NO_DECODE_WORKERS)
     options = command.options
     own = RoutingConstraints(options.required_taints, options.preferred_taints)
-    approx = not config.use_kv_events
 
     prefill: Selection | None = None
     fallback: str | None = None
@@ -125,27 +124,13 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
     if prefill_pool is None:
         fallback = "no schedulable worker can prefill (worker_role prefill or both)"
     else:
-        found = candidates(state, prefill_pool, predicted_ranks=command.predicted_ranks, all_predicted=approx)
-        chosen = choose_rank(
-            state,
-            found,
-            prefill_pool,
-            options,
-            own,
-            pinned=None,
-            config=prefill_config,
-            draw=command.draw,
-            turn=command.turn,
-            at=command.at,
-        )
+        chosen = _select_stage(state, command, prefill_pool, own, prefill_config, command.draw, prefill_id)
         if isinstance(chosen, Rejected):
             if chosen.reason not in (Reason.UNAVAILABLE, Reason.OVERLOADED):
                 return chosen
             fallback = f"no prefill rank is available ({chosen.message})"
         else:
-            prefill = selection_of(
-                state, prefill_pool, found, chosen, prefill_config, prefill_id, predicted_ranks=command.predicted_ranks
-            )
+            prefill = chosen
 
     if prefill is None:
         decode_config, derived = config, NO_CONSTRAINTS  # decode only: the decode worker prefills too
@@ -155,30 +140,15 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
             return Rejected(Reason.UNAVAILABLE, derivation)  # fail closed: nothing is booked
         decode_config, derived = decode_stage_config(config), derivation
     constraints = own.merged(derived)
-    found = candidates(state, decode_pool, predicted_ranks=command.predicted_ranks, all_predicted=approx)
-    chosen = choose_rank(
-        state,
-        found,
-        decode_pool,
-        options,
-        constraints,
-        pinned=None,
-        config=decode_config,
-        draw=command.decode_draw,
-        turn=command.turn,
-        at=command.at,
-    )
-    if isinstance(chosen, Rejected):
-        if derived.required and chosen.reason is Reason.UNAVAILABLE and prefill is not None:
+    decode = _select_stage(state, command, decode_pool, constraints, decode_config, command.decode_draw, decode_id)
+    if isinstance(decode, Rejected):
+        if derived.required and decode.reason is Reason.UNAVAILABLE and prefill is not None:
             return Rejected(
                 Reason.UNAVAILABLE,
                 f"{NO_ENDPOINTS}: no eligible decode worker carries {derived.describe_required()}, which prefill "
                 f"worker {prefill.worker_id}'s kv_transfer_domain requires",
             )
-        return chosen
-    decode = selection_of(
-        state, decode_pool, found, chosen, decode_config, decode_id, predicted_ranks=command.predicted_ranks
-    )
+        return decode
 
     # Predicted blocks (a rank scored without KV events) go where the prompt is computed: the prefill rank, or
     # the decode rank when it prefills itself. The decode stage never scores cached blocks.
@@ -193,3 +163,33 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
     events.extend(booking_events(state, decode, command.at, expected, predict=prefill is None))
     reply = DisaggregatedSelection(reservation_id, prefill, decode, constraints, fallback)
     return Accepted(tuple(events), created=True, reply=reply)
+
+
+def _select_stage(
+    state: ScopeState,
+    command: SelectDisaggregated,
+    pool: SelectionInput,
+    constraints: RoutingConstraints,
+    config: RouterConfig,
+    draw: float,
+    booking_id: str,
+) -> Selection | Rejected:
+    """One stage's choice (prefill or decode): score the pool's ranks, pick one, describe its booking."""
+    found = candidates(
+        state, pool, predicted_ranks=command.predicted_ranks, all_predicted=not command.config.use_kv_events
+    )
+    chosen = choose_rank(
+        state,
+        found,
+        pool,
+        command.options,
+        constraints,
+        pinned=None,
+        config=config,
+        draw=draw,
+        turn=command.turn,
+        at=command.at,
+    )
+    if isinstance(chosen, Rejected):
+        return chosen
+    return selection_of(state, pool, found, chosen, config, booking_id, predicted_ranks=command.predicted_ranks)
