@@ -75,14 +75,16 @@ async def start_select_service(
     listener_slots: ListenerSlots | None = None,
     *,
     before_listeners: Callable[[SelectService], Awaitable[object]] | None = None,
+    writer_id: int = 0,
 ) -> SelectService:
     """The selection service over ``system``: its service object, then the KV listeners of the catalog.
 
     ``before_listeners`` runs in between (the HTTP service seeds the index from ``--indexer-peers`` there).
     ``listener_slots`` defaults to what this process affords (it raises the open-files limit once).
+    ``writer_id`` versions the session bindings this service makes (its replica sync router id).
     """
     ingest = KvIngest(system, listener_slots or ListenerSlots.for_this_process())
-    service: SelectService = await nursery.start(SelectService(system, config, ingest).run)
+    service: SelectService = await nursery.start(SelectService(system, config, ingest, writer_id=writer_id).run)
     if before_listeners is not None:
         await before_listeners(service)
     await nursery.start(ingest.run)

@@ -28,7 +28,7 @@ from kvrouter.actors.core.commands import RecoveredRun
 from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.peers.replicator import ReplicaSecurity
+from kvrouter.actors.peers.replicator import ReplicaSecurity, random_router_id
 from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.pending import DEFAULT_MAX_BYTES as DEFAULT_SELECTION_CACHE_MAX_BYTES
 from kvrouter.actors.pending import SelectionCacheBudget
@@ -80,7 +80,14 @@ class ServiceOptions:
 RouteBuilder = Callable[[ServiceOptions, ActorSystem, trio.Nursery], Awaitable[list[Route]]]
 
 
-async def start_replication_for(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
+async def start_replication_for(
+    options: ServiceOptions,
+    system: ActorSystem,
+    nursery: trio.Nursery,
+    *,
+    router_id: int | None = None,
+    session_ttl_ns: int = 0,
+) -> list[Route]:
     replicator = await start_replication(
         system,
         nursery,
@@ -88,6 +95,8 @@ async def start_replication_for(options: ServiceOptions, system: ActorSystem, nu
         port=options.replica_sync_port,
         peers=options.replica_sync_peers,
         security=options.replica_security,
+        router_id=router_id,
+        session_ttl_ns=session_ttl_ns,
     )
     return replica_routes(replicator)
 
@@ -134,10 +143,19 @@ async def select_service_app(
     system: ActorSystem,
     nursery: trio.Nursery,
 ) -> list[Route]:
+    # One id for this process: replica sync's router id is also the writer of the session bindings it makes.
+    router_id = random_router_id()
     service = await start_select_service(
-        system, config, nursery, listener_slots, before_listeners=partial(recover_from_peers, peers=peers)
+        system,
+        config,
+        nursery,
+        listener_slots,
+        before_listeners=partial(recover_from_peers, peers=peers),
+        writer_id=router_id,
     )
-    replication = await start_replication_for(options, system, nursery)
+    replication = await start_replication_for(
+        options, system, nursery, router_id=router_id, session_ttl_ns=config.affinity_ttl_ns
+    )
     return select_service_routes(service) + replication
 
 

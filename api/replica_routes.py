@@ -31,10 +31,21 @@ async def start_replication(
     port: int | None,
     peers: tuple[str, ...],
     security: ReplicaSecurity | None = None,
+    router_id: int | None = None,
+    session_ttl_ns: int = 0,
 ) -> Replicator | None:
+    """``router_id`` defaults to a fresh random one; ``session_ttl_ns`` > 0 also replicates session bindings."""
     if port is None:
         return None
-    replicator = Replicator(system, port=port, peers=peers, router_id=random_router_id(), host=host, security=security)
+    replicator = Replicator(
+        system,
+        port=port,
+        peers=peers,
+        router_id=router_id or random_router_id(),
+        host=host,
+        security=security,
+        session_ttl_ns=session_ttl_ns,
+    )
     await nursery.start(replicator.run)
     return replicator
 

@@ -37,10 +37,17 @@ def bind(
     writer_id: int,
 ) -> tuple[Event, ...]:
     """Pin (or refresh) the session on ``rank``; a new session beyond ``MAX_SESSIONS`` evicts the least
-    recently used binding. The version advances past the current one, so peers take it."""
+    recently used binding.
+
+    A refresh of our own binding keeps its version (peers take the republished binding as a touch, as 1.6.1's
+    do); a new or moved binding, or one a peer wrote, gets the version ``max(at, current + 1)``: like 1.6.1's,
+    a sequence from the clock, so the latest binding wins across replicas, and always past the current one."""
     sessions = state.selection.sessions
     current = sessions.get(session_id)
-    sequence = current.sequence + 1 if current is not None else 1
+    if current is not None and current.writer_id == writer_id and (current.worker_id, current.dp_rank) == rank:
+        sequence = current.sequence
+    else:
+        sequence = max(at, current.sequence + 1 if current is not None else 1)
     bound = SessionBound(session_id, rank.worker_id, rank.dp_rank, reservation_id, at, ttl_ns, sequence, writer_id)
     if current is None and len(sessions) >= MAX_SESSIONS:
         evicted = tuple(sessions)[: len(sessions) - MAX_SESSIONS + 1]
@@ -67,12 +74,21 @@ def expired(state: ScopeState, at: int) -> tuple[SessionsExpired, ...]:
 
 
 def decide_bind_session(command: BindSession, state: ScopeState) -> Decision:
-    """A peer's binding: taken when newer than ours (``(sequence, writer_id)``), for a partition we know."""
+    """A peer's binding: taken when newer than ours (``(sequence, writer_id)``), for a partition we know. The
+    same binding again (same version and rank, republished when a booking of it ended) restarts its idle time."""
     if not state.exists:
         return NOTHING_CHANGED
     current = state.selection.sessions.get(command.session_id)
-    if current is not None and current.version >= (command.sequence, command.writer_id):
-        return NOTHING_CHANGED
+    if current is not None:
+        incoming = (command.sequence, command.writer_id)
+        same = incoming == current.version and (current.worker_id, current.dp_rank) == (
+            command.worker_id,
+            command.dp_rank,
+        )
+        if current.version > incoming or (current.version == incoming and not same):
+            return NOTHING_CHANGED
+        if same and command.at <= current.last_used:
+            return NOTHING_CHANGED
     event = SessionBound(
         command.session_id,
         command.worker_id,

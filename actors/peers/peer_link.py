@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 import attrs
@@ -91,18 +91,18 @@ class PeerLink:
     def open(
         cls,
         endpoint: str,
-        topic: bytes,
+        topics: Sequence[bytes],
         limits: PeerLimits,
         hwm: int,
         curve: CurveClient | None = None,
         *,
         reconnect_after: float = RECONNECT_AFTER,
     ) -> PeerLink:
-        """A SUB subscribed to ``topic`` and connected to ``endpoint``, with its monitor.
+        """A SUB subscribed to each of ``topics`` and connected to ``endpoint``, with its monitor.
 
         Raises zmq.ZMQError if zmq refuses the endpoint (nothing is left open).
         """
-        options: dict[int, int | bytes] = {zmq.SUBSCRIBE: topic, zmq.MAXMSGSIZE: limits.max_message_bytes}
+        options: dict[int, int | bytes] = {zmq.MAXMSGSIZE: limits.max_message_bytes}
         if curve is not None:
             options |= {
                 zmq.CURVE_PUBLICKEY: curve.public_key,
@@ -114,6 +114,8 @@ class PeerLink:
         try:
             monitor = TrioZmqSocket(sub.socket.get_monitor_socket(_MONITOR_EVENTS))
             monitor.socket.setsockopt(zmq.LINGER, 0)
+            for topic in topics:
+                sub.socket.setsockopt(zmq.SUBSCRIBE, topic)
             sub.socket.connect(endpoint)
         except BaseException:
             _close(sub, monitor)

@@ -15,6 +15,10 @@ unknown keys ignored, absent ``Option`` fields as nil, ``bin`` strings that are 
 and rejects what it rejects (no ``routing_group``, e.g. an older ``tenant_id`` payload; wrong integer
 widths; signed or float integers; other topics or frame counts). It is stricter in two places where
 only a broken publisher could differ: trailing bytes after the payload and duplicate map keys.
+
+The selection service also publishes session bindings on a second topic, ``AFFINITY_TOPIC``: a named map
+``{model_name, routing_group, session_id, worker_id, dp_rank|nil, sequence, writer_id}`` (captured from a
+live 1.6.1 selection service), decoded by the same rules.
 """
 
 from __future__ import annotations
@@ -314,3 +318,71 @@ def _kind(value: Any) -> str:
     if type(value) is int:
         return f"integer {value}"
     return type(value).__name__
+
+
+# -- session affinity (the selection service's second topic) --------------------------------------
+
+AFFINITY_TOPIC: Final = b"dynamo.session-affinity.v1"
+
+
+@attrs.frozen
+class SessionAffinity:
+    """A session binding as 1.6.1's selection service publishes it (probed: one per booking of a session and
+    one when such a booking ends, the version unchanged while the binding is). ``dp_rank`` None binds the
+    worker without a rank. The TTL is not on the wire: each receiver applies its own."""
+
+    model_name: str
+    routing_group: str
+    session_id: str
+    worker_id: int
+    dp_rank: int | None
+    sequence: int
+    writer_id: int  # the publishing process's router id
+
+    @property
+    def scope(self) -> ScopeKey:
+        return ScopeKey(self.model_name, self.routing_group)
+
+
+def encode_affinity(binding: SessionAffinity) -> list[bytes]:
+    """The two frames 1.6.1 publishes for ``binding`` (named map, its field order)."""
+    document = {
+        "model_name": binding.model_name,
+        "routing_group": binding.routing_group,
+        "session_id": binding.session_id,
+        "worker_id": binding.worker_id,
+        "dp_rank": binding.dp_rank,
+        "sequence": binding.sequence,
+        "writer_id": binding.writer_id,
+    }
+    return [AFFINITY_TOPIC, msgpack.packb(document, use_bin_type=True)]
+
+
+def decode_message(frames: Sequence[bytes]) -> ReplicaEvent | SessionAffinity:
+    """Either topic's message, or ``ReplicaWireError`` (the same rules as ``decode``)."""
+    if len(frames) == 2 and bytes(frames[0]) == AFFINITY_TOPIC:
+        return decode_affinity_payload(frames[1])
+    return decode(frames)
+
+
+def decode_affinity_payload(payload: bytes) -> SessionAffinity:
+    try:
+        document = msgpack.unpackb(
+            payload, raw=False, use_list=True, strict_map_key=True, object_pairs_hook=_map, timestamp=0
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ReplicaWireError(f"not a msgpack affinity payload: {type(error).__name__}: {error}") from None
+    fields = _struct(
+        document,
+        "affinity",
+        ("model_name", "routing_group", "session_id", "worker_id", "dp_rank", "sequence", "writer_id"),
+    )
+    return SessionAffinity(
+        model_name=_str(fields["model_name"], "model_name"),
+        routing_group=_str(fields["routing_group"], "routing_group"),
+        session_id=_str(fields["session_id"], "session_id"),
+        worker_id=_uint(fields["worker_id"], "worker_id", U64_MAX),
+        dp_rank=_optional(fields["dp_rank"], "dp_rank", lambda v, p: _uint(v, p, U32_MAX)),
+        sequence=_uint(fields["sequence"], "sequence", U64_MAX),
+        writer_id=_uint(fields["writer_id"], "writer_id", U64_MAX),
+    )

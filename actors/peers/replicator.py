@@ -7,6 +7,13 @@ published, exactly as in 1.6.1. Inbound: one task per peer owns a SUB socket, de
 drop rules and hands the command to the scope's actor marked ``remote`` (so it is journaled but never
 re-published, which is what keeps two peered replicas from echoing forever).
 
+Session affinity (the selection service, ``session_ttl_ns`` > 0): every local pin or refresh of a session,
+and the end of a booking that held one, is published on 1.6.1's affinity topic with the binding's version
+``(sequence, writer_id)``; peers' bindings are subscribed to and applied as ``BindSession`` (newest version
+wins, the receiver's own TTL and clock) under the same rules as the other messages: per-peer size and rate
+limits and CURVE on the link, and a binding for a partition or rank this replica does not have, or written
+by this replica, is dropped. A peer's binding is journaled when applied, never re-published.
+
 Replica sync is best-effort by design, in 1.6.1 and here: no acks, no replay, no ordering across
 publishers, and a subscriber misses what was published before it connected (ZMQ slow joiner). Each
 replica's journal is its own truth; this only keeps peers' load views close.
@@ -30,13 +37,22 @@ import attrs
 import trio
 import zmq
 
-from kvrouter.actors.core.commands import AddRequest, Command, CompletePrefill, FreeRequest, SelectWorker
+from kvrouter.actors.core.commands import (
+    AddRequest,
+    BindSession,
+    Command,
+    CompletePrefill,
+    FreeRequest,
+    SelectWorker,
+)
 from kvrouter.actors.core.events import (
     Event,
     PrefillCompleted,
     RequestAdded,
     RequestFreed,
     RequestsExpired,
+    SessionBound,
+    SessionReleased,
     WorkerRemoved,
     WorkerUnregistered,
     WorkerUpserted,
@@ -49,6 +65,7 @@ from kvrouter.actors.peers.curve import CurveIdentity, RefusalLog, TrustedPeers,
 from kvrouter.actors.peers.peer_limits import PeerLimits
 from kvrouter.actors.peers.peer_link import CurveClient, LinkStats, PeerLink
 from kvrouter.actors.peers.replica_wire import (
+    AFFINITY_TOPIC,
     TOPIC,
     AddRequestData,
     EventData,
@@ -57,8 +74,10 @@ from kvrouter.actors.peers.replica_wire import (
     PrefillLoadHint,
     ReplicaEvent,
     ReplicaWireError,
-    decode,
+    SessionAffinity,
+    decode_message,
     encode,
+    encode_affinity,
 )
 from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
 from kvrouter.actors.system import ActorSystem
@@ -117,6 +136,7 @@ class DropReason:
     UNKNOWN_REQUEST = "unknown_request"  # a free or prefill-complete for a request this replica does not have
     OVER_LIMIT = "over_limit"  # a request id longer than the API accepts (actors/core/limits.py)
     RATE_LIMITED = "rate_limited"  # over the peer's rate (see peer_limits)
+    AFFINITY_DISABLED = "affinity_disabled"  # a session binding, but this replica keeps none
 
 
 @attrs.define
@@ -204,6 +224,7 @@ class Replicator:
         outbox_size: int = OUTBOX_SIZE,
         hwm: int = REPLICA_HWM,
         security: ReplicaSecurity | None = None,
+        session_ttl_ns: int = 0,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"replica sync port {port} is not in 0..=65535")
@@ -220,6 +241,8 @@ class Replicator:
         self._hwm = hwm
         self._security = security = security if security is not None else ReplicaSecurity()
         self.router_id = router_id
+        # > 0: session bindings are subscribed to and applied with this TTL (the selection service's affinity)
+        self.session_ttl_ns = session_ttl_ns
         self.endpoint: str | None = None  # the PUB's bound endpoint, once running
         self.stats = ReplicaStats()
         # endpoint -> its link and the cancel scope of its task (both None while not running)
@@ -379,7 +402,8 @@ class Replicator:
         if curve is not None and server_key is not None:
             client = CurveClient(curve.identity.public_key, curve.identity.secret_key, server_key)
         try:
-            return PeerLink.open(endpoint, TOPIC, self._security.limits, self._hwm, client)
+            topics = (TOPIC, AFFINITY_TOPIC) if self.session_ttl_ns > 0 else (TOPIC,)
+            return PeerLink.open(endpoint, topics, self._security.limits, self._hwm, client)
         except zmq.ZMQError as error:
             log.warning("replica peer %s refused by zmq: %s", endpoint, error)
             raise ValueError(f"failed to register replica peer `{endpoint}`") from None
@@ -412,7 +436,7 @@ class Replicator:
 
     def _publish_decision(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
         index = self._requests.setdefault(state.scope, {})
-        local = not getattr(command, "remote", False)
+        local = not getattr(command, "remote", False) and not isinstance(command, BindSession)
         lora_name, expected_output = _origin_details(command)
         prune = False
         for event in events:
@@ -445,6 +469,8 @@ class Replicator:
             elif isinstance(event, RequestsExpired):
                 for request_id in event.request_ids:
                     index.pop(request_id, None)
+            elif isinstance(event, SessionBound | SessionReleased) and local:
+                self._offer_binding(state, event.session_id)
             elif isinstance(event, WorkerUnregistered | WorkerRemoved | WorkerUpserted):
                 prune = True  # these take a worker's requests with them
         if not state.exists:
@@ -473,6 +499,25 @@ class Replicator:
         )
         try:
             self._outbox_send.send_nowait(encode(message))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.stats.outbox_dropped += 1  # policy: drop newest (see OUTBOX_SIZE)
+
+    def _offer_binding(self, state: ScopeState, session_id: str) -> None:
+        """Publish the session's binding as it now stands (the observer runs after the events were applied)."""
+        binding = state.selection.sessions.get(session_id)
+        if binding is None:
+            return
+        message = SessionAffinity(
+            model_name=state.scope.model_name,
+            routing_group=state.scope.tenant_id,
+            session_id=session_id,
+            worker_id=binding.worker_id,
+            dp_rank=binding.dp_rank,
+            sequence=binding.sequence,
+            writer_id=binding.writer_id,
+        )
+        try:
+            self._outbox_send.send_nowait(encode_affinity(message))
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             self.stats.outbox_dropped += 1  # policy: drop newest (see OUTBOX_SIZE)
 
@@ -510,9 +555,12 @@ class Replicator:
         stats = self.stats
         stats.received += 1
         try:
-            event = decode(frames)
+            event = decode_message(frames)
         except ReplicaWireError as error:
             self._drop(DropReason.MALFORMED, peer, str(error))
+            return
+        if isinstance(event, SessionAffinity):
+            await self._receive_binding(event, peer)
             return
         reason = self._drop_reason(event)
         if reason is not None:
@@ -523,6 +571,36 @@ class Replicator:
             self._note_inflight_add(event.scope, event.request_id)
         await self._system.submit(event.scope, command)
         stats.applied += 1
+
+    async def _receive_binding(self, binding: SessionAffinity, peer: str) -> None:
+        command, reason = self._bind_command(binding)
+        if command is None:
+            self._drop(reason, peer, f"session {binding.session_id!r} of {binding.scope.describe()}")
+            return
+        await self._system.submit(binding.scope, command)
+        self.stats.applied += 1
+
+    def _bind_command(self, binding: SessionAffinity) -> tuple[BindSession | None, str]:
+        """The command applying a peer's binding, or None and why it is dropped."""
+        if self.session_ttl_ns <= 0:
+            return None, DropReason.AFFINITY_DISABLED
+        if binding.writer_id == self.router_id:
+            return None, DropReason.OWN_ROUTER
+        if text_too_long(binding.session_id):
+            return None, DropReason.OVER_LIMIT
+        state = self._system.state(binding.scope)
+        if state is None:
+            return None, DropReason.UNKNOWN_SCOPE
+        ranks = sorted(rank.dp_rank for rank in state.ranks if rank.worker_id == binding.worker_id)
+        # A binding without a rank (1.6.1's nil) takes the worker's first rank; replica traffic never creates workers.
+        dp_rank = binding.dp_rank if binding.dp_rank is not None else (ranks[0] if ranks else None)
+        if dp_rank is None or dp_rank not in ranks:
+            return None, DropReason.UNREGISTERED_RANK
+        at = self._system.clock.now_ns()  # the receiver's clock, as for requests
+        command = BindSession(
+            binding.session_id, binding.worker_id, dp_rank, binding.sequence, binding.writer_id, self.session_ttl_ns, at
+        )
+        return command, ""
 
     def _drop(self, reason: str, peer: str, detail: str) -> None:
         """Count a dropped message; the first of each kind from each peer is logged at warning."""

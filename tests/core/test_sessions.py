@@ -217,3 +217,35 @@ def test_sessions_survive_a_snapshot_round_trip() -> None:
     assert restored.to_snapshot() == s.state.to_snapshot()
     assert restored.selection.session_of == {"ra": "a"}
     assert check(restored) == []
+
+
+def test_versions_come_from_the_clock_and_a_refresh_keeps_its_version() -> None:
+    """As 1.6.1's: a new or moved binding's sequence is the time (past the current one), so the latest binding
+    wins across replicas; booking the session again on its rank republishes the same version."""
+    s = Scope()
+    pinned = s.select("chat", reservation_id="r1", at=7 * SECOND).reply.worker_id
+    assert s.state.selection.sessions["chat"].version == (7 * SECOND, 42)
+    s.select("chat", reservation_id="r2", at=9 * SECOND)  # a refresh on the pinned rank
+    binding = s.state.selection.sessions["chat"]
+    assert (binding.worker_id, binding.version, binding.last_used) == (pinned, (7 * SECOND, 42), 9 * SECOND)
+    others = frozenset({1, 2, 3} - {pinned})
+    s.select("chat", reservation_id="r3", at=9 * SECOND, allowed_worker_ids=others)  # moved: a new version
+    assert s.state.selection.sessions["chat"].version == (9 * SECOND, 42)
+    # A peer's binding (its clock ahead of ours) we refresh becomes ours, past its version (peers take ours).
+    s.ok(BindSession("peer", pinned, 0, sequence=50 * SECOND, writer_id=99, ttl_ns=SECOND, at=10 * SECOND))
+    s.select("peer", reservation_id="r4", at=11 * SECOND)
+    assert s.state.selection.sessions["peer"].version == (50 * SECOND + 1, 42)
+
+
+def test_the_same_peer_binding_again_restarts_its_idle_time() -> None:
+    """1.6.1 republishes a binding, version unchanged, when a booking that held it ends."""
+    s = Scope()
+    s.ok(BindSession("chat", 2, 0, sequence=5, writer_id=43, ttl_ns=2 * SECOND, at=1 * SECOND))
+    assert s.chosen("chat", at=3 * SECOND) == {2}
+    s.ok(BindSession("chat", 2, 0, sequence=5, writer_id=43, ttl_ns=2 * SECOND, at=3 * SECOND))  # the touch
+    assert s.chosen("chat", at=5 * SECOND) == {2}
+    assert s.chosen("chat", at=5 * SECOND + 1) != {2}
+    # Nothing older, nor the same version naming another rank, nor a touch from the past is taken.
+    assert decide(s.state, BindSession("chat", 2, 0, 5, 43, 2 * SECOND, at=2 * SECOND)) == NOTHING_CHANGED
+    assert decide(s.state, BindSession("chat", 3, 0, 5, 43, 2 * SECOND, at=4 * SECOND)) == NOTHING_CHANGED
+    assert decide(s.state, BindSession("chat", 3, 0, 4, 99, 2 * SECOND, at=4 * SECOND)) == NOTHING_CHANGED

@@ -10,6 +10,7 @@ import pytest
 
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.peers.replica_wire import (
+    AFFINITY_TOPIC,
     TOPIC,
     AddRequestData,
     Free,
@@ -17,9 +18,12 @@ from kvrouter.actors.peers.replica_wire import (
     PrefillLoadHint,
     ReplicaEvent,
     ReplicaWireError,
+    SessionAffinity,
     decode,
+    decode_message,
     decode_payload,
     encode,
+    encode_affinity,
     encode_payload,
 )
 
@@ -233,3 +237,56 @@ def test_errors_name_the_field() -> None:
         decode_payload(MALFORMED["missing-router-id"])
     with pytest.raises(ReplicaWireError, match="unknown variant 'free'"):
         decode_payload(MALFORMED["unknown-variant"])
+
+
+# -- session affinity topic ---------------------------------------------------------------------------
+
+# Captured from a live 1.6.1 selection service (--session-affinity-ttl-secs 60) after a /select_and_reserve
+# with session_id "s1" booked worker 2, rank 1.
+GOLDEN_AFFINITY = bytes.fromhex(
+    "87aa6d6f64656c5f6e616d65a16dad726f7574696e675f67726f7570a764656661756c74aa73657373696f6e5f6964a27331a977"
+    "6f726b65725f696402a764705f72616e6b01a873657175656e6365cf18eaa9d1f7519d85a97772697465725f6964cfa9dd7522"
+    "71e95653"
+)
+GOLDEN_BINDING = SessionAffinity("m", "default", "s1", 2, 1, 1795434120723144069, 12240068153063331411)
+
+
+def test_affinity_golden_round_trip() -> None:
+    assert encode_affinity(GOLDEN_BINDING) == [AFFINITY_TOPIC, GOLDEN_AFFINITY]
+    assert decode_message([AFFINITY_TOPIC, GOLDEN_AFFINITY]) == GOLDEN_BINDING
+    assert GOLDEN_BINDING.scope == ScopeKey("m", "default")
+
+
+def test_affinity_without_a_rank_and_as_an_array() -> None:
+    fields = ["m", "g", "s", 7, None, 5, 9]
+    assert decode_message([AFFINITY_TOPIC, msgpack.packb(fields)]) == SessionAffinity("m", "g", "s", 7, None, 5, 9)
+    named = {"model_name": "m", "routing_group": "g", "session_id": "s", "worker_id": 7, "sequence": 5, "writer_id": 9}
+    assert decode_message([AFFINITY_TOPIC, msgpack.packb(named)]).dp_rank is None  # absent Option: nil
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"model_name": "m", "routing_group": "g", "worker_id": 1, "dp_rank": 0, "sequence": 1, "writer_id": 1},
+        {"model_name": "m", "routing_group": "g", "session_id": "s", "worker_id": -1, "sequence": 1, "writer_id": 1},
+        {
+            "model_name": "m",
+            "routing_group": "g",
+            "session_id": "s",
+            "worker_id": 1,
+            "dp_rank": 1 << 32,
+            "sequence": 1,
+            "writer_id": 1,
+        },
+        {"model_name": "m", "routing_group": "g", "session_id": 5, "worker_id": 1, "sequence": 1, "writer_id": 1},
+        ["m", "g", "s", 1, 0, 1],
+    ],
+)
+def test_malformed_affinity_is_rejected(document: Any) -> None:
+    with pytest.raises(ReplicaWireError):
+        decode_message([AFFINITY_TOPIC, msgpack.packb(document)])
+
+
+def test_affinity_with_trailing_bytes_is_rejected() -> None:
+    with pytest.raises(ReplicaWireError):
+        decode_message([AFFINITY_TOPIC, GOLDEN_AFFINITY + b"\x00"])
