@@ -5,6 +5,10 @@
 * ``random``: the client draws a rank uniformly (seeded).
 * ``least_loaded``: the client reads ``GET /loads`` and takes the rank with the fewest active requests,
   then the fewest prefill tokens, then the fewest decode blocks; ties are drawn (seeded).
+* ``router:<mode>``: the router picks with the service's routing mode ``<mode>`` (``router_mode`` in the
+  ``/select_and_reserve`` body): ``round_robin``, ``random``, ``least_loaded`` (the service's own, on its
+  eligible non-busy ranks and its seeded source), ``kv`` (as ``kv``), or ``direct`` (the client pins the rank
+  round robin in ``pinned_worker`` and the router checks and books it).
 
 Whoever picks, the request is booked on the router (the client-chosen ones through ``POST
 /reservations`` with an explicit rank), so the router's load accounting sees every request and the
@@ -21,12 +25,20 @@ import attrs
 import trio
 import trio.testing
 
-from kvrouter.actors.core.commands import Prompt
+from kvrouter.actors.core.commands import Prompt, SelectionOptions
 from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.router_config import ROUTER_MODES
 from kvrouter.simulations.prompts import PromptBlocks
 from kvrouter.simulations.router import RouterReplica
 
-POLICIES = ("kv", "round_robin", "random", "least_loaded")
+ROUTER_MODE_PREFIX = "router:"
+POLICIES = (
+    "kv",
+    "round_robin",
+    "random",
+    "least_loaded",
+    *(f"{ROUTER_MODE_PREFIX}{mode}" for mode in ROUTER_MODES),
+)
 
 
 @attrs.frozen
@@ -44,11 +56,23 @@ class Policy(Protocol):
 
 
 class KvPolicy:
+    """The router picks (``POST /select_and_reserve``), with the service's mode or the one named."""
+
     name = "kv"
+
+    def __init__(self, router_mode: str | None = None, pins: ClientPolicy | None = None) -> None:
+        self.router_mode = router_mode  # None: the service's (kv unless configured otherwise)
+        self.pins = pins  # direct mode: who chooses the pinned rank
+        if router_mode is not None:
+            self.name = f"{ROUTER_MODE_PREFIX}{router_mode}"
 
     async def place(self, router: RouterReplica, request_id: str, blocks: PromptBlocks, isl_tokens: int) -> Placement:
         prompt = Prompt(block_hashes=blocks.local_hashes, sequence_hashes=blocks.sequence_hashes, isl_tokens=isl_tokens)
-        selection = await router.select_and_reserve(prompt, request_id)
+        options = SelectionOptions()
+        if self.pins is not None:
+            pin = await self.pins.choose(router)
+            options = SelectionOptions(pinned_worker=(pin.worker_id, pin.dp_rank))
+        selection = await router.select_and_reserve(prompt, request_id, options, self.router_mode)
         per_rank: dict[str, int] = selection.overlap["dp"]  # device-tier tokens per rank of the chosen worker
         return Placement(WorkerRank(selection.worker_id, selection.dp_rank), per_rank[str(selection.dp_rank)])
 
@@ -113,6 +137,9 @@ class LeastLoadedPolicy(ClientPolicy):
 def make_policy(name: str, ranks: list[WorkerRank], rng: random.Random) -> KvPolicy | ClientPolicy:
     if name == "kv":
         return KvPolicy()
+    mode = name.removeprefix(ROUTER_MODE_PREFIX)
+    if name.startswith(ROUTER_MODE_PREFIX) and mode in ROUTER_MODES:
+        return KvPolicy(mode, RoundRobinPolicy(ranks, rng) if mode == "direct" else None)
     if name == "round_robin":
         return RoundRobinPolicy(ranks, rng)
     if name == "random":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import trio
 
 from kvrouter.actors.core.catalog import WorkerRecord
-from kvrouter.actors.core.commands import ExpireStale, IngestKvBatch, Prompt, ResetKvStream
+from kvrouter.actors.core.commands import ExpireStale, IngestKvBatch, Prompt, ResetKvStream, SelectionOptions
 from kvrouter.actors.core.decisions import Rejected
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.kv_wire import KvBatch
@@ -134,12 +134,23 @@ class RouterReplica:
         if not status.schedulable:
             raise RouterRefused(f"worker {record.worker_id} is not schedulable: {'; '.join(status.reasons)}")
 
-    async def select_and_reserve(self, prompt: Prompt, reservation_id: str) -> Selection:
-        """``POST /select_and_reserve``."""
+    async def select_and_reserve(
+        self,
+        prompt: Prompt,
+        reservation_id: str,
+        options: SelectionOptions | None = None,
+        router_mode: str | None = None,
+    ) -> Selection:
+        """``POST /select_and_reserve`` (``router_mode`` None: the service's)."""
+        request = SelectionRequest(
+            self.scope,
+            prompt,
+            options or SelectionOptions(),
+            reservation_id=reservation_id,
+            router_mode=router_mode,
+        )
         with _refusals():
-            return await self._service().select_and_reserve(
-                SelectionRequest(self.scope, prompt, reservation_id=reservation_id)
-            )
+            return await self._service().select_and_reserve(request)
 
     async def reserve(
         self, reservation_id: str, worker_id: int, dp_rank: int, sequence_hashes: tuple[int, ...], isl_tokens: int
