@@ -203,7 +203,8 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     if serving is None:
         return Rejected(Reason.UNAVAILABLE, ONLY_PREFILL_WORKERS)
     found = candidates(state, serving, predicted_ranks=command.predicted_ranks, all_predicted=not config.use_kv_events)
-    session_id = options.session_id if config.affinity_ttl_ns > 0 else None
+    # An explicit pinned_worker bypasses the session: it is neither preferred nor moved (1.6.1, probed).
+    session_id = options.session_id if config.affinity_ttl_ns > 0 and pinned is None else None
     chosen = choose_rank(
         state,
         found,

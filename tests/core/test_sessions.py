@@ -249,3 +249,14 @@ def test_the_same_peer_binding_again_restarts_its_idle_time() -> None:
     assert decide(s.state, BindSession("chat", 2, 0, 5, 43, 2 * SECOND, at=2 * SECOND)) == NOTHING_CHANGED
     assert decide(s.state, BindSession("chat", 3, 0, 5, 43, 2 * SECOND, at=4 * SECOND)) == NOTHING_CHANGED
     assert decide(s.state, BindSession("chat", 3, 0, 4, 99, 2 * SECOND, at=4 * SECOND)) == NOTHING_CHANGED
+
+
+def test_an_explicit_pinned_worker_neither_follows_nor_moves_the_session() -> None:
+    """1.6.1, probed: a booking with ``pinned_worker`` goes there and leaves the session's binding alone."""
+    s = Scope()
+    pinned = s.select("chat", reservation_id="r1").reply.worker_id
+    other = next(w for w in (1, 2, 3) if w != pinned)
+    booked = s.select("chat", reservation_id="r2", pinned_worker=(other, 0))
+    assert booked.reply.worker_id == other
+    assert not any(isinstance(e, SessionBound) for e in booked.events)
+    assert s.chosen("chat") == {pinned}
