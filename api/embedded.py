@@ -40,7 +40,7 @@ from kvrouter.api.http import HttpError
 from kvrouter.api.main import REPLY_DEADLINE_SECONDS, lock_data_dir
 from kvrouter.api.route_support import REASON_STATUS, RETRY_AFTER
 from kvrouter.api.schemas import parse
-from kvrouter.api.select_routes import potential_load_view, selection_request, worker_view
+from kvrouter.api.select_routes import disaggregated_answer, potential_load_view, selection_request, worker_view
 from kvrouter.api.select_schemas import SelectBody, WorkerBody
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.memory import MemoryJournal
@@ -256,6 +256,25 @@ class Router:
                 chosen = await self.service.select_and_reserve(request)
         overlap_tokens: int = chosen.overlap["dp"][str(chosen.dp_rank)]
         return chosen.worker_id, chosen.dp_rank, overlap_tokens // chosen.block_size
+
+    async def select_disaggregated(
+        self,
+        token_ids: Sequence[int],
+        request_id: str,
+        router_config_override: dict[str, Any] | None = None,
+        **selection: Any,
+    ) -> dict[str, Any]:
+        """A prefill rank and a decode rank for ``token_ids``, booked as ``<request_id>:prefill`` and
+        ``<request_id>:decode`` (or only the decode part when no prefill rank is available): what ``POST
+        /select_disaggregated`` answers. Each part takes ``mark_prefill_complete`` and ``free`` by its own id.
+        ``selection`` takes the other fields of the body, as ``best_worker``'s."""
+        misplaced = SELECTION_ARGUMENTS & selection.keys()
+        if misplaced:
+            named = ", ".join(sorted(misplaced))
+            raise TypeError(f"select_disaggregated: {named} is an argument of its own or set by the router")
+        body = {**selection, **self._prompt_body(token_ids, router_config_override), "reservation_id": request_id}
+        with as_router_errors():
+            return await disaggregated_answer(self.service, parse(SelectBody, body))
 
     async def get_potential_loads(
         self, token_ids: Sequence[int], router_config_override: dict[str, Any] | None = None

@@ -206,6 +206,18 @@ class BlockingRouter:
             lambda: router.best_worker(token_ids, router_config_override, request_id, **selection)
         )
 
+    def select_disaggregated(
+        self,
+        token_ids: Sequence[int],
+        request_id: str,
+        router_config_override: dict[str, Any] | None = None,
+        **selection: Any,
+    ) -> dict[str, Any]:
+        router = self._host.router
+        return self._host.call_blocking(
+            lambda: router.select_disaggregated(token_ids, request_id, router_config_override, **selection)
+        )
+
     def get_potential_loads(
         self, token_ids: Sequence[int], router_config_override: dict[str, Any] | None = None
     ) -> list[dict[str, Any]]:
@@ -281,6 +293,18 @@ class AsyncioRouter:
         router = self._host.router
         return await self._host.call(
             lambda: router.best_worker(token_ids, router_config_override, request_id, **selection)
+        )
+
+    async def select_disaggregated(
+        self,
+        token_ids: Sequence[int],
+        request_id: str,
+        router_config_override: dict[str, Any] | None = None,
+        **selection: Any,
+    ) -> dict[str, Any]:
+        router = self._host.router
+        return await self._host.call(
+            lambda: router.select_disaggregated(token_ids, request_id, router_config_override, **selection)
         )
 
     async def get_potential_loads(

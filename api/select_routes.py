@@ -202,9 +202,14 @@ async def select_and_reserve(service: SelectService, request: Request) -> Respon
 
 async def select_disaggregated(service: SelectService, request: Request) -> Response:
     body = parse(SelectBody, request.json())
+    return json_response(200, await disaggregated_answer(service, body))
+
+
+async def disaggregated_answer(service: SelectService, body: SelectBody) -> dict[str, Any]:
+    """Book a disaggregated selection and render it (the route's and the in-process router's)."""
     if body.pinned_worker is not None:
         raise HttpError(400, "pinned_worker is not available for a disaggregated selection (it picks two workers)")
-    return json_response(200, disaggregated_view(await service.select_disaggregated(selection_request(body)), body))
+    return disaggregated_view(await service.select_disaggregated(selection_request(body)), body)
 
 
 async def post_reservation(service: SelectService, request: Request) -> Response:
