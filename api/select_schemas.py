@@ -170,6 +170,14 @@ class PinnedWorker:
 
 
 @attrs.frozen
+class AffinityTarget:
+    """1.6.1's ``affinity_target``: a worker (and optionally one of its ranks) the request should go to."""
+
+    worker_id: U64
+    dp_rank: U32 | None = None
+
+
+@attrs.frozen
 class SessionContext:
     """1.6.1's ``session_context``; its ``session_id`` wins over the body's ``session_id``."""
 
@@ -227,6 +235,7 @@ class SelectBody(PromptBody):
     routing_constraints: RoutingConstraints | None = None
     session_id: str | None = None
     session_context: SessionContext | None = None
+    affinity_target: AffinityTarget | None = None
     priority_jump: float | None = None
     router_mode: str | None = None  # kvrouter's: kv, round_robin, random, direct, least_loaded
 
@@ -262,6 +271,9 @@ class SelectBody(PromptBody):
             else (self.pinned_worker.worker_id, self.pinned_worker.dp_rank),
             expected_output_tokens=self.expected_output_tokens,
             session_id=self.session_context.session_id if self.session_context is not None else self.session_id,
+            affinity_target=None
+            if self.affinity_target is None
+            else (self.affinity_target.worker_id, self.affinity_target.dp_rank),
             priority_jump=self._priority_jump(),
         )
 

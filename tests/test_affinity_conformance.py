@@ -48,6 +48,18 @@ SCENARIO: list[tuple[str, str, Any]] = [
     select(session_id="q"),  # a /select never pins: 1 again
     select(session_id="s", allowed_worker_ids=[1, 3]),  # the pinned worker not allowed: the normal choice
     select(session_id="s", pinned_worker={"worker_id": 3, "dp_rank": 0}),  # an explicit pin wins
+    # affinity_target: its worker while eligible (over load and over the session's pin), else ignored.
+    select(affinity_target={"worker_id": 3}),
+    select(affinity_target={"worker_id": 3}, session_id="s"),
+    select(affinity_target={"worker_id": 9}),  # unknown: the normal choice
+    select(affinity_target={"worker_id": 3}, allowed_worker_ids=[1]),  # not allowed: ignored
+    select(affinity_target={"worker_id": 3}, routing_constraints={"required_taints": ["gpu"]}),  # 503 either way
+    select(affinity_target={"worker_id": 3}, pinned_worker={"worker_id": 1, "dp_rank": 0}),  # 400
+    select(affinity_target={"worker_id": 3, "dp_rank": 0}, pinned_worker={"worker_id": 3, "dp_rank": 0}),
+    select(affinity_target={"dp_rank": 0}),  # 422: worker_id is required
+    select("/select_and_reserve", 8, selection_id="t", session_id="s", affinity_target={"worker_id": 3}),
+    select(session_id="s"),  # the booking went to the target and left the session alone
+    ("DELETE", "/reservations/t", None),
     # A booking with an explicit pin goes there and leaves the session alone.
     select("/select_and_reserve", 8, selection_id="p", session_id="s", pinned_worker={"worker_id": 1, "dp_rank": 0}),
     select(session_id="s"),

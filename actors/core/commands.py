@@ -141,6 +141,7 @@ class SelectionOptions:
     pinned_worker: tuple[int, int] | None = None
     expected_output_tokens: int | None = None
     session_id: str | None = None  # with session affinity on, a booking pins the session (actors/core/sessions.py)
+    affinity_target: tuple[int, int | None] | None = None  # (worker_id, dp_rank or None): see choose_rank
     priority_jump: float = 0.0  # seconds ahead in the queue (fcfs/lcfs), extra weight (wspt)
 
 

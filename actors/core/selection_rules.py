@@ -203,8 +203,10 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     if serving is None:
         return Rejected(Reason.UNAVAILABLE, ONLY_PREFILL_WORKERS)
     found = candidates(state, serving, predicted_ranks=command.predicted_ranks, all_predicted=not config.use_kv_events)
-    # An explicit pinned_worker bypasses the session: it is neither preferred nor moved (1.6.1, probed).
-    session_id = options.session_id if config.affinity_ttl_ns > 0 and pinned is None else None
+    # An explicit pinned_worker or affinity_target bypasses the session: it is neither preferred nor moved
+    # (1.6.1, probed).
+    explicit = pinned is not None or options.affinity_target is not None
+    session_id = options.session_id if config.affinity_ttl_ns > 0 and not explicit else None
     chosen = choose_rank(
         state,
         found,
@@ -281,14 +283,10 @@ def choose_rank(
     session_id: str | None = None,
 ) -> RankCandidate | Rejected:
     """The rank a selection takes (spec §2.4-§2.6, §5), or why there is none: the eligible ranks (allowed ids,
-    required taints, pin), minus busy ones; then a session's pinned rank while it is among them; else the
-    router mode's pick (the cost function for ``kv``)."""
-    kept = eligible(
-        found,
-        allowed_worker_ids=options.allowed_worker_ids,
-        required_taints=constraints.required,
-        pinned=pinned,
-    )
+    required taints, pin, affinity target), minus busy ones; then a session's pinned rank while it is among them;
+    else the router mode's pick (the cost function for ``kv``)."""
+    found, allowed = _affinity_target(found, options, constraints)
+    kept = eligible(found, allowed_worker_ids=allowed, required_taints=constraints.required, pinned=pinned)
     if not isinstance(kept, list):
         return Rejected(REFUSAL_REASON[kept.reason], kept.message)
     free = not_busy(kept, state.selection.catalog, config)  # spec §2.6: busy ranks are left out
@@ -305,6 +303,25 @@ def choose_rank(
     # Without active-block tracking a booking adds no decode blocks, so none are projected either.
     num_seq_hashes = len(prompt.sequence_hashes) if config.router_track_active_blocks else 0
     return _cheapest(free, prompt.isl_tokens, num_seq_hashes, request.block_size, config, constraints, draw)
+
+
+def _affinity_target(
+    found: list[RankCandidate], options: SelectionOptions, constraints: RoutingConstraints
+) -> tuple[list[RankCandidate], frozenset[int] | None]:
+    """1.6.1's ``affinity_target``, as probed: when its worker is eligible (allowed, carrying the required
+    taints), the request may use only that worker (only the named rank when the worker has it) and the rest of
+    the rules apply to that, a ``pinned_worker`` elsewhere included (400, or 503 for another rank); a target
+    that is not eligible is ignored. Returns the candidates and allowed worker ids to select from."""
+    allowed = options.allowed_worker_ids
+    if options.affinity_target is None:
+        return found, allowed
+    worker_id, dp_rank = options.affinity_target
+    usable = eligible(found, allowed_worker_ids=allowed, required_taints=constraints.required)
+    if not isinstance(usable, list) or not any(c.rank.worker_id == worker_id for c in usable):
+        return found, allowed
+    if any(c.rank == (worker_id, dp_rank) for c in usable):
+        found = [c for c in found if c.rank.worker_id != worker_id or c.rank.dp_rank == dp_rank]
+    return found, frozenset({worker_id})
 
 
 def _cheapest(

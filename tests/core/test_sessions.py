@@ -260,3 +260,29 @@ def test_an_explicit_pinned_worker_neither_follows_nor_moves_the_session() -> No
     assert booked.reply.worker_id == other
     assert not any(isinstance(e, SessionBound) for e in booked.events)
     assert s.chosen("chat") == {pinned}
+
+
+def test_an_affinity_target_takes_its_worker_while_it_is_eligible() -> None:
+    """1.6.1's ``affinity_target``, as probed: the named worker (rank) over load and over a session's pin; a
+    target that is unknown, not allowed or lacks a required taint is ignored; a pin elsewhere is refused."""
+    from kvrouter.actors.core.decisions import Reason, Rejected
+
+    s = Scope()
+    pinned = s.select("chat", reservation_id="r1").reply.worker_id  # the pinned worker is now the busiest
+    other = next(w for w in (1, 2, 3) if w != pinned)
+    assert s.chosen(None, affinity_target=(pinned, None)) == {pinned}
+    assert s.chosen("chat", affinity_target=(other, 0)) == {other}
+    assert pinned not in s.chosen(None, affinity_target=(99, None))
+    assert s.chosen(None, affinity_target=(pinned, None), allowed_worker_ids=frozenset({other})) == {other}
+    refused = decide(
+        s.state,
+        SelectWorker(
+            Prompt(token_ids=(1, 2, 3, 4)),
+            AFFINITY,
+            SelectionOptions(affinity_target=(pinned, None), pinned_worker=(other, 0)),
+        ),
+    )
+    assert isinstance(refused, Rejected) and refused.reason is Reason.INVALID
+    booked = s.select("chat", reservation_id="r2", affinity_target=(other, None))
+    assert booked.reply.worker_id == other and not any(isinstance(e, SessionBound) for e in booked.events)
+    assert s.chosen("chat") == {pinned}
