@@ -1,0 +1,330 @@
+"""The compiled hot modules against their pure-Python source, the oracle (README "Compiled hot paths").
+
+Each test drives the compiled module (the one every other test and the service import) and a fresh
+instance of the same ``.py`` run as pure Python with the same random operations, and asserts identical
+results: return values, exceptions, and the observable state (dumps, snapshots, sizes, invariants).
+Without a compiled build (no compiler at install, ``KVROUTER_PURE_PYTHON``, an edited source in an
+editable install) the comparison is meaningless and skipped, except under CI, where gcc is present and a
+missing compiled module is a broken build.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvrouter.actors.core.hashing as compiled_hashing
+import kvrouter.actors.core.kv_index as compiled_kv_index
+import kvrouter.actors.core.selection as compiled_selection
+import kvrouter.actors.core.trie as compiled_trie
+from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.compiled import COMPILED_MODULES, is_compiled, load_pure, status
+
+PURE = {name: load_pure(name, "kvrouter_oracle." + name.rsplit(".", 1)[1]) for name in COMPILED_MODULES}
+COMPILED = {m.__name__: m for m in (compiled_trie, compiled_kv_index, compiled_hashing, compiled_selection)}
+
+
+def test_every_compiled_module_is_covered_here() -> None:
+    assert set(COMPILED) == set(COMPILED_MODULES)
+
+
+def test_the_oracle_runs_from_source() -> None:
+    for module in PURE.values():
+        assert not is_compiled(module)
+        assert module.__file__ is not None and module.__file__.endswith(".py")
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="a build without a compiler is allowed outside CI")
+def test_ci_runs_the_compiled_modules() -> None:
+    assert status() == dict.fromkeys(COMPILED_MODULES, "compiled")
+    assert all(is_compiled(m) for m in COMPILED.values())
+
+
+def pair(name: str) -> tuple[ModuleType, ModuleType]:
+    """(compiled, pure) for one module; skips when the compiled one is not running."""
+    compiled = COMPILED[name]
+    if not is_compiled(compiled):
+        pytest.skip(f"{name}: {status()[name]}")
+    return compiled, PURE[name]
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """A call's result, or its exception's type name and message (both implementations must raise alike)."""
+    try:
+        return ("ok", call())
+    except Exception as exc:
+        return (type(exc).__name__, str(exc))
+
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# ----------------------------------------------------------------------------------------- hashing
+
+tokens = st.lists(st.integers(0, 2**32 - 1), max_size=80)
+bad_tokens = st.lists(
+    st.one_of(st.integers(0, 2**32 - 1), st.integers(-(2**40), -1), st.integers(2**32, 2**70), st.floats()),
+    max_size=20,
+)
+u64s = st.integers(0, 2**64 - 1)
+
+
+@SETTINGS
+@given(
+    token_ids=st.one_of(tokens, bad_tokens),
+    block_size=st.integers(-1, 9),
+    lora=st.one_of(st.none(), st.text(max_size=6)),
+    mm=st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.integers(-(2**64), 2**65), max_size=3)))),
+    eagle=st.booleans(),
+    as_tuple=st.booleans(),
+)
+def test_block_hashes(
+    token_ids: list[Any], block_size: int, lora: str | None, mm: list[Any] | None, eagle: bool, as_tuple: bool
+) -> None:
+    compiled, pure = pair("kvrouter.actors.core.hashing")
+    tokens_in: Sequence[Any] = tuple(token_ids) if as_tuple else token_ids
+
+    def run(m: ModuleType) -> tuple[str, Any]:
+        return outcome(
+            lambda: m.block_hashes(tokens_in, block_size, lora_name=lora, mm_hashes_per_block=mm, eagle=eagle)
+        )
+
+    assert run(compiled) == run(pure)
+
+
+@SETTINGS
+@given(hashes=st.lists(st.integers(-(2**64), 2**65), max_size=70), prev=st.integers(-(2**64), 2**65), lora=st.text())
+def test_sequence_hashes_and_seeds(hashes: list[int], prev: int, lora: str) -> None:
+    compiled, pure = pair("kvrouter.actors.core.hashing")
+    for m_call in (
+        lambda m: m.sequence_hashes(hashes),
+        lambda m: m.sequence_hashes(tuple(hashes)),
+        lambda m: [m.next_sequence_hash(prev, h) for h in hashes[:5]],
+        lambda m: m.lora_seed(lora),
+    ):
+        assert outcome(lambda m_call=m_call: m_call(compiled)) == outcome(lambda m_call=m_call: m_call(pure))
+
+
+# -------------------------------------------------------------------------------------------- trie
+
+small_hashes = st.lists(st.integers(0, 5), max_size=8)  # few values: paths share prefixes and diverge
+
+
+def trie_step(trie: Any, op: str, hashes: list[int], fraction: float, depth: int, live: list[list[int]]) -> Any:
+    """One operation on a trie; removal and fractions only along live inserts, as the trie's callers guarantee.
+    Queries follow a live path for ``depth`` blocks, then go on with ``hashes``, so they match deep."""
+    chosen = live[len(hashes) % len(live)] if live else None
+    if op in ("depth", "decay", "path") and chosen is not None:
+        hashes = chosen[:depth] + hashes
+    if op == "insert":
+        result = outcome(lambda: trie.insert(hashes))
+    elif op == "remove":
+        result = outcome(lambda: trie.remove(chosen)) if chosen is not None else None
+    elif op == "depth":
+        result = outcome(lambda: trie.overlap_depth(hashes))
+    elif op == "decay":
+        result = outcome(lambda: trie.decay_exclusive_tail(hashes, fraction))
+    elif op == "set_fraction":
+        ok = chosen is not None and len(chosen) >= depth
+        result = outcome(lambda: trie.set_fraction(chosen, depth, fraction)) if ok else None
+    else:
+        result = outcome(lambda: list(trie.path(hashes)))
+    entries = trie.fraction_entries([(str(i), p) for i, p in enumerate(live)])
+    return result, trie.size, trie.has_fractions, trie.weighted_size(), trie.check(), entries
+
+
+@SETTINGS
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "remove", "depth", "decay", "set_fraction", "path"]),
+            small_hashes,
+            st.floats(0.0, 1.0),
+            st.integers(1, 8),
+        ),
+        max_size=60,
+    )
+)
+def test_prefix_trie(ops: list[tuple[str, list[int], float, int]]) -> None:
+    compiled, pure = pair("kvrouter.actors.core.trie")
+    compiled_trie, pure_trie = compiled.PrefixTrie(), pure.PrefixTrie()
+    live: list[list[int]] = []
+    for op, hashes, fraction, depth in ops:
+        if op == "insert" and live and depth % 2:  # half the inserts extend or branch off a live path
+            hashes = live[depth % len(live)][:depth] + hashes
+        assert trie_step(compiled_trie, op, hashes, fraction, depth, live) == trie_step(
+            pure_trie, op, hashes, fraction, depth, live
+        )
+        if op == "insert":
+            live.append(hashes)
+        elif op == "remove" and live:
+            live.pop(len(hashes) % len(live))
+
+
+# ---------------------------------------------------------------------------------------- KV index
+
+ranks = st.sampled_from([WorkerRank(0, 0), WorkerRank(0, 1), WorkerRank(1, 0)])  # few: ops meet on one rank
+ext_hashes = st.integers(0, 9)  # tiny spaces: stores collide, rename, move and reconnect
+local_hashes = st.integers(0, 4)
+tiers = st.sampled_from([0, 0, 0, 1, 2, 3])  # mostly device, where the tree lives
+parents = st.one_of(st.none(), st.none(), ext_hashes)  # mostly from the root: a random parent is often unknown
+index_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("stored"),
+            ranks,
+            tiers,
+            parents,
+            st.lists(st.tuples(ext_hashes, local_hashes), min_size=1, max_size=5),
+        ),
+        st.tuples(
+            st.just("stored"),
+            ranks,
+            tiers,
+            parents,
+            st.lists(st.tuples(ext_hashes, local_hashes), min_size=1, max_size=5),
+        ),
+        st.tuples(st.just("removed"), ranks, tiers, st.lists(ext_hashes, min_size=1, max_size=4)),
+        st.tuples(st.just("removed"), ranks, tiers, st.lists(ext_hashes, min_size=1, max_size=4)),
+        st.tuples(st.just("cleared"), ranks),
+        st.tuples(st.just("remove_rank"), ranks),
+        st.tuples(st.just("remove_worker"), st.integers(0, 1)),
+        st.tuples(st.just("match"), st.lists(local_hashes, max_size=7)),
+    ),
+    min_size=5,
+    max_size=60,
+)
+
+
+def index_view(index: Any) -> tuple[Any, ...]:
+    """Everything observable about an index, as plain data (the two modules' classes differ)."""
+    runs = [(r.rank, int(r.tier), r.parent_hash, r.blocks) for r in index.dump_events()]
+    counts = {rank: {int(t): n for t, n in per.items()} for rank, per in index.rank_block_counts().items()}
+    return (
+        runs,
+        index.to_snapshot(),
+        counts,
+        index.block_count(),
+        index.node_count(),
+        index.ranks(),
+        index.is_empty(),
+        index.check(),
+    )
+
+
+def apply_index_op(module: ModuleType, index: Any, op: tuple[Any, ...]) -> tuple[str, Any]:
+    kind = op[0]
+    if kind == "stored":
+        return outcome(lambda: index.apply_stored(op[1], module.Tier(op[2]), op[3], op[4]))
+    if kind == "removed":
+        return outcome(lambda: index.apply_removed(op[1], module.Tier(op[2]), op[3]))
+    if kind == "cleared":
+        return outcome(lambda: index.apply_cleared(op[1]))
+    if kind == "remove_rank":
+        return outcome(lambda: index.remove_rank(op[1]))
+    if kind == "remove_worker":
+        return outcome(lambda: index.remove_worker(op[1]))
+    return outcome(lambda: {rank: tuple(o) for rank, o in index.find_matches(op[1]).items()})
+
+
+@SETTINGS
+@given(ops=index_ops, queries=st.lists(st.lists(local_hashes, max_size=7), max_size=4))
+def test_kv_index(ops: list[tuple[Any, ...]], queries: list[list[int]]) -> None:
+    compiled, pure = pair("kvrouter.actors.core.kv_index")
+    indexes = compiled.KvIndex(), pure.KvIndex()
+    for op in ops:
+        assert apply_index_op(compiled, indexes[0], op) == apply_index_op(pure, indexes[1], op)
+        assert index_view(indexes[0]) == index_view(indexes[1])
+    for query in queries:
+        assert apply_index_op(compiled, indexes[0], ("match", query)) == apply_index_op(
+            pure, indexes[1], ("match", query)
+        )
+    # A snapshot taken by either rebuilds the same index in the other.
+    snapshot = indexes[0].to_snapshot()
+    assert index_view(pure.KvIndex.from_snapshot(snapshot)) == index_view(compiled.KvIndex.from_snapshot(snapshot))
+
+
+# --------------------------------------------------------------------------------------- selection
+
+weights = st.floats(0.0, 4.0)
+configs = st.builds(
+    RouterConfig,
+    overlap_score_credit=weights,
+    overlap_score_credit_decay=weights,
+    router_temperature=st.floats(0.0, 2.0),
+    router_track_prefill_tokens=st.booleans(),
+    host_cache_hit_weight=weights,
+    disk_cache_hit_weight=weights,
+    shared_cache_multiplier=weights,
+    prefill_load_scale=weights,
+    decode_active_request_weight=weights,
+)
+candidate_fields = st.tuples(
+    st.tuples(*(st.integers(0, 70) for _ in range(5))),  # overlap per tier
+    st.integers(0, 5000),  # active prefill tokens
+    st.integers(0, 300),  # active decode blocks
+    st.integers(0, 20),  # active requests
+    st.integers(0, 70),  # prompt overlap depth
+    st.frozensets(st.sampled_from(["a", "b", "c"]), max_size=2),
+)
+
+
+@SETTINGS
+@given(
+    config=configs,
+    fields=st.lists(candidate_fields, min_size=1, max_size=6),
+    isl=st.integers(0, 5000),
+    num_seq_hashes=st.integers(0, 300),
+    block_size=st.integers(1, 64),
+    preferred=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.floats(0.0, 3.0), max_size=2),
+    decode_pool=st.booleans(),
+    draw=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_scoring(
+    config: RouterConfig,
+    fields: list[Any],
+    isl: int,
+    num_seq_hashes: int,
+    block_size: int,
+    preferred: dict[str, float],
+    decode_pool: bool,
+    draw: float,
+) -> None:
+    compiled, pure = pair("kvrouter.actors.core.selection")
+
+    def score(m: ModuleType) -> tuple[Any, ...]:
+        candidates = [
+            m.RankCandidate(WorkerRank(i, 0), m.TierOverlap(*overlap), prefill, decode, requests, depth, taints)
+            for i, (overlap, prefill, decode, requests, depth, taints) in enumerate(fields)
+        ]
+        least = min(c.active_prefill_tokens for c in candidates)
+        costs = [
+            (
+                c.rank,
+                m.cost(
+                    c,
+                    isl=isl,
+                    num_seq_hashes=num_seq_hashes,
+                    block_size=block_size,
+                    config=config,
+                    min_active_prefill=least,
+                    preferred_taints=preferred,
+                    decode_pool=decode_pool,
+                ),
+            )
+            for c in candidates
+        ]
+        cached = [m.effective_cached_tokens(c.overlap, config, block_size) for c in candidates]
+        summary = m.overlap_summary({i: c.overlap for i, c in enumerate(candidates)}, block_size)
+        chosen = outcome(lambda: m.pick(costs, temperature=config.router_temperature, draw=draw))
+        return costs, cached, summary, chosen
+
+    compiled_result, pure_result = score(compiled), score(pure)
+    # Bit-identical floats, NaN included (compare the representations, NaN != NaN).
+    assert repr(compiled_result) == repr(pure_result)
