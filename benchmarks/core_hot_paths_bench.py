@@ -1,7 +1,11 @@
 """In-process cost of the core's hot paths (no HTTP, no journal): decide of a selection, and
-decide + fold of an add/free cycle. Prints microseconds per operation (best of 5 repeats).
+decide + fold of an add/free cycle. Prints microseconds of CPU time per operation
+(best of 5 repeats; CPU time, so other work on a shared machine moves it less than wall time).
 
-    .venv/bin/python benchmarks/core_hot_paths_bench.py
+    .venv/bin/python benchmarks/core_hot_paths_bench.py [--pure-too]
+
+With ``--pure-too`` it measures again in a child process with ``KVROUTER_PURE_PYTHON=1`` (the compiled
+core modules switched off, README "Compiled hot paths") and prints both, so one run shows what compiling buys.
 
 The selection workload is issue #3's: 16 workers (block size 16), 64-block chains indexed on them,
 64-block prompts sharing a random prefix with an indexed chain, some ranks busy. The add/free
@@ -12,7 +16,11 @@ anything (read them before and after a change, and rerun).
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import subprocess
+import sys
+import time
 import timeit
 
 from kvrouter.actors.core.catalog import WorkerRecord
@@ -32,6 +40,7 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.kv_wire import BlockStored, KvBatch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.compiled import PURE_ENV, status
 
 BLOCK = 16
 WORKERS = 16
@@ -81,7 +90,7 @@ def bench_select(repeat: int, number: int) -> float:
         decision = decide(state, prompts[next(position) % len(prompts)])
         assert isinstance(decision, Accepted)
 
-    return min(timeit.repeat(one, repeat=repeat, number=number)) / number * 1e6
+    return min(timeit.repeat(one, repeat=repeat, number=number, timer=time.process_time)) / number * 1e6
 
 
 def bench_add_free(repeat: int, number: int) -> float:
@@ -101,18 +110,25 @@ def bench_add_free(repeat: int, number: int) -> float:
         apply(state, AddRequest(request_id, i % 8, i % 2, hashes, 1024))
         apply(state, FreeRequest(request_id))
 
-    return min(timeit.repeat(one, repeat=repeat, number=number)) / number * 1e6
+    return min(timeit.repeat(one, repeat=repeat, number=number, timer=time.process_time)) / number * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument("--pure-too", action="store_true", help="also measure with the compiled modules off")
     args = parser.parse_args()
+    modes = sorted(set(status().values()))
+    print(f"core modules: {', '.join(modes)}")
     select_us = bench_select(args.repeat, args.number)
     add_free_us = bench_add_free(args.repeat, args.number)
     print(f"decide(SelectWorker), 16 workers, 64-block prompt: {select_us:8.1f} us")
     print(f"decide+fold AddRequest then FreeRequest, 64 blocks: {add_free_us:8.1f} us")
+    if args.pure_too:
+        command = [sys.executable, __file__, "--repeat", str(args.repeat), "--number", str(args.number)]
+        print("-- again with the compiled modules off:", flush=True)
+        subprocess.run(command, env={**os.environ, PURE_ENV: "1"}, check=True)
 
 
 if __name__ == "__main__":
