@@ -69,7 +69,6 @@ class RouterReplica:
         self.system, self.service = system, service
         if self.replica_id is not None:
             self.replicator = SimReplicator(system, self.replica_id)
-            self.replicator.attach()
 
     async def _run(
         self,

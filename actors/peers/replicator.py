@@ -602,6 +602,30 @@ class Replicator:
         )
         return command, ""
 
+    # -- without sockets: a transport the caller owns (kvrouter's simulations carry the frames) -----
+
+    def start_without_sockets(self) -> None:
+        """Observe local decisions as ``run`` does, but bind and connect nothing: what would be
+        published waits in the outbox for ``take_published``, and peers' messages come in through
+        ``receive``. Instead of ``run``, never with it."""
+        assert not self._ran, "a Replicator runs once"
+        self._ran = True
+        self._seed_requests()
+        self._system.observers.append(self._observe)
+
+    def take_published(self) -> list[list[bytes]]:
+        """Every message published since the last call, in publication order (the PUB task's share)."""
+        published = []
+        while True:
+            try:
+                published.append(self._outbox_receive.receive_nowait())
+            except trio.WouldBlock:
+                return published
+
+    async def receive(self, frames: list[bytes], peer: str = "") -> None:
+        """One message from a peer, decoded, filtered and applied exactly as a SUB task applies it."""
+        await self._receive(frames, peer)
+
     def _drop(self, reason: str, peer: str, detail: str) -> None:
         """Count a dropped message; the first of each kind from each peer is logged at warning."""
         self.stats.drop(reason)

@@ -127,13 +127,13 @@ def test_lossy_replica_sync_heals_by_expiry_and_replicas_agree() -> None:
 
 def drop_frees(monkeypatch: pytest.MonkeyPatch) -> None:
     """A replica-sync transport that silently loses every free (a bug the checks must notice)."""
-    deliver = SimReplicator.deliver
+    receive = SimReplicator.receive
 
-    async def lossy(self: SimReplicator, frames: list[bytes]) -> None:
+    async def lossy(self: SimReplicator, frames: list[bytes], peer: str = "") -> None:
         if not isinstance(decode(frames).data, Free):
-            await deliver(self, frames)
+            await receive(self, frames, peer)
 
-    monkeypatch.setattr(SimReplicator, "deliver", lossy)
+    monkeypatch.setattr(SimReplicator, "receive", lossy)
 
 
 def test_replicas_that_miss_frees_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
