@@ -10,9 +10,11 @@ pass), faults; each kind in the order it was scheduled.
 
 Each request follows the selection service's lifecycle: booked on arrival (``select_and_reserve`` for
 the kv policy, an explicit reservation otherwise), ``prefill_complete`` when its first token comes
-out, released when its last one does. Workers publish their KV events to every router replica through
-the command the KV listener sends; a per-(replica, rank) listener model notices sequence gaps and
-fetches the missing batches from the worker's bounded replay buffer, as the real listener does.
+out, released when its last one does. Workers publish a pass's KV events when the pass ends (as the
+reference's mocker does, and vLLM since its scheduler takes them after the forward pass rather than at
+scheduling), to every router replica through the command the KV listener sends; a per-(replica, rank)
+listener model notices sequence gaps and fetches the missing batches from the worker's bounded replay
+buffer, as the real listener does.
 Faults (``faults.py``) and invariant checks (``checkers.py``) hook in here.
 """
 
@@ -393,8 +395,8 @@ class Cluster:
             if record.admit_ms is None:  # a preempted request keeps its first admission
                 record.admit_ms = now
                 record.cached_tokens = cached
-        if result.events:
-            await self._publish(worker, result.events)
+        if result.events and result.duration_ms <= 0:
+            await self._publish(worker, result.events)  # no pass runs (all preempted): nothing to wait for
         bucket = int(now // LOAD_SAMPLE_MS)
         load = len(engine.running) + len(engine.waiting)
         if worker.samples.get(bucket, -1) < load:
@@ -413,6 +415,10 @@ class Cluster:
         if epoch != worker.epoch:
             return  # the worker crashed during the pass: nothing of it came out
         now = self.now_ms
+        if result.events:
+            # Published after the forward pass (the reference's mocker, recent vLLM): a request arriving
+            # mid-pass is routed without the blocks that pass is still computing.
+            await self._publish(worker, result.events)
         for request in result.emitted:
             if request.generated == 1:
                 self.records[request.index].first_token_ms = now
@@ -502,7 +508,7 @@ class Cluster:
         for router in self.routers:
             if router.replicator is None:
                 continue
-            for frames in router.replicator.take_outgoing():
+            for frames in router.replicator.take_published():
                 for peer in self.routers:
                     if peer is router:
                         continue
@@ -517,12 +523,12 @@ class Cluster:
                     if faulty and sync.reorder and self.fault_rng.random() < sync.reorder:
                         at += self.fault_rng.uniform(1.0, 10.0)  # held back behind later messages
                         self.counters.sync_reordered += 1
-                    self._push(at, SYNC, (peer.name, frames))
+                    self._push(at, SYNC, (peer.name, router.name, frames))
 
-    async def _sync_deliver(self, peer_name: str, frames: list[bytes]) -> None:
+    async def _sync_deliver(self, peer_name: str, sender: str, frames: list[bytes]) -> None:
         peer = next(r for r in self.routers if r.name == peer_name)
         if peer.replicator is not None:  # a replica that is down misses it, as its SUB would
-            await peer.replicator.deliver(frames)
+            await peer.replicator.receive(frames, sender)
 
     # -- faults -----------------------------------------------------------------------------------
 
