@@ -7,7 +7,10 @@ Values are bit for bit what ``kvrouter.actors.core.hashing`` gives for the synth
 (``TraceRequest.token_ids``); a test holds the fast path to that.
 
 Fast path: when an engine block lies inside one trace block, all its tokens equal that block's hash
-id, so its local hash depends on the hash id alone and is memoised per id.
+id, so its local hash depends on the hash id alone and is memoised per id. And the engine blocks under
+one full trace block chain from the sequence hash before it, so their sequence hashes are memoised per
+(that hash, hash id): a prefix many requests share is chained once. Both memos grow with the distinct
+trace blocks of the one trace a hasher serves, and no further.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class PromptHasher:
         self.engine_block_size = engine_block_size
         self._aligned = trace_block_size % engine_block_size == 0
         self._local: dict[int, int] = {}  # hash id -> local hash of an engine block of that token
+        # (sequence hash before a full trace block, or None at the start; its hash id) -> its engine blocks'
+        # sequence hashes
+        self._chains: dict[tuple[int | None, int], tuple[int, ...]] = {}
         self._done: dict[int, PromptBlocks] = {}  # request index -> its blocks, once ``warm`` computed them
 
     def warm(self, requests: Iterable[TraceRequest]) -> None:
@@ -48,21 +54,37 @@ class PromptHasher:
     def _compute(self, request: TraceRequest) -> PromptBlocks:
         ebs = self.engine_block_size
         count = request.input_length // ebs
-        if self._aligned:
-            per = self.trace_block_size // ebs
-            memo = self._local
-            local = []
-            for j in range(count):
-                hash_id = request.hash_ids[j // per] & TOKEN_MASK
-                value = memo.get(hash_id)
-                if value is None:
-                    value = memo[hash_id] = block_hashes([hash_id] * ebs, ebs)[0]
-                local.append(value)
-        else:
+        if not self._aligned:
             local = block_hashes(request.token_ids(self.trace_block_size), ebs)
-        sequence = []
-        prev = None
-        for value in local:
-            prev = value if prev is None else next_sequence_hash(prev, value)
-            sequence.append(prev)
-        return PromptBlocks(tuple(local), tuple(sequence))
+            return PromptBlocks(tuple(local), tuple(_chain(None, local)))
+        per = self.trace_block_size // ebs
+        memo, chains = self._local, self._chains
+        local_hashes: list[int] = []
+        sequence: list[int] = []
+        prev: int | None = None
+        for t in range(-(-count // per)):
+            hash_id = request.hash_ids[t] & TOKEN_MASK
+            value = memo.get(hash_id)
+            if value is None:
+                value = memo[hash_id] = block_hashes([hash_id] * ebs, ebs)[0]
+            n = min(per, count - t * per)  # engine blocks of this trace block inside the prompt
+            if n == per:
+                key = (prev, hash_id)
+                chain = chains.get(key)
+                if chain is None:
+                    chain = chains[key] = tuple(_chain(prev, [value] * per))
+            else:
+                chain = tuple(_chain(prev, [value] * n))
+            local_hashes.extend([value] * n)
+            sequence.extend(chain)
+            prev = chain[-1]
+        return PromptBlocks(tuple(local_hashes), tuple(sequence))
+
+
+def _chain(prev: int | None, local: list[int]) -> list[int]:
+    """Sequence hashes of blocks with these local hashes following a block whose sequence hash is ``prev``."""
+    sequence = []
+    for value in local:
+        prev = value if prev is None else next_sequence_hash(prev, value)
+        sequence.append(prev)
+    return sequence
