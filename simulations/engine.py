@@ -32,13 +32,18 @@ OUTPUT_TOKEN_BASE = 1 << 31  # generated tokens never collide with trace tokens 
 
 
 class EngineRequest:
-    """One request inside a worker: its sequence, how much of it is computed, the blocks it holds."""
+    """One request inside a worker: its sequence, how much of it is computed, the blocks it holds.
+
+    The sequence is the prompt, then one generated token per emission but the last (the last one ends
+    the request and never enters the cache). Generated tokens are a function of the request and their
+    position (``token_at``), so they are made only when a block of them fills."""
 
     __slots__ = (
         "computed",
         "generated",
         "held",
         "index",
+        "length",
         "output_length",
         "private",
         "prompt_hashes",
@@ -52,8 +57,9 @@ class EngineRequest:
     ) -> None:
         self.request_id = request_id
         self.index = index
-        self.tokens = tokens  # prompt, then generated tokens as they come
+        self.tokens = tokens  # the prompt
         self.prompt_length = len(tokens)
+        self.length = len(tokens)  # of the sequence so far: prompt_length + generated
         self.prompt_hashes = prompt_hashes  # sequence hashes of the prompt's full blocks
         self.output_length = output_length
         self.computed = 0  # tokens whose KV is computed
@@ -61,8 +67,16 @@ class EngineRequest:
         self.held: list[int] = []  # sequence hashes of the full cached blocks held, in order
         self.private = 0  # blocks held that are not cached (partial)
 
-    def next_token(self) -> int:
-        return (OUTPUT_TOKEN_BASE + self.index * 7919 + self.generated) & 0xFFFFFFFF
+    def token_at(self, position: int) -> int:
+        """The sequence's token at ``position`` (a prompt token, or the one generated there)."""
+        if position < self.prompt_length:
+            return self.tokens[position]
+        return (OUTPUT_TOKEN_BASE + self.index * 7919 + position - self.prompt_length + 1) & 0xFFFFFFFF
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        if end <= self.prompt_length:
+            return self.tokens[start:end]
+        return [self.token_at(position) for position in range(start, end)]
 
 
 @attrs.define
@@ -125,17 +139,22 @@ class WorkerEngine:
         preempted: list[EngineRequest] = []
         running = self.running
         bs = params.block_size
+        emitted: list[EngineRequest] = []  # requests whose whole sequence is computed after this pass
+        caching = params.prefix_caching
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            need = len(request.tokens) - request.computed
-            if need == 1 and request.computed % bs and request.computed >= request.prompt_length:
+            computed = request.computed
+            need = request.length - computed
+            if need == 1 and computed % bs and computed >= request.prompt_length:
                 # Decoding inside a partly filled block (the common case): no allocation, nothing fills.
-                request.computed += 1
-                if request.computed % bs == 0 and params.prefix_caching:
+                computed += 1
+                request.computed = computed
+                if caching and computed % bs == 0:
                     self._fill_last(request)
                 budget -= 1
                 i += 1
+                emitted.append(request)
                 continue
             count = need if need < budget else budget
             if not self._grow(request, count):
@@ -147,6 +166,8 @@ class WorkerEngine:
                 prefill += count
             budget -= count
             i += 1
+            if request.computed == request.length:
+                emitted.append(request)
         waiting = self.waiting
         while waiting and budget > 0 and len(running) < params.max_running and not preempted:
             request = waiting[0]
@@ -159,13 +180,11 @@ class WorkerEngine:
             computed_now = request.computed - cached
             prefill += computed_now
             budget -= computed_now
+            if request.computed == request.length:
+                emitted.append(request)
         duration = params.prefill_time(prefill)
-        emitted: list[EngineRequest] = []
         finished: list[EngineRequest] = []
         share = 0.0
-        for request in running:
-            if request.computed == len(request.tokens):
-                emitted.append(request)
         if emitted:
             share = self.cache.active / params.num_blocks
             duration += params.decode_time(share)
@@ -174,7 +193,7 @@ class WorkerEngine:
                 if request.generated >= request.output_length:
                     finished.append(request)
                 else:
-                    request.tokens.append(request.next_token())
+                    request.length += 1
             if finished:
                 for request in finished:
                     self.cache.release(request.held, request.private)
@@ -192,10 +211,10 @@ class WorkerEngine:
         cache = self.cache
         hits = 0
         if params.prefix_caching:
-            limit = (len(request.tokens) - 1) // bs
+            limit = (request.length - 1) // bs
             hits = cache.prefix_hits(self._sequence_hashes(request, limit), limit)
         cached = hits * bs
-        count = min(len(request.tokens) - cached, budget)
+        count = min(request.length - cached, budget)
         new_blocks = -(-(cached + count) // bs) - hits
         hit_keys = request.prompt_hashes[:hits]
         inactive_hits = sum(1 for k in hit_keys if cache.refs[k] == 0)
@@ -231,7 +250,7 @@ class WorkerEngine:
                 cache.fill(key)
             request.private -= len(keys)
             request.held.extend(keys)
-            cache.publish_stored(keys, parent, request.tokens[full_before * bs : full_after * bs], bs)
+            cache.publish_stored(keys, parent, request.token_slice(full_before * bs, full_after * bs), bs)
         return True
 
     def _fill_last(self, request: EngineRequest) -> None:
@@ -243,7 +262,7 @@ class WorkerEngine:
         self.cache.fill(key)
         request.private -= 1
         request.held.append(key)
-        self.cache.publish_stored([key], parent, request.tokens[(full - 1) * bs : full * bs], bs)
+        self.cache.publish_stored([key], parent, request.token_slice((full - 1) * bs, full * bs), bs)
 
     def _preempt(self, request: EngineRequest) -> None:
         self.cache.release(request.held, request.private)
@@ -267,7 +286,7 @@ class WorkerEngine:
         prev = keys[-1] if keys else None
         extended = list(keys)
         for j in range(start, count):
-            local = block_hashes(request.tokens[j * bs : (j + 1) * bs], bs)[0]
+            local = block_hashes(request.token_slice(j * bs, (j + 1) * bs), bs)[0]
             prev = local if prev is None else next_sequence_hash(prev, local)
             extended.append(prev)
         request.prompt_hashes = extended  # generated blocks are fixed once computed: keep them
