@@ -18,12 +18,12 @@ not applied; the ingest then follows the applied events.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 import attrs
 import trio
 
-from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.catalog import WorkerPatch, WorkerRecord
 from kvrouter.actors.core.commands import RemoveWorker, UpsertWorker
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.selection_rules import upsert_refusal
@@ -48,11 +48,11 @@ class PutWorker:
 
 @attrs.frozen
 class PatchWorker:
-    """Replace some fields of a worker's record: ``patch`` maps the record as it is to the record as it
-    should be (pure; an exception it raises is the requester's answer and changes nothing)."""
+    """Replace some fields of a worker's record (applied to the record as it is when the writer gets to it;
+    a patched record the catalog refuses is a 400 and changes nothing)."""
 
     worker_id: int
-    patch: Callable[[WorkerRecord], WorkerRecord]
+    patch: WorkerPatch
 
 
 @attrs.frozen
@@ -107,7 +107,7 @@ class CatalogWriter:
     async def write(self, change: CatalogChange) -> WorkerRecord:
         """Queue ``change`` and return the record stored (or removed) once that is durable.
 
-        Raises Refused, Overloaded, ReplyTimeout, JournalUnavailable, or what a patch raised.
+        Raises Refused, Overloaded, ReplyTimeout or JournalUnavailable.
         """
         system = self._system
         job = CatalogJob(change)
@@ -135,7 +135,10 @@ class CatalogWriter:
         if isinstance(change, PutWorker):
             return await self._put(change.record)
         if isinstance(change, PatchWorker):
-            return await self._put(change.patch(self._current(change.worker_id)))
+            patched = change.patch.apply(self._current(change.worker_id))
+            if isinstance(patched, str):
+                raise Refused(Reason.INVALID, patched)
+            return await self._put(patched)
         return await self._delete(change.worker_id)
 
     def _current(self, worker_id: int) -> WorkerRecord:

@@ -17,7 +17,6 @@ service-wide ones, so no read shows a write that a crash could still take back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -25,7 +24,7 @@ import attrs
 import trio
 
 from kvrouter.actors.catalog_writer import CatalogWriter, DeleteWorker, PatchWorker, PutWorker
-from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
+from kvrouter.actors.core.catalog import WorkerPatch, WorkerRecord, not_schedulable_reasons
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
     BindSession,
@@ -166,8 +165,8 @@ class SelectService:
         """Create or replace ``record`` (a record naming another scope moves the worker there)."""
         return self._status(await self._catalog.write(PutWorker(record)))
 
-    async def patch_worker(self, worker_id: int, patch: Callable[[WorkerRecord], WorkerRecord]) -> WorkerStatus:
-        """Replace the fields ``patch`` changes (a pure function of the current record); 404 if unknown."""
+    async def patch_worker(self, worker_id: int, patch: WorkerPatch) -> WorkerStatus:
+        """Replace the fields ``patch`` gives; 404 if unknown, 400 if the patched record is refused."""
         return self._status(await self._catalog.write(PatchWorker(worker_id, patch)))
 
     async def remove_worker(self, worker_id: int) -> WorkerRecord:

@@ -28,6 +28,7 @@ from kvrouter.actors.core.commands import RecoveredRun
 from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.replicator import ReplicaSecurity, random_router_id
 from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.pending import DEFAULT_MAX_BYTES as DEFAULT_SELECTION_CACHE_MAX_BYTES
@@ -98,7 +99,7 @@ async def start_replication_for(
         router_id=router_id,
         session_ttl_ns=session_ttl_ns,
     )
-    return replica_routes(replicator)
+    return replica_routes(PeerService(replicator))
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:

@@ -1,4 +1,5 @@
-"""Replica sync for both services: starting the replicator and its ``/replica_sync/*`` routes.
+"""Replica sync for both services: starting the replicator and its ``/replica_sync/*`` routes (which call
+``PeerService``, never the replicator itself).
 
 Same paths, bodies, statuses and messages as 1.6.1 (spec §1.5, §1.6): without
 ``--replica-sync-port`` the write routes answer 409 ``replica sync is disabled`` and the peer
@@ -12,9 +13,11 @@ from __future__ import annotations
 import attrs
 import trio
 
-from kvrouter.actors.peers.replicator import PeerLimitError, ReplicaSecurity, Replicator, random_router_id
+from kvrouter.actors.peers.peer_service import PeerService
+from kvrouter.actors.peers.replicator import ReplicaSecurity, Replicator, random_router_id
 from kvrouter.actors.system import ActorSystem
-from kvrouter.api.http import HttpError, Request, Response, Route, json_response
+from kvrouter.api.http import Request, Response, Route, json_response
+from kvrouter.api.route_support import bound
 from kvrouter.api.schemas import parse
 
 
@@ -50,39 +53,22 @@ async def start_replication(
     return replicator
 
 
-def replica_routes(replicator: Replicator | None) -> list[Route]:
-    def enabled() -> Replicator:
-        if replicator is None:
-            raise HttpError(409, "replica sync is disabled")
-        return replicator
-
-    async def register_peer(request: Request) -> Response:
+def replica_routes(peers: PeerService) -> list[Route]:
+    async def register_peer(service: PeerService, request: Request) -> Response:
         body = parse(PeerBody, request.json())
-        active = enabled()
-        try:
-            added = active.register_peer(body.endpoint)
-        except ValueError as exc:
-            raise HttpError(400, str(exc)) from None
-        except PeerLimitError as exc:
-            raise HttpError(409, str(exc)) from None
+        added = await service.register_peer(body.endpoint)
         return json_response(201 if added else 200, {"status": "ok"})
 
-    async def deregister_peer(request: Request) -> Response:
+    async def deregister_peer(service: PeerService, request: Request) -> Response:
         body = parse(PeerBody, request.json())
-        active = enabled()
-        try:
-            removed = active.deregister_peer(body.endpoint)
-        except ValueError as exc:
-            raise HttpError(400, str(exc)) from None
-        if not removed:
-            raise HttpError(404, "peer not found")
+        await service.deregister_peer(body.endpoint)
         return json_response(200, {"status": "ok"})
 
-    async def list_peers(request: Request) -> Response:
-        return json_response(200, replicator.peers() if replicator is not None else [])
+    async def list_peers(service: PeerService, request: Request) -> Response:
+        return json_response(200, await service.peers())
 
     return [
-        Route("POST", "/replica_sync/register_peer", register_peer, json_body=True),
-        Route("POST", "/replica_sync/deregister_peer", deregister_peer, json_body=True),
-        Route("GET", "/replica_sync/peers", list_peers),
+        Route("POST", "/replica_sync/register_peer", bound(peers, register_peer), json_body=True),
+        Route("POST", "/replica_sync/deregister_peer", bound(peers, deregister_peer), json_body=True),
+        Route("GET", "/replica_sync/peers", bound(peers, list_peers)),
     ]

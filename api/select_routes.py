@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrouter.actors.core.catalog import WorkerRecord, record_view
+from kvrouter.actors.core.catalog import WorkerPatch, record_view
 from kvrouter.actors.core.disaggregation import DisaggregatedSelection
 from kvrouter.actors.core.endpoints import parse_decimal
 from kvrouter.actors.core.ids import U64_MASK, to_i64
@@ -17,7 +17,7 @@ from kvrouter.actors.select_service import Booking, SelectionRequest, SelectServ
 from kvrouter.api.http import HttpError, Request, Response, Route, json_response
 from kvrouter.api.route_support import bound, scope_fields, scope_filter
 from kvrouter.api.schemas import _deserialize_failed, parse
-from kvrouter.api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, patched_record
+from kvrouter.api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, worker_patch
 from kvrouter.api.wire import json_kind
 
 SELECTION_BODY_LIMIT = 8 * 1024 * 1024  # REQUEST_BODY_LIMIT_BYTES of the reference selection service
@@ -139,14 +139,12 @@ def worker_id_param(request: Request) -> int:
     return worker_id
 
 
-def patch_changes(value: Any) -> dict[str, Any]:
+def patch_changes(value: Any) -> WorkerPatch:
     """A PATCH body: a JSON object whose fields have the record's types (checked before the worker is
     looked up, as 1.6.1 deserialises first). A null leaves the field as it is, as in 1.6.1."""
     if type(value) is not dict:
         raise HttpError(422, _deserialize_failed(f"invalid type: {json_kind(value)}, expected a JSON object"))
-    changes = {name: field for name, field in value.items() if field is not None and name != "worker_id"}
-    parse(WorkerBody, {**changes, "worker_id": 0}).to_record()
-    return changes
+    return worker_patch({name: field for name, field in value.items() if field is not None and name != "worker_id"})
 
 
 # -- the catalog ------------------------------------------------------------------------------------------
@@ -159,11 +157,7 @@ async def post_worker(service: SelectService, request: Request) -> Response:
 
 async def patch_worker(service: SelectService, request: Request) -> Response:
     worker_id = worker_id_param(request)
-    changes = patch_changes(request.json())
-
-    def patch(current: WorkerRecord) -> WorkerRecord:
-        return patched_record(current, changes)
-
+    patch = patch_changes(request.json())
     return json_response(200, worker_view(await service.patch_worker(worker_id, patch)))
 
 

@@ -12,7 +12,7 @@ from typing import Any, NewType
 
 import attrs
 
-from kvrouter.actors.core.catalog import WorkerRecord, record_problem
+from kvrouter.actors.core.catalog import WorkerPatch, WorkerRecord, record_problem
 from kvrouter.actors.core.commands import Prompt, SelectionOptions
 from kvrouter.actors.core.constraints import ENFORCEMENTS
 from kvrouter.actors.core.endpoints import parse_decimal
@@ -147,20 +147,16 @@ class WorkerBody:
         return tuple(sorted(ranks.items()))
 
 
-def patched_record(current: WorkerRecord, changes: Any) -> WorkerRecord:
-    """PATCH: supplied fields replace the record's (maps and lists wholesale), then re-validate."""
-    if type(changes) is not dict:
-        raise HttpError(422, _deserialize_failed(f"invalid type: {json_kind(changes)}, expected a JSON object"))
-    plain = current.to_plain()
-    plain["kv_events_endpoints"] = (
-        None if current.kv_events_endpoints is None else {str(r): e for r, e in current.kv_events_endpoints}
-    )
-    plain["topology_domains"] = dict(current.topology_domains)
-    known = {field.name for field in attrs.fields(WorkerBody)}
-    plain.update({k: v for k, v in changes.items() if k in known and k != "worker_id"})
-    if "routing_group" in changes and "tenant_id" not in changes:
-        plain.pop("tenant_id")
-    return parse(WorkerBody, plain).to_record()
+def worker_patch(changes: dict[str, Any]) -> WorkerPatch:
+    """PATCH: the supplied fields (nulls and ``worker_id`` already dropped), checked as a POST checks them
+    (before the worker is looked up, as 1.6.1 deserialises first), in the record's types. ``routing_group``
+    is ``tenant_id``'s alias (``tenant_id`` wins when both are given); unknown fields are ignored."""
+    checked = parse(WorkerBody, {**changes, "worker_id": 0}).to_record()
+    known = {field.name for field in attrs.fields(WorkerPatch)}
+    given = {name for name in changes if name in known}
+    if "routing_group" in changes:
+        given.add("tenant_id")
+    return WorkerPatch(**{name: getattr(checked, name) for name in given})
 
 
 @attrs.frozen

@@ -112,6 +112,40 @@ class WorkerRecord:
             return None  # only a record journaled before endpoints were checked can get here
 
 
+@attrs.frozen
+class WorkerPatch:
+    """A PATCH of a worker's record as plain data: each field that is not None replaces the record's (maps
+    and lists wholesale); None leaves it as it is (a JSON null does too, as in 1.6.1). Plain data, so the
+    change can cross a process boundary; the catalog writer applies it to the record as it is then."""
+
+    model_name: str | None = None
+    tenant_id: str | None = None
+    endpoint: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_endpoints: tuple[tuple[int, str], ...] | None = None
+    replay_endpoint: str | None = None
+    block_size: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    total_kv_blocks: int | None = None
+    stable_routing_id: str | None = None
+    is_eagle: bool | None = None
+    taints: tuple[str, ...] | None = None
+    topology_domains: tuple[tuple[str, str], ...] | None = None
+    kv_transfer_domain: str | None = None
+    kv_transfer_enforcement: str | None = None
+    kv_transfer_preferred_weight: float | None = None
+    worker_role: str | None = None
+
+    def apply(self, current: WorkerRecord) -> WorkerRecord | str:
+        """The patched record, or why the catalog must refuse it (``record_problem``: a 400)."""
+        changes = {name: value for name, value in attrs.asdict(self, recurse=False).items() if value is not None}
+        patched = attrs.evolve(current, **changes)
+        problem = record_problem(patched)
+        return patched if problem is None else problem
+
+
 def record_problem(record: WorkerRecord) -> str | None:
     """Why the catalog must refuse ``record`` (a 400), or None.
 
