@@ -15,10 +15,13 @@ import trio
 
 from kvrouter import __version__
 from kvrouter.actors.core.router_config import InvalidSettings
+from kvrouter.actors.select_service import SelectService
+from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api import log_setup
 from kvrouter.api.cli_settings import (
     DATA_ROOT,
+    DEFAULT_FRONTS,
     DEFAULT_PORTS,
     SELECT_SERVICE,
     SELECTION_CACHE_MAX_BYTES,
@@ -30,9 +33,27 @@ from kvrouter.api.cli_settings import (
     settings_from,
 )
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
+from kvrouter.api.fronts import (
+    MAX_FRONTS,
+    ServiceKind,
+    become_child,
+    run_actor_process,
+    run_front_process,
+    supervise,
+)
 from kvrouter.api.http import Route
 from kvrouter.api.http_flags import add_http_flags
-from kvrouter.api.main import RouteBuilder, ServiceOptions, run_until_signal, select_service_builder, slot_tracker_app
+from kvrouter.api.main import (
+    RouteBuilder,
+    ServiceOptions,
+    run_until_signal,
+    select_objects_builder,
+    select_service_builder,
+    select_service_routes_of,
+    slot_tracker_app,
+    slot_tracker_objects,
+    slot_tracker_routes_of,
+)
 from kvrouter.api.replica_cli import KEYS, add_keys_command, add_replica_security_flags, run_keys
 from kvrouter.journal.store import Durability
 
@@ -78,6 +99,13 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
     )
     add_replica_security_flags(parser)
     add_http_flags(parser)
+    parser.add_argument(
+        "--fronts",
+        metavar="N",
+        help=f"HTTP front processes on the one port, 0-{MAX_FRONTS} (default {DEFAULT_FRONTS}; 0: one process "
+        "serves HTTP and owns the state; see README, Process layout and fronts)",
+    )
+    parser.add_argument("--process-role", help=argparse.SUPPRESS)  # a child of a --fronts supervisor
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
@@ -277,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return BAD_CONFIGURATION
     for warning in launch.warnings:
         log.warning("%s", warning)
-    return run(launch)
+    return run(launch, arguments)
 
 
 @attrs.define
@@ -285,8 +313,18 @@ class _Progress:
     journal_open: bool = False
 
 
-def run(launch: Launch) -> int:
-    """Serve until SIGINT/SIGTERM (status 0); on failure log one line and return its status."""
+def service_kind(launch: Launch) -> ServiceKind:
+    if launch.service == SLOT_TRACKER:
+        return ServiceKind("slot tracker", SlotService, slot_tracker_objects, slot_tracker_routes_of)
+    assert launch.router is not None
+    build = select_objects_builder(launch.router, launch.indexer_peers)
+    return ServiceKind("selection service", SelectService, build, select_service_routes_of)
+
+
+def run(launch: Launch, argv: Sequence[str] = ()) -> int:
+    """Serve until SIGINT/SIGTERM (status 0); on failure log one line and return its status.
+
+    ``argv``: the command line, which a ``--fronts`` supervisor repeats for its children."""
     build: RouteBuilder
     if launch.service == SLOT_TRACKER:
         name, build = "slot tracker", slot_tracker_app
@@ -295,8 +333,18 @@ def run(launch: Launch) -> int:
         name, build = "selection service", select_service_builder(launch.router, launch.indexer_peers)
     progress = _Progress()
     options = launch.options
+    role = launch.role
     try:
-        trio.run(partial(run_until_signal, name, options, _noting_open_journal(build, progress)))
+        if role is not None:
+            become_child(role)
+            if role.kind == "actor":
+                trio.run(run_actor_process, service_kind(launch), options, role, partial(_note_open, progress))
+            else:
+                trio.run(run_front_process, service_kind(launch), options, role)
+        elif launch.fronts > 0:
+            return trio.run(supervise, name, options, list(argv), launch.fronts)
+        else:
+            trio.run(partial(run_until_signal, name, options, _noting_open_journal(build, progress)))
     except SystemExit:
         raise
     except BaseException as exc:
@@ -305,6 +353,10 @@ def run(launch: Launch) -> int:
         log.error("%s", reason.message, exc_info=exc if reason.unexpected else None)
         return reason.status
     return 0
+
+
+def _note_open(progress: _Progress) -> None:
+    progress.journal_open = True
 
 
 def _noting_open_journal(build: RouteBuilder, progress: _Progress) -> RouteBuilder:

@@ -25,6 +25,7 @@ from kvrouter.actors.core.router_config import (
     resolve,
 )
 from kvrouter.actors.peers.replicator import validate_endpoint
+from kvrouter.api.fronts import MAX_FRONTS, ProcessRole, parse_role
 from kvrouter.api.http_flags import http_options
 from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
 from kvrouter.api.replica_cli import replica_security_from
@@ -35,6 +36,7 @@ from kvrouter.journal.store import Durability
 SLOT_TRACKER = "slot-tracker"
 SELECT_SERVICE = "select-service"
 DEFAULT_PORTS = {SLOT_TRACKER: 8091, SELECT_SERVICE: 8092}
+DEFAULT_FRONTS = 0  # --fronts; 0: one process
 DATA_ROOT = Path("kvrouter-data")  # each service defaults to its own subdirectory
 U64_MAX = 2**64 - 1
 
@@ -75,6 +77,8 @@ class Launch:
     router: RouterConfig | None = None  # the selection service's knobs
     indexer_peers: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    fronts: int = 0  # HTTP front processes; 0: one process (api/fronts.py)
+    role: ProcessRole | None = None  # a child of a --fronts supervisor
 
 
 def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
@@ -90,6 +94,8 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
     replica_security = replica_security_from(args, replica_port, peers, problems, warnings)
     data_dir = _data_dir(args, problems)
     http, auth = http_options(args, env, problems, warnings)
+    fronts = _int(args, "fronts", 0, MAX_FRONTS, problems, default=DEFAULT_FRONTS)
+    role = parse_role(args.process_role) if getattr(args, "process_role", None) else None
     launch = Launch(
         service,
         ServiceOptions(
@@ -105,6 +111,8 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
             http=http,
             auth=auth,
         ),
+        fronts=fronts or 0,
+        role=role,
     )
     if service == SELECT_SERVICE:
         launch = _select_service(launch, args, env, problems, warnings)

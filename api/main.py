@@ -15,7 +15,7 @@ import os
 import secrets
 import signal
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.pending import DEFAULT_MAX_BYTES as DEFAULT_SELECTION_CACHE_MAX_BYTES
 from kvrouter.actors.pending import SelectionCacheBudget
 from kvrouter.actors.persistence.recovery import recover
-from kvrouter.actors.runtime import running_actors, start_select_service
+from kvrouter.actors.runtime import ActorRuntime, running_actors, start_select_service
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
@@ -81,14 +81,27 @@ class ServiceOptions:
 RouteBuilder = Callable[[ServiceOptions, ActorSystem, trio.Nursery], Awaitable[list[Route]]]
 
 
-async def start_replication_for(
+@attrs.frozen
+class ServiceObjects:
+    """What a service's routes call (plain data in and out, so a front process's proxy can stand in):
+    the service object and the replica peer service."""
+
+    service: Any  # SlotService or SelectService
+    peers: PeerService
+
+
+# Starts a service's objects once the actor system runs; may start more components in the nursery.
+ObjectsBuilder = Callable[[ServiceOptions, ActorSystem, trio.Nursery], Awaitable[ServiceObjects]]
+
+
+async def start_peer_service(
     options: ServiceOptions,
     system: ActorSystem,
     nursery: trio.Nursery,
     *,
     router_id: int | None = None,
     session_ttl_ns: int = 0,
-) -> list[Route]:
+) -> PeerService:
     replicator = await start_replication(
         system,
         nursery,
@@ -99,11 +112,19 @@ async def start_replication_for(
         router_id=router_id,
         session_ttl_ns=session_ttl_ns,
     )
-    return replica_routes(PeerService(replicator))
+    return PeerService(replicator)
+
+
+async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> ServiceObjects:
+    return ServiceObjects(SlotService(system), await start_peer_service(options, system, nursery))
+
+
+def slot_tracker_routes_of(objects: ServiceObjects) -> list[Route]:
+    return slot_tracker_routes(objects.service) + replica_routes(objects.peers)
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
-    return slot_tracker_routes(SlotService(system)) + await start_replication_for(options, system, nursery)
+    return slot_tracker_routes_of(await slot_tracker_objects(options, system, nursery))
 
 
 # -- the selection service -------------------------------------------------------------------------------
@@ -136,14 +157,14 @@ async def recover_from_peers(service: SelectService, peers: Sequence[str]) -> st
     return None
 
 
-async def select_service_app(
+async def select_service_objects(
     config: RouterConfig,
     peers: Sequence[str],
     listener_slots: ListenerSlots | None,
     options: ServiceOptions,
     system: ActorSystem,
     nursery: trio.Nursery,
-) -> list[Route]:
+) -> ServiceObjects:
     # One id for this process: replica sync's router id is also the writer of the session bindings it makes.
     router_id = random_router_id()
     service = await start_select_service(
@@ -154,17 +175,32 @@ async def select_service_app(
         before_listeners=partial(recover_from_peers, peers=peers),
         writer_id=router_id,
     )
-    replication = await start_replication_for(
+    peer_service = await start_peer_service(
         options, system, nursery, router_id=router_id, session_ttl_ns=config.affinity_ttl_ns
     )
-    return select_service_routes(service) + replication
+    return ServiceObjects(service, peer_service)
+
+
+def select_service_routes_of(objects: ServiceObjects) -> list[Route]:
+    return select_service_routes(objects.service) + replica_routes(objects.peers)
+
+
+def select_objects_builder(
+    config: RouterConfig, indexer_peers: Sequence[str] = (), listener_slots: ListenerSlots | None = None
+) -> ObjectsBuilder:
+    return partial(select_service_objects, config, tuple(indexer_peers), listener_slots)
 
 
 def select_service_builder(
     config: RouterConfig, indexer_peers: Sequence[str] = (), listener_slots: ListenerSlots | None = None
 ) -> RouteBuilder:
     """The selection service's composition; ``listener_slots`` defaults to what this process affords."""
-    return partial(select_service_app, config, tuple(indexer_peers), listener_slots)
+    build = select_objects_builder(config, indexer_peers, listener_slots)
+
+    async def select_service_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
+        return select_service_routes_of(await build(options, system, nursery))
+
+    return select_service_app
 
 
 @attrs.frozen
@@ -181,9 +217,29 @@ async def run_service(
     *,
     task_status: trio.TaskStatus[ServiceHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    with lock_data_dir(options.data_dir):
-        data_dir.check_owner(options.data_dir, name)
-        await _run_service(name, options, build_routes, task_status=task_status)
+    """One process: the actors, the journal and hypercorn (``--fronts 0``)."""
+    async with recovered_runtime(name, options) as (runtime, scopes):
+        system, inner, stopping = runtime.system, runtime.nursery, runtime.stopping
+        routes = await build_routes(options, system, inner)
+        app = make_app(routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth)
+
+        async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            config = hypercorn_config(options.host, options.port, options.http)
+            await serve_http(
+                app, config, stopping.wait, max_connections=options.http.max_connections, task_status=task_status
+            )
+            inner.cancel_scope.cancel()  # HTTP drained: now stop the actors
+
+        urls = await inner.start(http)
+        log.info(
+            "kvrouter %s listening on %s (data dir %s, durability %s, %d scopes recovered)",
+            name,
+            " ".join(urls),
+            options.data_dir,
+            options.durability.value,
+            scopes,
+        )
+        task_status.started(ServiceHandle(urls, system, stopping.set))
 
 
 @contextlib.contextmanager
@@ -205,57 +261,36 @@ def lock_data_dir(path: Path) -> Iterator[None]:
         os.close(fd)  # closing the descriptor drops the lock
 
 
-async def _run_service(
-    name: str,
-    options: ServiceOptions,
-    build_routes: RouteBuilder,
-    *,
-    task_status: trio.TaskStatus[ServiceHandle],
-) -> None:
-    journal = await trio.to_thread.run_sync(
-        partial(FileJournal.open, options.data_dir, options.durability, fresh=options.fresh)
-    )
-    recovered = await trio.to_thread.run_sync(recover, journal)
-    data_dir.claim(options.data_dir, name, recovered.states.values())
-    # Recovered state is long-lived: move it out of the cyclic GC's sight, and collect young
-    # objects less often (request handling allocates many short-lived containers).
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
-    # A failed journal write (a full disk) stops the service, but only after the requests in flight have
-    # been told (503: not acknowledged); the failure then ends ``run_service`` (one line, exit 1).
-    async with running_actors(
-        journal,
-        recovered.states,
-        seed=secrets.randbits(64) if options.seed is None else options.seed,
-        pending_options={
-            "ttl_seconds": options.selection_cache_ttl_secs,
-            "max_entries": options.selection_cache_max_entries,
-            "budget": SelectionCacheBudget(options.selection_cache_max_bytes),  # one, shared by every scope
-        },
-        reply_deadline=options.reply_deadline,
-    ) as runtime:
-        system, inner, stopping = runtime.system, runtime.nursery, runtime.stopping
-        routes = await build_routes(options, system, inner)
-        app = make_app(routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth)
-
-        async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-            config = hypercorn_config(options.host, options.port, options.http)
-            await serve_http(
-                app, config, stopping.wait, max_connections=options.http.max_connections, task_status=task_status
-            )
-            inner.cancel_scope.cancel()  # HTTP drained: now stop the actors
-
-        urls = await inner.start(http)
-        log.info(
-            "kvrouter %s listening on %s (data dir %s, durability %s, %d scopes recovered)",
-            name,
-            " ".join(urls),
-            options.data_dir,
-            options.durability.value,
-            len(recovered.states),
+@contextlib.asynccontextmanager
+async def recovered_runtime(name: str, options: ServiceOptions) -> AsyncIterator[tuple[ActorRuntime, int]]:
+    """The data directory locked and claimed, the journal recovered, the actors running over it: the
+    runtime and how many scopes were recovered. The journal closes (and says so) when the block ends."""
+    with lock_data_dir(options.data_dir):
+        data_dir.check_owner(options.data_dir, name)
+        journal = await trio.to_thread.run_sync(
+            partial(FileJournal.open, options.data_dir, options.durability, fresh=options.fresh)
         )
-        task_status.started(ServiceHandle(urls, system, stopping.set))
-    log.info("journal closed: %s", journal.statistics())  # (a failed journal raised instead)
+        recovered = await trio.to_thread.run_sync(recover, journal)
+        data_dir.claim(options.data_dir, name, recovered.states.values())
+        # Recovered state is long-lived: move it out of the cyclic GC's sight, and collect young
+        # objects less often (request handling allocates many short-lived containers).
+        gc.freeze()
+        gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
+        # A failed journal write (a full disk) stops the service, but only after the requests in flight have
+        # been told (503: not acknowledged); the failure then ends the block (one line, exit 1).
+        async with running_actors(
+            journal,
+            recovered.states,
+            seed=secrets.randbits(64) if options.seed is None else options.seed,
+            pending_options={
+                "ttl_seconds": options.selection_cache_ttl_secs,
+                "max_entries": options.selection_cache_max_entries,
+                "budget": SelectionCacheBudget(options.selection_cache_max_bytes),  # one, shared by every scope
+            },
+            reply_deadline=options.reply_deadline,
+        ) as runtime:
+            yield runtime, len(recovered.states)
+        log.info("journal closed: %s", journal.statistics())  # (a failed journal raised instead)
 
 
 async def run_until_signal(name: str, options: ServiceOptions, build_routes: RouteBuilder) -> None:

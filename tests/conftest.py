@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -11,15 +12,40 @@ import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.peers.socket_budget import ListenerSlots
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder, slot_tracker_app
+from kvrouter.actors.select_service import SelectService
+from kvrouter.actors.slot_service import SlotService
+from kvrouter.api.main import (
+    ServiceHandle,
+    ServiceOptions,
+    run_service,
+    select_objects_builder,
+    select_service_builder,
+    select_service_routes_of,
+    slot_tracker_app,
+    slot_tracker_objects,
+    slot_tracker_routes_of,
+)
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
+from tests.support.proxied import run_proxied_service
+
+# Services behind the ``client`` and ``selector`` fixtures run in both layouts: one process (--fronts 0) and
+# through a front's proxies and the ZMQ wire (tests/support/proxied.py), so every route test checks both.
+LAYOUTS = ["one-process", "proxied"]
 
 
-@pytest.fixture
-async def slot_tracker(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[ServiceHandle]:
+@pytest.fixture(params=LAYOUTS)
+async def slot_tracker(
+    nursery: trio.Nursery, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[ServiceHandle]:
     options = ServiceOptions(port=0, data_dir=tmp_path / "data", durability=Durability.ALWAYS)
-    handle: ServiceHandle = await nursery.start(run_service, "slot tracker", options, slot_tracker_app)
+    if request.param == "proxied":
+        proxied = partial(
+            run_proxied_service, "slot tracker", options, slot_tracker_objects, slot_tracker_routes_of, SlotService
+        )
+        handle: ServiceHandle = await nursery.start(proxied)
+    else:
+        handle = await nursery.start(run_service, "slot tracker", options, slot_tracker_app)
     yield handle
     handle.stop()
 
@@ -36,19 +62,31 @@ async def start_select_service(
     config: RouterConfig | None = None,
     seed: int = 7,
     listener_slots: ListenerSlots | None = None,
+    *,
+    proxied: bool = False,
 ) -> ServiceHandle:
     options = ServiceOptions(
         port=0, data_dir=data_dir, durability=Durability.ALWAYS, seed=seed, body_limit=SELECTION_BODY_LIMIT
     )
+    handle: ServiceHandle
+    if proxied:
+        build_objects = select_objects_builder(config or RouterConfig(), listener_slots=listener_slots)
+        service = partial(
+            run_proxied_service, "selection service", options, build_objects, select_service_routes_of, SelectService
+        )
+        handle = await nursery.start(service)
+        return handle
     build = select_service_builder(config or RouterConfig(), listener_slots=listener_slots)
-    handle: ServiceHandle = await nursery.start(run_service, "selection service", options, build)
+    handle = await nursery.start(run_service, "selection service", options, build)
     return handle
 
 
-@pytest.fixture
-async def selector(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+@pytest.fixture(params=LAYOUTS)
+async def selector(
+    nursery: trio.Nursery, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[httpx.AsyncClient]:
     """A selection service (KV events on) and an HTTP client for it."""
-    handle = await start_select_service(nursery, tmp_path / "data")
+    handle = await start_select_service(nursery, tmp_path / "data", proxied=request.param == "proxied")
     async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http:
         yield http
     handle.stop()

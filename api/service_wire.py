@@ -1,0 +1,158 @@
+"""The wire between front processes and the actor process: service-object calls as plain data.
+
+A call is ``[call_id, target, method, args]``: ``target`` names a service object (``service``, ``peers``),
+``method`` one of its public async methods, ``args`` every parameter in order, unstructured by cattrs for
+the parameter's annotated type (the front and the actor process run the same code, so both read the same
+annotations). A reply is ``[call_id, ok, payload]``: the unstructured result, or the failure as data
+(``encode_failure``) that the front raises again as the same exception with the same message, so the
+routes answer exactly as in one process. Batches of either are one msgpack message.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import cattrs
+import msgpack
+
+from kvrouter.actors.core.decisions import Reason
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.service_support import Refused
+
+CONVERTER = cattrs.Converter()
+# ``object`` fields (listener statistics) hold plain values already. (A hook on ``object`` itself would be
+# inherited by every class through singledispatch; this predicate matches the annotation only.)
+CONVERTER.register_structure_hook_func(lambda kind: kind is object, lambda value, _: value)
+CONVERTER.register_structure_hook_func(lambda kind: kind is type(None), lambda value, _: None)  # "-> None" methods
+
+# The NamedTuples in service signatures travel as arrays of plain fields.
+for _named in (ScopeKey, WorkerRank):
+    CONVERTER.register_structure_hook(_named, lambda value, kind: kind(*value))
+
+
+@attrs.frozen
+class MethodSpec:
+    """One callable method of a service object: its parameters' names and types, and its result type."""
+
+    name: str
+    parameters: tuple[inspect.Parameter, ...]
+    types: tuple[Any, ...]
+    result: Any
+
+
+def method_table(service_class: type) -> dict[str, MethodSpec]:
+    """The public async methods of ``service_class`` (``run`` excluded: it is the owner's, not a call)."""
+    table = {}
+    for name, function in inspect.getmembers(service_class, inspect.iscoroutinefunction):
+        if name.startswith("_") or name == "run":
+            continue
+        hints = typing.get_type_hints(function)
+        parameters = tuple(inspect.signature(function).parameters.values())[1:]  # without self
+        types = tuple(hints[parameter.name] for parameter in parameters)
+        table[name] = MethodSpec(name, parameters, types, hints.get("return", Any))
+    return table
+
+
+def encode_args(spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Every parameter in order (defaults filled in), each unstructured for its type."""
+    values = list(args)
+    for parameter in spec.parameters[len(args) :]:
+        if parameter.name in kwargs:
+            values.append(kwargs[parameter.name])
+        elif parameter.default is not inspect.Parameter.empty:
+            values.append(parameter.default)
+        else:
+            raise TypeError(f"{spec.name}() missing argument {parameter.name!r}")
+    return [CONVERTER.unstructure(value, kind) for value, kind in zip(values, spec.types, strict=True)]
+
+
+def decode_args(spec: MethodSpec, raw: list[Any]) -> list[Any]:
+    return [CONVERTER.structure(value, kind) for value, kind in zip(raw, spec.types, strict=True)]
+
+
+def encode_result(spec: MethodSpec, result: Any) -> Any:
+    return CONVERTER.unstructure(result, spec.result)
+
+
+def decode_result(spec: MethodSpec, raw: Any) -> Any:
+    return CONVERTER.structure(raw, spec.result)
+
+
+# -- failures as data -------------------------------------------------------------------------------------
+
+REFUSED, OVERLOADED, REPLY_TIMEOUT, JOURNAL_UNAVAILABLE, INTERNAL = "refused", "overloaded", "timeout", "journal", "bug"
+INTERNAL_ERROR = "the actor process failed on this request (a bug: its log has the traceback)"
+
+
+def encode_failure(exc: Exception) -> list[Any]:
+    """A service failure as data; anything else is a bug in the actor process (the front answers 500)."""
+    if isinstance(exc, Refused):
+        return [REFUSED, exc.reason.value, exc.message]
+    if isinstance(exc, Overloaded):
+        return [OVERLOADED, str(exc)]
+    if isinstance(exc, ReplyTimeout):
+        return [REPLY_TIMEOUT, str(exc), exc.request_id]
+    if isinstance(exc, JournalUnavailable):
+        return [JOURNAL_UNAVAILABLE, str(exc)]
+    return [INTERNAL, INTERNAL_ERROR]
+
+
+class ActorProcessBug(Exception):
+    """The actor process raised something that is not a service failure (the app answers 500)."""
+
+
+def decode_failure(data: list[Any]) -> Exception:
+    kind = data[0]
+    if kind == REFUSED:
+        return Refused(Reason(data[1]), data[2])
+    if kind == OVERLOADED:
+        return Overloaded(data[1])
+    if kind == REPLY_TIMEOUT:
+        late = ReplyTimeout.__new__(ReplyTimeout)
+        Exception.__init__(late, data[1])
+        late.request_id = data[2]
+        return late
+    if kind == JOURNAL_UNAVAILABLE:
+        gone = JournalUnavailable.__new__(JournalUnavailable)
+        Exception.__init__(gone, data[1])
+        return gone
+    return ActorProcessBug(data[1])
+
+
+# -- messages ---------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, set | frozenset):
+        return sorted(value)  # cattrs structures it back into the annotated set type
+    raise TypeError(f"cannot send {type(value).__name__} between processes")
+
+
+pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True, default=_plain).pack
+
+
+def pack_array(packed: list[bytes]) -> bytes:
+    """A msgpack array of already packed items: each call or reply is packed alone (a value that cannot be
+    packed fails its own request, not the batch), and a batch is their concatenation under this header."""
+    count = len(packed)
+    if count < 16:
+        header = bytes([0x90 | count])
+    elif count < 1 << 16:
+        header = b"\xdc" + count.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + count.to_bytes(4, "big")
+    return header + b"".join(packed)
+
+
+def pack_message(*fields: Any, items: list[bytes]) -> bytes:
+    """``[*fields, [items...]]`` as one msgpack message, the items already packed."""
+    return pack_array([*(pack(field) for field in fields), pack_array(items)])
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
