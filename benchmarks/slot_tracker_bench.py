@@ -2,10 +2,13 @@
 ``/health`` rate (the HTTP stack's ceiling) and, when installed, the Dynamo reference's rate.
 
     python benchmarks/slot_tracker_bench.py [--seconds 5] [--clients 4] [--reference-python PATH]
+    python benchmarks/slot_tracker_bench.py --modes always --fronts 0,1,2 --clients 16
 
 Workload (issue #2): 8 workers x 2 DP ranks, block size 16; each client loops add (64-block
 prompt, 1024 prefill tokens) -> prefill_complete -> free on its own keep-alive connection.
-The service runs as a subprocess (one core), the load generator in this process (the other).
+The service runs as subprocesses, the load generator in this process. With ``--fronts`` each listed
+layout runs (0: one process; N: a supervisor, the actor process and N front processes), and the CPU
+seconds each process spent per lifecycle request (from /proc) give a projection to more cores.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -47,24 +51,77 @@ class Result:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6 if ordered else float("nan")
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as listed:
+        return [int(child) for child in listed.read().split()]
+
+
+def process_role(pid: int) -> str:
+    """``actor`` / ``front`` for a child of a ``--fronts`` supervisor (its hidden role flag), else ``service``."""
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        for part in cmdline.read().split(b"\0"):
+            for role in ("actor", "front"):
+                if part.startswith(f"{role},".encode()):
+                    return role
+    return "service"
+
+
 class Server:
-    def __init__(self, argv: list[str], port: int) -> None:
+    def __init__(self, argv: list[str], port: int, *, fronts: int = 0) -> None:
         self.port = port
+        self.fronted = fronts > 0
+        self.expected_fronts = fronts
         # BENCH_LOG=info shows the service's log (journal batch statistics at shutdown).
         stderr = None if os.environ.get("BENCH_LOG") else subprocess.DEVNULL
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
+                # A fronted service's port accepts as soon as the supervisor binds it: wait for an answer.
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as probe:
+                    probe.settimeout(30)
+                    probe.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                    if probe.recv(64).startswith(b"HTTP/1.1 200"):
+                        break
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("server did not start")
+        else:
+            raise RuntimeError("server did not start")
+        # Every front must be up before measuring: each inherits the socket once it has started.
+        while self.fronted and len(self.roles().get("front", [])) < self.expected_fronts:
+            time.sleep(0.1)
+        if self.fronted:
+            time.sleep(2.0)  # (a front that is started but not yet serving would skew the first round)
+
+    def roles(self) -> dict[str, list[int]]:
+        """The service's processes by role (one ``service`` process without fronts)."""
+        if not self.fronted:
+            return {"service": [self.process.pid]}
+        found: dict[str, list[int]] = {}
+        for child in children(self.process.pid):
+            found.setdefault(process_role(child), []).append(child)
+        return found
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far by role, the supervisor included."""
+        totals = {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in self.roles().items()}
+        if self.fronted:
+            totals["supervisor"] = cpu_seconds(self.process.pid)
+        return totals
 
     def stop(self) -> None:
         self.process.terminate()
@@ -157,28 +214,59 @@ def merged(results: list[Result]) -> Result:
 
 
 def measure(
-    argv: list[str], port: int, seconds: float, clients: int, label: str, rounds: int
-) -> dict[str, Result | int]:
-    server = Server(argv, port)
+    argv: list[str], port: int, seconds: float, clients: int, label: str, rounds: int, fronts: int = 0
+) -> dict[str, Any]:
+    server = Server(argv, port, fronts=fronts)
     cycles, ceilings = [], []
+    cpu: dict[str, float] = {}
+    lifecycle_requests = 0
     try:
         server.wait_ready()
         trio.run(setup, port)
         trio.run(drive, port, clients, 0.5, lifecycle(1))  # warm-up: hooks, caches, page cache
         for round_index in range(rounds):
+            before = server.cpu()
             cycles.append(trio.run(drive, port, clients, seconds / rounds, lifecycle(2 + round_index)))
+            after = server.cpu()
+            lifecycle_requests += cycles[-1].requests
+            for role, spent in after.items():
+                cpu[role] = cpu.get(role, 0.0) + spent - before.get(role, 0.0)
             ceilings.append(trio.run(drive, port, clients, seconds / rounds, health))
-        rss = rss_bytes(server.process.pid) // 1024
+        rss = sum(rss_bytes(pid) for pids in server.roles().values() for pid in pids) // 1024
     finally:
         server.stop()
     cycle, ceiling = merged(cycles), merged(ceilings)
     print(
         f"{label:<24} lifecycle {cycle.rate:8.0f} req/s (p50 {cycle.percentile(0.5):6.0f} us, "
         f"p99 {cycle.percentile(0.99):6.0f} us)   /health {ceiling.rate:8.0f} req/s   "
-        f"ratio {cycle.rate / ceiling.rate:5.2f}   rss {rss / 1024:6.1f} MiB",
+        f"ratio {cycle.rate / ceiling.rate:5.2f}   rss {rss / 1024:6.1f} MiB   load {load_average()}",
         flush=True,
     )
-    return {"lifecycle": cycle, "health": ceiling, "rss": rss}
+    per_request = {role: spent / max(lifecycle_requests, 1) for role, spent in cpu.items()}
+    print(
+        f"{'':<24} CPU per lifecycle request: "
+        + ", ".join(f"{role} {seconds * 1e6:.0f} us" for role, seconds in sorted(per_request.items())),
+        flush=True,
+    )
+    return {"lifecycle": cycle, "health": ceiling, "rss": rss, "cpu": per_request}
+
+
+def load_average() -> str:
+    """The 1-minute load average (the machine is shared: every figure says how busy it was)."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def projection(cpu: dict[str, float], cores: int) -> str:
+    """Lifecycle rate on ``cores`` from per-request CPU: the actor process is one thread of work (one
+    core at most); the fronts share the other cores. Leaves out the load generator and the kernel's own
+    network work, so it is an upper bound."""
+    actor = cpu.get("actor", 0.0)
+    front = cpu.get("front", 0.0)
+    if actor <= 0 or front <= 0:
+        return "n/a"
+    fronts_rate = (cores - 1) / front
+    limit = "actor process" if 1 / actor < fronts_rate else "fronts"
+    return f"{min(1 / actor, fronts_rate):,.0f} req/s (limited by the {limit}: {1 / actor:,.0f} vs {fronts_rate:,.0f})"
 
 
 def main() -> None:
@@ -188,13 +276,21 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--reference-python", help="a python with ai-dynamo-runtime==1.6.1 installed")
     parser.add_argument("--modes", default="always,batch,off")
+    parser.add_argument(
+        "--fronts",
+        default="0",
+        help="comma-separated --fronts values to run each mode with (0: one process), e.g. 0,1,2",
+    )
+    parser.add_argument("--project-cores", type=int, default=16, help="project the fronted rate to this many cores")
     args = parser.parse_args()
     print(
         f"slot tracker benchmark: {WORKERS} workers x {RANKS} ranks, {BLOCKS}-block prompts, "
         f"{args.clients} clients, {args.seconds:.0f} s per measurement, cpus={os.cpu_count()}"
     )
+    print(f"machine load before: {load_average()} (uptime: {Path('/proc/loadavg').read_text().strip()})")
     results = {}
-    for mode in args.modes.split(","):
+    layouts = [int(n) for n in args.fronts.split(",")]
+    for mode, fronts in [(mode, fronts) for mode in args.modes.split(",") for fronts in layouts]:
         port = free_port()
         data = Path(tempfile.mkdtemp(prefix="kvrouter-bench-"))
         try:
@@ -211,8 +307,11 @@ def main() -> None:
                 "--fresh",
                 "--log-level",
                 os.environ.get("BENCH_LOG", "warning"),
+                "--fronts",
+                str(fronts),
             ]
-            results[mode] = measure(argv, port, args.seconds, args.clients, f"kvrouter ({mode})", args.rounds)
+            label = f"kvrouter ({mode})" if fronts == 0 else f"kvrouter ({mode}, {fronts}f)"
+            results[label] = measure(argv, port, args.seconds, args.clients, label, args.rounds, fronts)
         finally:
             shutil.rmtree(data, ignore_errors=True)
     python = reference_python(args.reference_python, "dynamo.slot_tracker")
@@ -228,14 +327,22 @@ def main() -> None:
             "reference 1.6.1",
             args.rounds,
         )
-        for mode, result in results.items():
-            ratio = result["lifecycle"].rate / ref["lifecycle"].rate  # type: ignore[union-attr]
-            print(f"kvrouter ({mode}) / reference lifecycle rate: {ratio:.3f}")
-    if "always" in results:
-        always = results["always"]
-        ratio = always["lifecycle"].rate / always["health"].rate  # type: ignore[union-attr]
+        for label, result in results.items():
+            ratio = result["lifecycle"].rate / ref["lifecycle"].rate
+            print(f"{label} / reference lifecycle rate: {ratio:.3f}")
+    if "kvrouter (always)" in results:
+        always = results["kvrouter (always)"]
+        ratio = always["lifecycle"].rate / always["health"].rate
         verdict = "meets" if ratio >= 0.6 else "misses"
         print(f"target: lifecycle (always) >= 0.6 x /health -> {ratio:.2f} ({verdict})")
+        for label, result in results.items():
+            if label != "kvrouter (always)" and label.startswith("kvrouter (always"):
+                ratio = result["lifecycle"].rate / always["lifecycle"].rate
+                print(f"{label} / one process lifecycle rate: {ratio:.2f} (target >= 2 on 2 cores)")
+    for label, result in results.items():
+        if "actor" in result["cpu"]:
+            print(f"{label}: projected to {args.project_cores} cores: {projection(result['cpu'], args.project_cores)}")
+    print(f"machine load after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ async def play(url: str) -> list[tuple[int, Any]]:
     return results
 
 
-async def test_same_requests_same_answers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fronts", [0, 2])  # one process, and two HTTP front processes (README, Process layout)
+async def test_same_requests_same_answers(tmp_path: Path, fronts: int) -> None:
     ours_port, ref_port = free_port(), free_port()
     ours = await start_process(
         [
@@ -120,6 +121,8 @@ async def test_same_requests_same_answers(tmp_path: Path) -> None:
             str(tmp_path / "data"),
             "--log-level",
             "warning",
+            "--fronts",
+            str(fronts),
         ],
         ours_port,
         tmp_path / "ours.log",

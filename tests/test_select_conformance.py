@@ -152,10 +152,12 @@ def theirs(port: int, *extra: str) -> list[str]:
     return [REFERENCE or "", "-m", "dynamo.select_service", "--port", str(port), *extra]
 
 
-async def test_same_requests_same_answers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fronts", [0, 2])  # one process, and two HTTP front processes (README, Process layout)
+async def test_same_requests_same_answers(tmp_path: Path, fronts: int) -> None:
     mine_port, ref_port = free_port(), free_port()
+    mine_argv = ours(mine_port, tmp_path / "data", "--fronts", str(fronts))
     processes = [
-        await start_process(ours(mine_port, tmp_path / "data"), mine_port, tmp_path / "ours.log"),
+        await start_process(mine_argv, mine_port, tmp_path / "ours.log"),
         await start_process(theirs(ref_port), ref_port, tmp_path / "ref.log", {"DYN_USE_KV_EVENTS": "false"}),
     ]
     try:
