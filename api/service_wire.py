@@ -35,14 +35,51 @@ for _named in (ScopeKey, WorkerRank):
     CONVERTER.register_structure_hook(_named, lambda value, kind: kind(*value))
 
 
+# Values of these types travel as they are: no converter call on the hot path.
+PLAIN = (int, str, bool, float, bytes, type(None), int | None, str | None, bool | None, float | None)
+# Sequences of plain values: a list becomes the tuple again without a per-element check (both ends are ours).
+PLAIN_TUPLES = (tuple[int, ...], tuple[str, ...])
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _unstructurer(kind: Any) -> Callable[[Any], Any]:
+    if kind in PLAIN or kind in PLAIN_TUPLES:
+        return _same
+    hook = CONVERTER.get_unstructure_hook(kind)
+    return lambda value: hook(value)
+
+
+def _structurer(kind: Any) -> Callable[[Any], Any]:
+    if kind in PLAIN:
+        return _same
+    if kind in PLAIN_TUPLES:
+        return tuple
+    hook = CONVERTER.get_structure_hook(kind)
+    return lambda value: hook(value, kind)
+
+
 @attrs.frozen
 class MethodSpec:
-    """One callable method of a service object: its parameters' names and types, and its result type."""
+    """One callable method of a service object: its parameters' names and types, and its result type,
+    with the converter hooks for each looked up once."""
 
     name: str
     parameters: tuple[inspect.Parameter, ...]
     types: tuple[Any, ...]
     result: Any
+    unstructure_args: tuple[Callable[[Any], Any], ...] = attrs.field(init=False)
+    structure_args: tuple[Callable[[Any], Any], ...] = attrs.field(init=False)
+    unstructure_result: Callable[[Any], Any] = attrs.field(init=False)
+    structure_result: Callable[[Any], Any] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "unstructure_args", tuple(map(_unstructurer, self.types)))
+        object.__setattr__(self, "structure_args", tuple(map(_structurer, self.types)))
+        object.__setattr__(self, "unstructure_result", _unstructurer(self.result))
+        object.__setattr__(self, "structure_result", _structurer(self.result))
 
 
 def method_table(service_class: type) -> dict[str, MethodSpec]:
@@ -68,19 +105,19 @@ def encode_args(spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any])
             values.append(parameter.default)
         else:
             raise TypeError(f"{spec.name}() missing argument {parameter.name!r}")
-    return [CONVERTER.unstructure(value, kind) for value, kind in zip(values, spec.types, strict=True)]
+    return [convert(value) for convert, value in zip(spec.unstructure_args, values, strict=True)]
 
 
 def decode_args(spec: MethodSpec, raw: list[Any]) -> list[Any]:
-    return [CONVERTER.structure(value, kind) for value, kind in zip(raw, spec.types, strict=True)]
+    return [convert(value) for convert, value in zip(spec.structure_args, raw, strict=True)]
 
 
 def encode_result(spec: MethodSpec, result: Any) -> Any:
-    return CONVERTER.unstructure(result, spec.result)
+    return spec.unstructure_result(result)
 
 
 def decode_result(spec: MethodSpec, raw: Any) -> Any:
-    return CONVERTER.structure(raw, spec.result)
+    return spec.structure_result(raw)
 
 
 # -- failures as data -------------------------------------------------------------------------------------

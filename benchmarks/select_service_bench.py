@@ -224,6 +224,16 @@ class Service:
             self.terminate(timeout=20)
 
 
+def tree_rss(pid: int) -> int:
+    """RSS of ``pid`` and its children (with --fronts: the supervisor, the actor process and the fronts)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listed:
+            children = [int(child) for child in listed.read().split()]
+    except OSError:
+        children = []
+    return rss_bytes(pid) + sum(rss_bytes(child) for child in children)
+
+
 # ------------------------------------------------------------------------------------ http helpers
 
 
@@ -323,7 +333,7 @@ async def ingest(service: Service, publishers: Publishers, workload: Workload, l
         w: connection.encode("POST", "/overlap_scores", {"model_name": MODEL, "token_ids": chain_tokens(c)})
         for w, c in pending.items()
     }
-    rss_before = rss_bytes(service.pid)
+    rss_before = tree_rss(service.pid)
     publish_seconds = 0.0
     probes_sent = 0
 
@@ -355,7 +365,7 @@ async def ingest(service: Service, publishers: Publishers, workload: Workload, l
         await connection.aclose()
     await trio.sleep(0.2)  # let transient buffers go before reading RSS
     return Ingest(
-        workload.blocks, elapsed, rss_before, rss_bytes(service.pid), WORKERS - len(order), publish_seconds, probes_sent
+        workload.blocks, elapsed, rss_before, tree_rss(service.pid), WORKERS - len(order), publish_seconds, probes_sent
     )
 
 
@@ -743,6 +753,9 @@ def main() -> None:
     parser.add_argument("--blocks-small", type=int, default=200_000)
     parser.add_argument("--blocks-large", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each request measurement")
+    parser.add_argument(
+        "--fronts", type=int, default=0, help="kvrouter's --fronts (0: one process; N: N HTTP front processes)"
+    )
     args = parser.parse_args()
     for name in ("blocks_small", "blocks_large"):
         if getattr(args, name) < WORKERS * CHAIN_BLOCKS:
@@ -765,7 +778,7 @@ def main() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     kvrouter = Flavor(
-        label=f"kvrouter ({args.durability})",
+        label=f"kvrouter ({args.durability})" if not args.fronts else f"kvrouter ({args.durability}, {args.fronts}f)",
         argv=lambda port, data, fresh: [
             sys.executable,
             "-m",
@@ -778,6 +791,8 @@ def main() -> None:
             args.durability,
             "--log-level",
             "warning",
+            "--fronts",
+            str(args.fronts),
             *(["--fresh"] if fresh else []),
         ],
         env=env,
