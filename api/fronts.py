@@ -182,6 +182,8 @@ async def run_actor_process(
                 await runtime.stopping.wait()
                 waiting.cancel_scope.cancel()
             runtime.nursery.cancel_scope.cancel()
+    if os.getppid() != role.supervisor_pid:  # the supervisor was killed: nobody else removes the sockets
+        shutil.rmtree(role.runtime_dir, ignore_errors=True)
 
 
 async def run_front_process(kind: ServiceKind, options: ServiceOptions, role: ProcessRole) -> None:

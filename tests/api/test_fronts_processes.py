@@ -314,3 +314,25 @@ def test_a_data_dir_in_use_is_one_line_and_exit_status_2(tmp_path: Path, started
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "is in use by another kvrouter process" in errors[0], result.stderr
     assert first.stop() == 0
+
+
+def test_the_supervisor_killed_with_sigkill_stops_its_children_gracefully_and_leaves_nothing(
+    tmp_path: Path, started: Any
+) -> None:
+    service = started(slot_tracker(tmp_path / "data"), tmp_path)
+    [actor] = service.children("actor")
+    role = next(part for part in Path(f"/proc/{actor}/cmdline").read_bytes().split(b"\0") if part.startswith(b"actor,"))
+    runtime_dir = Path(role.decode().split(",")[1])
+    assert (runtime_dir / "actor").exists()
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        body = {**M, "worker_id": 1, "block_size": 4, "dp_start": 0, "dp_size": 1}
+        assert http.post("/register", json=body).status_code == 201
+        assert add(http, "r") == 201
+    service.process.kill()
+    log = service.stderr()  # returns once every child has exited (they get SIGTERM when the supervisor dies)
+    assert "journal closed" in log and "Traceback" not in log
+    assert not runtime_dir.exists()
+    again = started(slot_tracker(tmp_path / "data"), tmp_path)
+    with httpx.Client(base_url=again.url, timeout=30) as http:
+        assert active_prefill_tokens(http) == 9
+    assert again.stop() == 0
