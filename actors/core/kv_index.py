@@ -27,8 +27,11 @@ Semantics (spec §3.1, §2.3, and black-box probes of the 1.6.1 indexer):
 Representation, chosen for ~1M blocks in CPython: device positions are node ids (ints) in flat
 arrays, children are found through one dict keyed ``(parent_node << 64) | local_hash``, and which
 ranks cover a node is an int bitmask, so ``find_matches`` is one dict probe and one ``&``-free
-mask compare per query block, independent of the number of ranks. Per rank, two dicts map
-external hash <-> node. Lower-tier edges are per-rank dicts keyed ``((parent + 1) << 64) | local``.
+mask compare per query block, independent of the number of ranks. Per rank, a dict maps external
+hash -> node; the way back is the node's name (the external hash it was created with, in a flat
+array) unless the rank named it otherwise (a small per-rank dict of such renames, empty when ranks
+agree on the hash of the same content, as engines do): one dict entry per held block, not two.
+Lower-tier edges are per-rank dicts keyed ``((parent + 1) << 64) | local``.
 
 Pathological inputs 1.6.1 handles differently (engines hash blocks by content, so these need a
 producer that reuses an external hash for other content): storing an external hash the rank
@@ -107,16 +110,17 @@ class _Lower:
 
 
 class _Rank:
-    """Everything one (worker, dp_rank) holds; ``ext_node`` and ``node_ext`` are inverses."""
+    """Everything one (worker, dp_rank) holds. Its external hash of a node it covers is ``renamed[node]``
+    if there, else the node's name (``KvIndex._name``); ``ext_node`` is the inverse."""
 
-    __slots__ = ("bit", "ext_node", "lower", "mask", "node_ext", "rank")
+    __slots__ = ("bit", "ext_node", "lower", "mask", "rank", "renamed")
 
     def __init__(self, rank: WorkerRank, bit: int) -> None:
         self.rank = rank
         self.bit = bit
         self.mask = 1 << bit
         self.ext_node: dict[int, int] = {}
-        self.node_ext: dict[int, int] = {}
+        self.renamed: dict[int, int] = {}  # node -> this rank's external hash, where it is not the node's name
         self.lower: list[_Lower | None] = [None, None, None]  # HOST, DISK, EXTERNAL
 
     def lower_count(self) -> int:
@@ -135,6 +139,7 @@ class KvIndex:
         "_free_nodes",
         "_local",
         "_lower_ranks",
+        "_name",
         "_next",
         "_parent",
         "_prev",
@@ -146,6 +151,7 @@ class KvIndex:
         self._child: dict[int, int] = {}  # (parent_node << 64) | local_hash -> node
         self._parent = array("i", [_NONE])
         self._local = array("Q", [0])
+        self._name = array("Q", [0])  # the external hash the node was created with (see _Rank.renamed)
         self._first = array("i", [_NONE])  # first child
         self._next = array("i", [_NONE])  # next sibling
         self._prev = array("i", [_NONE])  # previous sibling
@@ -213,7 +219,7 @@ class KvIndex:
         if r is None:
             return
         parent = self._parent
-        for node in [n for n in r.node_ext if parent[n] == 0]:
+        for node in [n for n in r.ext_node.values() if parent[n] == 0]:
             self._truncate(r, node)
         r.lower = [None, None, None]
         self._lower_ranks.pop(rank, None)
@@ -274,7 +280,7 @@ class KvIndex:
         for rank, r in self._lower_ranks.items():
             dev, last = depth.get(r.bit, (0, 0))
             pos = dev
-            key_parent = r.node_ext[last] + 1 if dev else 0
+            key_parent = r.renamed.get(last, self._name[last]) + 1 if dev else 0
             ext_counts = [0, 0, 0]
             for i, lower in enumerate(r.lower):
                 if lower is None or pos >= n_query:
@@ -328,7 +334,7 @@ class KvIndex:
 
     def is_empty(self) -> bool:
         """No rank holds a block in any tier."""
-        return all(not r.node_ext and all(t is None for t in r.lower) for r in self._ranks.values())
+        return all(not r.ext_node and all(t is None for t in r.lower) for r in self._ranks.values())
 
     # ------------------------------------------------------------------------------- invariants
 
@@ -347,7 +353,7 @@ class KvIndex:
         self._check_tree(live, problems)
         covered: dict[int, int] = {}
         for r in self._ranks.values():
-            problems.extend(_check_rank(r, self._parent, live, covered))
+            problems.extend(_check_rank(r, self._parent, self._name, live, covered))
             for i, lower in enumerate(r.lower):
                 if lower is not None:
                     problems.extend(_check_lower(r.rank, _LOWER_TIERS[i], lower))
@@ -477,7 +483,8 @@ class KvIndex:
         r = existing if existing is not None else self._rank(rank)
         mask = r.mask
         ext_node = r.ext_node
-        node_ext = r.node_ext
+        renamed = r.renamed
+        names = self._name
         child = self._child
         cover = self._cover
         for ext, local in blocks:
@@ -485,7 +492,7 @@ class KvIndex:
             local &= U64_MASK
             key = (node << 64) | local
             nxt = child.get(key)
-            if nxt is not None and cover[nxt] & mask and node_ext[nxt] == ext:
+            if nxt is not None and cover[nxt] & mask and renamed.get(nxt, names[nxt]) == ext:
                 node = nxt  # already held: idempotent
                 continue
             moved = ext_node.get(ext)
@@ -494,27 +501,30 @@ class KvIndex:
                     break  # would cut the path being stored; keep what is stored so far
                 self._truncate(r, moved)  # cannot free ``node`` or ``nxt``: neither is under ``moved``
             if nxt is None:
-                nxt = self._new_node(node, local, key)
+                nxt = self._new_node(node, local, key, ext)
             if cover[nxt] & mask:
-                del ext_node[node_ext[nxt]]  # rename: one external hash per (rank, position)
+                del ext_node[renamed.pop(nxt, names[nxt])]  # rename: one external hash per (rank, position)
             else:
                 cover[nxt] |= mask
             ext_node[ext] = nxt
-            node_ext[nxt] = ext
+            if ext != names[nxt]:
+                renamed[nxt] = ext
             node = nxt
         return True
 
-    def _new_node(self, parent: int, local: int, key: int) -> int:
+    def _new_node(self, parent: int, local: int, key: int, name: int) -> int:
         if self._free_nodes:
             node = self._free_nodes.pop()
             self._parent[node] = parent
             self._local[node] = local
+            self._name[node] = name
             self._first[node] = _NONE
             self._cover[node] = 0
         else:
             node = len(self._cover)
             self._parent.append(parent)
             self._local.append(local)
+            self._name.append(name)
             self._first.append(_NONE)
             self._next.append(_NONE)
             self._prev.append(_NONE)
@@ -558,10 +568,11 @@ class KvIndex:
                     stack.append(c)
                 c = nxt[c]
         ext_node = r.ext_node
-        node_ext = r.node_ext
+        renamed = r.renamed
+        names = self._name
         for node in reversed(order):  # children before parents, so a freed parent has no live children
             cover[node] ^= mask
-            del ext_node[node_ext.pop(node)]
+            del ext_node[renamed.pop(node, names[node]) if renamed else names[node]]
             if not cover[node]:
                 self._free(node)
 
@@ -576,7 +587,7 @@ class KvIndex:
     def _iter_runs(self) -> Iterator[StoredRun]:
         for rank in sorted(self._ranks):
             r = self._ranks[rank]
-            if r.node_ext:
+            if r.ext_node:
                 yield from self._device_runs(r)
             for tier, lower in zip(_LOWER_TIERS, r.lower, strict=True):
                 if lower is not None:
@@ -587,11 +598,15 @@ class KvIndex:
 
     def _device_runs(self, r: _Rank) -> Iterator[StoredRun]:
         mask = r.mask
-        node_ext = r.node_ext
+        renamed = r.renamed
+        names = self._name
         cover = self._cover
         first = self._first
         nxt = self._next
         local = self._local
+
+        def ext_of(node: int) -> int:
+            return renamed.get(node, names[node])
 
         def covered_children(node: int) -> list[int]:
             kids = []
@@ -600,36 +615,42 @@ class KvIndex:
                 if cover[c] & mask:
                     kids.append(c)
                 c = nxt[c]
-            kids.sort(key=node_ext.__getitem__)
+            kids.sort(key=ext_of)
             return kids
 
-        roots = sorted((n for n in node_ext if self._parent[n] == 0), key=node_ext.__getitem__)
+        roots = sorted((n for n in r.ext_node.values() if self._parent[n] == 0), key=ext_of)
         stack: list[tuple[int | None, int]] = [(None, n) for n in reversed(roots)]
         while stack:
             parent_ext, node = stack.pop()
             blocks = []
             while True:
-                blocks.append((node_ext[node], local[node]))
+                blocks.append((ext_of(node), local[node]))
                 kids = covered_children(node)
                 if len(kids) != 1:
                     break
                 node = kids[0]
-            here = node_ext[node]
+            here = ext_of(node)
             stack.extend((here, k) for k in reversed(kids))
             yield StoredRun(r.rank, Tier.DEVICE, parent_ext, tuple(blocks))
 
 
-def _check_rank(r: _Rank, parent: array[int], live: set[int], covered: dict[int, int]) -> list[str]:
-    """One rank's device maps: inverse of each other, on live nodes, prefix-closed; adds its bit to ``covered``."""
+def _check_rank(r: _Rank, parent: array[int], names: array[int], live: set[int], covered: dict[int, int]) -> list[str]:
+    """One rank's device names: one per node, renames only where they differ from the node's name, on live
+    nodes, prefix-closed; adds its bit to ``covered``."""
     problems = []
-    if len(r.ext_node) != len(r.node_ext) or any(r.node_ext.get(n) != e for e, n in r.ext_node.items()):
-        problems.append(f"{r.rank}: external-hash and node maps are not inverses")
-    for node in r.node_ext:
+    nodes = set(r.ext_node.values())
+    if len(nodes) != len(r.ext_node):
+        problems.append(f"{r.rank}: two external hashes name one node")
+    if any(r.renamed.get(n, names[n]) != e for e, n in r.ext_node.items()):
+        problems.append(f"{r.rank}: an external hash maps to a node the rank names otherwise")
+    if not set(r.renamed) <= nodes or any(names[n] == e for n, e in r.renamed.items()):
+        problems.append(f"{r.rank}: a rename of a node it does not hold, or one that repeats the node's name")
+    for node in nodes:
         if node not in live:
             problems.append(f"{r.rank}: holds node {node}, which is not live")
             continue
         covered[node] = covered.get(node, 0) | r.mask
-        if parent[node] != 0 and parent[node] not in r.node_ext:
+        if parent[node] != 0 and parent[node] not in nodes:
             problems.append(f"{r.rank}: covers node {node} but not its parent (not prefix-closed)")
     return problems
 
