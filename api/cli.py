@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
     services = parser.add_subparsers(
-        dest="service", required=True, metavar="{slot-tracker,select-service,simulate,keys,journal,worker-topology}"
+        dest="service",
+        required=True,
+        metavar="{slot-tracker,select-service,simulate,keys,journal,worker-topology,mock-worker}",
     )
     slot = services.add_parser(
         SLOT_TRACKER,
@@ -260,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish a worker's topology files and KV-transfer policy (see kvrouter worker-topology --help)",
         add_help=False,
     )
+    services.add_parser(
+        "mock-worker",
+        help="an OpenAI-compatible mock inference worker publishing KV events (see kvrouter mock-worker --help)",
+        add_help=False,
+    )
     for subparser in (slot, select):
         subparser.set_defaults(subparser=subparser)
     add_keys_command(services)
@@ -289,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.api.journal_cli import main as journal
 
         return journal(arguments[1:])
+    if arguments[:1] == ["mock-worker"]:
+        from kvrouter.api.mock_worker.cli import main as mock_worker
+
+        return mock_worker(arguments[1:])
     if arguments[:1] == ["worker-topology"]:
         from kvrouter.api.worker_topology import main as worker_topology
 
