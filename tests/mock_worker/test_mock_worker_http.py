@@ -80,7 +80,7 @@ async def test_cached_tokens_grow_with_a_repeated_prefix(nursery: trio.Nursery) 
         assert await cached(PROMPT[:9]) == 0  # 2 full blocks computed and cached
         assert await cached(PROMPT[:9]) == 8  # both found (the last token is always computed)
         assert await cached(PROMPT) == 8  # the same 2, then 2 more computed
-        assert await cached(PROMPT + [7, 7, 7, 7]) == 16
+        assert await cached([*PROMPT, 7, 7, 7, 7]) == 16
         assert await cached([5, *PROMPT]) == 0  # another first token: another prefix
     assert worker.app.stats()["kv_blocks_active"] == 0  # everything finished and released
 
