@@ -25,7 +25,7 @@ from kvrouter.simulations.timing import EngineParams
 class Generation(EngineRequest):
     """One request in the engine, and what its HTTP handler waits for: tokens as passes emit them."""
 
-    __slots__ = ("cached_tokens", "changed", "done", "output", "output_tokens")
+    __slots__ = ("aborted", "cached_tokens", "changed", "done", "output", "output_tokens")
 
     def __init__(self, request_id: str, index: int, prompt: Sequence[int], max_tokens: int, block_size: int) -> None:
         local = block_hashes(prompt, block_size)
@@ -34,6 +34,7 @@ class Generation(EngineRequest):
         self.output_tokens: list[int] = []  # delivered to the handler (at the end of the pass that made them)
         self.cached_tokens: int | None = None  # prompt tokens found cached at (first) admission
         self.done = False  # every token delivered, or aborted
+        self.aborted = False
         self.changed = trio.Event()  # set when tokens arrive or the request ends; replaced by the reader
 
     def next_token(self) -> int:
@@ -94,7 +95,7 @@ class EngineLoop:
     def abort(self, generation: Generation) -> None:
         if not generation.done:
             self.engine.abort(generation)
-            generation.done = True
+            generation.done = generation.aborted = True
             generation.wake()
 
     async def run(self) -> None:

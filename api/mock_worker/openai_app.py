@@ -187,18 +187,31 @@ class MockWorkerApp:
         self.loop.submit(generation)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(self._abort_on_disconnect, receive, generation)
                 if request.stream:
                     await self._stream(send, request, generation)
                 else:
                     await _wait_done(generation)
-                    await _send(send, json_response(200, self._whole(request, generation)), scope)
+                    if not generation.aborted:
+                        await _send(send, json_response(200, self._whole(request, generation)), scope)
                 nursery.cancel_scope.cancel()
         finally:
-            if not generation.done:
-                self.aborted += 1
+            if not generation.done:  # cancelled (the server is stopping): free the engine
                 self.loop.abort(generation)
-                log.debug("%s aborted: the client went away", request_id)
+
+    async def _abort_on_disconnect(self, receive: Any, generation: Generation) -> None:
+        """The body has been read: the next message says the client went away (or the response ended).
+
+        This task never cancels the response: hypercorn delivers ``http.disconnect`` from inside the final
+        ``send`` too, and cancelling that send would stop hypercorn from closing the connection. Instead the
+        request is aborted, which wakes the handler.
+        """
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not generation.done:
+            self.aborted += 1
+            self.loop.abort(generation)
+            log.debug("%s aborted: the client went away", generation.request_id)
 
     async def _read_json(self, scope: ASGIScope, receive: Any) -> Any:
         content_type = content_length = None
@@ -303,6 +316,8 @@ class MockWorkerApp:
                 break
             generation.changed = trio.Event()
             await generation.changed.wait()
+        if generation.aborted:
+            return  # nobody is reading
         if request.include_usage:
             await event({**base, "choices": [], "usage": self._usage(request, generation)})
         await send({"type": "http.response.body", "body": DONE, "more_body": False})
@@ -312,15 +327,6 @@ async def _wait_done(generation: Generation) -> None:
     while not generation.done:
         generation.changed = trio.Event()
         await generation.changed.wait()
-
-
-async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
-    """The request body has been read: the next message is the client going away (cancel the response)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
 
 
 async def _send(send: Any, response: Response, scope: ASGIScope) -> None:

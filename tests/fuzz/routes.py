@@ -236,3 +236,39 @@ SELECTION_KNOWN: KNOWN = [
     ("GET", "/loads", None),
     ("DELETE", "/reservations/top", None),
 ]
+
+# -- the mock worker (kvrouter mock-worker) ------------------------------------------------------------------
+
+WORDS = st.lists(st.sampled_from(["hello", "world", ",", "the", "cat", "sat", "é", "\n"]), min_size=1, max_size=30)
+GENERATION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.sampled_from(["mock", "mock", "mock", "other"]),
+    "max_tokens": st.integers(1, 6),
+    "stream": st.booleans(),
+    "stream_options": optional({"include_usage": st.booleans()}),
+    "n": st.just(1),
+    "temperature": st.floats(0, 2),
+}
+COMPLETION = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.lists(st.integers(0, 60), min_size=1, max_size=48), WORDS.map(" ".join))},
+    optional=GENERATION_FIELDS,
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": WORDS.map(" ".join)}
+)
+CHAT = st.fixed_dictionaries(
+    {"messages": st.lists(MESSAGE, min_size=1, max_size=3)},
+    optional={**GENERATION_FIELDS, "max_completion_tokens": st.integers(1, 6)},
+)
+MOCK_WORKER_ROUTES = [
+    FuzzRoute("POST", "/v1/completions", COMPLETION, weight=3),
+    FuzzRoute("POST", "/v1/chat/completions", CHAT, weight=2),
+    FuzzRoute("GET", "/v1/models"),
+    FuzzRoute("GET", "/health"),
+    FuzzRoute("GET", "/stats"),
+]
+MOCK_WORKER_KNOWN: KNOWN = [
+    ("POST", "/v1/completions", {"prompt": [1, 2**32]}),
+    ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 2**70}),
+    ("POST", "/v1/completions", {"prompt": list(range(2000))}),  # more than the KV cache holds
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}),
+]

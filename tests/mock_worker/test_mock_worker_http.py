@@ -11,6 +11,7 @@ import trio
 
 from kvrouter.api.mock_worker.tokenizer import render_chat, tokenize
 from tests.support.mock_workers import BLOCK, limits, start_mock_worker
+from tests.support.raw_http import connect, request_bytes
 
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks of 4, and one more token
 
@@ -187,3 +188,23 @@ async def test_a_full_worker_answers_503_and_a_disconnect_aborts_the_request(nur
                 await trio.sleep(0.01)
         stats = worker.app.stats()
         assert stats["running"] == stats["waiting"] == stats["kv_blocks_active"] == 0
+
+
+async def test_a_completion_asked_with_connection_close_is_answered_and_the_connection_closed(
+    nursery: trio.Nursery,
+) -> None:
+    """Before: the response went out but the connection stayed open (the end of the response reached the
+    handler as a disconnect, which cancelled hypercorn's own close), so a client reading to EOF hung."""
+    worker = await start_mock_worker(nursery)
+    for stream in (False, True):
+        body = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "stream": stream})
+        headers = {"content-type": "application/json", "connection": "close"}
+        connection = await connect(worker.url)
+        async with connection:
+            await connection.send_all(request_bytes("POST", "/v1/completions", body, headers))
+            received = b""
+            with trio.fail_after(10):
+                while chunk := await connection.receive_some(65536):
+                    received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and (b"[DONE]" in received) == stream
+    assert worker.app.stats()["requests_aborted"] == 0
