@@ -151,10 +151,21 @@ def _url_host(host: str) -> str:
 
 
 async def run_until_signal(options: MockWorkerOptions) -> None:
+    """Serve until SIGINT/SIGTERM. A signal while starting (registration may be retrying) stops at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            handle: MockWorkerHandle = await nursery.start(partial(run_mock_worker, options))
-            async for signum in signals:
-                log.info("received %s: shutting down", signal.Signals(signum).name)
-                handle.stop()
-                break
+            handles: list[MockWorkerHandle] = []
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if handles:
+                        log.info("received %s: shutting down", name)
+                        handles[0].stop()
+                    else:
+                        log.info("received %s while starting: stopping", name)
+                        nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(on_signal)
+            handles.append(await nursery.start(partial(run_mock_worker, options)))

@@ -31,7 +31,8 @@ LISTENING = re.compile(r" listening on http://127\.0\.0\.1:(\d+) \(model \S+, wo
 class Worker:
     """A mock worker process on free ports; ``port`` and ``worker_id`` come from its own listening line."""
 
-    def __init__(self, *flags: str, tmp_path: Path) -> None:
+    def __init__(self, *flags: str, tmp_path: Path, wait_for: re.Pattern[str] = LISTENING) -> None:
+        self._pattern = wait_for
         argv = [*CLI, "--port", "0", "--kv-events-port", "0", "--speedup", "100", *flags]
         env = {**os.environ, "TMPDIR": str(tmp_path)}
         self.process = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
@@ -45,7 +46,7 @@ class Worker:
         with self.process.stderr:
             for line in self.process.stderr:
                 self.lines.append(line)
-                if found := LISTENING.search(line):
+                if found := self._pattern.search(line):
                     self._found.put(found)
         self._found.put(None)
 
@@ -62,6 +63,16 @@ class Worker:
     def stderr(self) -> str:
         self._reader.join(TIMEOUT)
         return "".join(self.lines)
+
+
+def test_a_signal_while_registration_retries_stops_at_once(tmp_path: Path) -> None:
+    """Before: SIGTERM waited for every registration attempt (here ~10 minutes) before stopping."""
+    nobody = f"http://127.0.0.1:{free_tcp_port()}"
+    retrying = re.compile(r"registration attempt 1/1000 failed")
+    worker = Worker("--register", nobody, "--register-attempts", "1000", tmp_path=tmp_path, wait_for=retrying)
+    worker.wait_listening()
+    assert worker.stop() == 0
+    assert "received SIGTERM while starting: stopping" in worker.stderr()
 
 
 def error_line(stderr: str) -> str:
