@@ -59,7 +59,7 @@ class MockEngine(WorkerEngine):
             request.held, request.private = [], 0
 
 
-PublishEvents = Callable[[list[KvEvent]], None]
+PublishEvents = Callable[[list[KvEvent]], object]  # its return value is ignored
 
 
 class EngineLoop:

@@ -67,13 +67,16 @@ class KvEventPublisher:
 
     def bind(self, host: str, port: int, replay_port: int | None) -> None:
         """Open and bind the sockets (port 0: any free one); ``replay_port`` None: no replay endpoint."""
-        pub = open_socket(zmq.PUB, sndhwm=PUBLISHER_HWM, rcvhwm=100)
+        ipv6: dict[int, int | bytes] = {zmq.IPV6: 1} if ":" in host else {}
+        pub = open_socket(zmq.PUB, sndhwm=PUBLISHER_HWM, rcvhwm=100, options=ipv6)
         try:
             self.port = _bind(pub, host, port)
             if replay_port is not None:
                 # ROUTER_MANDATORY: at the high-water mark a reply waits instead of vanishing; a requester
                 # that went away raises EHOSTUNREACH, which ends its reply stream.
-                router = open_socket(zmq.ROUTER, sndhwm=1000, rcvhwm=REPLAY_RCVHWM, options={zmq.ROUTER_MANDATORY: 1})
+                router = open_socket(
+                    zmq.ROUTER, sndhwm=1000, rcvhwm=REPLAY_RCVHWM, options={zmq.ROUTER_MANDATORY: 1, **ipv6}
+                )
                 try:
                     self.replay_port = _bind(router, host, replay_port)
                 except BaseException:
