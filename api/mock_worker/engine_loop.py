@@ -37,9 +37,12 @@ class Generation(EngineRequest):
         self.aborted = False
         self.changed = trio.Event()  # set when tokens arrive or the request ends; replaced by the reader
 
-    def next_token(self) -> int:
-        # The engine counts the token, then asks for it (it becomes the next position's input).
-        return self.output.token(self.generated - 1)
+    def token_at(self, position: int) -> int:
+        """The prompt's token, or the one generated there: the built-in tokenizer's id of that output word, so
+        a later prompt that quotes the answer finds its blocks cached."""
+        if position < self.prompt_length:
+            return self.tokens[position]
+        return self.output.token(position - self.prompt_length)
 
     def text(self, start: int, end: int) -> str:
         return "".join(self.output.piece(i) for i in range(start, end))

@@ -208,3 +208,16 @@ async def test_a_completion_asked_with_connection_close_is_answered_and_the_conn
                     received += chunk
         assert received.startswith(b"HTTP/1.1 200") and (b"[DONE]" in received) == stream
     assert worker.app.stats()["requests_aborted"] == 0
+
+
+async def test_a_prompt_that_quotes_an_answer_finds_the_answers_blocks_cached(nursery: trio.Nursery) -> None:
+    """Generated tokens are the tokenizer's ids of the generated words (not engine-internal ids), so a
+    follow-up turn that sends the answer back as text reuses the blocks the answer filled."""
+    worker = await start_mock_worker(nursery)
+    async with httpx.AsyncClient(base_url=worker.url, timeout=10) as http:
+        first = (await http.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 6})).json()
+        answer = first["choices"][0]["text"]
+        assert len(tokenize(answer)) == 6
+        follow_up = [1, 2, 3, 4, *tokenize(answer)]  # 10 tokens: the prompt's block, then the answer's
+        again = (await http.post("/v1/completions", json={"prompt": follow_up, "max_tokens": 1})).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
