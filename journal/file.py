@@ -31,6 +31,10 @@ from typing import Final, final
 import attrs
 import trio
 
+# trio's idle detector, imported from where trio.testing re-exports it (importing trio.testing would load
+# pytest into the service); tests/journal/test_gather.py fails loudly if an upgrade moves it.
+from trio._core import wait_all_tasks_blocked as _wait_until_loop_idle
+
 from kvrouter.journal.frames import FRAME_OVERHEAD, HEAD, LSN, LSN_BYTES, MAX_PAYLOAD_BYTES
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.io_thread import IoThread
@@ -53,8 +57,8 @@ DEFAULT_SEGMENT_BYTES: Final = 64 * MiB
 DEFAULT_MAX_BACKLOG_BYTES: Final = 64 * MiB  # unwritten bytes before producers are told to wait
 DEFAULT_BATCH_INTERVAL: Final = 0.005  # seconds between fsyncs under Durability.BATCH
 
-# ALWAYS: scheduling turns the writer yields before taking a batch (see _write_loop).
-GATHER_CHECKPOINTS = 0
+# ALWAYS: the longest the writer waits for the loop to run out of work before it fsyncs anyway (see _gather).
+GATHER_MAX_SECONDS: Final = 0.001
 # BATCH and OFF write batches up to this size from the loop itself (see _write_pending).
 INLINE_WRITE_BYTES = 256 * 1024
 
@@ -421,10 +425,7 @@ class FileJournal:
         while not self._closing:
             if self._pending:
                 if self._durability is Durability.ALWAYS:
-                    # Group commit: let the tasks that are already runnable (other requests being
-                    # decided right now) append before this fsync, instead of waiting for the next.
-                    for _ in range(GATHER_CHECKPOINTS):
-                        await trio.lowlevel.checkpoint()
+                    await self._gather()
                 await self._write_pending()
             elif batch_mode and self._synced_lsn < self._commit.durable_lsn:
                 # A write is not yet covered by an fsync: make sure one happens within batch_interval
@@ -437,6 +438,20 @@ class FileJournal:
                         await self._wait_for_work()
             else:
                 await self._wait_for_work()
+
+    async def _gather(self) -> None:
+        """ALWAYS: hold the fsync until the loop has nothing else runnable (GATHER_MAX_SECONDS at most).
+
+        A request's append is often only the first of a burst: the other connections whose bytes were
+        read in the same turn are still being parsed and decided, a few scheduling turns behind it.
+        Taking the batch at the first append would give them the *next* fsync, a whole fsync later.
+        Waiting until no task is runnable and no socket is ready lets the whole burst share one fsync;
+        at low load the loop is idle a turn after the append, so this costs a scheduling turn, and under
+        load the batch grows with the work in flight. The bound keeps a loop that never idles (a flood
+        of reads or KV events) from starving the writer.
+        """
+        with trio.move_on_after(GATHER_MAX_SECONDS):
+            await _wait_until_loop_idle()
 
     async def _wait_for_work(self) -> None:
         self._wakeup = trio.Event()
