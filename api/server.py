@@ -47,9 +47,10 @@ import orjson
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr
+
+from kvrouter.api.hypercorn_adapter import AdaptedTCPServer, inactive_reason
 
 log = logging.getLogger("kvrouter.http")
 
@@ -161,10 +162,10 @@ class _Stream:
                 pass
 
 
-class _Connection(TCPServer):
-    """Hypercorn's connection, which stops waiting for a next request once reading has ended (the client
-    closed, or the read timeout fired): hypercorn's keep-alive timer would otherwise keep the task, and its
-    descriptor, for up to the idle timeout, holding a connection slot."""
+class _Connection(AdaptedTCPServer):
+    """Hypercorn's connection (with the adapter's keep-alive timer), which stops waiting for a next request
+    once reading has ended (the client closed, or the read timeout fired): the keep-alive timer would
+    otherwise keep the task, and its descriptor, for up to the idle timeout, holding a connection slot."""
 
     async def _read_data(self) -> None:
         await super()._read_data()
@@ -286,6 +287,8 @@ async def serve_http(
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
     server = _Server(app, config, max_connections)
+    if (reason := inactive_reason()) is not None:
+        log.warning("%s", reason)
     try:
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as accepting:

@@ -1,0 +1,124 @@
+"""Two per-request costs of hypercorn's trio HTTP/1.1 connection, removed from outside hypercorn.
+
+Hypercorn 0.18's ``TCPServer`` keeps a connection's keep-alive timer as a task it cancels when a request
+head arrives and starts again (``nursery.start``, a task and a handshake) after every response; and it
+hands the socket each response in three sends (head, body, and the empty end of a content-length body),
+each under its send lock. ``AdaptedTCPServer`` keeps one timer task for the connection's whole life and
+moves its deadline instead, and does not send empty data. Nothing else changes: the timer fires in the
+same states, for the same reasons, with hypercorn's own close.
+
+It relies on hypercorn internals (``TCPServer.idle_task`` and how ``run``/``protocol_send`` call it,
+``_initiate_server_close``, ``_read_data``, ``RawData``), so it is pinned: with any hypercorn other than
+``HYPERCORN_VERSION`` it stands aside (``ACTIVE`` is false: hypercorn's own timer and sends, and the
+server logs a warning), and tests/api/test_hypercorn_adapter.py fails loudly on another version and
+checks every internal used here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from importlib.metadata import version
+from typing import Any
+
+import trio
+from hypercorn.events import Event, RawData
+from hypercorn.trio.tcp_server import TCPServer
+
+HYPERCORN_VERSION = "0.18.0"  # the version whose internals this module was written and tested against
+
+
+INSTALLED_VERSION = version("hypercorn")
+ACTIVE = INSTALLED_VERSION == HYPERCORN_VERSION
+
+
+def inactive_reason() -> str | None:
+    """One line for the log when the adapter stands aside, else None."""
+    if ACTIVE:
+        return None
+    return (
+        f"hypercorn {INSTALLED_VERSION} is installed; kvrouter's HTTP adapter is written for {HYPERCORN_VERSION} "
+        "and stands aside (hypercorn's own keep-alive timer and sends: correct, slower). "
+        f"Install hypercorn=={HYPERCORN_VERSION} for the faster path."
+    )
+
+
+class KeepAliveTimer:
+    """hypercorn's ``TrioSingleTask`` for the idle timer (same ``restart``/``stop``), as one long-lived task.
+
+    ``restart`` (a response went out: the connection is idle) arms the deadline ``keep_alive_timeout``
+    from now, or now if the server is terminating; ``stop`` (a request head arrived) disarms it. Both only
+    move a cancel scope's deadline: no task is started or cancelled per request. When the deadline passes
+    while idle, or the server terminates while idle, the connection is closed as hypercorn's own timer
+    does. ``close`` ends the task (the connection stopped reading).
+    """
+
+    def __init__(self, server: TCPServer) -> None:
+        self._server = server
+        self._deadline = math.inf
+        self._idle = False
+        self._scope: trio.CancelScope | None = None
+        self._started = False
+        self._closed = False
+
+    async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
+        # ``action`` is hypercorn's own timer body (TCPServer._idle_timeout); its effect is reproduced in _watch.
+        self._idle = True
+        if self._server.context.terminated.is_set():
+            self._set_deadline(-math.inf)
+        else:
+            self._set_deadline(trio.current_time() + self._server.config.keep_alive_timeout)
+        if not self._started and not self._closed:
+            self._started = True
+            task_group.spawn(self._watch)
+
+    async def stop(self) -> None:
+        self._idle = False
+        self._set_deadline(math.inf)
+
+    def close(self) -> None:
+        self._closed = True
+        self._idle = False
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _set_deadline(self, deadline: float) -> None:
+        self._deadline = deadline
+        if self._scope is not None:
+            self._scope.deadline = deadline
+
+    async def _watch(self) -> None:
+        terminated = self._server.context.terminated
+        while not self._closed:
+            with trio.CancelScope(deadline=self._deadline) as scope:
+                self._scope = scope
+                await terminated.wait()
+                if not self._idle:
+                    await trio.sleep_forever()  # terminating while a request is in flight: restart() fires us
+            self._scope = None
+            if self._idle:  # the deadline passed, or the server is terminating, while idle
+                with trio.CancelScope(shield=True):
+                    await self._server._initiate_server_close()
+                return
+            # Otherwise a request arrived just as the deadline passed (or close() was called): carry on.
+
+
+class AdaptedTCPServer(TCPServer):
+    """hypercorn's trio connection with the keep-alive timer above and no empty sends (see the module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if ACTIVE:
+            self.idle_task = KeepAliveTimer(self)  # type: ignore[assignment]
+
+    async def protocol_send(self, event: Event) -> None:
+        if ACTIVE and type(event) is RawData and not event.data:
+            return  # the end of a content-length body: h11 has nothing to write, and a send costs a turn
+        await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            if isinstance(self.idle_task, KeepAliveTimer):
+                self.idle_task.close()
