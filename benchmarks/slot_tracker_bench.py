@@ -9,6 +9,8 @@ prompt, 1024 prefill tokens) -> prefill_complete -> free on its own keep-alive c
 The service runs as subprocesses, the load generator in this process. With ``--fronts`` each listed
 layout runs (0: one process; N: a supervisor, the actor process and N front processes), and the CPU
 seconds each process spent per lifecycle request (from /proc) give a projection to more cores.
+``--clients`` takes a list (each count is measured); "records/fsync" is the journal's group commit at work:
+records appended over segment fsyncs, from the statistics the service logs when it stops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -81,9 +84,20 @@ class Server:
         self.port = port
         self.fronted = fronts > 0
         self.expected_fronts = fronts
-        # BENCH_LOG=info shows the service's log (journal batch statistics at shutdown).
-        stderr = None if os.environ.get("BENCH_LOG") else subprocess.DEVNULL
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
+        # The service's log goes to a file, read back for the journal statistics it logs at shutdown;
+        # BENCH_LOG=<level> also prints it.
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115  (closed by journal_statistics)
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.log)
+
+    def journal_statistics(self) -> dict[str, int]:
+        """The fields of the ``journal closed: JournalStatistics(...)`` line (after ``stop``), or {}."""
+        self.log.seek(0)
+        text = self.log.read().decode(errors="replace")
+        self.log.close()
+        if os.environ.get("BENCH_LOG"):
+            print(text, end="", file=sys.stderr)
+        found = re.search(r"JournalStatistics\((.*?)\)", text)
+        return {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", found.group(1))} if found else {}
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + 60
@@ -248,6 +262,14 @@ def measure(
         + ", ".join(f"{role} {seconds * 1e6:.0f} us" for role, seconds in sorted(per_request.items())),
         flush=True,
     )
+    stats = server.journal_statistics()
+    if stats.get("fsyncs"):
+        batches = stats.get("batches_written") or 1
+        print(
+            f"{'':<24} journal: {stats['last_lsn']} records, records/fsync {stats['last_lsn'] / stats['fsyncs']:.2f}, "
+            f"records/write {stats['last_lsn'] / batches:.2f}",
+            flush=True,
+        )
     return {"lifecycle": cycle, "health": ceiling, "rss": rss, "cpu": per_request}
 
 
@@ -273,7 +295,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=6.0, help="per measurement, split over --rounds")
     parser.add_argument("--rounds", type=int, default=3, help="alternating lifecycle and /health rounds (median)")
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--clients", default="4", help="connections; a comma list measures each")
     parser.add_argument("--reference-python", help="a python with ai-dynamo-runtime==1.6.1 installed")
     parser.add_argument("--modes", default="always,batch,off")
     parser.add_argument(
@@ -290,7 +312,9 @@ def main() -> None:
     print(f"machine load before: {load_average()} (uptime: {Path('/proc/loadavg').read_text().strip()})")
     results = {}
     layouts = [int(n) for n in args.fronts.split(",")]
-    for mode, fronts in [(mode, fronts) for mode in args.modes.split(",") for fronts in layouts]:
+    counts = [int(n) for n in args.clients.split(",")]
+    runs = [(mode, fronts, clients) for clients in counts for mode in args.modes.split(",") for fronts in layouts]
+    for mode, fronts, clients in runs:
         port = free_port()
         data = Path(tempfile.mkdtemp(prefix="kvrouter-bench-"))
         try:
@@ -306,12 +330,14 @@ def main() -> None:
                 mode,
                 "--fresh",
                 "--log-level",
-                os.environ.get("BENCH_LOG", "warning"),
+                os.environ.get("BENCH_LOG", "info"),
                 "--fronts",
                 str(fronts),
             ]
             label = f"kvrouter ({mode})" if fronts == 0 else f"kvrouter ({mode}, {fronts}f)"
-            results[label] = measure(argv, port, args.seconds, args.clients, label, args.rounds, fronts)
+            if len(counts) > 1:
+                label += f" x{clients}"
+            results[label] = measure(argv, port, args.seconds, clients, label, args.rounds, fronts)
         finally:
             shutil.rmtree(data, ignore_errors=True)
     python = reference_python(args.reference_python, "dynamo.slot_tracker")
@@ -323,8 +349,8 @@ def main() -> None:
             [python, "-m", "dynamo.slot_tracker", "--port", str(port)],
             port,
             args.seconds,
-            args.clients,
-            "reference 1.6.1",
+            counts[0],
+            f"reference 1.6.1 x{counts[0]}",
             args.rounds,
         )
         for label, result in results.items():
