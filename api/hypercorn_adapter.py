@@ -22,8 +22,11 @@ from importlib.metadata import version
 from typing import Any
 
 import trio
+from hypercorn.config import Config
 from hypercorn.events import Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import AppWrapper, LifespanState
 
 HYPERCORN_VERSION = "0.18.0"  # the version whose internals this module was written and tested against
 
@@ -106,8 +109,15 @@ class KeepAliveTimer:
 class AdaptedTCPServer(TCPServer):
     """hypercorn's trio connection with the keep-alive timer above and no empty sends (see the module doc)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: Config,
+        context: WorkerContext,
+        state: LifespanState,
+        stream: trio.SSLStream[trio.SocketStream],
+    ) -> None:
+        super().__init__(app, config, context, state, stream)
         if ACTIVE:
             self.idle_task = KeepAliveTimer(self)  # type: ignore[assignment]
 

@@ -1,0 +1,96 @@
+"""What the hypercorn adapter (api/hypercorn_adapter.py) saves per request: CPU time, with it and without.
+
+Server (kvrouter's ``serve_http`` with a minimal ASGI app answering 2 bytes) and keep-alive clients run in
+this one process and thread, so the CPU time per request counts both sides; the clients are the same in
+both variants, so the difference is the server's. CPU time rather than wall time: on a shared machine
+the rate moves with everyone else's load, the CPU spent per request much less. Rounds alternate.
+
+    .venv/bin/python benchmarks/http_adapter_bench.py [--requests 20000] [--connections 4] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from http_client import Connection
+
+from kvrouter.api import hypercorn_adapter
+from kvrouter.api.server import hypercorn_config, serve_http
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def one_round(requests: int, connections: int) -> tuple[float, float]:
+    """(CPU microseconds per request, requests per second of wall time)."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(serve_http, app, hypercorn_config("127.0.0.1", 0), stop.wait)
+        port = int(binds[0].rsplit(":", 1)[1])
+        clients = [await Connection.open("127.0.0.1", port) for _ in range(connections)]
+        raw = clients[0].encode("GET", "/health")
+        for client in clients:  # warm: each connection's first request (and its timer task)
+            await client.send(raw)
+
+        async def loop(client: Connection, count: int) -> None:
+            for _ in range(count):
+                status, _ = await client.send(raw)
+                assert status == 200
+
+        cpu, wall = time.process_time(), time.perf_counter()
+        async with trio.open_nursery() as driving:
+            for client in clients:
+                driving.start_soon(loop, client, requests // connections)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        for client in clients:
+            await client.aclose()
+        stop.set()
+    done = requests // connections * connections
+    return cpu / done * 1e6, done / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=20_000, help="per round")
+    parser.add_argument("--connections", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    logging.getLogger("kvrouter.http").setLevel(logging.ERROR)  # (the adapter's warning when switched off here)
+    print(
+        f"hypercorn {hypercorn_adapter.INSTALLED_VERSION}, {args.connections} keep-alive connections, "
+        f"{args.requests} GETs per round, {args.rounds} rounds, load average "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
+    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for active in (False, True):
+            hypercorn_adapter.ACTIVE = active  # read per connection and per send
+            results[active].append(trio.run(one_round, args.requests, args.connections))
+    hypercorn_adapter.ACTIVE = True
+    for active, label in ((False, "hypercorn alone"), (True, "with the adapter")):
+        cpus = [cpu for cpu, _ in results[active]]
+        rates = [rate for _, rate in results[active]]
+        print(
+            f"{label:<18} CPU per request (server + client) median {statistics.median(cpus):6.1f} us "
+            f"(min {min(cpus):6.1f})   wall rate median {statistics.median(rates):7.0f} req/s"
+        )
+    saved = statistics.median(c for c, _ in results[False]) - statistics.median(c for c, _ in results[True])
+    print(f"saved per request: {saved:.1f} us of CPU")
+
+
+if __name__ == "__main__":
+    main()
