@@ -15,8 +15,11 @@ with chunked prefill, as the reference's mocker does:
 3. Every running request whose whole sequence is computed emits one token at the end of the pass; a
    request that has emitted ``output_length`` tokens ends and releases its blocks.
 
-The pass lasts ``prefill(T) + decode(p)`` (``timing.EngineParams``). KV events of the pass (blocks
-stored as they fill, evictions, a clear) are returned with it, in order.
+The pass lasts ``prefill(T) + decode(p)`` (``timing.EngineParams``), ``decode(p)`` only when a request
+past its prompt computes its next token in it: the pass that ends a prompt samples that request's first
+token from the prefill itself, as the reference's mocker times it (a lone prompt's time to first token is
+``prefill(T)``). KV events of the pass (blocks stored as they fill, evictions, a clear) are returned with
+it, in order.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class WorkerEngine:
         bs = params.block_size
         emitted: list[EngineRequest] = []  # requests whose whole sequence is computed after this pass
         caching = params.prefix_caching
+        decoding = False  # a request past its prompt computes its next token in this pass
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -155,6 +159,7 @@ class WorkerEngine:
                 budget -= 1
                 i += 1
                 emitted.append(request)
+                decoding = True
                 continue
             count = need if need < budget else budget
             if not self._grow(request, count):
@@ -164,6 +169,8 @@ class WorkerEngine:
                 continue
             if need > 1 or request.computed - count < request.prompt_length:
                 prefill += count
+            else:
+                decoding = True
             budget -= count
             i += 1
             if request.computed == request.length:
@@ -187,7 +194,8 @@ class WorkerEngine:
         share = 0.0
         if emitted:
             share = self.cache.active / params.num_blocks
-            duration += params.decode_time(share)
+            if decoding:
+                duration += params.decode_time(share)
             for request in emitted:
                 request.generated += 1
                 if request.generated >= request.output_length:

@@ -7,7 +7,8 @@ chunked prefill under an 8,192-token budget, at most 256 running sequences, and 
 
 * ``prefill(T) = 4.209989e-7·T² + 0.01518344·T + 16.50142`` when the pass computes ``T > 0`` uncached
   prompt tokens, else 0;
-* ``decode(p) = max(1, -25.74·p² + 54.01·p + 5.74)`` when the pass emits at least one token, else 0, with
+* ``decode(p) = max(1, -25.74·p² + 54.01·p + 5.74)`` when a request past its prompt decodes a token in
+  the pass (the token that ends a prompt comes with the prefill), else 0, with
   ``p`` the share of the worker's KV blocks held by running requests.
 
 Every field can be changed from the command line (``--kv-blocks``, ``--engine-block-size``, ...).

@@ -100,13 +100,17 @@ def test_the_batch_limit_keeps_requests_waiting() -> None:
 def test_pass_time_is_prefill_plus_decode_of_the_kv_share() -> None:
     params = EngineParams(block_size=BS, num_blocks=10, max_batched_tokens=64, max_running=8)
     worker = WorkerEngine(params)
-    worker.submit(request(list(range(10)), output=2))
-    result = worker.step()  # 10 prompt tokens, 3 blocks held when the first token is emitted
-    assert result.kv_share == pytest.approx(0.3)
-    assert result.duration_ms == pytest.approx(params.prefill_time(10) + params.decode_time(0.3))
-    decode = worker.step()
+    worker.submit(request(list(range(10)), output=3))
+    first = worker.step()  # 10 prompt tokens: the forward pass that ends the prompt samples the first token
+    assert first.emitted and first.duration_ms == pytest.approx(params.prefill_time(10))
+    decode = worker.step()  # a decode step: 3 blocks held when the second token comes out
     assert decode.prefill_tokens == 0
-    assert decode.duration_ms == pytest.approx(params.decode_time(decode.kv_share))
+    assert decode.kv_share == pytest.approx(0.3)
+    assert decode.duration_ms == pytest.approx(params.decode_time(0.3))
+    worker.submit(request(list(range(20, 26)), output=1, index=1))
+    mixed = worker.step()  # one prompt of 6 tokens and one decode token: both parts
+    assert mixed.prefill_tokens == 6 and len(mixed.emitted) == 2
+    assert mixed.duration_ms == pytest.approx(params.prefill_time(6) + params.decode_time(mixed.kv_share))
 
 
 def test_a_full_cache_preempts_the_newest_request_which_then_recomputes() -> None:
