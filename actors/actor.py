@@ -22,11 +22,20 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from kvrouter.actors.core.commands import Command, Reserve, ReserveSelection, SelectDisaggregated, SelectWorker
+from kvrouter.actors.core.commands import (
+    Command,
+    RegisterWorker,
+    Reserve,
+    ReserveSelection,
+    SelectDisaggregated,
+    SelectWorker,
+    UpsertWorker,
+)
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
+from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.routing_modes import MODE_ROUND_ROBIN
 from kvrouter.actors.core.selection_rules import no_pending_selection, tracked_output
@@ -55,6 +64,9 @@ class ActorPorts:
     observers: Sequence[Observer]  # the owner's live list: observers added later are seen at once
     after_turn: Callable[[], None]  # after each batch of commands (the owner's snapshot policy)
     retire: Callable[[ScopeActor], None]  # the scope dissolved and its mailbox is empty
+    # What the owner's other scopes count toward limits.MAX_RANKS_PER_SERVICE (read right before a registration
+    # is decided, so the check and the fold are one step); an owner of one scope leaves the default.
+    ranks_elsewhere: Callable[[ScopeKey], int] = lambda scope: 0
 
 
 class ScopeActor:
@@ -134,6 +146,8 @@ class ScopeActor:
             elif isinstance(command, ReserveSelection):
                 self._replay_selection(envelope, command)
                 return
+            elif isinstance(command, RegisterWorker | UpsertWorker):
+                command = attrs.evolve(command, ranks_elsewhere=self._ports.ranks_elsewhere(self.state.scope))
             decision, lsn = self._apply(command)
         except JOURNAL_GONE as exc:
             self._fail(envelope, exc)

@@ -148,11 +148,22 @@ class CatalogWriter:
             raise worker_not_found(worker_id)
         return state.selection.catalog[worker_id]
 
+    def _ranks_elsewhere_after_move(self, record: WorkerRecord) -> int:
+        """The other scopes' weight toward the service's rank limit once the worker has left them."""
+        elsewhere = self._system.ranks_elsewhere(record.scope)
+        for scope in self._directory.worker_scopes(record.worker_id):
+            old = self._system.state(scope) if scope != record.scope else None
+            previous = old.selection.catalog.get(record.worker_id) if old is not None else None
+            if previous is not None:
+                elsewhere -= max(1, previous.dp_size)
+        return elsewhere
+
     async def _put(self, record: WorkerRecord) -> tuple[WorkerRecord, int]:
         system = self._system
         # The upsert checks this too, but only after a move has removed the worker from its old scope:
         # check first, so a refused move leaves it where it was (this task is the catalog's only writer).
-        refusal = upsert_refusal(system.state(record.scope) or ScopeState(record.scope), record)
+        state = system.state(record.scope) or ScopeState(record.scope)
+        refusal = upsert_refusal(state, record, self._ranks_elsewhere_after_move(record))
         if refusal is not None:
             raise Refused.because(refusal)
         reserved: list[Hashable] = []

@@ -197,6 +197,7 @@ class KvIngest:
     def _on_batch(self, key: ListenerKey) -> OnBatch:
         system = self._system
         clock = system.clock
+        cap = system.max_index_blocks_per_scope
 
         async def on_batch(seq: int, payload: bytes) -> None:
             try:
@@ -204,7 +205,9 @@ class KvIngest:
             except WireError as exc:
                 log.warning("worker %d dp_rank %d: batch %d skipped: %s", *key.rank, seq, exc)
                 return
-            command = IngestKvBatch(key.rank.worker_id, key.rank.dp_rank, seq, batch, at=clock.now_ns())
+            command = IngestKvBatch(
+                key.rank.worker_id, key.rank.dp_rank, seq, batch, at=clock.now_ns(), max_index_blocks=cap
+            )
             await system.submit(key.scope, command)
 
         return on_batch

@@ -59,6 +59,7 @@ from kvrouter.actors.core.selection_queries import (
 from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.directory import Directory
+from kvrouter.actors.index_counters import IndexCounters
 from kvrouter.actors.kv_health import KvHealth
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
@@ -74,6 +75,9 @@ class WorkerStatus:
     listeners: dict[str, dict[str, object]] = attrs.Factory(dict)
     # Per dp rank, how selections score it: {"mode": "exact" | "predicted", "reason"?} (core/kv_modes.py).
     kv_modes: dict[str, dict[str, str]] = attrs.Factory(dict)
+    # Its blocks the scope's KV index evicted and refused at its cap since this process started.
+    index_evicted_blocks: int = 0
+    index_refused_blocks: int = 0
 
     @property
     def schedulable(self) -> bool:
@@ -138,6 +142,8 @@ class SelectService:
             else None
         )
         self.directory = directory or Directory()
+        # Blocks each scope's KV index evicted or refused at its cap (actors/core/index_bounds.py).
+        self.index_counters = IndexCounters()
         self._catalog = CatalogWriter(system, self.directory, ingest, use_kv_events=config.use_kv_events)
         self._now = system.clock.now_ns
 
@@ -147,6 +153,7 @@ class SelectService:
         for state in self.system.states():
             self.directory.adopt(state)
         self.system.observers.append(self.directory.observe)
+        self.system.observers.append(self.index_counters.observe)
         if self.health is not None:
             self.system.observers.append(self.health.observe)
         try:
@@ -156,6 +163,8 @@ class SelectService:
         finally:
             if self.directory.observe in self.system.observers:
                 self.system.observers.remove(self.directory.observe)
+            if self.index_counters.observe in self.system.observers:
+                self.system.observers.remove(self.index_counters.observe)
             if self.health is not None and self.health.observe in self.system.observers:
                 self.system.observers.remove(self.health.observe)
 
@@ -193,7 +202,8 @@ class SelectService:
             queueing=self.config.queueing,
         )
         listeners = self.ingest.status(record.worker_id) if self.ingest is not None else {}
-        return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record))
+        evicted, refused = self.index_counters.worker(record.scope, record.ranks)
+        return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record), evicted, refused)
 
     def _kv_modes(self, record: WorkerRecord) -> dict[str, dict[str, str]]:
         if not self.config.use_kv_events:
@@ -432,4 +442,5 @@ class SelectService:
 
     async def recover_index(self, scope: ScopeKey, runs: tuple[RecoveredRun, ...]) -> None:
         """Seed ``scope``'s index with a peer's runs (``--indexer-peers``), before serving."""
-        accepted(await self.system.ask(scope, RecoverKv(runs, at=self._now())))
+        command = RecoverKv(runs, at=self._now(), max_index_blocks=self.system.max_index_blocks_per_scope)
+        accepted(await self.system.ask(scope, command))

@@ -20,10 +20,22 @@ from typing import Any
 import trio
 
 from kvrouter.actors.actor import JOURNAL_GONE, ActorPorts, Observer, ScopeActor
-from kvrouter.actors.core.commands import SCOPE_CREATING, Command, ExpireStale, SelectWorker
+from kvrouter.actors.core.commands import (
+    SCOPE_CREATING,
+    Command,
+    ExpireStale,
+    RegisterWorker,
+    RemoveWorker,
+    SelectWorker,
+    UnregisterWorker,
+    UpsertWorker,
+)
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Decision, Reason, Rejected
+from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE, MAX_SCOPES
+from kvrouter.actors.core.selection_rules import service_weight
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.deadlines import Deadlines
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, JournalUnavailable, Overloaded, ReplyTimeout
@@ -46,7 +58,8 @@ EXPIRY_AGE_NS = 300 * 1_000_000_000  # the reference's stale-request age
 EXPIRY_SWEEP_SECONDS = 30.0  # sweep twice per reference interval: stale requests go by ~330 s
 SNAPSHOT_EVERY_RECORDS = 50_000
 SNAPSHOT_EVERY_BYTES = 64 * 1024 * 1024
-MAX_SCOPES = 10_000  # (model, tenant) scopes are client input: cap them (policy: reject, 503)
+# The only commands that change a scope's ranks (what it counts toward the service's rank limit).
+_RANK_COMMANDS = (RegisterWorker, UnregisterWorker, UpsertWorker, RemoveWorker)
 
 
 def queue_timeout(seconds: float) -> str:
@@ -70,6 +83,7 @@ class ActorSystem:
         seed: int | str = 0,
         pending_options: dict[str, Any] | None = None,
         reply_deadline: float = math.inf,
+        max_index_blocks_per_scope: int = MAX_INDEX_BLOCKS_PER_SCOPE,
     ) -> None:
         self.journal = journal
         self.clock = clock
@@ -86,14 +100,20 @@ class ActorSystem:
         self.seed = seed  # root of every scope's random source
         # Observers of applied decisions (replica publisher, directory, KV ingest): called synchronously
         # by the actor right after fold, so they must not block; each keeps its own bounded queue.
-        self.observers: list[Observer] = [log_operator_events]
+        self.observers: list[Observer] = [log_operator_events, self._count_ranks]
+        # Each scope's weight toward limits.MAX_RANKS_PER_SERVICE (its ranks, and its rankless catalog workers),
+        # kept from applied decisions; a registration is checked against it in the actor, before journaling.
+        self._rank_weights: dict[ScopeKey, int] = {s: service_weight(st) for s, st in self._recovered.items()}
+        self._ranks_total = sum(self._rank_weights.values())
+        # The KV-event index cap of each scope (actors/core/index_bounds.py), carried by each KV command.
+        self.max_index_blocks_per_scope = max_index_blocks_per_scope
         self.pending_options = pending_options or {}
         # Every ask waits at most this long for its durable decision (then ReplyTimeout); the command
         # itself goes on. Infinite by default: simulations and tests opt in.
         self.deadlines = Deadlines(reply_deadline)
         # Set once the journal can no longer be written: every ask fails at once from then on.
         self.failure: BaseException | None = None
-        self._ports = ActorPorts(journal, self.observers, self.after_turn, self.retire)
+        self._ports = ActorPorts(journal, self.observers, self.after_turn, self.retire, self.ranks_elsewhere)
         # Production takes snapshots off the loop (a forked child, else a thread encodes); simulations
         # pass encode_snapshots_in_thread=False to take them inline, at a deterministic point of virtual time.
         if snapshotter is None:
@@ -200,7 +220,11 @@ class ActorSystem:
                 # No scope: the core answers from an empty state (not found, or a no-op).
                 return decide(ScopeState(scope), command)
             if len(self.actors) >= MAX_SCOPES:
-                raise Overloaded(f"too many scopes (limit {MAX_SCOPES})")
+                return Rejected(
+                    Reason.CONFLICT,
+                    f"the service holds {len(self.actors)} (model, tenant) scopes, the limit of {MAX_SCOPES} "
+                    f"scopes per service; {scope.describe()} is not created",
+                )
             actor = self._start(ScopeState(scope), last_lsn=self.journal.last_lsn)
         try:
             actor.outbox.send_nowait(envelope)
@@ -211,6 +235,19 @@ class ActorSystem:
             if waited.cancelled_caught:
                 raise Overloaded(f"mailbox of {scope.describe()} is full") from None
         return None
+
+    def ranks_elsewhere(self, scope: ScopeKey) -> int:
+        """What the service's scopes other than ``scope`` count toward ``MAX_RANKS_PER_SERVICE``."""
+        return self._ranks_total - self._rank_weights.get(scope, 0)
+
+    def _count_ranks(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
+        if isinstance(command, _RANK_COMMANDS):
+            self._set_weight(state.scope, service_weight(state))
+
+    def _set_weight(self, scope: ScopeKey, weight: int) -> None:
+        self._ranks_total += weight - self._rank_weights.pop(scope, 0)
+        if weight:
+            self._rank_weights[scope] = weight
 
     def pending_loads(self, scope: ScopeKey) -> tuple[int, int]:
         """``(pending_count, pending_isl_tokens)``: selections waiting in the scope's queue."""
@@ -273,6 +310,7 @@ class ActorSystem:
     def retire(self, actor: ScopeActor) -> None:
         if self.actors.get(actor.state.scope) is actor:
             del self.actors[actor.state.scope]
+            self._set_weight(actor.state.scope, 0)
         actor.outbox.close()
 
     def after_turn(self) -> None:

@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from kvrouter import __version__
+from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import InvalidSettings
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
@@ -242,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--selection-cache-max-bytes",
         metavar="N",
         help=f"byte budget of pending selections (default {SELECTION_CACHE_MAX_BYTES}); checked, not enforced yet",
+    )
+    select.add_argument(
+        "--max-index-blocks-per-scope",
+        metavar="N",
+        help=f"KV-event index blocks per (model, tenant) scope, every rank and tier (default "
+        f"{MAX_INDEX_BLOCKS_PER_SCOPE}, ~2.6 GiB); beyond it the ranks holding the most lose their deepest blocks",
     )
     select.add_argument(
         "--seed",

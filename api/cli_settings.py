@@ -15,6 +15,7 @@ from pathlib import Path
 
 import attrs
 
+from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import (
     InvalidSettings,
     RouterConfig,
@@ -39,6 +40,7 @@ DEFAULT_PORTS = {SLOT_TRACKER: 8091, SELECT_SERVICE: 8092}
 DEFAULT_FRONTS = 0  # --fronts; 0: one process
 DATA_ROOT = Path("kvrouter-data")  # each service defaults to its own subdirectory
 U64_MAX = 2**64 - 1
+MAX_INDEX_BLOCKS_FLAG = 2**40  # --max-index-blocks-per-scope: far beyond any memory, so only a typo is refused
 
 SELECTION_CACHE_TTL_SECS = 120.0
 SELECTION_CACHE_MAX_ENTRIES = 4096
@@ -128,6 +130,9 @@ def _select_service(
     entries = _int(args, "selection_cache_max_entries", 0, U64_MAX, problems, default=SELECTION_CACHE_MAX_ENTRIES)
     max_bytes = _int(args, "selection_cache_max_bytes", 0, U64_MAX, problems, default=SELECTION_CACHE_MAX_BYTES)
     seed = _int(args, "seed", 0, U64_MAX, problems)
+    index_blocks = _int(
+        args, "max_index_blocks_per_scope", 1, MAX_INDEX_BLOCKS_FLAG, problems, default=MAX_INDEX_BLOCKS_PER_SCOPE
+    )
     threads = _int(args, "threads", 0, U64_MAX, problems)
     affinity = _float(args, "session_affinity_ttl_secs", *SESSION_AFFINITY_TTL_BOUNDS, problems)
     router = _router_config(args, env, problems)
@@ -159,6 +164,7 @@ def _select_service(
         selection_cache_ttl_secs=ttl if ttl is not None else SELECTION_CACHE_TTL_SECS,
         selection_cache_max_entries=entries if entries is not None else SELECTION_CACHE_MAX_ENTRIES,
         selection_cache_max_bytes=max_bytes if max_bytes is not None else SELECTION_CACHE_MAX_BYTES,
+        max_index_blocks_per_scope=index_blocks if index_blocks is not None else MAX_INDEX_BLOCKS_PER_SCOPE,
     )
     return attrs.evolve(
         launch,

@@ -218,7 +218,10 @@ class Router:
             raise RouterError(404, f"worker {worker_id} not found")
         if all(rank.dp_rank != dp_rank for rank in record.ranks):
             raise RouterError(404, f"worker {worker_id} dp_rank {dp_rank} not found for {self.scope.describe()}")
-        command = IngestKvBatch(worker_id, dp_rank, seq, batch, at=self.service.system.clock.now_ns())
+        system = self.service.system
+        command = IngestKvBatch(
+            worker_id, dp_rank, seq, batch, at=system.clock.now_ns(), max_index_blocks=system.max_index_blocks_per_scope
+        )
         with as_router_errors():
             decision, _ = await self.service.system.apply(self.scope, command)
             accepted(decision)

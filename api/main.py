@@ -27,6 +27,7 @@ import trio
 from kvrouter.actors.core.commands import RecoveredRun
 from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.replicator import ReplicaSecurity, random_router_id
@@ -69,6 +70,7 @@ class ServiceOptions:
     selection_cache_ttl_secs: float = 120.0
     selection_cache_max_entries: int = 4096
     selection_cache_max_bytes: int = DEFAULT_SELECTION_CACHE_MAX_BYTES
+    max_index_blocks_per_scope: int = MAX_INDEX_BLOCKS_PER_SCOPE  # the KV-event index cap (index_bounds.py)
     replica_sync_port: int | None = None  # None: replica sync disabled
     replica_sync_peers: tuple[str, ...] = ()
     reply_deadline: float = REPLY_DEADLINE_SECONDS
@@ -288,6 +290,7 @@ async def recovered_runtime(name: str, options: ServiceOptions) -> AsyncIterator
                 "budget": SelectionCacheBudget(options.selection_cache_max_bytes),  # one, shared by every scope
             },
             reply_deadline=options.reply_deadline,
+            max_index_blocks_per_scope=options.max_index_blocks_per_scope,
         ) as runtime:
             yield runtime, len(recovered.states)
         log.info("journal closed: %s", journal.statistics())  # (a failed journal raised instead)

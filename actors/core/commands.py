@@ -12,6 +12,7 @@ import attrs
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import KvBatch
+from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
 
 
@@ -22,6 +23,8 @@ class RegisterWorker:
     dp_start: int
     dp_size: int
     at: int = 0
+    # Ranks the service holds in its other scopes (limits.MAX_RANKS_PER_SERVICE), filled in by the actor.
+    ranks_elsewhere: int = 0
 
 
 @attrs.frozen
@@ -76,6 +79,7 @@ class UpsertWorker:
     record: WorkerRecord
     use_kv_events: bool = True
     at: int = 0
+    ranks_elsewhere: int = 0  # as RegisterWorker's
 
 
 @attrs.frozen
@@ -93,6 +97,7 @@ class IngestKvBatch:
     seq: int | None
     batch: KvBatch
     at: int = 0
+    max_index_blocks: int = MAX_INDEX_BLOCKS_PER_SCOPE  # the scope's index cap (actors/core/index_bounds.py)
 
 
 @attrs.frozen
@@ -113,6 +118,7 @@ class RecoverKv:
 
     runs: tuple[RecoveredRun, ...]
     at: int = 0
+    max_index_blocks: int = MAX_INDEX_BLOCKS_PER_SCOPE
 
 
 @attrs.frozen

@@ -64,8 +64,12 @@ def _register(command: RegisterWorker, state: ScopeState) -> Decision:
     if command.dp_start + command.dp_size > U32_MAX:
         return Rejected(Reason.INVALID, f"dp range overflows u32: start={command.dp_start} size={command.dp_size}")
     slots = state.slots
-    if command.worker_id not in slots.workers and len(slots.ranks) + command.dp_size > MAX_RANKS_PER_SCOPE:
-        return selection_rules.scope_full(state, len(slots.ranks), command.dp_size)
+    if command.worker_id not in slots.workers:
+        if len(slots.ranks) + command.dp_size > MAX_RANKS_PER_SCOPE:
+            return selection_rules.scope_full(state, len(slots.ranks), command.dp_size)
+        service_full = selection_rules.service_refusal(state, command.ranks_elsewhere, 0, command.dp_size)
+        if service_full is not None:
+            return service_full
     if slots.block_size is not None and slots.block_size != command.block_size:
         return Rejected(
             Reason.CONFLICT,

@@ -101,6 +101,28 @@ class KvIndexed:
 
 
 @attrs.frozen
+class KvIndexTrimmed:
+    """The scope's KV index was at its block cap: this rank dropped ``blocks`` blocks, its lower-tier edges
+    and its device blocks deeper than ``keep_depth`` (None: every device block kept). ``evolve`` recomputes
+    the same cut from the same state; ``blocks`` is what the decision counted (``actors/core/index_bounds.py``)."""
+
+    worker_id: int
+    dp_rank: int
+    keep_depth: int | None
+    blocks: int
+
+
+@attrs.frozen
+class KvBlocksRefused:
+    """Blocks of one batch (or peer dump) for this rank that did not fit under the cap even after trimming:
+    not stored. Changes no state; journaled so the decision is on record and counted where it was made."""
+
+    worker_id: int
+    dp_rank: int
+    blocks: int
+
+
+@attrs.frozen
 class KvStreamReset:
     """The rank's publisher restarted: its blocks are gone and its sequence starts again."""
 
@@ -174,6 +196,8 @@ Event = (
     | WorkerRemoved
     | KvIndexed
     | KvStreamReset
+    | KvIndexTrimmed
+    | KvBlocksRefused
     | OutputBlockAdded
     | ApproxBlocksBooked
     | ApproxBlocksExpired
@@ -187,6 +211,8 @@ EVENT_TAGS: dict[type, str] = {
     WorkerRemoved: "worker_removed",
     KvIndexed: "kv_indexed",
     KvStreamReset: "kv_stream_reset",
+    KvIndexTrimmed: "kv_index_trimmed",
+    KvBlocksRefused: "kv_blocks_refused",
     OutputBlockAdded: "output_block_added",
     ApproxBlocksBooked: "approx_blocks_booked",
     ApproxBlocksExpired: "approx_blocks_expired",

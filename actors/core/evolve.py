@@ -13,8 +13,10 @@ from kvrouter.actors.core.events import (
     ApproxBlocksBooked,
     ApproxBlocksExpired,
     Event,
+    KvBlocksRefused,
     KvClearedOp,
     KvIndexed,
+    KvIndexTrimmed,
     KvRemovedOp,
     KvStoredOp,
     KvStreamReset,
@@ -148,6 +150,16 @@ def _kv_indexed(event: KvIndexed, state: ScopeState) -> None:
             index.apply_cleared(rank)
     if event.seq is not None:
         selection.kv_watermarks[WorkerRank(event.worker_id, event.stream_rank)] = event.seq
+
+
+@_evolve.register
+def _index_trimmed(event: KvIndexTrimmed, state: ScopeState) -> None:
+    state.selection.index.trim(WorkerRank(event.worker_id, event.dp_rank), event.keep_depth)
+
+
+@_evolve.register
+def _blocks_refused(event: KvBlocksRefused, state: ScopeState) -> None:
+    pass  # on record only: the blocks were not stored
 
 
 @_evolve.register

@@ -132,6 +132,7 @@ class KvIndex:
 
     __slots__ = (
         "_bits_free",
+        "_blocks",
         "_by_bit",
         "_child",
         "_cover",
@@ -162,6 +163,7 @@ class KvIndex:
         self._by_bit: list[_Rank | None] = []
         self._bits_free: list[int] = []  # heap: reuse the lowest bit, so the layout is a function of history
         self._lower_ranks: dict[WorkerRank, _Rank] = {}  # ranks holding any lower-tier edge
+        self._blocks = 0  # every rank's blocks in every tier, kept as they change (the cap is checked per batch)
 
     # ----------------------------------------------------------------------------------- writes
 
@@ -183,7 +185,9 @@ class KvIndex:
             if lower is None:
                 lower = r.lower[tier - 1] = _Lower()
             self._lower_ranks[rank] = r
+            before = len(lower.by_ext)
             _store_lower(lower, parent_hash, blocks)
+            self._blocks += len(lower.by_ext) - before
         return True
 
     def apply_removed(self, rank: WorkerRank, tier: Tier, block_hashes: Iterable[int]) -> int:
@@ -207,6 +211,7 @@ class KvIndex:
             if key is not None:
                 del lower.edges[key]
                 removed += 1
+        self._blocks -= removed
         if not lower.by_ext:
             r.lower[tier - 1] = None
             if all(t is None for t in r.lower):
@@ -221,8 +226,7 @@ class KvIndex:
         parent = self._parent
         for node in [n for n in r.ext_node.values() if parent[n] == 0]:
             self._truncate(r, node)
-        r.lower = [None, None, None]
-        self._lower_ranks.pop(rank, None)
+        self._drop_lower(r)
 
     def remove_rank(self, rank: WorkerRank) -> None:
         """Clear the rank and release its bit (unregistration of one dp rank)."""
@@ -233,6 +237,42 @@ class KvIndex:
         del self._ranks[rank]
         self._by_bit[r.bit] = None
         heapq.heappush(self._bits_free, r.bit)
+
+    def trim(self, rank: WorkerRank, keep_depth: int | None) -> int:
+        """Drop the rank's lower-tier edges and its device blocks deeper than ``keep_depth`` (None: keep every
+        device block); returns how many blocks it dropped. Covered sets stay prefix-closed: only whole subtrees go.
+        """
+        r = self._ranks.get(rank)
+        if r is None:
+            return 0
+        before = len(r.node_ext) + r.lower_count()
+        self._drop_lower(r)
+        if keep_depth is not None:
+            for node, depth in self._device_depths(r).items():
+                if depth == keep_depth + 1:
+                    self._truncate(r, node)
+        return before - len(r.node_ext)
+
+    def trim_plan(self, rank: WorkerRank, at_least: int) -> tuple[int | None, int]:
+        """The shallowest cut of ``trim`` that drops ``at_least`` of the rank's blocks (or all of them):
+        ``(keep_depth, blocks it drops)``. Lower-tier edges go first (they only extend a device match), then
+        the deepest device blocks (a prompt's own tail; the shallow ones are the prefixes prompts share)."""
+        r = self._ranks.get(rank)
+        if r is None:
+            return None, 0
+        freed = r.lower_count()
+        if freed >= at_least:
+            return None, freed
+        per_depth: list[int] = []
+        for depth in self._device_depths(r).values():
+            while len(per_depth) < depth:
+                per_depth.append(0)
+            per_depth[depth - 1] += 1
+        keep = len(per_depth)
+        while keep > 0 and freed < at_least:
+            freed += per_depth[keep - 1]
+            keep -= 1
+        return keep, freed
 
     def remove_worker(self, worker_id: int) -> None:
         """Remove every dp rank of ``worker_id``."""
@@ -300,6 +340,8 @@ class KvIndex:
 
     def block_count(self, rank: WorkerRank | None = None, tier: Tier | None = None) -> int:
         """Blocks held (a block held by two ranks counts twice), optionally for one rank and/or tier."""
+        if rank is None and tier is None:
+            return self._blocks
         ranks = self._ranks.values() if rank is None else [r for r in (self._ranks.get(rank),) if r is not None]
         total = 0
         for r in ranks:
@@ -311,6 +353,10 @@ class KvIndex:
                 lower = r.lower[tier - 1]
                 total += len(lower.by_ext) if lower is not None else 0
         return total
+
+    def rank_totals(self) -> dict[WorkerRank, int]:
+        """Blocks each rank holds, every tier together (ranks that hold nothing included)."""
+        return {rank: len(r.ext_node) + r.lower_count() for rank, r in self._ranks.items()}
 
     def rank_block_counts(self) -> dict[WorkerRank, dict[Tier, int]]:
         """Per rank (sorted), blocks held per tier; ranks that hold nothing are omitted."""
@@ -367,6 +413,9 @@ class KvIndex:
         for node in free:
             if self._parent[node] != _NONE:
                 problems.append(f"freed node {node} still names a parent")
+        counted = sum(len(r.ext_node) + r.lower_count() for r in self._ranks.values())
+        if self._blocks != counted:
+            problems.append(f"block counter {self._blocks} != {counted} blocks held")
         return problems
 
     def _check_ranks(self, problems: list[str]) -> None:
@@ -506,6 +555,7 @@ class KvIndex:
                 del ext_node[renamed.pop(nxt, names[nxt])]  # rename: one external hash per (rank, position)
             else:
                 cover[nxt] |= mask
+                self._blocks += 1
             ext_node[ext] = nxt
             if ext != names[nxt]:
                 renamed[nxt] = ext
@@ -575,6 +625,28 @@ class KvIndex:
             del ext_node[renamed.pop(node, names[node]) if renamed else names[node]]
             if not cover[node]:
                 self._free(node)
+        self._blocks -= len(order)
+
+    def _drop_lower(self, r: _Rank) -> None:
+        self._blocks -= r.lower_count()
+        r.lower = [None, None, None]
+        self._lower_ranks.pop(r.rank, None)
+
+    def _device_depths(self, r: _Rank) -> dict[int, int]:
+        """Depth (1 = stored at the root) of each device node the rank covers: O(its blocks), since its
+        covered set is prefix-closed and each node's depth is its parent's plus one."""
+        parent = self._parent
+        depths: dict[int, int] = {}
+        for node in r.node_ext:
+            path = []
+            while node and node not in depths:
+                path.append(node)
+                node = parent[node]
+            depth = depths.get(node, 0)
+            for on_path in reversed(path):
+                depth += 1
+                depths[on_path] = depth
+        return depths
 
     def _is_ancestor_or_self(self, candidate: int, node: int) -> bool:
         parent = self._parent

@@ -18,6 +18,19 @@ MAX_RANKS_PER_WORKER: Final = 4096
 # idle and one row of every /loads. Beyond it: 409 (the scope is full; unregister workers first).
 MAX_RANKS_PER_SCOPE: Final = 8192
 
+# Ranks of the whole service, every scope together: eight full scopes (~45 MiB idle), so many scopes cannot
+# each fill up to the per-scope cap. A selection-service worker with no rank counts as one. Beyond it: 409.
+MAX_RANKS_PER_SERVICE: Final = 65_536
+
+# (model, tenant) scopes of one service: each is an actor with its own mailbox and state, and a scope name
+# is client input. Beyond it: 409 (a new scope is refused; existing ones go on).
+MAX_SCOPES: Final = 10_000
+
+# Blocks of one scope's KV-event index (every rank and tier; a block two ranks hold counts twice), the
+# default of ``--max-index-blocks-per-scope``: 8 Mi blocks, ~2.6 GiB at the measured ~336 bytes per
+# indexed block (README, Benchmarks). Beyond it the index evicts (``actors/core/index_bounds.py``).
+MAX_INDEX_BLOCKS_PER_SCOPE: Final = 8 * 1024 * 1024
+
 # Catalog records of one selection-service scope (a record with data_parallel_size 0 holds no rank,
 # so ranks alone would not bound them). Beyond it: 409.
 MAX_WORKERS_PER_SCOPE: Final = 8192

@@ -47,8 +47,9 @@ from kvrouter.actors.core.events import (
     WorkerUpserted,
 )
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
+from kvrouter.actors.core.index_bounds import fit_ops, incoming_blocks, make_room, refused_event
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
-from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_WORKERS_PER_SCOPE
+from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_RANKS_PER_SERVICE, MAX_WORKERS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.routing_modes import DIRECT_NEEDS_PIN, MODE_DIRECT, MODE_KV, choose_without_cost
 from kvrouter.actors.core.selection import (
@@ -108,8 +109,9 @@ def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_e
     return None
 
 
-def upsert_refusal(state: ScopeState, record: WorkerRecord) -> Rejected | None:
-    """Why ``record`` cannot enter ``state``'s catalog: invalid (400), or the scope is full (409)."""
+def upsert_refusal(state: ScopeState, record: WorkerRecord, ranks_elsewhere: int = 0) -> Rejected | None:
+    """Why ``record`` cannot enter ``state``'s catalog: invalid (400), or the scope or the service is full (409).
+    ``ranks_elsewhere``: what the service's other scopes count toward ``MAX_RANKS_PER_SERVICE``."""
     problem = record_problem(record) or catalog_problem(record)
     if problem is not None:
         return Rejected(Reason.INVALID, problem)
@@ -124,7 +126,30 @@ def upsert_refusal(state: ScopeState, record: WorkerRecord) -> Rejected | None:
     others = len(slots.ranks) - held
     if others + record.dp_size > MAX_RANKS_PER_SCOPE:
         return scope_full(state, others, record.dp_size)
-    return None
+    previous = catalog.get(record.worker_id)
+    held_weight = (held or 1) if previous is not None else 0
+    return service_refusal(state, ranks_elsewhere, held_weight, max(1, record.dp_size))
+
+
+def service_weight(state: ScopeState) -> int:
+    """What a scope counts toward ``MAX_RANKS_PER_SERVICE``: its ranks, and one per catalog worker holding none
+    (a selection-service worker of ``data_parallel_size`` 0), so catalog records are bounded service-wide too."""
+    return len(state.slots.ranks) + sum(1 for record in state.selection.catalog.values() if not record.dp_size)
+
+
+def service_refusal(state: ScopeState, ranks_elsewhere: int, held: int, wanted: int) -> Rejected | None:
+    """409 when replacing ``held`` of the scope's weight by ``wanted`` would take the service past its rank
+    limit; a change that does not grow is always allowed."""
+    if wanted <= held:
+        return None
+    total = ranks_elsewhere + service_weight(state)
+    if total - held + wanted <= MAX_RANKS_PER_SERVICE:
+        return None
+    return Rejected(
+        Reason.CONFLICT,
+        f"the service holds {total} ranks in all scopes; {wanted - held} more would exceed the limit of "
+        f"{MAX_RANKS_PER_SERVICE} ranks per service; unregister workers first",
+    )
 
 
 def scope_full(state: ScopeState, ranks: int, more: int) -> Rejected:
@@ -137,7 +162,7 @@ def scope_full(state: ScopeState, ranks: int, more: int) -> Rejected:
 
 def decide_upsert(command: UpsertWorker, state: ScopeState) -> Decision:
     record = command.record
-    refusal = upsert_refusal(state, record)
+    refusal = upsert_refusal(state, record, command.ranks_elsewhere)
     if refusal is not None:
         return refusal
     block_size = partition_block_size_after(state, record, command.use_kv_events)
@@ -172,16 +197,39 @@ def decide_ingest(command: IngestKvBatch, state: ScopeState) -> Decision:
                 ops.append(KvRemovedOp(int(event.tier), event.block_hashes))
         elif isinstance(event, AllBlocksCleared):
             ops.append(KvClearedOp())
-    return Accepted((KvIndexed(command.worker_id, dp_rank, command.dp_rank, command.seq, tuple(ops)),))
+    kept = tuple(ops)
+    incoming = incoming_blocks(kept)
+    cap = command.max_index_blocks
+    if selection.index.block_count() + incoming <= cap:
+        return Accepted((KvIndexed(command.worker_id, dp_rank, command.dp_rank, command.seq, kept),))
+    trims, room = make_room(selection.index, cap, incoming)
+    kept, refused = fit_ops(kept, room)
+    indexed = KvIndexed(command.worker_id, dp_rank, command.dp_rank, command.seq, kept)
+    return Accepted((*trims, indexed, *refused_event(WorkerRank(command.worker_id, dp_rank), refused)))
 
 
 def decide_recover(command: RecoverKv, state: ScopeState) -> Decision:
-    events = tuple(
-        KvIndexed(run.worker_id, run.dp_rank, run.dp_rank, None, (KvStoredOp(run.tier, run.parent_hash, run.blocks),))
-        for run in command.runs
-        if run.blocks
-    )
-    return Accepted(events)
+    runs = [run for run in command.runs if run.blocks]
+    index = state.selection.index
+    incoming = sum(len(run.blocks) for run in runs)
+    trims: tuple[Event, ...] = ()
+    room = incoming
+    if index.block_count() + incoming > command.max_index_blocks:
+        trims, room = make_room(index, command.max_index_blocks, incoming)
+    events: list[Event] = []
+    refused: dict[WorkerRank, int] = {}
+    for run in runs:
+        take = min(room, len(run.blocks))
+        room -= take
+        if take < len(run.blocks):
+            rank = WorkerRank(run.worker_id, run.dp_rank)
+            refused[rank] = refused.get(rank, 0) + len(run.blocks) - take
+        if take:
+            stored = KvStoredOp(run.tier, run.parent_hash, run.blocks[:take])
+            events.append(KvIndexed(run.worker_id, run.dp_rank, run.dp_rank, None, (stored,)))
+    for rank, blocks in sorted(refused.items()):
+        events.extend(refused_event(rank, blocks))
+    return Accepted((*trims, *events))
 
 
 def decide_reset(command: ResetKvStream, state: ScopeState) -> Decision:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import InvalidSettings, RouterConfig
 from kvrouter.api.cli import build_parser
 from kvrouter.api.cli_settings import SELECTION_CACHE_MAX_BYTES, Launch, settings_from
@@ -194,3 +195,10 @@ def test_threads_is_warned_only_when_given() -> None:
 def test_the_slot_tracker_ignores_router_variables() -> None:
     started = launch(service="slot-tracker", env={"DYN_ROUTER_TEMPERATURE": "nan"})
     assert started.router is None and started.options.port == 8091
+
+
+def test_max_index_blocks_per_scope_is_checked_and_carried() -> None:
+    assert launch().options.max_index_blocks_per_scope == MAX_INDEX_BLOCKS_PER_SCOPE == 8 * 1024 * 1024
+    assert launch("--max-index-blocks-per-scope", "1000").options.max_index_blocks_per_scope == 1000
+    (problem,) = problems("--max-index-blocks-per-scope", "0")
+    assert problem.startswith("--max-index-blocks-per-scope")

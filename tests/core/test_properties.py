@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,6 +145,13 @@ selection_commands = st.one_of(
     ),
     st.builds(RemoveWorker, st.integers(0, 2)),
     st.builds(stored, st.integers(0, 2), prompt_tokens, st.integers(1, 40)),
+    st.builds(  # a tiny index cap: trims and refusals must keep the journal, snapshot and invariants in step
+        lambda w, tokens, first, cap: attrs.evolve(stored(w, tokens, first), max_index_blocks=cap),
+        st.integers(0, 2),
+        prompt_tokens,
+        st.integers(1, 40),
+        st.integers(1, 6),
+    ),
     st.builds(
         lambda w, h: IngestKvBatch(w, 0, None, KvBatch(0.0, (BlockRemoved((h,)),))),
         st.integers(0, 2),

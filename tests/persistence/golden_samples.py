@@ -17,8 +17,10 @@ from kvrouter.actors.core.events import (
     ApproxBlocksBooked,
     ApproxBlocksExpired,
     Event,
+    KvBlocksRefused,
     KvClearedOp,
     KvIndexed,
+    KvIndexTrimmed,
     KvRemovedOp,
     KvStoredOp,
     KvStreamReset,
@@ -100,6 +102,8 @@ SAMPLES: dict[str, Event] = {
         ),
     ),
     "kv_stream_reset": KvStreamReset(worker_id=9, dp_rank=1),
+    "kv_index_trimmed": KvIndexTrimmed(worker_id=12, dp_rank=5, keep_depth=3, blocks=4097),
+    "kv_blocks_refused": KvBlocksRefused(worker_id=13, dp_rank=6, blocks=65_537),
     "approx_blocks_booked": ApproxBlocksBooked(
         worker_id=9, dp_rank=0, blocks=((301, 401), (302, 402)), expires_at=1_700_000_000_000_000_003
     ),
