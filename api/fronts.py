@@ -199,8 +199,14 @@ async def run_front_process(kind: ServiceKind, options: ServiceOptions, role: Pr
             async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
                 config = hypercorn_config(options.host, options.port, options.http)
                 config.bind = [f"fd://{role.listen_fd}"]
-                max_connections = options.http.max_connections
-                await serve_http(app, config, stopping.wait, max_connections=max_connections, task_status=task_status)
+                await serve_http(
+                    app,
+                    config,
+                    stopping.wait,
+                    max_connections=options.http.max_connections,
+                    write_timeout=options.http.write_timeout,
+                    task_status=task_status,
+                )
                 nursery.cancel_scope.cancel()  # drained: stop the link
 
             await nursery.start(http)

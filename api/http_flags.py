@@ -37,6 +37,12 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         f"is closed (default {DEFAULTS.body_timeout:g})",
     )
     front.add_argument(
+        "--http-write-timeout-secs",
+        metavar="S",
+        help=f"close a connection whose client takes no bytes of its response for S seconds: a client that "
+        f"sends requests but does not read the answers (default {DEFAULTS.write_timeout:g})",
+    )
+    front.add_argument(
         "--http-max-connections",
         metavar="N",
         help=f"open HTTP connections; newer ones get 503 and are closed (default {DEFAULTS.max_connections})",
@@ -57,6 +63,9 @@ def http_options(
         idle_timeout=_seconds(args.http_idle_timeout_secs, "--http-idle-timeout-secs", DEFAULTS.idle_timeout, problems),
         body_timeout=_seconds(args.http_body_timeout_secs, "--http-body-timeout-secs", DEFAULTS.body_timeout, problems),
         max_connections=_count(args.http_max_connections, "--http-max-connections", problems),
+        write_timeout=_seconds(
+            args.http_write_timeout_secs, "--http-write-timeout-secs", DEFAULTS.write_timeout, problems
+        ),
         shutdown_grace=_seconds(args.shutdown_grace_secs, "--shutdown-grace-secs", DEFAULTS.shutdown_grace, problems),
     )
     return settings, _token(args, env, problems, warnings)

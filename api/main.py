@@ -228,7 +228,12 @@ async def run_service(
         async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             config = hypercorn_config(options.host, options.port, options.http)
             await serve_http(
-                app, config, stopping.wait, max_connections=options.http.max_connections, task_status=task_status
+                app,
+                config,
+                stopping.wait,
+                max_connections=options.http.max_connections,
+                write_timeout=options.http.write_timeout,
+                task_status=task_status,
             )
             inner.cancel_scope.cancel()  # HTTP drained: now stop the actors
 

@@ -40,6 +40,7 @@ import logging
 import struct
 import termios
 from collections.abc import Awaitable, Callable
+from math import inf
 from typing import Any
 
 import attrs
@@ -59,6 +60,7 @@ log = logging.getLogger("kvrouter.http")
 DEFAULT_MAX_CONNECTIONS = 400
 MAX_REFUSALS_IN_PROGRESS = 32  # beyond this many 503s being written, a refused connection is just closed
 LINGER_SECONDS = 1.0
+WRITE_CHUNK = 64 * 1024  # a response is written in chunks of this size, each within the write timeout
 IDLE_DRAIN_SECONDS = 1.0  # at shutdown, idle keep-alive connections may still deliver a request this long
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between warnings about refused connections
 # accept(2) failures that mean "out of a resource for now": wait and retry, as trio.serve_listeners does.
@@ -72,6 +74,7 @@ class HttpSettings:
     idle_timeout: float = 5.0  # open or after a response -> a complete request head (slow headers, idle keep-alive)
     body_timeout: float = 30.0  # head -> complete body; also closes a connection silent this long
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open HTTP connections; newer ones are refused (503)
+    write_timeout: float = 30.0  # a response the client does not read: closed once WRITE_CHUNK waits this long
     shutdown_grace: float = 10.0  # SIGTERM -> in-flight requests answered; then they are cut
 
 
@@ -103,9 +106,10 @@ def hypercorn_config(host: str, port: int, settings: HttpSettings = HttpSettings
 class _Stream:
     """A connection's stream as hypercorn sees it; closing it ends the connection (see the module doc)."""
 
-    def __init__(self, stream: trio.SocketStream, connection: trio.CancelScope) -> None:
+    def __init__(self, stream: trio.SocketStream, connection: trio.CancelScope, write_timeout: float = inf) -> None:
         self._stream = stream
         self._connection = connection
+        self._write_timeout = write_timeout
         self._closed = False
         self._closing = False  # hypercorn has started to close: no more sends
         self._sent: trio.Event | None = None  # set while a send is in progress, fired when it ends
@@ -120,7 +124,19 @@ class _Stream:
             raise trio.ClosedResourceError("the connection is closing")
         self._sent = sent = trio.Event()
         try:
-            await self._stream.send_all(data)
+            # Hypercorn's send has no timeout and is shielded from cancellation: a client that stops reading
+            # would hold the connection (its slot, and the answer) for ever. Each chunk must be taken within
+            # the write timeout, else the connection is given up as broken (the client is too slow, or gone).
+            view = memoryview(data)
+            for start in range(0, max(len(view), 1), WRITE_CHUNK):
+                with trio.move_on_after(self._write_timeout) as waited:
+                    await self._stream.send_all(view[start : start + WRITE_CHUNK])
+                if not waited.cancelled_caught:
+                    continue
+                self._closing = True
+                self._connection.cancel()
+                log.debug("closed a connection whose client took no response bytes for %g s", self._write_timeout)
+                raise trio.BrokenResourceError(f"the client took no response bytes for {self._write_timeout:g} s")
         finally:
             self._sent = None
             sent.set()
@@ -182,9 +198,10 @@ def _unread_bytes(stream: trio.SocketStream) -> int:
 
 
 class _Server:
-    def __init__(self, app: Any, config: Config, max_connections: int) -> None:
+    def __init__(self, app: Any, config: Config, max_connections: int, write_timeout: float = inf) -> None:
         self.app = ASGIWrapper(app)
         self.config = config
+        self.write_timeout = write_timeout
         self.context = WorkerContext(None)
         self.all_closed = trio.Event()  # set once draining and the last connection has ended
         self.max_connections = max_connections
@@ -224,7 +241,8 @@ class _Server:
     async def _serve(self, stream: trio.SocketStream) -> None:
         try:
             with trio.CancelScope() as connection:
-                await _Connection(self.app, self.config, self.context, {}, _Stream(stream, connection))  # type: ignore[arg-type]
+                wrapped = _Stream(stream, connection, self.write_timeout)
+                await _Connection(self.app, self.config, self.context, {}, wrapped)  # type: ignore[arg-type]
         finally:
             self.open -= 1
             stream.socket.close()
@@ -276,6 +294,7 @@ async def serve_http(
     shutdown_trigger: Callable[[], Awaitable[Any]],
     *,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    write_timeout: float = inf,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` until ``shutdown_trigger`` returns, then drain (see the module doc) and return."""
@@ -286,7 +305,7 @@ async def serve_http(
         sock.listen(config.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-    server = _Server(app, config, max_connections)
+    server = _Server(app, config, max_connections, write_timeout)
     if (reason := inactive_reason()) is not None:
         log.warning("%s", reason)
     try:

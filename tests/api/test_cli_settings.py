@@ -202,3 +202,10 @@ def test_max_index_blocks_per_scope_is_checked_and_carried() -> None:
     assert launch("--max-index-blocks-per-scope", "1000").options.max_index_blocks_per_scope == 1000
     (problem,) = problems("--max-index-blocks-per-scope", "0")
     assert problem.startswith("--max-index-blocks-per-scope")
+
+
+def test_http_write_timeout_is_checked_and_carried() -> None:
+    assert launch().options.http.write_timeout == 30.0
+    assert launch("--http-write-timeout-secs", "2.5").options.http.write_timeout == 2.5
+    (problem,) = problems("--http-write-timeout-secs", "0")
+    assert problem.startswith("--http-write-timeout-secs")
