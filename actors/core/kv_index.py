@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 import heapq
 from array import array
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -136,6 +137,7 @@ class KvIndex:
         "_by_bit",
         "_child",
         "_cover",
+        "_depth",
         "_first",
         "_free_nodes",
         "_local",
@@ -157,6 +159,7 @@ class KvIndex:
         self._next = array("i", [_NONE])  # next sibling
         self._prev = array("i", [_NONE])  # previous sibling
         self._cover: list[int] = [0]  # bitmask of rank bits covering the node
+        self._depth = array("i", [0])  # blocks from the root to the node (1 = stored at the root); trims cut by it
         self._free_nodes: list[int] = []
         # Ranks.
         self._ranks: dict[WorkerRank, _Rank] = {}
@@ -248,9 +251,9 @@ class KvIndex:
         before = len(r.node_ext) + r.lower_count()
         self._drop_lower(r)
         if keep_depth is not None:
-            for node, depth in self._device_depths(r).items():
-                if depth == keep_depth + 1:
-                    self._truncate(r, node)
+            depth, cut = self._depth, keep_depth + 1
+            for node in [n for n in r.node_ext if depth[n] == cut]:
+                self._truncate(r, node)
         return before - len(r.node_ext)
 
     def trim_plan(self, rank: WorkerRank, at_least: int) -> tuple[int | None, int]:
@@ -263,14 +266,10 @@ class KvIndex:
         freed = r.lower_count()
         if freed >= at_least:
             return None, freed
-        per_depth: list[int] = []
-        for depth in self._device_depths(r).values():
-            while len(per_depth) < depth:
-                per_depth.append(0)
-            per_depth[depth - 1] += 1
-        keep = len(per_depth)
+        per_depth = Counter(map(self._depth.__getitem__, r.node_ext))
+        keep = max(per_depth, default=0)
         while keep > 0 and freed < at_least:
-            freed += per_depth[keep - 1]
+            freed += per_depth[keep]
             keep -= 1
         return keep, freed
 
@@ -445,6 +444,8 @@ class KvIndex:
         for key, node in self._child.items():
             if node in live and key != (parent[node] << 64) | local[node]:
                 problems.append(f"node {node}: child key does not match its parent and local hash")
+            if node in live and self._depth[node] != self._depth[parent[node]] + 1:
+                problems.append(f"node {node}: depth {self._depth[node]} is not its parent's plus one")
         children: dict[int, set[int]] = {0: set()}
         for node in live:
             children.setdefault(node, set())
@@ -570,6 +571,7 @@ class KvIndex:
             self._name[node] = name
             self._first[node] = _NONE
             self._cover[node] = 0
+            self._depth[node] = self._depth[parent] + 1
         else:
             node = len(self._cover)
             self._parent.append(parent)
@@ -579,6 +581,7 @@ class KvIndex:
             self._next.append(_NONE)
             self._prev.append(_NONE)
             self._cover.append(0)
+            self._depth.append(self._depth[parent] + 1)
         head = self._first[parent]
         self._next[node] = head
         self._prev[node] = _NONE
@@ -631,22 +634,6 @@ class KvIndex:
         self._blocks -= r.lower_count()
         r.lower = [None, None, None]
         self._lower_ranks.pop(r.rank, None)
-
-    def _device_depths(self, r: _Rank) -> dict[int, int]:
-        """Depth (1 = stored at the root) of each device node the rank covers: O(its blocks), since its
-        covered set is prefix-closed and each node's depth is its parent's plus one."""
-        parent = self._parent
-        depths: dict[int, int] = {}
-        for node in r.node_ext:
-            path = []
-            while node and node not in depths:
-                path.append(node)
-                node = parent[node]
-            depth = depths.get(node, 0)
-            for on_path in reversed(path):
-                depth += 1
-                depths[on_path] = depth
-        return depths
 
     def _is_ancestor_or_self(self, candidate: int, node: int) -> bool:
         parent = self._parent
