@@ -23,6 +23,9 @@ total deadline for a body that trickles in (:func:`kvrouter.api.app.make_app`). 
   closed (h11's PAUSED state; this held every busy keep-alive connection for the whole graceful timeout
   at shutdown), or for the keep-alive timeout after its client had closed. Each such task would hold a
   connection slot;
+* a write timeout: hypercorn's send has none (and shields it from cancellation), so a client that sends
+  requests and never reads the answers held its connection, and the answers, for ever; each ``WRITE_CHUNK``
+  of a response must now be taken within ``write_timeout``, else the connection is closed as broken;
 * a lingering close: when hypercorn closes a connection whose client is still sending (a body refused
   early with 413), the unread bytes are drained and discarded for up to ``LINGER_SECONDS`` first, since
   closing a socket with unread data sends a reset that can destroy the response before the client
