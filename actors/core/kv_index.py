@@ -248,13 +248,13 @@ class KvIndex:
         r = self._ranks.get(rank)
         if r is None:
             return 0
-        before = len(r.node_ext) + r.lower_count()
+        before = len(r.ext_node) + r.lower_count()
         self._drop_lower(r)
         if keep_depth is not None:
             depth, cut = self._depth, keep_depth + 1
-            for node in [n for n in r.node_ext if depth[n] == cut]:
+            for node in [n for n in r.ext_node.values() if depth[n] == cut]:
                 self._truncate(r, node)
-        return before - len(r.node_ext)
+        return before - len(r.ext_node)
 
     def trim_plan(self, rank: WorkerRank, at_least: int) -> tuple[int | None, int]:
         """The shallowest cut of ``trim`` that drops ``at_least`` of the rank's blocks (or all of them):
@@ -266,7 +266,7 @@ class KvIndex:
         freed = r.lower_count()
         if freed >= at_least:
             return None, freed
-        per_depth = Counter(map(self._depth.__getitem__, r.node_ext))
+        per_depth = Counter(map(self._depth.__getitem__, r.ext_node.values()))
         keep = max(per_depth, default=0)
         while keep > 0 and freed < at_least:
             freed += per_depth[keep]
