@@ -172,7 +172,9 @@ class Fuzzer:
             self.state = None  # accepted: the state may have changed
 
 
-def run_examples(fuzzer: Fuzzer, rows: list[FuzzRoute], spoils: list[str], examples: int, batch: int) -> None:
+def run_examples(
+    fuzzer: Fuzzer, rows: list[FuzzRoute], spoils: list[str], examples: int = EXAMPLES, batch: int = 0
+) -> None:
     """Hypothesis's search, in this worker thread; each request goes to the trio loop. Each batch draws other
     inputs (seeded by its number, so CI's run is reproducible, unless KVROUTER_FUZZ_RANDOM=1)."""
 
