@@ -175,7 +175,7 @@ def make_app(
             body = b"" if scope["method"] == "HEAD" else response.body
             await send({"type": "http.response.body", "body": body})
         elif kind == "websocket":
-            await _refuse_websocket(scope, send)
+            await _websocket(scope, receive, send)
         elif kind == "lifespan":
             # The actor system lives in the outer nursery, not in lifespan; just answer.
             while True:
@@ -226,29 +226,21 @@ def make_app(
                 body_unread = False
                 if body and not _is_json(headers.content_type):
                     return error_response(415, UNSUPPORTED_MEDIA), body_unread
-            request = Request(method, scope["path"], scope["query_string"], body, params)
-            return await route.handler(request), body_unread
         except HttpError as exc:
             release(exc)
-            if exc.plain:
-                plain = Response(exc.status, exc.message.encode(), b"text/plain; charset=utf-8", exc.headers)
-                return plain, body_unread
-            return error_response(exc.status, exc.message, exc.headers), body_unread
-        except Overloaded as exc:
-            release(exc)
-            return error_response(503, str(exc), ((b"retry-after", b"1"),)), body_unread
-        except Exception as exc:
-            # A bug in a handler: answer in the API's shape and keep serving (actor bugs are
-            # fail-stop instead, since they may have left state half-applied).
-            log.exception("unhandled error in %s %s", method, scope["path"])
-            release(exc)
-            return error_response(500, "internal error"), body_unread
+            return http_error_response(exc), body_unread
+        request = Request(method, scope["path"], scope["query_string"], body, params)
+        return await call_route(route, request), body_unread
 
-    async def _refuse_websocket(scope: ASGIScope, send: Any) -> None:
-        """No route speaks WebSocket: answer the upgrade with a plain 4xx ``{"error"}`` (401 without the
-        token, 404 for an unknown path, else 400), through ASGI's denial-response extension when the
-        server has it (hypercorn does), else by closing before accepting (the server then answers 403)."""
+    async def _websocket(scope: ASGIScope, receive: Any, send: Any) -> None:
+        """Hand an authorised upgrade of a WebSocket route to it; refuse any other with a plain 4xx
+        ``{"error"}`` (401 without the token, 404 for an unknown path, else 400), through ASGI's
+        denial-response extension when the server has it (hypercorn does), else by closing before
+        accepting (the server then answers 403)."""
         found = _route(scope, "GET", _Headers(scope["headers"]))  # a WebSocket handshake is a GET
+        if not isinstance(found, Response) and found[0].websocket is not None:
+            await found[0].websocket(scope, receive, send)
+            return
         if isinstance(found, Response) and found.status in (400, 401, 404):
             response = found
         else:
@@ -262,6 +254,31 @@ def make_app(
         await send({"type": "websocket.http.response.body", "body": response.body})
 
     return app
+
+
+async def call_route(route: Route, request: Request) -> Response:
+    """``route``'s answer to ``request``, every failure in the API's shape (one place, so a command of a
+    batch is answered exactly as the same request on its own route)."""
+    try:
+        return await route.handler(request)
+    except HttpError as exc:
+        release(exc)
+        return http_error_response(exc)
+    except Overloaded as exc:
+        release(exc)
+        return error_response(503, str(exc), ((b"retry-after", b"1"),))
+    except Exception as exc:
+        # A bug in a handler: answer in the API's shape and keep serving (actor bugs are
+        # fail-stop instead, since they may have left state half-applied).
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        release(exc)
+        return error_response(500, "internal error")
+
+
+def http_error_response(exc: HttpError) -> Response:
+    if exc.plain:
+        return Response(exc.status, exc.message.encode(), b"text/plain; charset=utf-8", exc.headers)
+    return error_response(exc.status, exc.message, exc.headers)
 
 
 def _log_request(scope: ASGIScope, status: int, started: float) -> None:

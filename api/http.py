@@ -11,6 +11,7 @@ import attrs
 import orjson
 
 JSON = b"application/json"
+UNPARSED: Any = object()  # Request.parsed when the body is only bytes
 
 
 @attrs.frozen
@@ -41,6 +42,8 @@ class Request:
     query_string: bytes
     body: bytes
     path_params: dict[str, str] = attrs.Factory(dict)
+    # A body already parsed as JSON (a command of a batch): ``json()`` returns it as it is.
+    parsed: Any = attrs.field(default=UNPARSED, repr=False)
 
     def query(self, known: tuple[str, ...]) -> dict[str, str]:
         """The ``known`` query parameters; others are ignored, a repeated known one is a 400."""
@@ -53,6 +56,8 @@ class Request:
         return found
 
     def json(self) -> Any:
+        if self.parsed is not UNPARSED:
+            return self.parsed
         if not self.body.strip():
             raise HttpError(400, "Failed to parse the request body as JSON: EOF while parsing a value")
         try:
@@ -108,3 +113,8 @@ class Route:
     handler: Handler
     json_body: bool = False  # requires a JSON content type and a body within the limit
     optional_body: bool = False  # reads a body if one is sent (JSON content type then required)
+    # Its handler puts its one command into its scope's mailbox before its first wait and reads no state
+    # before that: a batch may start the next command as soon as this one waits (``api/commands.py``).
+    pipelined: bool = False
+    # A WebSocket endpoint: the app hands an authorised upgrade of this path to this ASGI handler.
+    websocket: Callable[[dict[str, Any], Any, Any], Awaitable[None]] | None = None

@@ -42,6 +42,7 @@ from kvrouter.actors.system import ActorSystem
 from kvrouter.api import data_dir
 from kvrouter.api.app import make_app
 from kvrouter.api.auth import BearerToken
+from kvrouter.api.command_routes import with_command_routes
 from kvrouter.api.http import Route
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
@@ -122,7 +123,7 @@ async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nur
 
 
 def slot_tracker_routes_of(objects: ServiceObjects) -> list[Route]:
-    return slot_tracker_routes(objects.service) + replica_routes(objects.peers)
+    return with_command_routes(slot_tracker_routes(objects.service) + replica_routes(objects.peers))
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
@@ -184,7 +185,7 @@ async def select_service_objects(
 
 
 def select_service_routes_of(objects: ServiceObjects) -> list[Route]:
-    return select_service_routes(objects.service) + replica_routes(objects.peers)
+    return with_command_routes(select_service_routes(objects.service) + replica_routes(objects.peers))
 
 
 def select_objects_builder(

@@ -94,12 +94,12 @@ async def health(service: SlotService, request: Request) -> Response:
 
 def slot_tracker_routes(service: SlotService) -> list[Route]:
     return [
-        Route("POST", "/register", bound(service, register), json_body=True),
-        Route("POST", "/unregister", bound(service, unregister), json_body=True),
+        Route("POST", "/register", bound(service, register), json_body=True, pipelined=True),
+        Route("POST", "/unregister", bound(service, unregister), json_body=True, pipelined=True),
         Route("GET", "/workers", bound(service, workers)),
-        Route("POST", "/add", bound(service, add), json_body=True),
-        Route("POST", "/prefill_complete", bound(service, prefill_complete), json_body=True),
-        Route("POST", "/free", bound(service, free), json_body=True),
+        Route("POST", "/add", bound(service, add), json_body=True, pipelined=True),
+        Route("POST", "/prefill_complete", bound(service, prefill_complete), json_body=True, pipelined=True),
+        Route("POST", "/free", bound(service, free), json_body=True, pipelined=True),
         Route("GET", "/loads", bound(service, loads)),
         Route("POST", "/potential_loads", bound(service, potential_loads), json_body=True),
         Route("GET", "/health", bound(service, health)),

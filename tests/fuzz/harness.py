@@ -137,6 +137,11 @@ def check_answer(request: FuzzRequest, response: RawResponse, token: str | None 
         elif request.route.path != "/ready":
             body = response.json()
             assert isinstance(body, dict) and isinstance(body.get("error"), str) and body["error"], where
+    if request.route.path == "/batch" and response.status == 200:
+        for result in response.json():  # each command answered as its route: never a 500, errors are {error}
+            assert result["status"] != 500, where
+            if result["status"] >= 400 and isinstance(result["body"], dict) and "ready" not in result["body"]:
+                assert isinstance(result["body"].get("error"), str) and result["body"]["error"], where
 
 
 class Fuzzer:

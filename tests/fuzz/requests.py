@@ -161,6 +161,8 @@ async def raw_request(
             chunks = []
             while chunk := await stream.receive_some(65536):
                 chunks.append(chunk)
+                if chunks[0].startswith(b"HTTP/1.1 101") and b"\r\n\r\n" in b"".join(chunks):
+                    break  # a WebSocket opened (the command stream): its head is the whole answer
     return parse_response(b"".join(chunks), head_only=method == "HEAD")
 
 

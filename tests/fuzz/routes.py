@@ -9,6 +9,7 @@ from these rows by ``tests/fuzz/requests.py``.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
 import attrs
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ from tests.fuzz.strategies import (
     ZMQ_ENDPOINTS,
     JsonBody,
     optional,
+    path_with,
     scoped,
 )
 
@@ -40,6 +42,29 @@ class FuzzRoute:
     weight: int = 1  # how often it is drawn: routes that build state more, so the others meet some
 
 
+def command_of(row: FuzzRoute) -> st.SearchStrategy[JsonBody]:
+    """A command of ``POST /batch`` or the command stream naming ``row`` with a plausible request."""
+    params = st.fixed_dictionaries(row.params)
+    query = row.query if row.query is not None else st.just({})
+    body = row.body if row.body is not None else st.none()
+
+    def build(parts: tuple[dict[str, str], dict[str, str], Any]) -> JsonBody:
+        path = path_with(row.path, parts[0]) + (f"?{urlencode(parts[1])}" if parts[1] else "")
+        command: dict[str, Any] = {"method": row.method, "path": path}
+        if parts[2] is not None:
+            command["body"] = parts[2]
+        return command
+
+    return st.tuples(params, query, body).map(build)
+
+
+def batch_of(rows: list[FuzzRoute]) -> st.SearchStrategy[JsonBody]:
+    """``POST /batch`` bodies: commands naming the other rows (a few junk paths too)."""
+    commands = st.one_of(*[command_of(row) for row in rows], st.just({"method": "GET", "path": "/nope"}))
+    return st.lists(commands, max_size=6)
+
+
+COMMAND_ROUTES = [FuzzRoute("GET", "/ws/commands")]
 SCOPE_QUERY = optional({"model_name": ANY_MODEL, "tenant_id": TENANTS, "routing_group": TENANTS})
 PEER = st.fixed_dictionaries({"endpoint": st.sampled_from(["tcp://127.0.0.1:9", "tcp://127.0.0.1:11"])})
 WORKER_ID_PARAM = {"worker_id": WORKER_IDS.map(str)}
@@ -81,6 +106,7 @@ SLOT_TRACKER_ROUTES = [
     FuzzRoute("GET", "/health"),
     *REPLICA_ROUTES,
 ]
+SLOT_TRACKER_ROUTES += [FuzzRoute("POST", "/batch", batch_of(SLOT_TRACKER_ROUTES), weight=2), *COMMAND_ROUTES]
 
 # -- the selection service -----------------------------------------------------------------------------------
 
@@ -191,6 +217,7 @@ SELECTION_ROUTES = [
     FuzzRoute("GET", "/dump"),
     *REPLICA_ROUTES,
 ]
+SELECTION_ROUTES += [FuzzRoute("POST", "/batch", batch_of(SELECTION_ROUTES), weight=2), *COMMAND_ROUTES]
 
 # Requests that once answered 500, hung the service or crashed it at every restart: sent first, every run.
 # (method, target, JSON body or None)

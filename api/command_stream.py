@@ -1,0 +1,197 @@
+"""The command stream: ``GET /ws/commands`` upgraded to a WebSocket, many commands per message, pipelined.
+
+A client message (text or binary) is a JSON object::
+
+    {"commands": [{"id": 1, "method": "POST", "path": "/add", "body": {...}}, ...], "ordered": false}
+
+Each command is a command of ``api/commands.py`` with an ``id`` (an integer or a string, echoed back).
+The service answers with messages ``{"results": [{"id": 1, "status": 201, "body": {...}}, ...]}``: each
+result as soon as its command is durable, results that finish together in one message, in any order
+(match them by id). ``"ordered"`` (default true): the message's commands are applied in order with
+the connection's earlier ordered commands, by the rules of ``POST /batch`` (a slot tracker write
+lets the next command start once it is submitted; any other command waits for every earlier one);
+false: they start at once, unordered among themselves and with the rest (independent commands, e.g.
+from concurrent callers: a client that needs one before another waits for its result).
+
+Bounds (per connection): at most MAX_IN_FLIGHT commands received and not yet answered. Policy when
+full: the service stops reading the socket (the next message is read once its commands fit), so a
+client sending faster than the service answers is slowed by TCP, not buffered. A message over
+MAX_MESSAGE_BYTES (hypercorn's ``websocket_max_message_size``, set in ``api/server.py``) or holding
+more than MAX_BATCH_COMMANDS commands closes the connection with 1009; a message that is not such an
+object, or a command without a valid id, closes it with 1007 (the reason says what was wrong).
+Commands in flight when the connection goes are abandoned (one not yet decided is never applied;
+one decided is durable as usual). The token is checked at the upgrade, as for any route.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import orjson
+import trio
+
+from kvrouter.actors.core.limits import text_too_long
+from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Resolved, _Running, answer, render
+from kvrouter.api.http import HttpError, Request, Response, Route
+
+STREAM_PATH = "/ws/commands"
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_IN_FLIGHT = 4096
+CLOSE_TOO_BIG = 1009
+CLOSE_INVALID = 1007
+NOT_A_MESSAGE = 'a message is a JSON object {"commands": [...], "ordered": true|false}'
+BAD_ID = "every command needs an `id`: an integer or a string"
+PLAIN_GET = "this route speaks WebSocket: open it with a WebSocket upgrade (see the README's command stream)"
+
+
+class Malformed(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def parse_message(data: bytes | str) -> tuple[list[Any], list[Any], bool]:
+    """(ids, commands, ordered) of one client message; raises Malformed."""
+    size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", "surrogatepass"))
+    if size > MAX_MESSAGE_BYTES:
+        raise Malformed(CLOSE_TOO_BIG, f"a message holds at most {MAX_MESSAGE_BYTES} bytes")
+    try:
+        message = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise Malformed(CLOSE_INVALID, f"not JSON: {exc}") from None
+    if type(message) is not dict or type(message.get("commands")) is not list:
+        raise Malformed(CLOSE_INVALID, NOT_A_MESSAGE)
+    ordered = message.get("ordered", True)
+    if type(ordered) is not bool:
+        raise Malformed(CLOSE_INVALID, NOT_A_MESSAGE)
+    commands = message["commands"]
+    if len(commands) > MAX_BATCH_COMMANDS:
+        raise Malformed(CLOSE_TOO_BIG, f"a message holds at most {MAX_BATCH_COMMANDS} commands")
+    ids = []
+    for command in commands:
+        found = command.get("id") if type(command) is dict else None
+        if not (type(found) is int or (type(found) is str and not text_too_long(found))):
+            raise Malformed(CLOSE_INVALID, BAD_ID)
+        ids.append(found)
+    return ids, commands, ordered
+
+
+class _Window:
+    """Commands received and not yet answered; a message is read only once its commands fit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._freed = trio.Event()
+
+    def fits(self, count: int) -> bool:
+        return self.used + count <= self.limit
+
+    async def wait_for_room(self) -> None:
+        """Until at least one command's room is free (the next message may need more: see ``take``)."""
+        while self.used >= self.limit:
+            self._freed = trio.Event()
+            await self._freed.wait()
+
+    async def take(self, count: int) -> None:
+        while not self.fits(count):
+            self._freed = trio.Event()
+            await self._freed.wait()
+        self.used += count
+
+    def give_back(self, count: int) -> None:
+        self.used -= count
+        self._freed.set()
+
+
+class CommandStream:
+    """One connection: reads messages while there is room, runs their commands, sends their results."""
+
+    def __init__(self, runner: CommandRunner, send: Any, limit: int = MAX_IN_FLIGHT) -> None:
+        self.runner = runner
+        self.send = send
+        self.window = _Window(limit)
+        self.outgoing: list[bytes] = []
+        self.ready = trio.Event()
+        self.ordered_work: deque[tuple[list[Any], list[Resolved | Response]]] = deque()
+        self.ordered_ready = trio.Event()
+
+    def deliver(self, command_id: Any, response: Response) -> None:
+        result = render(response)
+        self.outgoing.append(b'{"id":%s,%s' % (orjson.dumps(command_id), result[1:]))
+        self.ready.set()
+
+    async def send_results(self) -> None:
+        """One message with every result ready; results that finish while it is sent go in the next."""
+        while True:
+            await self.ready.wait()
+            self.ready = trio.Event()
+            batch, self.outgoing = self.outgoing, []
+            text = (b'{"results":[' + b",".join(batch) + b"]}").decode()
+            await self.send({"type": "websocket.send", "text": text})
+            self.window.give_back(len(batch))
+
+    async def run_ordered(self) -> None:
+        """The connection's ordered commands, one sequence across messages."""
+        running = _Running()
+        async with trio.open_nursery() as nursery:
+            while True:
+                while not self.ordered_work:
+                    self.ordered_ready = trio.Event()
+                    await self.ordered_ready.wait()
+                ids, items = self.ordered_work.popleft()
+                for command_id, item in zip(ids, items, strict=True):
+                    if isinstance(item, Response):
+                        self.deliver(command_id, item)
+                    elif item[0].pipelined:
+                        await nursery.start(running.pipelined, command_id, item, self.deliver)
+                    else:
+                        await running.all_done()
+                        self.deliver(command_id, await answer(*item))
+
+    async def run_unordered(self, ids: list[Any], items: list[Resolved | Response]) -> None:
+        await self.runner.run(items, lambda index, response: self.deliver(ids[index], response), ordered=False)
+
+    async def serve(self, receive: Any) -> None:
+        """Read and dispatch messages until the client goes or breaks the protocol."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.send_results)
+            nursery.start_soon(self.run_ordered)
+            try:
+                while True:
+                    await self.window.wait_for_room()
+                    message = await receive()
+                    if message["type"] != "websocket.receive":
+                        return  # websocket.disconnect
+                    data = message.get("bytes")
+                    try:
+                        ids, commands, ordered = parse_message(data if data is not None else message.get("text", ""))
+                    except Malformed as bad:
+                        await self.send({"type": "websocket.close", "code": bad.code, "reason": bad.reason[:120]})
+                        return
+                    await self.window.take(len(commands))
+                    items = [self.runner.resolve(command) for command in commands]
+                    if ordered:
+                        self.ordered_work.append((ids, items))
+                        self.ordered_ready.set()
+                    else:
+                        nursery.start_soon(self.run_unordered, ids, items)
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
+    """``GET /ws/commands``: the stream behind a WebSocket upgrade; a plain GET answers 426."""
+
+    async def plain(request: Request) -> Response:
+        raise HttpError(426, PLAIN_GET, ((b"upgrade", b"websocket"),))
+
+    async def websocket(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        await send({"type": "websocket.accept"})
+        await CommandStream(runner, send, limit).serve(receive)
+
+    return Route("GET", STREAM_PATH, plain, websocket=websocket)

@@ -1,0 +1,190 @@
+"""Commands: many requests in one message, each answered exactly as its own route would answer it.
+
+A command is a JSON object naming a route of the service and what the request would carry::
+
+    {"method": "POST", "path": "/add", "body": {...}}
+    {"method": "GET", "path": "/loads?model_name=m"}
+
+It is dispatched through the service's one route table (the same ``Route`` objects the HTTP app
+serves), so it gets the same path parameters, parsing, validation, service-object call and error
+mapping as the single request; its result is ``{"status": ..., "body": ...}`` with the route's status
+and JSON body (``null`` for an empty body, a string for a text one) and, where the route sends any,
+``"headers"`` (``retry-after``, ``allow``, ...). A command that names no route, or is not a command,
+gets the 4xx a request would get (404 ``route not found``, 405, 400).
+
+Order (``run_commands`` with ``ordered=True``, as ``POST /batch`` runs them): commands start in list
+order. A command of a *pipelined* route (a slot tracker write: its handler puts its one command into
+its scope's mailbox before its first wait) lets the next command start as soon as it waits for its
+decision, so the commands of one scope are decided in list order and share fsyncs (group commit),
+while other scopes proceed at the same time. Any other command (a read, a selection, a catalog or
+reservation change, whose handler reads state first) starts once every earlier command has finished,
+and the next starts once it has: it sees every earlier command's effect. Every result is durable
+under the service's ``--durability`` before it is delivered (each route's own guarantee). A failing
+command does not stop the others: each has its own result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+from urllib.parse import unquote
+
+import orjson
+import trio
+
+from kvrouter.api.app import RouteTable, call_route
+from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response
+
+BATCH_PATH = "/batch"
+MAX_BATCH_COMMANDS = 1000  # per POST /batch and per stream message (policy beyond: 413 / close 1009)
+NOT_A_COMMAND = (
+    "a command is a JSON object with a string `method`, a string `path` starting with `/`, and an optional `body`"
+)
+NESTED_BATCH = "a batch cannot contain a batch"
+NOT_A_BATCH = "a batch is a JSON array of commands"
+
+Resolved = tuple[Route, Request]
+Deliver = Callable[[int, Response], None]
+
+
+def too_many(count: int) -> str:
+    return f"a batch holds at most {MAX_BATCH_COMMANDS} commands; this one has {count}: split it"
+
+
+class CommandRunner:
+    """Resolves commands against a route table and runs them (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.table = RouteTable(())
+
+    def serve(self, routes: Iterable[Route]) -> None:
+        """Dispatch to ``routes`` (the service's whole table, this runner's own routes included)."""
+        self.table = RouteTable(routes)
+
+    def resolve(self, command: Any) -> Resolved | Response:
+        """The route and request ``command`` names, or the response refusing it (nothing runs)."""
+        if type(command) is not dict:
+            return error_response(400, NOT_A_COMMAND)
+        method, target = command.get("method"), command.get("path")
+        if type(method) is not str or type(target) is not str or not target.startswith("/"):
+            return error_response(400, NOT_A_COMMAND)
+        raw_path, _, query = target.partition("?")
+        try:
+            found = self.table.lookup(raw_path.encode("utf-8", "surrogatepass"))
+        except HttpError as exc:
+            return error_response(exc.status, exc.message)
+        if found is None:
+            return error_response(404, "route not found")
+        methods, params = found
+        route = methods.get(method) or (methods.get("GET") if method == "HEAD" else None)
+        if route is None:
+            allowed = ",".join([*methods, "HEAD"] if "GET" in methods else methods)
+            return error_response(405, "method not allowed", ((b"allow", allowed.encode()),))
+        if route.path == BATCH_PATH:
+            return error_response(400, NESTED_BATCH)
+        query_string = query.encode("utf-8", "surrogatepass")
+        path = unquote(raw_path)
+        if "body" in command:
+            return route, Request(method, path, query_string, b"", params, command["body"])
+        return route, Request(method, path, query_string, b"", params)
+
+    async def run(self, commands: Sequence[Resolved | Response], deliver: Deliver, *, ordered: bool) -> None:
+        """Run ``commands``; ``deliver(index, response)`` as each finishes (refusals at once).
+
+        ``ordered=False``: every command starts at once (they are independent: no order between them).
+        """
+        if not ordered:
+            async with trio.open_nursery() as nursery:
+                for index, item in enumerate(commands):
+                    if isinstance(item, Response):
+                        deliver(index, item)
+                    else:
+                        nursery.start_soon(_run_one, index, item, deliver)
+            return
+        async with trio.open_nursery() as nursery:
+            running = _Running()
+            for index, item in enumerate(commands):
+                if isinstance(item, Response):
+                    deliver(index, item)
+                elif item[0].pipelined:
+                    await nursery.start(running.pipelined, index, item, deliver)
+                else:
+                    await running.all_done()
+                    deliver(index, await answer(*item))
+
+
+async def answer(route: Route, request: Request) -> Response:
+    """The route's response; to HEAD without its body (as the app sends it)."""
+    response = await call_route(route, request)
+    if request.method == "HEAD" and response.body:
+        return Response(response.status, b"", response.content_type, response.headers)
+    return response
+
+
+async def _run_one(index: int, item: Resolved, deliver: Deliver) -> None:
+    deliver(index, await answer(*item))
+
+
+class _Running:
+    """The pipelined commands of one ordered run that have not finished yet."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.idle = trio.Event()
+        self.idle.set()
+
+    async def pipelined(
+        self, index: int, item: Resolved, deliver: Deliver, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        if self.count == 0:
+            self.idle = trio.Event()
+        self.count += 1
+        # Let the runner go on once this task next waits: by then the handler has submitted its command
+        # (no wait comes before that in a pipelined route), so the next command is submitted after it.
+        task_status.started()
+        try:
+            deliver(index, await answer(*item))
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self.idle.set()
+
+    async def all_done(self) -> None:
+        await self.idle.wait()
+
+
+def render(response: Response) -> bytes:
+    """``{"status": ..., "body": ...}`` (and ``"headers"`` where the route sent some), as JSON bytes."""
+    body = response.body
+    if not body:
+        shown = b"null"
+    elif response.content_type == JSON:
+        shown = body
+    else:
+        shown = orjson.dumps(body.decode("utf-8", "replace"))
+    if response.headers:
+        headers = orjson.dumps({name.decode("latin-1"): value.decode("latin-1") for name, value in response.headers})
+        return b'{"status":%d,"body":%s,"headers":%s}' % (response.status, shown, headers)
+    return b'{"status":%d,"body":%s}' % (response.status, shown)
+
+
+def batch_route(runner: CommandRunner) -> Route:
+    """``POST /batch``: a JSON array of commands, applied in order (see the module doc); answers 200 with
+    an array of results, one per command, in the same order. More than MAX_BATCH_COMMANDS: 413."""
+
+    async def batch(request: Request) -> Response:
+        commands = request.json()
+        if type(commands) is not list:
+            raise HttpError(400, NOT_A_BATCH)
+        if len(commands) > MAX_BATCH_COMMANDS:
+            raise HttpError(413, too_many(len(commands)))
+        resolved = [runner.resolve(command) for command in commands]
+        results: list[bytes] = [b""] * len(resolved)
+
+        def deliver(index: int, response: Response) -> None:
+            results[index] = render(response)
+
+        await runner.run(resolved, deliver, ordered=True)
+        return Response(200, b"[" + b",".join(results) + b"]")
+
+    return Route("POST", BATCH_PATH, batch, json_body=True)

@@ -1,0 +1,208 @@
+"""The trio client of the command stream (``GET /ws/commands``): the core every flavour runs on.
+
+Commands issued while a message is being sent are coalesced into the next message (at most
+MAX_PER_MESSAGE each), so a busy caller sends few large messages and an idle one a message per
+command: batching follows the load without a timer. Each message is sent ``"ordered": false``: its
+commands come from independent callers, and a caller that needs one command after another awaits
+the first (the service then orders them by its reply). Results come back matched by id, in any order.
+
+Bounds: at most ``max_in_flight`` commands waiting for a result; beyond it a caller waits for room
+(policy: block the caller), so the client never exceeds the service's window (``MAX_IN_FLIGHT`` of
+``api/command_stream.py``, which would otherwise stop reading: the same effect, later).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import orjson
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
+
+from kvrouter.client.operations import NO_BODY, Op, Operations, Reply, StreamClosed, result_of
+
+T = TypeVar("T")
+STREAM_PATH = "/ws/commands"
+MAX_PER_MESSAGE = 1000  # the service's MAX_BATCH_COMMANDS
+MAX_IN_FLIGHT = 4096  # the service's MAX_IN_FLIGHT per connection
+MAX_REPLY_BYTES = 64 * 1024 * 1024  # one results message (up to 4096 results, each as large as a route answers)
+RECEIVE_BYTES = 64 * 1024
+CLOSE_SECONDS = 2.0  # the closing handshake waits at most this long for the service's answer
+
+
+class _Waiter:
+    __slots__ = ("done", "reply")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.reply: Reply | BaseException | None = None
+
+
+@contextlib.asynccontextmanager
+async def open_websocket(
+    url: str, *, token: str | None = None, max_message_size: int = MAX_REPLY_BYTES
+) -> AsyncIterator[WebSocketConnection]:
+    """A WebSocket client connection to ``url`` (``ws://host:port/path``) whose TCP socket is closed on exit,
+    however the connection ended (trio-websocket 0.12's ``open_websocket_url`` leaves it open when the
+    service closes first). A refused upgrade raises trio-websocket's ``ConnectionRejected``."""
+    parts = urlsplit(url)
+    if parts.scheme != "ws" or parts.hostname is None:
+        raise ValueError(f"{url!r} is not a ws:// URL (kvrouter serves plain HTTP)")
+    port = parts.port or 80
+    headers = [(b"authorization", b"Bearer " + token.encode())] if token is not None else None
+    stream = await trio.open_tcp_stream(parts.hostname, port)
+    rejected: list[HandshakeError] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            connection = await wrap_client_stream(
+                nursery,
+                stream,
+                f"{parts.hostname}:{port}",
+                parts.path or "/",
+                extra_headers=headers,
+                max_message_size=max_message_size,
+                receive_buffer_size=RECEIVE_BYTES,
+            )
+            try:
+                yield connection
+            finally:
+                with trio.move_on_after(CLOSE_SECONDS) as closing:
+                    closing.shield = True
+                    await connection.aclose()
+                nursery.cancel_scope.cancel()
+    except* HandshakeError as refusals:
+        rejected.extend(refusals.exceptions)  # type: ignore[arg-type]
+    finally:
+        await trio.aclose_forcefully(stream)
+    if rejected:
+        raise rejected[0]  # on its own, not in the nursery's group
+
+
+def stream_url(base_url: str) -> str:
+    """``http://host:port`` (the service's URL) -> ``ws://host:port/ws/commands``."""
+    url = base_url.rstrip("/")
+    if url.startswith("http"):
+        url = "ws" + url[4:]
+    return url if url.endswith(STREAM_PATH) else url + STREAM_PATH
+
+
+class StreamClient(Operations):
+    """Open with ``async with StreamClient.connect(url, token=...) as client``; every operation of
+    ``Operations`` is then an ``await client.add(...)`` etc. Safe to use from many tasks at once."""
+
+    def __init__(self, websocket: WebSocketConnection, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        self._websocket = websocket
+        self._room = trio.Semaphore(max_in_flight)
+        self._next_id = 0
+        self._waiting: dict[int, _Waiter] = {}
+        self._outgoing: list[bytes] = []
+        self._wake = trio.Event()
+        self._closed: BaseException | None = None
+        self.messages_sent = 0  # how many messages carried the commands (batching under load shows here)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(
+        cls, url: str, *, token: str | None = None, max_in_flight: int = MAX_IN_FLIGHT
+    ) -> AsyncIterator[StreamClient]:
+        """Connect to a service (``http://host:port`` or the full ``ws://`` stream URL); a refused upgrade
+        (401 without the right token) raises ``StreamClosed`` with the service's message."""
+        raised: list[BaseException] = []  # by the caller's block: re-raised as it is, not in a nursery's group
+        try:
+            async with open_websocket(stream_url(url), token=token) as websocket:
+                client = cls(websocket, max_in_flight)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(client._send_messages)
+                    nursery.start_soon(client._receive_results)
+                    try:
+                        yield client
+                    except BaseException as exc:
+                        raised.append(exc)
+                    finally:
+                        nursery.cancel_scope.cancel()
+                        client._fail(StreamClosed("the client was closed"))
+        except HandshakeError as refused:
+            raise StreamClosed(f"the service refused the command stream: {_refusal(refused)}") from None
+        if raised:
+            raise raised[0]
+
+    async def perform(self, op: Op[T]) -> T:
+        """Send ``op`` with the next message and wait for its result."""
+        return result_of(op, await self._exchange(op.method, op.path, op.body))
+
+    async def _exchange(self, method: str, path: str, body: Any) -> Reply:
+        if self._closed is not None:
+            raise StreamClosed(str(self._closed))
+        async with self._room:
+            command_id = self._next_id
+            self._next_id += 1
+            command: dict[str, Any] = {"id": command_id, "method": method, "path": path}
+            if body is not NO_BODY:
+                command["body"] = body
+            waiter = _Waiter()
+            self._waiting[command_id] = waiter
+            self._outgoing.append(orjson.dumps(command))
+            self._wake.set()
+            try:
+                await waiter.done.wait()
+            finally:
+                self._waiting.pop(command_id, None)
+            if isinstance(waiter.reply, BaseException):
+                raise StreamClosed(str(waiter.reply))
+            assert waiter.reply is not None
+            return waiter.reply
+
+    async def _send_messages(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while self._outgoing:
+                    batch = self._outgoing[:MAX_PER_MESSAGE]
+                    del self._outgoing[:MAX_PER_MESSAGE]
+                    message = b'{"ordered":false,"commands":[' + b",".join(batch) + b"]}"
+                    await self._websocket.send_message(message.decode())
+                    self.messages_sent += 1
+        except ConnectionClosed as closed:
+            self._fail(StreamClosed(_closed_reason(closed)))
+
+    async def _receive_results(self) -> None:
+        try:
+            while True:
+                message = orjson.loads(await self._websocket.get_message())
+                for result in message["results"]:
+                    waiter = self._waiting.get(result["id"])
+                    if waiter is not None:
+                        waiter.reply = Reply(result["status"], result["body"], result.get("headers", {}))
+                        waiter.done.set()
+        except ConnectionClosed as closed:
+            self._fail(StreamClosed(_closed_reason(closed)))
+
+    def _fail(self, failure: BaseException) -> None:
+        """Every waiting caller learns that the stream is gone; later calls raise at once."""
+        if self._closed is None:
+            self._closed = failure
+        for waiter in self._waiting.values():
+            if waiter.reply is None:
+                waiter.reply = self._closed
+                waiter.done.set()
+
+
+def _closed_reason(closed: ConnectionClosed) -> str:
+    reason = closed.reason
+    if reason is None:
+        return "the command stream closed"
+    return f"the command stream closed ({reason.code} {reason.name}: {reason.reason or 'no reason given'})"
+
+
+def _refusal(refused: HandshakeError) -> str:
+    body = getattr(refused, "body", None)
+    status = getattr(refused, "status_code", None)
+    try:
+        message = orjson.loads(body)["error"] if body else None
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        message = None
+    return f"{status} {message or ''}".strip()

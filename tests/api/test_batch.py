@@ -1,0 +1,234 @@
+"""POST /batch on both services (real hypercorn on port 0): each command answered exactly as its own route
+answers the same request, in order, a rejected command changing nothing, and the batch's bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from kvrouter.api.commands import MAX_BATCH_COMMANDS
+from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT
+from tests.support.services import running
+
+JsonCommand = dict[str, Any]
+
+
+def cmd(method: str, path: str, body: Any = None) -> JsonCommand:
+    command: JsonCommand = {"method": method, "path": path}
+    if body is not None:
+        command["body"] = body
+    return command
+
+
+def register(worker_id: int, model: str = "m") -> JsonCommand:
+    body = {"model_name": model, "worker_id": worker_id, "block_size": 16, "dp_start": 0, "dp_size": 2}
+    return cmd("POST", "/register", body)
+
+
+def add(request_id: str, model: str = "m", worker_id: int = 1, first_hash: int = 1) -> JsonCommand:
+    body = {"model_name": model, "request_id": request_id, "worker_id": worker_id, "dp_rank": 0}
+    hashes = [first_hash, first_hash + 1, first_hash + 2]
+    return cmd("POST", "/add", {**body, "sequence_hashes": hashes, "new_isl_tokens": 48})
+
+
+def ref(path: str, request_id: str, model: str = "m") -> JsonCommand:
+    return cmd("POST", path, {"model_name": model, "request_id": request_id})
+
+
+SLOT_TRACKER_COMMANDS = [
+    register(1),
+    register(1),
+    cmd("POST", "/register", {"model_name": "m", "worker_id": "one", "block_size": 16, "dp_start": 0, "dp_size": 1}),
+    add("r1"),
+    add("r1"),
+    add("r2", worker_id=99),
+    ref("/prefill_complete", "r1"),
+    cmd("GET", "/loads"),
+    cmd("GET", "/workers?model_name=m"),
+    cmd("GET", "/loads?model_name=a&model_name=b"),
+    cmd("POST", "/potential_loads", {"model_name": "m", "sequence_hashes": [1, 9], "new_isl_tokens": 32}),
+    ref("/free", "r1"),
+    ref("/free", "r1"),
+    ref("/prefill_complete", "ghost"),
+    cmd("POST", "/add"),
+    cmd("POST", "/add", [1, 2]),
+    cmd("DELETE", "/add"),
+    cmd("GET", "/nowhere"),
+    cmd("GET", "/health"),
+    cmd("HEAD", "/loads"),
+    cmd("POST", "/unregister", {"model_name": "m", "worker_id": 1}),
+    cmd("GET", "/workers"),
+]
+
+WORKER = {
+    "worker_id": 5,
+    "model_name": "m",
+    "endpoint": "http://w5",
+    "block_size": 4,
+    "kv_events_endpoint": "tcp://127.0.0.1:9",
+}
+PROMPT = {"model_name": "m", "token_ids": list(range(12))}
+SELECTION_COMMANDS = [
+    cmd("POST", "/select", PROMPT),
+    cmd("POST", "/workers", WORKER),
+    cmd("POST", "/workers", {**WORKER, "worker_id": 6, "endpoint": "http://w6"}),
+    cmd("POST", "/workers", {"worker_id": "x"}),
+    cmd("POST", "/select", {**PROMPT, "selection_id": "s1"}),
+    cmd("POST", "/select_and_reserve", {**PROMPT, "reservation_id": "b1"}),
+    cmd("POST", "/select_and_reserve", {**PROMPT, "reservation_id": "b1"}),
+    cmd("POST", "/reservations", {"model_name": "m", "selection_id": "s1"}),
+    cmd("POST", "/reservations/b1/prefill_complete"),
+    cmd("POST", "/reservations/b1/output_block", {"decay_fraction": 2.0}),
+    cmd("GET", "/loads"),
+    cmd("DELETE", "/reservations/b1"),
+    cmd("DELETE", "/reservations/b1"),
+    cmd("PATCH", "/workers/6", {"endpoint": "http://w6b"}),
+    cmd("DELETE", "/workers/77"),
+    cmd("DELETE", "/workers/%C2%B2"),
+    cmd("POST", "/select_disaggregated", {**PROMPT, "pinned_worker": {"worker_id": 5, "dp_rank": 0}}),
+    cmd("GET", "/workers"),
+    cmd("GET", "/dump"),
+]
+
+
+def shown(value: Any) -> Any:
+    """A worker listing without its live KV-listener health (it changes with time, not with commands)."""
+    if isinstance(value, list):
+        return [shown(item) for item in value]
+    if isinstance(value, dict):
+        return {k: shown(v) for k, v in value.items() if k not in ("kv_listeners", "kv_modes")}
+    return value
+
+
+def as_result(response: httpx.Response, method: str) -> dict[str, Any]:
+    """A single route's answer in a batch result's shape."""
+    if not response.content:
+        body = None
+    elif response.headers.get("content-type", "").startswith("application/json"):
+        body = response.json()
+    else:
+        body = response.text
+    result = {"status": response.status_code, "body": shown(body)}
+    if "allow" in response.headers:
+        result["allow"] = response.headers["allow"]
+    return result
+
+
+async def one_by_one(url: str, commands: list[JsonCommand]) -> list[dict[str, Any]]:
+    answers = []
+    async with httpx.AsyncClient(base_url=url) as client:
+        for command in commands:
+            content = orjson.dumps(command["body"]) if "body" in command else None
+            headers = {"content-type": "application/json"}  # what a command is sent as
+            response = await client.request(command["method"], command["path"], content=content, headers=headers)
+            answers.append(as_result(response, command["method"]))
+    return answers
+
+
+async def batched(url: str, commands: list[Any], headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=url) as client:
+        response = await client.post("/batch", json=commands, headers=headers)
+    assert response.status_code == 200, response.text
+    results = response.json()
+    assert len(results) == len(commands)
+    flattened = []
+    for result in results:
+        entry = {"status": result["status"], "body": shown(result["body"])}
+        if "allow" in result.get("headers", {}):
+            entry["allow"] = result["headers"]["allow"]
+        flattened.append(entry)
+    return flattened
+
+
+async def test_each_slot_tracker_command_answers_as_its_route(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path / "one") as single:
+        expected = await one_by_one(single.urls[0], SLOT_TRACKER_COMMANDS)
+    async with running("slot tracker", tmp_path / "batch") as service:
+        got = await batched(service.urls[0], SLOT_TRACKER_COMMANDS)
+    assert got == expected
+    statuses = [result["status"] for result in got]
+    assert 201 in statuses and 422 in statuses and 404 in statuses and 405 in statuses and 400 in statuses
+
+
+async def test_each_selection_command_answers_as_its_route(tmp_path: Path) -> None:
+    async with running("selection service", tmp_path / "one") as single:
+        expected = await one_by_one(single.urls[0], SELECTION_COMMANDS)
+    async with running("selection service", tmp_path / "batch") as service:
+        got = await batched(service.urls[0], SELECTION_COMMANDS)
+    assert got == expected
+    assert {result["status"] for result in got} >= {200, 201, 400, 404, 409, 422, 503}
+
+
+async def test_commands_of_one_scope_apply_in_order(tmp_path: Path) -> None:
+    """Lifecycles whose every step depends on the one before (prefill_complete and free of a request not yet
+    added answer 404), interleaved over two scopes, then reads that must see all of them."""
+    commands = [register(1, "a"), register(1, "b")]
+    for i in range(150):
+        for model in ("a", "b"):
+            commands += [add(f"r{i}", model, first_hash=10 * i), ref("/prefill_complete", f"r{i}", model)]
+    commands += [ref("/free", f"r{i}", model) for i in range(0, 150, 2) for model in ("a", "b")]
+    commands.append(cmd("GET", "/loads"))
+    async with running("slot tracker", tmp_path) as service:
+        results = await batched(service.urls[0], commands)
+    statuses = {(c["path"], r["status"]) for c, r in zip(commands[:-1], results[:-1], strict=True)}
+    assert statuses == {("/register", 201), ("/add", 201), ("/prefill_complete", 200), ("/free", 200)}
+    loads = results[-1]["body"]
+    # 75 requests left per scope, each 3 blocks of decode on rank 0 and none prefilling any more
+    assert {(row["model_name"], row["dp_rank"]): row["active_decode_blocks"] for row in loads} == {
+        ("a", 0): 225,
+        ("a", 1): 0,
+        ("b", 0): 225,
+        ("b", 1): 0,
+    }
+    assert all(row["active_prefill_tokens"] == 0 for row in loads)
+
+
+async def state_of(client: httpx.AsyncClient) -> tuple[Any, Any]:
+    return (await client.get("/workers")).json(), (await client.get("/loads")).json()
+
+
+async def test_rejected_commands_change_nothing(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path) as service, httpx.AsyncClient(base_url=service.urls[0]) as client:
+        await batched(service.urls[0], [register(1), add("r1")])
+        before = await state_of(client)
+        rejected = [
+            cmd("POST", "/register", {"model_name": "m", "worker_id": 1, "block_size": 8, "dp_start": 0, "dp_size": 2}),
+            cmd("POST", "/register", {"model_name": "m", "worker_id": -1, "block_size": 16}),
+            add("r1"),  # already there: answered, nothing new
+            add("r9", worker_id=42),
+            cmd("POST", "/add", {"model_name": "m", "request_id": "r8", "worker_id": 1, "dp_rank": 7}),
+            ref("/free", "never"),
+            7,
+            cmd("POST", "/free"),
+        ]
+        results = await batched(service.urls[0], rejected)
+        assert all(result["status"] >= 400 or result["status"] == 200 for result in results), results
+        assert await state_of(client) == before
+
+
+async def test_a_batch_beyond_its_bounds_is_refused_whole(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path) as service, httpx.AsyncClient(base_url=service.urls[0]) as client:
+        too_many = [register(1)] + [cmd("GET", "/health")] * MAX_BATCH_COMMANDS
+        response = await client.post("/batch", json=too_many)
+        assert response.status_code == 413
+        assert f"at most {MAX_BATCH_COMMANDS} commands" in response.json()["error"]
+        too_big = [register(1), cmd("POST", "/add", {"pad": "x" * SLOT_TRACKER_BODY_LIMIT})]
+        response = await client.post("/batch", json=too_big)
+        assert response.status_code == 413 and "length limit exceeded" in response.json()["error"]
+        for not_a_batch in ({"commands": []}, "x", 1):
+            response = await client.post("/batch", json=not_a_batch)
+            assert response.status_code == 400 and response.json()["error"] == "a batch is a JSON array of commands"
+        assert (await client.post("/batch", json=[])).json() == []
+        assert (await client.get("/workers")).json() == []
+
+
+async def test_a_batch_needs_the_token_and_its_commands_need_no_other(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path, token="tok") as service:
+        async with httpx.AsyncClient(base_url=service.urls[0]) as client:
+            refused = await client.post("/batch", json=[register(1)])
+            assert refused.status_code == 401 and "bearer token" in refused.json()["error"]
+        results = await batched(service.urls[0], [register(1)], {"authorization": "Bearer tok"})
+        assert results[0]["status"] == 201

@@ -1,0 +1,159 @@
+"""kvrouter.client against real services: from trio, asyncio and plain threads; typed results, the service's
+errors raised, commands batched under load, and durability (a result received, kill -9, restart: it is there)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+import trio
+
+from kvrouter.client import AsyncioClient, BlockingClient, CommandError, Selection, StreamClient, StreamClosed
+from tests.api.test_cli import CLI, Service
+from tests.support.services import running
+
+WORKER = {
+    "worker_id": 5,
+    "model_name": "m",
+    "endpoint": "http://w5",
+    "block_size": 4,
+    "kv_events_endpoint": "tcp://127.0.0.1:9",
+}
+
+
+async def test_the_trio_client_runs_a_lifecycle_and_raises_refusals(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+        assert await client.register(1, block_size=16, dp_size=2, model_name="m") is True
+        with pytest.raises(CommandError) as refused:
+            await client.register(1, block_size=16, dp_size=2, model_name="m")
+        assert refused.value.status == 409 and refused.value.message.startswith("worker 1 already registered")
+        assert await client.add("r1", 1, [1, 2, 3], new_isl_tokens=48, model_name="m") is True
+        assert await client.prefill_complete("r1", model_name="m") is False
+        assert await client.free("r1", model_name="m") is False
+        with pytest.raises(CommandError) as refused:
+            await client.prefill_complete("ghost", model_name="m")
+        assert refused.value.status == 404 and refused.value.message == "Request ghost not found"
+        with pytest.raises(CommandError) as refused:
+            await client.add("r2", 1, [1], dp_rank=9, model_name="m")
+        assert refused.value.status == 404 and "dp_rank" in refused.value.message
+        reply = await client.call("GET", "/loads?model_name=m")
+        assert reply.status == 200 and [row["active_decode_blocks"] for row in reply.body] == [0, 0]
+
+
+async def test_concurrent_calls_share_messages(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+        await client.register(1, block_size=16)
+        async with trio.open_nursery() as nursery:
+            for i in range(300):
+                nursery.start_soon(client.add, f"r{i}", 1, [i])
+        assert client.messages_sent < 100  # 301 commands; issued together, they went out together
+        reply = await client.call("GET", "/loads")
+        assert sum(row["active_decode_blocks"] for row in reply.body) == 300
+
+
+async def test_the_selection_operations(tmp_path: Path) -> None:
+    async with running("selection service", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+        with pytest.raises(CommandError) as refused:
+            await client.select({"model_name": "m", "token_ids": [1, 2, 3, 4]})
+        assert refused.value.status == 503
+        shown = await client.put_worker(WORKER)
+        assert shown["worker_id"] == 5
+        chosen = await client.select_and_reserve(
+            {"model_name": "m", "token_ids": list(range(8)), "reservation_id": "b"}
+        )
+        assert isinstance(chosen, Selection) and chosen.worker_id == 5 and chosen.reservation_id == "b"
+        assert await client.reservation_prefill_complete("b") is None
+        assert await client.output_block("b") is None
+        booked = await client.reserve(
+            {"model_name": "m", "reservation_id": "c", "worker_id": 5, "sequence_hashes": [1], "isl_tokens": 4}
+        )
+        assert booked.reservation_id == "c" and booked.worker_id == 5 and booked.endpoint == "http://w5"
+        await client.release("b")
+        with pytest.raises(CommandError) as refused:
+            await client.release("b")
+        assert refused.value.status == 404 and "b" in refused.value.message
+        assert (await client.remove_worker(5))["worker_id"] == 5
+
+
+async def test_a_client_without_the_token_is_refused(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path, token="tok") as service:
+        with pytest.raises(StreamClosed) as refused:
+            async with StreamClient.connect(service.urls[0]):
+                pass
+        assert "401" in str(refused.value) and "bearer token" in str(refused.value)
+        async with StreamClient.connect(service.urls[0], token="tok") as client:
+            assert await client.register(1, block_size=16) is True
+
+
+async def test_the_asyncio_client(tmp_path: Path) -> None:
+    async def use(url: str) -> list[bool]:
+        async with AsyncioClient(url) as client:
+            await client.register(1, block_size=16)
+            created = await asyncio.gather(*[client.add(f"r{i}", 1, [i]) for i in range(50)])
+            with pytest.raises(CommandError) as refused:
+                await client.add("y", 2, [1])  # no such worker
+            assert refused.value.status == 404
+            return list(created)
+
+    async with running("slot tracker", tmp_path) as service:
+        created = await trio.to_thread.run_sync(lambda: asyncio.run(use(service.urls[0])))
+    assert created == [True] * 50
+
+
+async def test_the_blocking_client_from_threads(tmp_path: Path) -> None:
+    def use(url: str) -> list[bool]:
+        results: list[bool] = []
+        with BlockingClient(url) as client:
+            client.register(1, block_size=16)
+
+            def lifecycle(i: int) -> None:
+                results.append(client.add(f"r{i}", 1, [i]))
+                client.prefill_complete(f"r{i}")
+                client.free(f"r{i}")
+
+            threads = [threading.Thread(target=lifecycle, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert client.call("GET", "/loads").body[0]["active_decode_blocks"] == 0
+        return results
+
+    async with running("slot tracker", tmp_path) as service:
+        results = await trio.to_thread.run_sync(use, service.urls[0])
+    assert results == [True] * 8
+
+
+def test_a_result_received_survives_kill_9(tmp_path: Path) -> None:
+    data = ["--data-dir", str(tmp_path / "data"), "--durability", "always"]
+    service = Service([*CLI, "slot-tracker", *data], tmp_path)
+    try:
+        url = f"http://127.0.0.1:{service.port}"
+        with BlockingClient(url) as client:
+            client.register(1, block_size=16)
+            for i in range(20):
+                assert client.add(f"r{i}", 1, [i, i + 100], new_isl_tokens=32) is True
+        service.process.kill()  # SIGKILL, right after the last result arrived
+        assert service.process.wait(30) == -9
+    finally:
+        service.kill()
+    restarted = Service([*CLI, "slot-tracker", *data], tmp_path)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{restarted.port}/loads", timeout=30) as response:
+            loads = orjson.loads(response.read())
+    finally:
+        restarted.stop()
+    assert loads[0]["active_decode_blocks"] == 40 and loads[0]["active_prefill_tokens"] == 20 * 32
+
+
+def test_the_client_module_imports_without_the_service() -> None:
+    """``kvrouter.client`` needs trio-websocket and orjson only, not the service's modules."""
+    code = "import sys, kvrouter.client; print(sorted(m for m in sys.modules if m.startswith('kvrouter.')))"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "kvrouter.actors" not in shown and "kvrouter.api" not in shown, shown
