@@ -147,12 +147,14 @@ def make_app(
     body_limit: int,
     body_timeout: float | None = None,
     auth: BearerToken | None = None,
+    stopping: trio.Event | None = None,
 ) -> Any:
     """The ASGI app serving ``routes``.
 
     ``body_timeout``: seconds a request body may take to arrive in full, counted from the app's first
     read (a trickling client gets 408; a silent one is hypercorn's read timeout). ``auth``: every route
-    but ``GET /health`` requires this bearer token.
+    but ``GET /health`` requires this bearer token. ``stopping``: set when the service starts to stop
+    (WebSocket routes hear of it and close their connections).
     """
     table = RouteTable(routes)
     open_methods = table.exact.get(OPEN_PATH)
@@ -239,7 +241,7 @@ def make_app(
         accepting (the server then answers 403)."""
         found = _route(scope, "GET", _Headers(scope["headers"]))  # a WebSocket handshake is a GET
         if not isinstance(found, Response) and found[0].websocket is not None:
-            await found[0].websocket(scope, receive, send)
+            await found[0].websocket(scope, receive, send, stopping)
             return
         if isinstance(found, Response) and found.status in (400, 401, 404):
             response = found

@@ -20,7 +20,8 @@ MAX_MESSAGE_BYTES (hypercorn's ``websocket_max_message_size``, set in ``api/serv
 more than MAX_BATCH_COMMANDS commands closes the connection with 1009; a message that is not such an
 object, or a command without a valid id, closes it with 1007 (the reason says what was wrong).
 Commands in flight when the connection goes are abandoned (one not yet decided is never applied;
-one decided is durable as usual). The token is checked at the upgrade, as for any route.
+one decided is durable as usual). When the service stops (SIGTERM), it stops reading, answers the
+commands in flight, and closes with 1001. The token is checked at the upgrade, as for any route.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ MAX_MESSAGE_BYTES = 1 << 20
 MAX_IN_FLIGHT = 4096
 CLOSE_TOO_BIG = 1009
 CLOSE_INVALID = 1007
+CLOSE_GOING_AWAY = 1001
+STOPPING = "the service is stopping: reconnect once it is back"
 NOT_A_MESSAGE = 'a message is a JSON object {"commands": [...], "ordered": true|false}'
 BAD_ID = "every command needs an `id`: an integer or a string"
 PLAIN_GET = "this route speaks WebSocket: open it with a WebSocket upgrade (see the README's command stream)"
@@ -101,6 +104,12 @@ class _Window:
             await self._freed.wait()
         self.used += count
 
+    async def drained(self) -> None:
+        """Until every command taken has been answered."""
+        while self.used:
+            self._freed = trio.Event()
+            await self._freed.wait()
+
     def give_back(self, count: int) -> None:
         self.used -= count
         self._freed.set()
@@ -109,9 +118,12 @@ class _Window:
 class CommandStream:
     """One connection: reads messages while there is room, runs their commands, sends their results."""
 
-    def __init__(self, runner: CommandRunner, send: Any, limit: int = MAX_IN_FLIGHT) -> None:
+    def __init__(
+        self, runner: CommandRunner, send: Any, limit: int = MAX_IN_FLIGHT, stopping: trio.Event | None = None
+    ) -> None:
         self.runner = runner
         self.send = send
+        self.stopping = stopping
         self.window = _Window(limit)
         self.outgoing: list[bytes] = []
         self.ready = trio.Event()
@@ -155,31 +167,46 @@ class CommandStream:
         await self.runner.run(items, lambda index, response: self.deliver(ids[index], response), ordered=False)
 
     async def serve(self, receive: Any) -> None:
-        """Read and dispatch messages until the client goes or breaks the protocol."""
+        """Read and dispatch messages until the client goes, breaks the protocol, or the service stops (then
+        the commands in flight are answered first, and the connection closes with 1001)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.send_results)
             nursery.start_soon(self.run_ordered)
+            with trio.CancelScope() as reading:
+                if self.stopping is not None:
+                    nursery.start_soon(_cancel_when_set, self.stopping, reading)
+                closing = await self._read(receive, nursery)
+            if reading.cancelled_caught:
+                await self.window.drained()
+                closing = (CLOSE_GOING_AWAY, STOPPING)
+            if closing is not None:
+                await self.send({"type": "websocket.close", "code": closing[0], "reason": closing[1][:120]})
+            nursery.cancel_scope.cancel()
+
+    async def _read(self, receive: Any, nursery: trio.Nursery) -> tuple[int, str] | None:
+        """Messages until the client disconnects (None) or sends a malformed one (the close code and reason)."""
+        while True:
+            await self.window.wait_for_room()
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return None  # websocket.disconnect
+            data = message.get("bytes")
             try:
-                while True:
-                    await self.window.wait_for_room()
-                    message = await receive()
-                    if message["type"] != "websocket.receive":
-                        return  # websocket.disconnect
-                    data = message.get("bytes")
-                    try:
-                        ids, commands, ordered = parse_message(data if data is not None else message.get("text", ""))
-                    except Malformed as bad:
-                        await self.send({"type": "websocket.close", "code": bad.code, "reason": bad.reason[:120]})
-                        return
-                    await self.window.take(len(commands))
-                    items = [self.runner.resolve(command) for command in commands]
-                    if ordered:
-                        self.ordered_work.append((ids, items))
-                        self.ordered_ready.set()
-                    else:
-                        nursery.start_soon(self.run_unordered, ids, items)
-            finally:
-                nursery.cancel_scope.cancel()
+                ids, commands, ordered = parse_message(data if data is not None else message.get("text", ""))
+            except Malformed as bad:
+                return bad.code, bad.reason
+            await self.window.take(len(commands))
+            items = [self.runner.resolve(command) for command in commands]
+            if ordered:
+                self.ordered_work.append((ids, items))
+                self.ordered_ready.set()
+            else:
+                nursery.start_soon(self.run_unordered, ids, items)
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
@@ -188,10 +215,10 @@ def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
     async def plain(request: Request) -> Response:
         raise HttpError(426, PLAIN_GET, ((b"upgrade", b"websocket"),))
 
-    async def websocket(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def websocket(scope: dict[str, Any], receive: Any, send: Any, stopping: trio.Event | None) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
-        await CommandStream(runner, send, limit).serve(receive)
+        await CommandStream(runner, send, limit, stopping).serve(receive)
 
     return Route("GET", STREAM_PATH, plain, websocket=websocket)

@@ -191,8 +191,14 @@ async def run_front_process(kind: ServiceKind, options: ServiceOptions, role: Pr
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         link = open_front_link(role.runtime_dir, role.index, options)
         routes = kind.routes(remote_objects(link, kind.service_class))
-        app = make_app(routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth)
         stopping = trio.Event()
+        app = make_app(
+            routes,
+            body_limit=options.body_limit,
+            body_timeout=options.http.body_timeout,
+            auth=options.auth,
+            stopping=stopping,
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(link.run)
 

@@ -104,6 +104,10 @@ OK = Response(200, OK_BODY)
 CREATED = Response(201, OK_BODY)
 
 Handler = Callable[[Request], Awaitable[Response]]
+# (ASGI scope, receive, send, stopping): ``stopping`` is a ``trio.Event`` set when the service starts to
+# stop (or None), so a long-lived connection can finish what is in flight and close rather than hold
+# the shutdown for its whole grace period.
+WebSocketHandler = Callable[[dict[str, Any], Any, Any, Any], Awaitable[None]]
 
 
 @attrs.frozen
@@ -116,5 +120,5 @@ class Route:
     # Its handler puts its one command into its scope's mailbox before its first wait and reads no state
     # before that: a batch may start the next command as soon as this one waits (``api/commands.py``).
     pipelined: bool = False
-    # A WebSocket endpoint: the app hands an authorised upgrade of this path to this ASGI handler.
-    websocket: Callable[[dict[str, Any], Any, Any], Awaitable[None]] | None = None
+    # A WebSocket endpoint: the app hands an authorised upgrade of this path to this handler.
+    websocket: WebSocketHandler | None = None

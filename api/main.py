@@ -224,7 +224,13 @@ async def run_service(
     async with recovered_runtime(name, options) as (runtime, scopes):
         system, inner, stopping = runtime.system, runtime.nursery, runtime.stopping
         routes = await build_routes(options, system, inner)
-        app = make_app(routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth)
+        app = make_app(
+            routes,
+            body_limit=options.body_limit,
+            body_timeout=options.http.body_timeout,
+            auth=options.auth,
+            stopping=stopping,
+        )
 
         async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             config = hypercorn_config(options.host, options.port, options.http)

@@ -28,9 +28,14 @@ T = TypeVar("T")
 STREAM_PATH = "/ws/commands"
 MAX_PER_MESSAGE = 1000  # the service's MAX_BATCH_COMMANDS
 MAX_IN_FLIGHT = 4096  # the service's MAX_IN_FLIGHT per connection
+MAX_MESSAGE_BYTES = 1 << 20  # the service's MAX_MESSAGE_BYTES: a larger message closes the stream (1009)
+MESSAGE_HEAD = b'{"ordered":false,"commands":['
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # one results message (up to 4096 results, each as large as a route answers)
 RECEIVE_BYTES = 64 * 1024
 CLOSE_SECONDS = 2.0  # the closing handshake waits at most this long for the service's answer
+# A stream with nothing to send pings this often: the service closes a connection silent for its
+# --http-body-timeout-secs (30 s by default).
+PING_SECONDS = 10.0
 
 
 class _Waiter:
@@ -102,6 +107,7 @@ class StreamClient(Operations):
         self._wake = trio.Event()
         self._closed: BaseException | None = None
         self.messages_sent = 0  # how many messages carried the commands (batching under load shows here)
+        self._last_sent = trio.current_time()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -117,6 +123,7 @@ class StreamClient(Operations):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(client._send_messages)
                     nursery.start_soon(client._receive_results)
+                    nursery.start_soon(client._keep_alive)
                     try:
                         yield client
                     except BaseException as exc:
@@ -142,9 +149,15 @@ class StreamClient(Operations):
             command: dict[str, Any] = {"id": command_id, "method": method, "path": path}
             if body is not NO_BODY:
                 command["body"] = body
+            encoded = orjson.dumps(command)
+            if len(encoded) + len(MESSAGE_HEAD) + 2 > MAX_MESSAGE_BYTES:
+                raise ValueError(
+                    f"a command of {len(encoded)} bytes does not fit a stream message ({MAX_MESSAGE_BYTES} bytes): "
+                    "send it to its HTTP route"
+                )
             waiter = _Waiter()
             self._waiting[command_id] = waiter
-            self._outgoing.append(orjson.dumps(command))
+            self._outgoing.append(encoded)
             self._wake.set()
             try:
                 await waiter.done.wait()
@@ -161,13 +174,26 @@ class StreamClient(Operations):
                 await self._wake.wait()
                 self._wake = trio.Event()
                 while self._outgoing:
-                    batch = self._outgoing[:MAX_PER_MESSAGE]
-                    del self._outgoing[:MAX_PER_MESSAGE]
-                    message = b'{"ordered":false,"commands":[' + b",".join(batch) + b"]}"
+                    batch = self._take_message()
+                    message = MESSAGE_HEAD + b",".join(batch) + b"]}"
                     await self._websocket.send_message(message.decode())
                     self.messages_sent += 1
+                    self._last_sent = trio.current_time()
         except ConnectionClosed as closed:
             self._fail(StreamClosed(_closed_reason(closed)))
+
+    def _take_message(self) -> list[bytes]:
+        """The next commands to send: as many as fit one message (MAX_PER_MESSAGE, MAX_MESSAGE_BYTES)."""
+        size = len(MESSAGE_HEAD) + 2
+        count = 0
+        for command in self._outgoing[:MAX_PER_MESSAGE]:
+            size += len(command) + 1
+            if size > MAX_MESSAGE_BYTES and count:
+                break
+            count += 1
+        batch = self._outgoing[:count]
+        del self._outgoing[:count]
+        return batch
 
     async def _receive_results(self) -> None:
         try:
@@ -180,6 +206,16 @@ class StreamClient(Operations):
                         waiter.done.set()
         except ConnectionClosed as closed:
             self._fail(StreamClosed(_closed_reason(closed)))
+
+    async def _keep_alive(self) -> None:
+        """A heartbeat after PING_SECONDS without a message: an unsolicited pong (RFC 6455 allows it, and it
+        needs no answer), which is enough for the service to see the connection is not silent."""
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                await trio.sleep_until(self._last_sent + PING_SECONDS)
+                if trio.current_time() >= self._last_sent + PING_SECONDS:
+                    await self._websocket.pong()
+                    self._last_sent = trio.current_time()
 
     def _fail(self, failure: BaseException) -> None:
         """Every waiting caller learns that the stream is gone; later calls raise at once."""

@@ -157,3 +157,30 @@ def test_the_client_module_imports_without_the_service() -> None:
     code = "import sys, kvrouter.client; print(sorted(m for m in sys.modules if m.startswith('kvrouter.')))"
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "kvrouter.actors" not in shown and "kvrouter.api" not in shown, shown
+
+
+async def test_commands_too_large_for_one_message_go_in_several(tmp_path: Path) -> None:
+    """200 adds of ~12 KB each (2.4 MB) issued together: split by size (the service closes the stream on a
+    message over 1 MiB), every one answered; a single command over 1 MiB is refused before it is sent."""
+    async with running("slot tracker", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+        await client.register(1, block_size=16)
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(client.add, f"r{i}", 1, list(range(2**60 + i * 1000, 2**60 + i * 1000 + 600)))
+        assert 3 <= client.messages_sent <= 10
+        with pytest.raises(ValueError, match="does not fit a stream message"):
+            await client.add("huge", 1, list(range(2**62, 2**62 + 70_000)))
+        reply = await client.call("GET", "/loads")
+        assert sum(row["active_decode_blocks"] for row in reply.body) == 200 * 600
+
+
+async def test_an_idle_client_stays_connected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service closes a connection silent for its body timeout; the client's heartbeat keeps it open."""
+    monkeypatch.setattr("kvrouter.client.stream.PING_SECONDS", 0.2)
+    async with (
+        running("slot tracker", tmp_path, body_timeout=1.0) as service,
+        StreamClient.connect(service.urls[0]) as client,
+    ):
+        await client.register(1, block_size=16)
+        await trio.sleep(3.0)  # three body timeouts without a command
+        assert await client.add("r", 1, [1]) is True

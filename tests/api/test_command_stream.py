@@ -146,3 +146,14 @@ async def test_the_service_stops_reading_when_its_window_is_full() -> None:
         assert sorted(answered) == list(range(10)) and started == 10
         assert stream.window.used == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stopping_service_answers_what_is_in_flight_then_closes_with_1001(tmp_path: Path) -> None:
+    """Without this the open stream held the shutdown for the whole grace period (10 s) and was then cut."""
+    async with running("slot tracker", tmp_path) as service, open_websocket(ws_url(service.urls[0])) as ws:
+        await send(ws, [with_id(1, register(1))])
+        assert (await results(ws, 1))[1]["status"] == 201
+        service.stop()
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.get_message()
+    assert closed.value.reason.code == 1001 and "stopping" in (closed.value.reason.reason or "")

@@ -1,0 +1,154 @@
+"""Streamed lifecycle: commands/s through the client library (``kvrouter.client``) over the command stream,
+with ``--durability always``, next to the reference's HTTP lifecycle rate when it is installed.
+
+    python benchmarks/stream_bench.py [--seconds 6] [--callers 256] [--connections 1]
+                                      [--reference-python /work/refvenv/bin/python]
+
+Workload: the slot tracker benchmark's (8 workers x 2 DP ranks, 64-block prompts, 1024 prefill tokens);
+each of ``--callers`` trio tasks loops add -> prefill_complete -> free, awaiting each result (so a
+caller's commands are ordered by the service's replies), all sharing ``--connections`` streams: calls
+made while a message is in flight go out together in the next one. Latency is per command, from the
+call to its result (durable). The service runs as a subprocess; the load generator in this process.
+The reference is measured by ``slot_tracker_bench.measure`` (its own HTTP clients, same workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, reference_python, rss_bytes
+from slot_tracker_bench import BLOCK_SIZE, BLOCKS, RANKS, WORKERS, Result, Server, measure
+
+from kvrouter.client import StreamClient
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+async def drive(url: str, callers: int, connections: int, seconds: float, seed: int) -> tuple[Result, int]:
+    """(commands, seconds, per-command latencies) and the number of messages the clients sent."""
+    rng = random.Random(seed)
+    prefixes = [[rng.getrandbits(63) for _ in range(BLOCKS)] for _ in range(32)]
+    latencies: list[float] = []
+    count = 0
+    messages = 0
+
+    async def caller(client: StreamClient, index: int, stop_at: float) -> None:
+        nonlocal count
+        cycle = 0
+        while trio.current_time() < stop_at:
+            request_id = f"req-{seed}-{index}-{cycle}"
+            shared = rng.randint(0, BLOCKS)
+            hashes = rng.choice(prefixes)[:shared] + [rng.getrandbits(63) for _ in range(BLOCKS - shared)]
+            worker, rank = rng.randrange(WORKERS), rng.randrange(RANKS)
+            t0 = time.perf_counter()
+            await client.add(request_id, worker, hashes, dp_rank=rank, new_isl_tokens=1024, model_name="bench")
+            t1 = time.perf_counter()
+            await client.prefill_complete(request_id, model_name="bench")
+            t2 = time.perf_counter()
+            await client.free(request_id, model_name="bench")
+            latencies.extend((t1 - t0, t2 - t1, time.perf_counter() - t2))
+            count += 3
+            cycle += 1
+
+    async def connection(index: int, stop_at: float) -> None:
+        nonlocal messages
+        async with StreamClient.connect(url) as client, trio.open_nursery() as nursery:
+            for caller_index in range(index, callers, connections):
+                nursery.start_soon(caller, client, caller_index, stop_at)
+        messages += client.messages_sent
+
+    started = time.perf_counter()
+    stop_at = trio.current_time() + seconds
+    async with trio.open_nursery() as nursery:
+        for index in range(connections):
+            nursery.start_soon(connection, index, stop_at)
+    return Result(count, time.perf_counter() - started, latencies), messages
+
+
+async def setup(url: str) -> None:
+    async with StreamClient.connect(url) as client:
+        for worker in range(WORKERS):
+            await client.register(worker, block_size=BLOCK_SIZE, dp_size=RANKS, model_name="bench")
+
+
+def streamed(args: argparse.Namespace) -> Result:
+    port = free_port()
+    data = Path(tempfile.mkdtemp(prefix="kvrouter-stream-bench-"))
+    argv = [
+        *(sys.executable, "-m", "kvrouter.api.slot_tracker", "--port", str(port), "--data-dir", str(data)),
+        *("--durability", "always", "--fresh", "--log-level", os.environ.get("BENCH_LOG", "warning")),
+    ]
+    server = Server(argv, port)
+    url = f"http://127.0.0.1:{port}"
+    rounds = []
+    try:
+        server.wait_ready()
+        trio.run(setup, url)
+        trio.run(drive, url, args.callers, args.connections, 0.5, 1)  # warm-up
+        for round_index in range(args.rounds):
+            result, messages = trio.run(
+                drive, url, args.callers, args.connections, args.seconds / args.rounds, 2 + round_index
+            )
+            rounds.append(result)
+            print(
+                f"  round {round_index + 1}: {result.rate:8.0f} commands/s, {result.requests / max(messages, 1):6.1f} "
+                f"commands per message ({load()})",
+                flush=True,
+            )
+        rss = rss_bytes(server.process.pid) // 1024
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    middle = sorted(rounds, key=lambda r: r.rate)[len(rounds) // 2]
+    result = Result(middle.requests, middle.seconds, [latency for r in rounds for latency in r.latencies])
+    print(
+        f"kvrouter stream (always)  lifecycle {result.rate:8.0f} commands/s (p50 {result.percentile(0.5):6.0f} us, "
+        f"p99 {result.percentile(0.99):6.0f} us per command)   rss {rss / 1024:6.1f} MiB   ({load()})",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=6.0, help="per measurement, split over --rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (the median round's rate)")
+    parser.add_argument("--callers", type=int, default=256, help="concurrent lifecycles through the client")
+    parser.add_argument("--connections", type=int, default=1, help="command streams the callers share")
+    parser.add_argument("--clients", type=int, default=4, help="HTTP connections for the reference")
+    parser.add_argument("--reference-python", help="a python with ai-dynamo-runtime==1.6.1 installed")
+    args = parser.parse_args()
+    print(
+        f"stream benchmark: {WORKERS} workers x {RANKS} ranks, {BLOCKS}-block prompts, {args.callers} callers on "
+        f"{args.connections} stream(s), {args.seconds:.0f} s per measurement, cpus={os.cpu_count()} ({load()})",
+        flush=True,
+    )
+    ours = streamed(args)
+    python = reference_python(args.reference_python, "dynamo.slot_tracker")
+    if python is None:
+        print("reference: not installed (set KVROUTER_REFERENCE_PYTHON to a python with ai-dynamo-runtime)")
+        return
+    port = free_port()
+    argv = [python, "-m", "dynamo.slot_tracker", "--port", str(port)]
+    reference = measure(argv, port, args.seconds, args.clients, "reference 1.6.1 (HTTP)", args.rounds)
+    rate = reference["lifecycle"].rate  # type: ignore[union-attr]
+    ratio = ours.rate / rate
+    verdict = "meets" if ratio >= 1.0 else "misses"
+    print(f"({load()})")
+    print(f"target: streamed lifecycle (always) >= 1.0 x reference HTTP lifecycle -> {ratio:.2f} ({verdict})")
+
+
+if __name__ == "__main__":
+    main()
