@@ -10,7 +10,7 @@ import httpx
 import orjson
 
 from kvrouter.api.commands import MAX_BATCH_COMMANDS
-from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT
+from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceHandle
 from tests.support.services import running
 
 JsonCommand = dict[str, Any]
@@ -162,17 +162,17 @@ async def test_each_selection_command_answers_as_its_route(tmp_path: Path) -> No
     assert {result["status"] for result in got} >= {200, 201, 400, 404, 409, 422, 503}
 
 
-async def test_commands_of_one_scope_apply_in_order(tmp_path: Path) -> None:
+async def test_commands_of_one_scope_apply_in_order(slot_tracker: ServiceHandle) -> None:
     """Lifecycles whose every step depends on the one before (prefill_complete and free of a request not yet
-    added answer 404), interleaved over two scopes, then reads that must see all of them."""
+    added answer 404), interleaved over two scopes, then reads that must see all of them. In both layouts:
+    through a front's proxy, the calls of one message must reach the actors in the order they were sent."""
     commands = [register(1, "a"), register(1, "b")]
     for i in range(150):
         for model in ("a", "b"):
             commands += [add(f"r{i}", model, first_hash=10 * i), ref("/prefill_complete", f"r{i}", model)]
     commands += [ref("/free", f"r{i}", model) for i in range(0, 150, 2) for model in ("a", "b")]
     commands.append(cmd("GET", "/loads"))
-    async with running("slot tracker", tmp_path) as service:
-        results = await batched(service.urls[0], commands)
+    results = await batched(slot_tracker.urls[0], commands)
     statuses = {(c["path"], r["status"]) for c, r in zip(commands[:-1], results[:-1], strict=True)}
     assert statuses == {("/register", 201), ("/add", 201), ("/prefill_complete", 200), ("/free", 200)}
     loads = results[-1]["body"]
