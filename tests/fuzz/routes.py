@@ -174,6 +174,7 @@ SELECT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
         {"session_id": st.sampled_from(["s1", "s2"])},
         optional={"parent_session_id": st.just("s1"), "session_final": st.booleans()},
     ),
+    "affinity_target": st.fixed_dictionaries({"worker_id": WORKER_IDS}, optional={"dp_rank": st.integers(0, 3)}),
     "priority_jump": st.floats(-10, 10),
     "router_mode": st.sampled_from(["kv", "round_robin", "random", "direct", "least_loaded"]),
 }
