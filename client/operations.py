@@ -8,6 +8,7 @@ a 4xx/5xx status raises ``CommandError`` carrying the service's own message.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -124,12 +125,13 @@ def _scoped(model_name: str, tenant_id: str | None, fields: dict[str, Any]) -> d
     return body
 
 
-class Operations:
+class Operations(ABC):
     """The typed operations; a flavour supplies ``perform`` (returning the decoded result, or an awaitable
     of it). Each method's docstring names what the result is."""
 
+    @abstractmethod
     def perform(self, op: Op[Any]) -> Any:
-        raise NotImplementedError  # each flavour defines it
+        """Send ``op`` and return its decoded result (or an awaitable of it)."""
 
     def call(self, method: str, path: str, body: Any = NO_BODY) -> Any:
         """Any route: ``Reply`` (status, body, headers) without raising for a 4xx/5xx."""
