@@ -3,6 +3,8 @@ answers the same request, in order, a rejected command changing nothing, and the
 
 from __future__ import annotations
 
+import gc
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -216,8 +218,15 @@ async def test_a_batch_beyond_its_bounds_is_refused_whole(tmp_path: Path) -> Non
         assert response.status_code == 413
         assert f"at most {MAX_BATCH_COMMANDS} commands" in response.json()["error"]
         too_big = [register(1), cmd("POST", "/add", {"pad": "x" * SLOT_TRACKER_BODY_LIMIT})]
-        response = await client.post("/batch", json=too_big)
-        assert response.status_code == 413 and "length limit exceeded" in response.json()["error"]
+        with warnings.catch_warnings():
+            # The service answers 413 before reading the whole body, so httpx's request-body async generator
+            # is dropped unfinished; trio warns when it is collected (a client-side artefact, not the service).
+            warnings.simplefilter("ignore", ResourceWarning)
+            response = await client.post("/batch", json=too_big)
+            status, error = response.status_code, response.json()["error"]
+            del response
+            gc.collect()
+        assert status == 413 and "length limit exceeded" in error
         for not_a_batch in ({"commands": []}, "x", 1):
             response = await client.post("/batch", json=not_a_batch)
             assert response.status_code == 400 and response.json()["error"] == "a batch is a JSON array of commands"
