@@ -62,6 +62,7 @@ from kvrouter.actors.directory import Directory
 from kvrouter.actors.index_counters import IndexCounters
 from kvrouter.actors.kv_health import KvHealth
 from kvrouter.actors.kv_ingest import KvIngest
+from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
 from kvrouter.actors.system import ActorSystem
 
@@ -146,6 +147,9 @@ class SelectService:
         self.index_counters = IndexCounters()
         self._catalog = CatalogWriter(system, self.directory, ingest, use_kv_events=config.use_kv_events)
         self._now = system.clock.now_ns
+        # Which scopes' loads changed, for GET /ws/loads (one O(1) bump per applied change).
+        self.load_feed = LoadFeed()
+        system.observers.append(self.load_feed.observe)
 
     async def run(self, *, task_status: trio.TaskStatus[SelectService] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the catalog writer and follow applied events; ``await nursery.start(service.run)``."""
@@ -395,6 +399,18 @@ class SelectService:
                 partitions.append(PartitionLoads(state.scope, rows, *self.system.pending_loads(state.scope)))
         await self.system.read_barrier()
         return partitions
+
+    async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
+        """``GET /loads`` of the partitions changed after ``cursor`` of feed ``epoch``, waiting up to ``wait_seconds``
+        seconds (at most 2) for one; every partition if the cursor is of another epoch or too old."""
+        use_kv_events, queueing = self.config.use_kv_events, self.config.queueing
+
+        def measure(scope: ScopeKey, version: int) -> LoadChange:
+            state = self.system.state(scope)
+            rows = partition_loads(state, use_kv_events, queueing=queueing) if state is not None else None
+            return LoadChange(scope, version, rows, *self.system.pending_loads(scope))
+
+        return await read_changes(self.load_feed, self.system, epoch, cursor, wait_seconds, measure)
 
     async def potential_loads(
         self, scope: ScopeKey, prompt: Prompt, override: RouterConfigOverride | None = None

@@ -16,6 +16,7 @@ from kvrouter.actors.core.decide import no_tracker
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad, loads, potential_loads
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
 from kvrouter.actors.system import ActorSystem
 
@@ -39,6 +40,9 @@ class SlotService:
     def __init__(self, system: ActorSystem) -> None:
         self.system = system
         self._now = system.clock.now_ns
+        # Which scopes' loads changed, for GET /ws/loads (one O(1) bump per applied change).
+        self.load_feed = LoadFeed()
+        system.observers.append(self.load_feed.observe)
 
     # -- commands: each returns whether it created something ------------------------------------------
 
@@ -97,3 +101,13 @@ class SlotService:
         rows = potential_loads(state, sequence_hashes, isl_tokens)
         await self.system.read_barrier(scope)
         return rows
+
+    async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
+        """Loads of the scopes changed after ``cursor`` of feed ``epoch``, waiting up to ``wait_seconds`` seconds
+        (at most 2) for one; every scope if the cursor is of another epoch or too old (``GET /ws/loads``)."""
+
+        def measure(scope: ScopeKey, version: int) -> LoadChange:
+            state = self.system.state(scope)
+            return LoadChange(scope, version, loads(state) if state is not None else None)
+
+        return await read_changes(self.load_feed, self.system, epoch, cursor, wait_seconds, measure)

@@ -44,6 +44,7 @@ from kvrouter.api.fronts import (
 )
 from kvrouter.api.http import Route
 from kvrouter.api.http_flags import add_http_flags
+from kvrouter.api.live_streams import DEFAULT_MAX_SUBSCRIBERS
 from kvrouter.api.main import (
     RouteBuilder,
     ServiceOptions,
@@ -105,6 +106,12 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
         metavar="N",
         help=f"HTTP front processes on the one port, 0-{MAX_FRONTS} (default {DEFAULT_FRONTS}; 0: one process "
         "serves HTTP and owns the state; see README, Process layout and fronts)",
+    )
+    parser.add_argument(
+        "--stream-max-subscribers",
+        metavar="N",
+        help=f"subscribers of each live stream (/ws/loads, /ws/decisions) per process; more are closed with 1013 "
+        f"(default {DEFAULT_MAX_SUBSCRIBERS})",
     )
     parser.add_argument("--process-role", help=argparse.SUPPRESS)  # a child of a --fronts supervisor
 

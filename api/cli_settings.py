@@ -28,6 +28,7 @@ from kvrouter.actors.core.router_config import (
 from kvrouter.actors.peers.replicator import validate_endpoint
 from kvrouter.api.fronts import MAX_FRONTS, ProcessRole, parse_role
 from kvrouter.api.http_flags import http_options
+from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
 from kvrouter.api.replica_cli import replica_security_from
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
@@ -40,6 +41,7 @@ DEFAULT_PORTS = {SLOT_TRACKER: 8091, SELECT_SERVICE: 8092}
 DEFAULT_FRONTS = 0  # --fronts; 0: one process
 DATA_ROOT = Path("kvrouter-data")  # each service defaults to its own subdirectory
 U64_MAX = 2**64 - 1
+MAX_STREAM_SUBSCRIBERS = 100_000  # --stream-max-subscribers (the HTTP connection cap bounds it too)
 MAX_INDEX_BLOCKS_FLAG = 2**40  # --max-index-blocks-per-scope: far beyond any memory, so only a typo is refused
 
 SELECTION_CACHE_TTL_SECS = 120.0
@@ -97,6 +99,8 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
     data_dir = _data_dir(args, problems)
     http, auth = http_options(args, env, problems, warnings)
     fronts = _int(args, "fronts", 0, MAX_FRONTS, problems, default=DEFAULT_FRONTS)
+    subscribers = _int(args, "stream_max_subscribers", 1, MAX_STREAM_SUBSCRIBERS, problems, default=None)
+    streams = StreamSettings() if subscribers is None else StreamSettings(max_subscribers=subscribers)
     role = parse_role(args.process_role) if getattr(args, "process_role", None) else None
     launch = Launch(
         service,
@@ -112,6 +116,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
             replica_security=replica_security,
             http=http,
             auth=auth,
+            streams=streams,
         ),
         fronts=fronts or 0,
         role=role,

@@ -51,6 +51,7 @@ from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.zmq_socket import open_socket
 from kvrouter.api.app import make_app
 from kvrouter.api.http import Route
+from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.main import ObjectsBuilder, ServiceObjects, ServiceOptions, recovered_runtime
 from kvrouter.api.server import hypercorn_config, serve_http
 from kvrouter.api.service_dispatch import SOCKET_HWM, Dispatcher
@@ -80,7 +81,7 @@ class ServiceKind:
     name: str  # "slot tracker", "selection service"
     service_class: type  # the service object's class (its methods are what fronts forward)
     build_objects: ObjectsBuilder
-    routes: Callable[[ServiceObjects], list[Route]]
+    routes: Callable[[ServiceObjects, StreamSettings], list[Route]]
 
 
 @attrs.frozen
@@ -190,7 +191,7 @@ async def run_front_process(kind: ServiceKind, options: ServiceOptions, role: Pr
     """Serve HTTP on the inherited socket with proxies for the service objects, until SIGTERM."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         link = open_front_link(role.runtime_dir, role.index, options)
-        routes = kind.routes(remote_objects(link, kind.service_class))
+        routes = kind.routes(remote_objects(link, kind.service_class), options.streams)
         stopping = trio.Event()
         app = make_app(
             routes,

@@ -44,6 +44,8 @@ from kvrouter.api.app import make_app
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.command_routes import with_command_routes
 from kvrouter.api.http import Route
+from kvrouter.api.live_loads import partition_loads_route, slot_loads_route
+from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
 from kvrouter.api.select_routes import select_service_routes
@@ -78,6 +80,7 @@ class ServiceOptions:
     replica_security: ReplicaSecurity | None = None  # None: no CURVE, default peer limits
     http: HttpSettings = attrs.Factory(HttpSettings)  # client timeouts, connection cap, shutdown grace
     auth: BearerToken | None = None  # every route but GET /health requires it
+    streams: StreamSettings = attrs.Factory(StreamSettings)  # bounds of GET /ws/loads and /ws/decisions
 
 
 # Builds a service's routes once the actor system runs; may start more components in the nursery.
@@ -122,12 +125,13 @@ async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nur
     return ServiceObjects(SlotService(system), await start_peer_service(options, system, nursery))
 
 
-def slot_tracker_routes_of(objects: ServiceObjects) -> list[Route]:
-    return with_command_routes(slot_tracker_routes(objects.service) + replica_routes(objects.peers))
+def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
+    live = [slot_loads_route(objects.service, streams)[1]]
+    return with_command_routes(slot_tracker_routes(objects.service) + replica_routes(objects.peers) + live)
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
-    return slot_tracker_routes_of(await slot_tracker_objects(options, system, nursery))
+    return slot_tracker_routes_of(await slot_tracker_objects(options, system, nursery), options.streams)
 
 
 # -- the selection service -------------------------------------------------------------------------------
@@ -184,8 +188,9 @@ async def select_service_objects(
     return ServiceObjects(service, peer_service)
 
 
-def select_service_routes_of(objects: ServiceObjects) -> list[Route]:
-    return with_command_routes(select_service_routes(objects.service) + replica_routes(objects.peers))
+def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
+    live = [partition_loads_route(objects.service, streams)[1]]
+    return with_command_routes(select_service_routes(objects.service) + replica_routes(objects.peers) + live)
 
 
 def select_objects_builder(
@@ -201,7 +206,7 @@ def select_service_builder(
     build = select_objects_builder(config, indexer_peers, listener_slots)
 
     async def select_service_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
-        return select_service_routes_of(await build(options, system, nursery))
+        return select_service_routes_of(await build(options, system, nursery), options.streams)
 
     return select_service_app
 

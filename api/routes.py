@@ -6,6 +6,10 @@ Writes are durable before the service returns; reads have passed a read barrier 
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.queries import RankLoad
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.api.http import CREATED, OK, Request, Response, Route, json_response
 from kvrouter.api.route_support import bound, scope_fields, scope_filter
@@ -58,15 +62,20 @@ async def workers(service: SlotService, request: Request) -> Response:
     return json_response(200, rows)
 
 
+def load_row(scope: ScopeKey, load: RankLoad) -> dict[str, Any]:
+    """One ``GET /loads`` row (also what ``GET /ws/loads`` sends)."""
+    return {
+        **scope_fields(scope),
+        "worker_id": load.rank.worker_id,
+        "dp_rank": load.rank.dp_rank,
+        "active_prefill_tokens": load.active_prefill_tokens,
+        "active_decode_blocks": load.active_decode_blocks,
+    }
+
+
 async def loads(service: SlotService, request: Request) -> Response:
     rows = [
-        {
-            **scope_fields(scope_loads.scope),
-            "worker_id": load.rank.worker_id,
-            "dp_rank": load.rank.dp_rank,
-            "active_prefill_tokens": load.active_prefill_tokens,
-            "active_decode_blocks": load.active_decode_blocks,
-        }
+        load_row(scope_loads.scope, load)
         for scope_loads in await service.loads(scope_filter(request))
         for load in scope_loads.loads
     ]

@@ -13,7 +13,7 @@ from kvrouter.actors.core.endpoints import parse_decimal
 from kvrouter.actors.core.ids import U64_MASK, to_i64
 from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.selection_rules import Selection
-from kvrouter.actors.select_service import Booking, SelectionRequest, SelectService, WorkerStatus
+from kvrouter.actors.select_service import Booking, PartitionLoads, SelectionRequest, SelectService, WorkerStatus
 from kvrouter.api.http import HttpError, Request, Response, Route, json_response
 from kvrouter.api.route_support import bound, scope_fields, scope_filter
 from kvrouter.api.schemas import _deserialize_failed, parse
@@ -252,25 +252,27 @@ async def delete_reservation(service: SelectService, request: Request) -> Respon
 # -- inspection -------------------------------------------------------------------------------------------
 
 
+def partition_view(partition: PartitionLoads) -> dict[str, Any]:
+    """One ``GET /loads`` partition (also what ``GET /ws/loads`` sends, with its ``seq``)."""
+    return {
+        **scope_fields(partition.scope),
+        "loads": [
+            {
+                "worker_id": row.rank.worker_id,
+                "dp_rank": row.rank.dp_rank,
+                "potential_prefill_tokens": row.active_prefill_tokens,
+                "potential_decode_blocks": row.active_decode_blocks,
+                "active_requests": row.active_requests,
+            }
+            for row in partition.loads
+        ],
+        "pending_count": partition.pending_count,
+        "pending_isl_tokens": min(partition.pending_isl_tokens, U64_MASK),  # u64 on the wire: saturate
+    }
+
+
 async def loads(service: SelectService, request: Request) -> Response:
-    partitions = [
-        {
-            **scope_fields(partition.scope),
-            "loads": [
-                {
-                    "worker_id": row.rank.worker_id,
-                    "dp_rank": row.rank.dp_rank,
-                    "potential_prefill_tokens": row.active_prefill_tokens,
-                    "potential_decode_blocks": row.active_decode_blocks,
-                    "active_requests": row.active_requests,
-                }
-                for row in partition.loads
-            ],
-            "pending_count": partition.pending_count,
-            "pending_isl_tokens": min(partition.pending_isl_tokens, U64_MASK),  # u64 on the wire: saturate
-        }
-        for partition in await service.loads(scope_filter(request))
-    ]
+    partitions = [partition_view(partition) for partition in await service.loads(scope_filter(request))]
     return json_response(200, partitions)
 
 

@@ -64,8 +64,9 @@ def batch_of(rows: list[FuzzRoute]) -> st.SearchStrategy[JsonBody]:
     return st.lists(commands, max_size=6)
 
 
-COMMAND_ROUTES = [FuzzRoute("GET", "/ws/commands")]
 SCOPE_QUERY = optional({"model_name": ANY_MODEL, "tenant_id": TENANTS, "routing_group": TENANTS})
+# Served by both services next to their own: the command stream and the live load stream.
+COMMAND_ROUTES = [FuzzRoute("GET", "/ws/commands"), FuzzRoute("GET", "/ws/loads", query=SCOPE_QUERY)]
 PEER = st.fixed_dictionaries({"endpoint": st.sampled_from(["tcp://127.0.0.1:9", "tcp://127.0.0.1:11"])})
 WORKER_ID_PARAM = {"worker_id": WORKER_IDS.map(str)}
 RESERVATION_PARAM = {"reservation_id": REQUEST_IDS}

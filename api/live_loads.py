@@ -1,0 +1,232 @@
+"""``GET /ws/loads``: every matching (worker, dp_rank) load, then one message per change, conflated per scope.
+
+One ``LoadHub`` per process follows the service object's ``load_changes`` (a long poll: the actors only bump
+a per-scope version, ``actors/load_feed.py``), renders each changed scope's message once, and marks it
+pending for every subscriber whose filter matches. A subscriber keeps only the latest message per scope
+(``pending``: scope -> message), so one that reads slowly gets the newest state, never a backlog, and costs
+the actors nothing; each intermediate state it skipped is counted (``conflated``). Messages (JSON text)::
+
+    {"type": "snapshot", "scopes": [SCOPE, ...]}      first, every matching scope, sorted
+    {"type": "update", **SCOPE}                       then one per change of a scope
+    {"type": "heartbeat"}                             when idle
+
+``SCOPE`` is the scope's ``GET /loads`` content plus ``seq``, the scope's load version: it grows by one with
+each applied change that may move its loads, so a gap between two messages of a scope means intermediate
+states were conflated. Slot tracker: ``{model_name, tenant_id, routing_group, seq, loads: [GET /loads rows]}``;
+selection service: a ``GET /loads`` partition plus ``seq``. A scope that is gone (its last worker left) is
+sent once with ``loads: []``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import trio
+
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.load_feed import LoadChange, LoadChanges
+from kvrouter.actors.select_service import PartitionLoads
+from kvrouter.actors.service_support import ScopeFilter
+from kvrouter.api.http import HttpError, Request, Route
+from kvrouter.api.live_streams import (
+    CLOSE_TOO_SLOW,
+    DEFAULT_STREAMS,
+    POLL_SECONDS,
+    RETRY_SECONDS,
+    Pump,
+    Sender,
+    StreamSettings,
+    bad_request,
+    deny,
+    refuse_plain_get,
+    serve_connection,
+)
+from kvrouter.api.route_support import scope_fields, scope_filter
+from kvrouter.api.routes import load_row
+from kvrouter.api.select_routes import partition_view
+
+log = logging.getLogger("kvrouter.api.streams")
+
+LOADS_PATH = "/ws/loads"
+Fetch = Callable[[str, int, float], Awaitable[LoadChanges]]
+Render = Callable[[LoadChange], dict[str, Any]]
+
+
+class _Subscriber:
+    __slots__ = ("conflated", "pending", "wake", "wanted")
+
+    def __init__(self, wanted: ScopeFilter) -> None:
+        self.wanted = wanted
+        self.pending: dict[ScopeKey, str] = {}  # the latest unsent message per scope
+        self.wake = trio.Event()
+        self.conflated = 0
+
+
+class LoadHub:
+    """A process's follower of one service's loads (see the module doc). Counters for metrics:
+    ``subscribers`` (now), ``subscribers_peak``, ``refused`` (over the limit, 1013), ``conflated``
+    (intermediate states a subscriber skipped: the stream's drops), ``closed_slow`` (1008), ``poll_failures``."""
+
+    def __init__(self, fetch: Fetch, render: Render, settings: StreamSettings = DEFAULT_STREAMS) -> None:
+        self._fetch = fetch
+        self._render = render
+        self.settings = settings
+        self._epoch = ""
+        self._cursor = 0
+        self._scopes: dict[ScopeKey, str] = {}  # the latest SCOPE json of every listed scope
+        self._versions: dict[ScopeKey, int] = {}
+        self._subscribers: set[_Subscriber] = set()
+        self._connections = 0  # admitted subscriber connections (the limit counts these)
+        self._synced = trio.Event()  # the hub is current (a poll answered since the first subscriber came)
+        self.pump = Pump(self._poll)
+        self.subscribers_peak = 0
+        self.refused = 0
+        self.conflated = 0
+        self.closed_slow = 0
+        self.poll_failures = 0
+        self.updates = 0  # scope messages built
+
+    @property
+    def subscribers(self) -> int:
+        return self._connections
+
+    async def _poll(self) -> None:
+        failing = False
+        while True:
+            timeout = POLL_SECONDS if self._synced.is_set() else 0.0
+            try:
+                changes = await self._fetch(self._epoch, self._cursor, timeout)
+            except Exception as exc:
+                self.poll_failures += 1
+                if not failing:
+                    log.warning("the load stream cannot read the service's loads (retrying every 1 s): %s", exc)
+                failing = True
+                await trio.sleep(RETRY_SECONDS)
+                continue
+            failing = False
+            self._apply(changes)
+
+    def _apply(self, changes: LoadChanges) -> None:
+        if changes.reset:
+            gone = set(self._scopes)
+            for change in changes.changes:
+                gone.discard(change.scope)
+            for scope in sorted(gone):
+                version = self._versions.get(scope, 0) + 1
+                self._publish(LoadChange(scope, version, None))
+        for change in changes.changes:
+            self._publish(change)
+        self._epoch, self._cursor = changes.epoch, changes.cursor
+        self._synced.set()
+
+    def _publish(self, change: LoadChange) -> None:
+        """Render the scope's message once; mark it pending for each matching subscriber."""
+        scope = change.scope
+        body = self._render(change)
+        body["seq"] = change.version
+        scope_json = orjson.dumps(body).decode()
+        self.updates += 1
+        if change.loads is None:
+            self._scopes.pop(scope, None)
+            self._versions.pop(scope, None)
+        else:
+            self._scopes[scope] = scope_json
+            self._versions[scope] = change.version
+        message = '{"type":"update",' + scope_json[1:]
+        for subscriber in self._subscribers:
+            if subscriber.wanted(scope):
+                if scope in subscriber.pending:
+                    subscriber.conflated += 1
+                    self.conflated += 1
+                subscriber.pending[scope] = message
+                subscriber.wake.set()
+
+    def _join(self, wanted: ScopeFilter) -> tuple[_Subscriber, str]:
+        """A new subscriber and its snapshot, in one step (no change can fall in between)."""
+        subscriber = _Subscriber(wanted)
+        self._subscribers.add(subscriber)
+        parts = [self._scopes[scope] for scope in sorted(self._scopes) if wanted(scope)]
+        return subscriber, '{"type":"snapshot","scopes":[' + ",".join(parts) + "]}"
+
+    def _leave(self, subscriber: _Subscriber) -> None:
+        self._subscribers.discard(subscriber)
+        if not self._subscribers:
+            self._synced = trio.Event()  # nobody polls now: the next subscriber waits for a fresh poll
+
+    async def _stream(self, wanted: ScopeFilter, sender: Sender) -> None:
+        await self._synced.wait()
+        subscriber, snapshot = self._join(wanted)
+        try:
+            await sender.text(snapshot)
+            while True:
+                with trio.move_on_after(self.settings.heartbeat_seconds):
+                    await subscriber.wake.wait()
+                if not subscriber.pending:
+                    await sender.heartbeat()
+                    continue
+                subscriber.wake = trio.Event()
+                batch, subscriber.pending = subscriber.pending, {}
+                for message in batch.values():
+                    await sender.text(message)
+        finally:
+            self._leave(subscriber)
+
+    def route(self) -> Route:
+        """``GET /ws/loads`` with the query filters of ``GET /loads``."""
+
+        async def websocket(scope: dict[str, Any], receive: Any, send: Any, stopping: trio.Event | None) -> None:
+            try:
+                wanted = scope_filter(Request("GET", scope["path"], scope.get("query_string", b""), b""))
+            except HttpError as exc:
+                await deny(scope, send, bad_request(exc))
+                return
+            limit = self.settings.max_subscribers
+            admitted = self._connections < limit
+            if admitted:
+                self._connections += 1
+                self.subscribers_peak = max(self.subscribers_peak, self._connections)
+            else:
+                self.refused += 1
+            try:
+                closed = await serve_connection(
+                    receive,
+                    send,
+                    stopping,
+                    admitted=admitted,
+                    full_reason=f"{limit} load subscribers already (--stream-max-subscribers): try again later",
+                    pump=self.pump,
+                    stream=lambda sender: self._stream(wanted, sender),
+                    settings=self.settings,
+                )
+            finally:
+                if admitted:
+                    self._connections -= 1
+            if closed is not None and closed.code == CLOSE_TOO_SLOW:
+                self.closed_slow += 1
+
+        return Route("GET", LOADS_PATH, refuse_plain_get, websocket=websocket)
+
+
+def slot_load_view(change: LoadChange) -> dict[str, Any]:
+    """A slot tracker scope: its scope fields and its ``GET /loads`` rows."""
+    rows = [load_row(change.scope, load) for load in change.loads or ()]
+    return {**scope_fields(change.scope), "loads": rows}
+
+
+def partition_load_view(change: LoadChange) -> dict[str, Any]:
+    """A selection service partition as ``GET /loads`` lists it (a gone one with no loads)."""
+    partition = PartitionLoads(change.scope, change.loads or [], change.pending_count, change.pending_isl_tokens)
+    return partition_view(partition)
+
+
+def slot_loads_route(service: Any, settings: StreamSettings = DEFAULT_STREAMS) -> tuple[LoadHub, Route]:
+    hub = LoadHub(service.load_changes, slot_load_view, settings)
+    return hub, hub.route()
+
+
+def partition_loads_route(service: Any, settings: StreamSettings = DEFAULT_STREAMS) -> tuple[LoadHub, Route]:
+    hub = LoadHub(service.load_changes, partition_load_view, settings)
+    return hub, hub.route()
