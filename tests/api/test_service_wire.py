@@ -15,8 +15,10 @@ import zmq
 from kvrouter.actors.core.catalog import WorkerPatch, WorkerRecord
 from kvrouter.actors.core.commands import Prompt, SelectionOptions
 from kvrouter.actors.core.decisions import Reason
-from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.queries import RankLoad
 from kvrouter.actors.core.router_config import RouterConfigOverride
+from kvrouter.actors.load_feed import LoadChange, LoadChanges
 from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.zmq_socket import open_socket
@@ -27,8 +29,10 @@ from kvrouter.api.service_proxy import RemoteService, ServiceLink
 from kvrouter.api.service_wire import (
     decode_args,
     decode_failure,
+    decode_result,
     encode_args,
     encode_failure,
+    encode_result,
     method_table,
     pack,
     pack_message,
@@ -51,8 +55,11 @@ def test_every_public_async_method_of_the_service_objects_is_callable_remotely()
         "workers",
         "loads",
         "potential_loads",
+        "load_changes",
     }
-    assert {"put_worker", "patch_worker", "select", "select_and_reserve", "dump"} <= set(method_table(SelectService))
+    assert {"put_worker", "patch_worker", "select", "select_and_reserve", "dump", "load_changes"} <= set(
+        method_table(SelectService)
+    )
     assert set(method_table(PeerService)) == {"register_peer", "deregister_peer", "peers"}
 
 
@@ -133,3 +140,19 @@ async def test_calls_in_flight_are_bounded_and_an_unanswered_call_ends() -> None
             nursery.cancel_scope.cancel()
         assert link.in_flight == 0
         assert all("no reply within 0.2 s" in str(late) for late in outcomes)
+
+
+def test_load_changes_round_trip_with_gone_scopes() -> None:
+    """GET /ws/loads reaches the actor side through load_changes: its result crosses the wire intact."""
+    spec = method_table(SlotService)["load_changes"]
+    changes = LoadChanges(
+        "e1",
+        9,
+        False,
+        [
+            LoadChange(ScopeKey("m", "t"), 3, [RankLoad(WorkerRank(1, 0), 5, 2, 1)]),
+            LoadChange(ScopeKey("m", "gone"), 4, None, 2, 30),
+        ],
+    )
+    assert decode_result(spec, unpack(pack(encode_result(spec, changes)))) == changes
+    assert round_trip(SlotService, "load_changes", "e1", 9, 1.5) == ["e1", 9, 1.5]
