@@ -78,6 +78,7 @@ class ScopeActor:
         "_ports",
         "last_lsn",
         "outbox",
+        "peak_depth",
         "pending",
         "rng",
         "state",
@@ -107,6 +108,9 @@ class ScopeActor:
         self.waiting = WaitingRoom()
         self._changed = False
         self._last_at = 0
+        # The most commands ever waiting in the mailbox (for metrics): the depth is largest when a turn
+        # starts, since a turn takes commands without awaiting, so it is what the turn took plus what it left.
+        self.peak_depth = 0
 
     async def run(self) -> None:
         journal = self._journal
@@ -114,12 +118,18 @@ class ScopeActor:
         with inbox:
             while True:
                 self._handle(await inbox.receive())
+                taken = 1
                 for _ in range(MAX_TURN - 1):
                     try:
                         envelope = inbox.receive_nowait()
                     except trio.WouldBlock:
                         break
                     self._handle(envelope)
+                    taken += 1
+                else:
+                    taken += inbox.statistics().current_buffer_used  # a full turn: some are still waiting
+                if taken > self.peak_depth:
+                    self.peak_depth = taken
                 if self._changed and len(self.waiting):
                     self._admit_waiting()
                 self._ports.after_turn()

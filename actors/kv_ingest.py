@@ -127,6 +127,11 @@ class KvIngest:
                 return running.status.state == "active"
         return None
 
+    def listener_statuses(self) -> list[tuple[WorkerRank, ListenerStatus]]:
+        """Every listener's rank and status (for metrics), sorted by rank."""
+        rows = [(key.rank, run.status) for listeners in self._running.values() for key, run in listeners.items()]
+        return sorted(rows, key=lambda row: row[0])
+
     @property
     def listeners(self) -> int:
         return sum(len(listeners) for listeners in self._running.values())

@@ -59,10 +59,13 @@ from kvrouter.actors.core.selection_queries import (
 from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.directory import Directory
+from kvrouter.actors.hit_accuracy import HitAccuracy
 from kvrouter.actors.index_counters import IndexCounters
 from kvrouter.actors.kv_health import KvHealth
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
+from kvrouter.actors.metric_families import Family, FamilySource
+from kvrouter.actors.service_metrics import index_families, listener_families, system_families
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
 from kvrouter.actors.system import ActorSystem
 
@@ -145,6 +148,10 @@ class SelectService:
         self.directory = directory or Directory()
         # Blocks each scope's KV index evicted or refused at its cap (actors/core/index_bounds.py).
         self.index_counters = IndexCounters()
+        # Predicted vs engine-reported cache hits per reservation (actors/hit_accuracy.py; not journaled).
+        self.hit_accuracy = HitAccuracy()
+        # More figures for GET /metrics: each is called at scrape time and returns plain Family values.
+        self.metric_sources: list[FamilySource] = []
         self._catalog = CatalogWriter(system, self.directory, ingest, use_kv_events=config.use_kv_events)
         self._now = system.clock.now_ns
         # Which scopes' loads changed, for GET /ws/loads (one O(1) bump per applied change).
@@ -184,7 +191,9 @@ class SelectService:
 
     async def remove_worker(self, worker_id: int) -> WorkerRecord:
         """Remove the worker; returns its record as it was. 404 if unknown."""
-        return await self._catalog.write(DeleteWorker(worker_id))
+        record = await self._catalog.write(DeleteWorker(worker_id))
+        self.hit_accuracy.worker_removed(worker_id)
+        return record
 
     async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[WorkerStatus]:
         rows = [
@@ -239,6 +248,7 @@ class SelectService:
         booking = request.reservation_id if request.reservation_id is not None else request.selection_id
         decision = await self._book(request.scope, command, booking)
         selection: Selection = decision.reply
+        self.hit_accuracy.predicted(selection)
         return selection
 
     async def select_disaggregated(self, request: SelectionRequest) -> DisaggregatedSelection:
@@ -339,11 +349,16 @@ class SelectService:
             track_active_blocks=self.config.router_track_active_blocks,
         )
         await self._book(scope, command, reservation_id)
+        if effective_prefill_tokens is not None:  # the caller's own prediction of what is cached
+            cached = isl_tokens - effective_prefill_tokens
+            self.hit_accuracy.predicted_tokens(reservation_id, worker_id, dp_rank, cached, isl_tokens)
         return self._booking(scope, reservation_id, worker_id, dp_rank)
 
     async def reserve_selection(self, scope: ScopeKey, selection_id: str) -> Booking:
         """Book exactly what an earlier ``select`` with this ``selection_id`` chose (1.6.1's replay form)."""
-        await self._book(scope, ReserveSelection(selection_id, at=self._now()), selection_id)
+        decision = await self._book(scope, ReserveSelection(selection_id, at=self._now()), selection_id)
+        if isinstance(decision.reply, Selection):
+            self.hit_accuracy.predicted(decision.reply)
         return self._booking(scope, selection_id, None, None)
 
     async def _book(
@@ -365,9 +380,15 @@ class SelectService:
         record = state.selection.catalog.get(worker_id) if state is not None and worker_id is not None else None
         return Booking(scope, reservation_id, worker_id, dp_rank, record.endpoint if record else None)
 
-    async def complete_prefill(self, reservation_id: str) -> None:
+    async def complete_prefill(self, reservation_id: str, cached_tokens: int | None = None) -> None:
+        """The reservation's prefill is done; ``cached_tokens``: what the engine found cached, compared
+        with what the router predicted (``hit_accuracy``)."""
+        if cached_tokens is not None and cached_tokens < 0:
+            raise Refused(Reason.INVALID, "cached_tokens must be a non-negative integer")
         scope = await self._reservation_scope(reservation_id)
         accepted(await self.system.ask(scope, CompleteReservationPrefill(reservation_id, at=self._now())))
+        if cached_tokens is not None:
+            self.hit_accuracy.realised(reservation_id, cached_tokens)
 
     async def add_output_block(self, reservation_id: str, decay_fraction: float | None = None) -> None:
         """One more output block (weight 1.0), or with ``decay_fraction`` f in [0, 1] every block weighs f."""
@@ -379,6 +400,7 @@ class SelectService:
     async def release(self, reservation_id: str) -> None:
         scope = await self._reservation_scope(reservation_id)
         accepted(await self.system.ask(scope, ReleaseReservation(reservation_id, at=self._now())))
+        self.hit_accuracy.forget(reservation_id)
 
     async def _reservation_scope(self, reservation_id: str) -> ScopeKey:
         scope = self.directory.reservation_scope(reservation_id)
@@ -460,3 +482,15 @@ class SelectService:
         """Seed ``scope``'s index with a peer's runs (``--indexer-peers``), before serving."""
         command = RecoverKv(runs, at=self._now(), max_index_blocks=self.system.max_index_blocks_per_scope)
         accepted(await self.system.ask(scope, command))
+
+    # -- metrics --------------------------------------------------------------------------------------
+
+    async def metrics(self) -> list[Family]:
+        """The actor side's figures for ``GET /metrics`` (see ``actors/service_metrics.py``)."""
+        families = system_families(self.system) + index_families(self.system, self.index_counters)
+        if self.ingest is not None:
+            families += listener_families(self.ingest)
+        families += self.hit_accuracy.families()
+        for source in self.metric_sources:
+            families.extend(source())
+        return families

@@ -17,6 +17,8 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad, loads, potential_loads
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
+from kvrouter.actors.metric_families import Family, FamilySource
+from kvrouter.actors.service_metrics import system_families
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
 from kvrouter.actors.system import ActorSystem
 
@@ -43,6 +45,8 @@ class SlotService:
         # Which scopes' loads changed, for GET /ws/loads (one O(1) bump per applied change).
         self.load_feed = LoadFeed()
         system.observers.append(self.load_feed.observe)
+        # More figures for GET /metrics: each is called at scrape time and returns plain Family values.
+        self.metric_sources: list[FamilySource] = []
 
     # -- commands: each returns whether it created something ------------------------------------------
 
@@ -111,3 +115,10 @@ class SlotService:
             return LoadChange(scope, version, loads(state) if state is not None else None)
 
         return await read_changes(self.load_feed, self.system, epoch, cursor, wait_seconds, measure)
+
+    async def metrics(self) -> list[Family]:
+        """The actor side's figures for ``GET /metrics`` (see ``actors/service_metrics.py``)."""
+        families = system_families(self.system)
+        for source in self.metric_sources:
+            families.extend(source())
+        return families

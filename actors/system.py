@@ -96,6 +96,8 @@ class ActorSystem:
         self._expiry_sweep_seconds = expiry_sweep_seconds
         self.snapshots_taken = 0
         self.snapshots_failed = 0
+        # Commands refused because their scope's mailbox stayed full (Overloaded), per live scope, for metrics.
+        self.mailbox_rejections: dict[ScopeKey, int] = {}
         self.last_snapshot: SnapshotReport | None = None
         self.seed = seed  # root of every scope's random source
         # Observers of applied decisions (replica publisher, directory, KV ingest): called synchronously
@@ -233,6 +235,7 @@ class ActorSystem:
             with trio.move_on_after(ENQUEUE_TIMEOUT) as waited:
                 await actor.outbox.send(envelope)
             if waited.cancelled_caught:
+                self.mailbox_rejections[scope] = self.mailbox_rejections.get(scope, 0) + 1
                 raise Overloaded(f"mailbox of {scope.describe()} is full") from None
         return None
 
@@ -310,6 +313,7 @@ class ActorSystem:
     def retire(self, actor: ScopeActor) -> None:
         if self.actors.get(actor.state.scope) is actor:
             del self.actors[actor.state.scope]
+            self.mailbox_rejections.pop(actor.state.scope, None)
             self._set_weight(actor.state.scope, 0)
         actor.outbox.close()
 

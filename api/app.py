@@ -23,6 +23,7 @@ import trio
 from kvrouter.actors.mailbox import Overloaded
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
+from kvrouter.api.metrics import UNMATCHED, MetricsEndpoint, method_label
 
 log = logging.getLogger("kvrouter.api")
 request_log = logging.getLogger("kvrouter.api.requests")  # one line per request, at debug
@@ -154,16 +155,20 @@ def make_app(
     ``body_timeout``: seconds a request body may take to arrive in full, counted from the app's first
     read (a trickling client gets 408; a silent one is hypercorn's read timeout). ``auth``: every route
     but ``GET /health`` requires this bearer token. ``stopping``: set when the service starts to stop
-    (WebSocket routes hear of it and close their connections).
+    (WebSocket routes hear of it and close their connections). A ``GET /metrics`` route in ``routes`` gets
+    every HTTP request counted into its ``FrontMetrics`` (method, route template, status, time to respond).
     """
+    routes = list(routes)
     table = RouteTable(routes)
     open_methods = table.exact.get(OPEN_PATH)
+    endpoint = next((r.handler for r in routes if isinstance(r.handler, MetricsEndpoint)), None)
+    requests = endpoint.front.requests if endpoint is not None else None
 
     async def app(scope: ASGIScope, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
-            started = perf_counter() if request_log.isEnabledFor(logging.DEBUG) else None
-            response, body_unread = await _respond(scope, receive)
+            started = perf_counter() if requests is not None or request_log.isEnabledFor(logging.DEBUG) else None
+            response, body_unread, template = await _respond(scope, receive)
             headers = [(b"content-length", str(len(response.body)).encode())]
             if response.content_type is not None:
                 headers.append((b"content-type", response.content_type))
@@ -171,7 +176,11 @@ def make_app(
             if body_unread:
                 headers.append(CONNECTION_CLOSE)
             if started is not None:
-                _log_request(scope, response.status, started)  # before sending: logged by the time it is read
+                # Before sending: counted and logged by the time the client reads the answer.
+                if requests is not None:
+                    requests.record(method_label(scope["method"]), template, response.status, perf_counter() - started)
+                if request_log.isEnabledFor(logging.DEBUG):
+                    _log_request(scope, response.status, started)
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             # HEAD: same headers (content-length included), no body.
             body = b"" if scope["method"] == "HEAD" else response.body
@@ -208,18 +217,27 @@ def make_app(
             return error_response(405, "method not allowed", ((b"allow", allowed.encode()),))
         return route, params
 
-    async def _respond(scope: ASGIScope, receive: Any) -> tuple[Response, bool]:
-        """The response, and whether the request body was left unread (then the connection closes)."""
+    async def _respond(scope: ASGIScope, receive: Any) -> tuple[Response, bool, str]:
+        """The response, whether the request body was left unread (then the connection closes), and the
+        route's template (``unmatched`` if refused before a route was chosen)."""
         headers = _Headers(scope["headers"])
         body_unread = headers.has_body
         method = scope["method"]
         found = _route(scope, method, headers)
         if isinstance(found, Response):
-            return found, body_unread
+            return found, body_unread, UNMATCHED
         route, params = found
+        response, body_unread = await _answer(scope, receive, headers, route, params)
+        return response, body_unread, route.path
+
+    async def _answer(
+        scope: ASGIScope, receive: Any, headers: _Headers, route: Route, params: dict[str, str]
+    ) -> tuple[Response, bool]:
+        body_unread = headers.has_body
+        method = scope["method"]
         try:
             body = b""
-            if route.json_body or route.optional_body:
+            if route.json_body or route.optional_body or (route.json_body_if_typed and _is_json(headers.content_type)):
                 if route.json_body and not _is_json(headers.content_type):
                     return error_response(415, UNSUPPORTED_MEDIA), body_unread
                 if headers.content_length is not None and headers.content_length > body_limit:

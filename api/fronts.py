@@ -46,6 +46,7 @@ from typing import Any, cast
 import attrs
 import trio
 import zmq
+from prometheus_client.multiprocess import mark_process_dead
 
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.zmq_socket import open_socket
@@ -53,6 +54,7 @@ from kvrouter.api.app import make_app
 from kvrouter.api.http import Route
 from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.main import ObjectsBuilder, ServiceObjects, ServiceOptions, recovered_runtime
+from kvrouter.api.metrics import MULTIPROCESS_ENV
 from kvrouter.api.server import hypercorn_config, serve_http
 from kvrouter.api.service_dispatch import SOCKET_HWM, Dispatcher
 from kvrouter.api.service_proxy import RemoteService, ServiceLink
@@ -68,6 +70,7 @@ WAIT_POLL_SECONDS = 0.1  # a second waiter for one child polls  # after a child'
 IPC_PATH_LIMIT = 100  # sun_path holds 107 bytes; our names add at most ~20 to the directory
 ACTOR_SOCKET = "actor"
 FRONT_SOCKET = "front-{}"
+METRICS_DIR = "metrics"
 
 
 def default_fronts() -> int:
@@ -289,10 +292,13 @@ class _Process:
 class _Child:
     """One child process and how to start it again."""
 
-    def __init__(self, label: str, arguments: list[str], pass_fds: tuple[int, ...]) -> None:
+    def __init__(
+        self, label: str, arguments: list[str], pass_fds: tuple[int, ...], env: dict[str, str] | None = None
+    ) -> None:
         self.label = label
         self.arguments = arguments
         self.pass_fds = pass_fds
+        self.env = env  # None: the supervisor's own
         self.process: _Process | None = None
         self.started_at = 0.0
 
@@ -306,6 +312,7 @@ class _Child:
                     [*self.arguments, *role_arguments(role)],
                     pass_fds=(*self.pass_fds, write_end),
                     stdin=subprocess.DEVNULL,
+                    env=self.env,
                 )
             )
         finally:
@@ -368,7 +375,12 @@ async def _supervise(
     if scopes is None:
         assert actor.process is not None
         return (await actor.process.wait()) or 1  # the actor process said why, in one line
-    fronts = [_Child(f"front process {i}", command, (listener.fileno(),)) for i in range(count)]
+    # The fronts count HTTP requests in prometheus-client's multiprocess mode, in files of a directory of
+    # their own, so whichever front answers GET /metrics sums every front's (api/metrics.py).
+    metrics_dir = runtime_dir / METRICS_DIR
+    metrics_dir.mkdir(mode=0o700, exist_ok=True)
+    env = {**os.environ, MULTIPROCESS_ENV: str(metrics_dir)}
+    fronts = [_Child(f"front process {i}", command, (listener.fileno(),), env) for i in range(count)]
     roles = [ProcessRole("front", runtime_dir, -1, pid, i, listener.fileno()) for i in range(count)]
     for front, role in zip(fronts, roles, strict=True):
         if await front.start(pid, role) is None:
@@ -406,6 +418,7 @@ async def _supervise(
             while True:
                 assert front.process is not None
                 code = await front.process.wait()
+                mark_process_dead(front.process.pid, str(metrics_dir))  # its live gauges no longer count
                 if stopping:
                     return
                 log.warning("%s exited (status %s): starting it again", front.label, code)

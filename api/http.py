@@ -117,6 +117,9 @@ class Route:
     handler: Handler
     json_body: bool = False  # requires a JSON content type and a body within the limit
     optional_body: bool = False  # reads a body if one is sent (JSON content type then required)
+    # Reads a body only if it is typed as JSON; any other body is left unread, as routes without one do (a
+    # kvrouter extension on a reference route that ignores bodies: the reference's behaviour stays).
+    json_body_if_typed: bool = False
     # Its handler puts its one command into its scope's mailbox before its first wait and reads no state
     # before that: a batch may start the next command as soon as this one waits (``api/commands.py``).
     pipelined: bool = False

@@ -46,6 +46,7 @@ from kvrouter.api.command_routes import with_command_routes
 from kvrouter.api.http import Route
 from kvrouter.api.live_loads import partition_loads_route, slot_loads_route
 from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
+from kvrouter.api.metrics import FrontMetrics, metrics_route
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
 from kvrouter.api.select_routes import select_service_routes
@@ -94,6 +95,7 @@ class ServiceObjects:
 
     service: Any  # SlotService or SelectService
     peers: PeerService
+    front: FrontMetrics = attrs.Factory(FrontMetrics)  # this process's HTTP figures (GET /metrics)
 
 
 # Starts a service's objects once the actor system runs; may start more components in the nursery.
@@ -127,7 +129,9 @@ async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nur
 
 def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
     live = [slot_loads_route(objects.service, streams)[1]]
-    return with_command_routes(slot_tracker_routes(objects.service) + replica_routes(objects.peers) + live)
+    return with_command_routes(
+        [*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
+    )
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
@@ -190,7 +194,9 @@ async def select_service_objects(
 
 def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
     live = [partition_loads_route(objects.service, streams)[1]]
-    return with_command_routes(select_service_routes(objects.service) + replica_routes(objects.peers) + live)
+    return with_command_routes(
+        [*select_service_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
+    )
 
 
 def select_objects_builder(

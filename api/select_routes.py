@@ -14,10 +14,17 @@ from kvrouter.actors.core.ids import U64_MASK, to_i64
 from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.select_service import Booking, PartitionLoads, SelectionRequest, SelectService, WorkerStatus
-from kvrouter.api.http import HttpError, Request, Response, Route, json_response
+from kvrouter.api.http import UNPARSED, HttpError, Request, Response, Route, json_response
 from kvrouter.api.route_support import bound, scope_fields, scope_filter
 from kvrouter.api.schemas import _deserialize_failed, parse
-from kvrouter.api.select_schemas import OutputBlockBody, ReservationBody, SelectBody, WorkerBody, worker_patch
+from kvrouter.api.select_schemas import (
+    OutputBlockBody,
+    ReservationBody,
+    SelectBody,
+    WorkerBody,
+    cached_tokens_of,
+    worker_patch,
+)
 from kvrouter.api.wire import json_kind
 
 SELECTION_BODY_LIMIT = 8 * 1024 * 1024  # REQUEST_BODY_LIMIT_BYTES of the reference selection service
@@ -234,7 +241,10 @@ async def post_reservation(service: SelectService, request: Request) -> Response
 
 
 async def prefill_complete(service: SelectService, request: Request) -> Response:
-    await service.complete_prefill(request.path_params["reservation_id"])
+    # An optional JSON body reports the engine's cached tokens; none (or one of another type) is ignored, as 1.6.1.
+    given = request.parsed is not UNPARSED or request.body.strip()
+    cached_tokens = cached_tokens_of(request.json()) if given else None
+    await service.complete_prefill(request.path_params["reservation_id"], cached_tokens)
     return json_response(200, OK_STATUS)
 
 
@@ -315,8 +325,8 @@ async def dump(service: SelectService, request: Request) -> Response:
 
 
 def select_service_routes(service: SelectService) -> list[Route]:
-    def route(method: str, path: str, handler: Any, *, json_body: bool = False) -> Route:
-        return Route(method, path, bound(service, handler), json_body=json_body)
+    def route(method: str, path: str, handler: Any, *, json_body: bool = False, if_typed: bool = False) -> Route:
+        return Route(method, path, bound(service, handler), json_body=json_body, json_body_if_typed=if_typed)
 
     return [
         route("POST", "/workers", post_worker, json_body=True),
@@ -330,7 +340,7 @@ def select_service_routes(service: SelectService) -> list[Route]:
         route("POST", "/select_and_reserve", select_and_reserve, json_body=True),
         route("POST", "/select_disaggregated", select_disaggregated, json_body=True),
         route("POST", "/reservations", post_reservation, json_body=True),
-        route("POST", "/reservations/{reservation_id}/prefill_complete", prefill_complete),
+        route("POST", "/reservations/{reservation_id}/prefill_complete", prefill_complete, if_typed=True),
         route("POST", "/reservations/{reservation_id}/output_block", output_block, json_body=True),
         route("DELETE", "/reservations/{reservation_id}", delete_reservation),
         route("GET", "/loads", loads),

@@ -310,3 +310,29 @@ class ReservationBody:
 @attrs.frozen
 class OutputBlockBody:
     decay_fraction: float | None = None
+
+
+@attrs.frozen
+class PrefillCompleteBody:
+    """Optional (a kvrouter extension): what the engine found cached for the reservation's prompt, in tokens
+    (vLLM's ``usage.prompt_tokens_details.cached_tokens``), compared with what the router predicted."""
+
+    cached_tokens: int | None = None
+
+
+MAX_CACHED_TOKENS = 2**32
+
+
+def cached_tokens_of(value: Any) -> int | None:
+    """``cached_tokens`` of a prefill_complete body (None: none given); raises a 400 for anything else."""
+    if value is None:
+        return None
+    if type(value) is not dict:
+        raise HttpError(400, f"the prefill_complete body must be a JSON object, got {json_kind(value)}")
+    cached = value.get("cached_tokens")
+    if cached is None:
+        return None
+    if type(cached) is not int or not 0 <= cached <= MAX_CACHED_TOKENS:
+        given = cached if type(cached) is int else json_kind(cached)
+        raise HttpError(400, f"cached_tokens must be an integer from 0 to {MAX_CACHED_TOKENS}, got {given}")
+    return cached

@@ -23,6 +23,7 @@ import array
 import functools
 import logging
 import os
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ from trio._core import wait_all_tasks_blocked as _wait_until_loop_idle
 from kvrouter.journal.frames import FRAME_OVERHEAD, HEAD, LSN, LSN_BYTES, MAX_PAYLOAD_BYTES
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.io_thread import IoThread
+from kvrouter.journal.latency import BucketCounts
 from kvrouter.journal.layout import OPERATOR_HINT, discard, fsync_dir, snapshot_name
 from kvrouter.journal.scan import Scan, read_range, scan_directory
 from kvrouter.journal.segment_writer import Chunk, SegmentWriter
@@ -137,6 +139,9 @@ class FileJournal:
         self._last_sync = float("-inf")
         self._batches = 0
         self._fsyncs = 0
+        # For metrics: how long each batch took to write (and fsync, under ``always``), read at scrape time.
+        self.batch_write_seconds = BucketCounts()
+        self.fsync_seconds = self._segment_writer.fsync_seconds
         self._running = False
         self._closing = False
         self._closed = False
@@ -468,6 +473,7 @@ class FileJournal:
                 return  # aclose took (or will take) the pending bytes
             chunks, batch = self._take_batch()
             writer = self._segment_writer
+            started = time.perf_counter()
             try:
                 inline = not always and batch.nbytes <= INLINE_WRITE_BYTES
                 if not inline or any(chunk.new_segment is not None for chunk in chunks):
@@ -483,6 +489,7 @@ class FileJournal:
             if always:
                 self._synced_lsn = batch.last_lsn
                 self._last_sync = trio.current_time()
+            self.batch_write_seconds.observe(time.perf_counter() - started)
             self._batch_written(batch, created, fsyncs)
         if self._durability is Durability.BATCH and trio.current_time() - self._last_sync >= self._batch_interval:
             await self._sync_pending_writes()

@@ -7,10 +7,12 @@ call, which may run in the journal's I/O thread). Where each chunk goes was deci
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import attrs
 
+from kvrouter.journal.latency import BucketCounts
 from kvrouter.journal.layout import fsync_dir, segment_name, write_all_at
 
 
@@ -30,6 +32,7 @@ class SegmentWriter:
         self._offset = 0  # where the next frame goes in the open segment
         self._preallocate_bytes = preallocate_bytes  # 0: grow the file as it is written
         self._dirty = False
+        self.fsync_seconds = BucketCounts()  # each segment fsync's duration, for metrics
 
     def write(self, chunks: list[Chunk], sync: bool) -> tuple[list[int], int]:
         """Write ``chunks`` in order (with ``sync``, then fsync); returns (segments created, fsyncs)."""
@@ -59,7 +62,9 @@ class SegmentWriter:
     def fsync(self) -> int:
         if self._fd is None or not self._dirty:
             return 0
+        started = time.perf_counter()
         os.fsync(self._fd)
+        self.fsync_seconds.observe(time.perf_counter() - started)
         self._dirty = False
         return 1
 

@@ -9,7 +9,9 @@ registration beyond ``--replica-max-peers`` is a conflict, an unknown peer is no
 from __future__ import annotations
 
 from kvrouter.actors.core.decisions import Reason
+from kvrouter.actors.metric_families import Family
 from kvrouter.actors.peers.replicator import PeerLimitError, Replicator
+from kvrouter.actors.service_metrics import replica_families
 from kvrouter.actors.service_support import Refused
 
 REPLICA_SYNC_DISABLED = "replica sync is disabled"
@@ -46,3 +48,7 @@ class PeerService:
     async def peers(self) -> list[str]:
         """The peer endpoints, sorted; none while replica sync is off."""
         return self.replicator.peers() if self.replicator is not None else []
+
+    async def metrics(self) -> list[Family]:
+        """Replica sync's figures for ``GET /metrics`` (see ``actors/service_metrics.py``)."""
+        return replica_families(self.replicator)

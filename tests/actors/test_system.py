@@ -78,6 +78,43 @@ async def test_full_mailbox_answers_overloaded(autojump_clock: trio.abc.Clock, n
     with pytest.raises(Overloaded, match="mailbox of model=m tenant_id=default is full"):
         await system.ask(SCOPE, FreeRequest("one too many"))
     assert trio.current_time() - started == pytest.approx(ENQUEUE_TIMEOUT)
+    assert system.mailbox_rejections == {SCOPE: 1}  # for GET /metrics
+
+
+class SlowDiskJournal(GatedJournal):
+    """The writer falls behind until ``catch_up``: actors wait for room after each turn meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caught_up = trio.Event()
+
+    def has_room(self) -> bool:
+        return self.caught_up.is_set()
+
+    async def wait_for_room(self) -> None:
+        await self.caught_up.wait()
+
+
+async def test_mailbox_peak_depth_is_what_waited_when_a_turn_started(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    """300 commands wait while the actor waits for the journal: its next turn takes 256 (MAX_TURN) and leaves
+    44, so the peak is 300 (more than one turn holds), not 256."""
+    journal = SlowDiskJournal()
+    system = await start(nursery, journal)
+    nursery.start_soon(system.ask, SCOPE, RegisterWorker(1, 16, 0, 1))
+    await trio.testing.wait_all_tasks_blocked()
+    assert system.actors[SCOPE].peak_depth == 1
+    for i in range(300):
+        nursery.start_soon(system.ask, SCOPE, FreeRequest(f"x{i}"))
+    await trio.testing.wait_all_tasks_blocked()
+    assert system.actors[SCOPE].mailbox_statistics().current_buffer_used == 300
+    journal.caught_up.set()
+    journal.release()
+    await trio.testing.wait_all_tasks_blocked()
+    assert system.actors[SCOPE].mailbox_statistics().current_buffer_used == 0
+    assert system.actors[SCOPE].peak_depth == 300
+    assert system.mailbox_rejections == {}
 
 
 async def test_dissolved_scope_retires_its_actor(autojump_clock: trio.abc.Clock, nursery: trio.Nursery) -> None:

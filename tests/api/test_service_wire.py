@@ -20,6 +20,7 @@ from kvrouter.actors.core.queries import RankLoad
 from kvrouter.actors.core.router_config import RouterConfigOverride
 from kvrouter.actors.load_feed import LoadChange, LoadChanges
 from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.metric_families import counter, histogram
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.zmq_socket import open_socket
 from kvrouter.actors.select_service import SelectionRequest, SelectService
@@ -38,6 +39,7 @@ from kvrouter.api.service_wire import (
     pack_message,
     unpack,
 )
+from kvrouter.journal.latency import BucketCounts
 
 
 def round_trip(service_class: type, method: str, *args: object) -> list[object]:
@@ -56,11 +58,23 @@ def test_every_public_async_method_of_the_service_objects_is_callable_remotely()
         "loads",
         "potential_loads",
         "load_changes",
+        "metrics",
     }
-    assert {"put_worker", "patch_worker", "select", "select_and_reserve", "dump", "load_changes"} <= set(
+    assert {"put_worker", "patch_worker", "select", "select_and_reserve", "dump", "load_changes", "metrics"} <= set(
         method_table(SelectService)
     )
-    assert set(method_table(PeerService)) == {"register_peer", "deregister_peer", "peers"}
+    assert set(method_table(PeerService)) == {"register_peer", "deregister_peer", "peers", "metrics"}
+
+
+def test_metric_families_round_trip_as_results() -> None:
+    spec = method_table(SelectService)["metrics"]
+    buckets = BucketCounts((0.5, 1.0))
+    buckets.observe(0.7)
+    families = [
+        counter("kvrouter_x", "help", ("model_name",), {("m",): 3.0}),
+        histogram("kvrouter_y_seconds", "help", (), {(): buckets}),
+    ]
+    assert decode_result(spec, unpack(pack(encode_result(spec, families)))) == families
 
 
 def test_arguments_round_trip_as_the_annotated_types() -> None:

@@ -67,6 +67,8 @@ def batch_of(rows: list[FuzzRoute]) -> st.SearchStrategy[JsonBody]:
 SCOPE_QUERY = optional({"model_name": ANY_MODEL, "tenant_id": TENANTS, "routing_group": TENANTS})
 # Served by both services next to their own: the command stream and the live load stream.
 COMMAND_ROUTES = [FuzzRoute("GET", "/ws/commands"), FuzzRoute("GET", "/ws/loads", query=SCOPE_QUERY)]
+# What every service serves about itself: its figures (api/metrics.py).
+SELF_DESCRIPTION_ROUTES = [FuzzRoute("GET", "/metrics")]
 PEER = st.fixed_dictionaries({"endpoint": st.sampled_from(["tcp://127.0.0.1:9", "tcp://127.0.0.1:11"])})
 WORKER_ID_PARAM = {"worker_id": WORKER_IDS.map(str)}
 RESERVATION_PARAM = {"reservation_id": REQUEST_IDS}
@@ -106,6 +108,7 @@ SLOT_TRACKER_ROUTES = [
     FuzzRoute("POST", "/potential_loads", POTENTIAL),
     FuzzRoute("GET", "/health"),
     *REPLICA_ROUTES,
+    *SELF_DESCRIPTION_ROUTES,
 ]
 SLOT_TRACKER_ROUTES += [FuzzRoute("POST", "/batch", batch_of(SLOT_TRACKER_ROUTES), weight=2), *COMMAND_ROUTES]
 
@@ -198,6 +201,8 @@ RESERVATION = st.one_of(
     ),
 )
 OUTPUT_BLOCK = optional({"decay_fraction": st.floats(0, 1)})
+# No body (as 1.6.1), or the engine's cached tokens (negative ones are refused with 400).
+PREFILL_COMPLETE = st.one_of(st.none(), optional({"cached_tokens": st.integers(-2, 5000)}))
 
 SELECTION_ROUTES = [
     FuzzRoute("POST", "/workers", WORKER, weight=3),
@@ -210,7 +215,7 @@ SELECTION_ROUTES = [
     FuzzRoute("POST", "/select_and_reserve", SELECT, unavailable_ok=True, weight=3),
     FuzzRoute("POST", "/select_disaggregated", SELECT, unavailable_ok=True),
     FuzzRoute("POST", "/reservations", RESERVATION, weight=3),
-    FuzzRoute("POST", "/reservations/{reservation_id}/prefill_complete", params=RESERVATION_PARAM),
+    FuzzRoute("POST", "/reservations/{reservation_id}/prefill_complete", PREFILL_COMPLETE, RESERVATION_PARAM),
     FuzzRoute("POST", "/reservations/{reservation_id}/output_block", OUTPUT_BLOCK, RESERVATION_PARAM),
     FuzzRoute("DELETE", "/reservations/{reservation_id}", params=RESERVATION_PARAM),
     FuzzRoute("GET", "/loads", query=SCOPE_QUERY),
@@ -218,6 +223,7 @@ SELECTION_ROUTES = [
     FuzzRoute("POST", "/overlap_scores", SELECT, unavailable_ok=True),
     FuzzRoute("GET", "/dump"),
     *REPLICA_ROUTES,
+    *SELF_DESCRIPTION_ROUTES,
 ]
 SELECTION_ROUTES += [FuzzRoute("POST", "/batch", batch_of(SELECTION_ROUTES), weight=2), *COMMAND_ROUTES]
 
