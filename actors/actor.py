@@ -40,14 +40,14 @@ from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.routing_modes import MODE_ROUND_ROBIN
 from kvrouter.actors.core.selection_rules import no_pending_selection, tracked_output
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.mailbox import MAILBOX_SIZE, Envelope
+from kvrouter.actors.mailbox import MAILBOX_SIZE, Batch, Envelope
 from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.actors.waiting_room import WaitingRoom
 from kvrouter.journal.store import Journal
 
-# Commands taken from the mailbox per scheduling turn. Bounds how long one busy scope holds the
-# loop before others (and the journal writer) get a turn.
+# Commands taken from the mailbox per scheduling turn (a batch counts its commands, and is never split). Bounds
+# how long one busy scope holds the loop before others (and the journal writer) get a turn.
 MAX_TURN = 256
 
 # Called synchronously right after a decision's events are applied (replica publisher, directory, KV
@@ -92,7 +92,7 @@ class ScopeActor:
         self.state = state
         self._ports = ports
         self._journal = ports.journal
-        self.outbox, self._inbox = trio.open_memory_channel[Envelope](MAILBOX_SIZE)
+        self.outbox, self._inbox = trio.open_memory_channel[Envelope | Batch](MAILBOX_SIZE)
         # The scope's own random source (selection tie-breaks, softmax, generated reservation ids),
         # seeded by the owner from its seed and the scope so that a simulation replays exactly.
         self.rng = rng
@@ -117,16 +117,23 @@ class ScopeActor:
         inbox = self._inbox
         with inbox:
             while True:
-                self._handle(await inbox.receive())
-                taken = 1
-                for _ in range(MAX_TURN - 1):
+                item = await inbox.receive()
+                budget = MAX_TURN
+                while True:
+                    if type(item) is Batch:
+                        self._handle_batch(item)
+                        budget -= len(item.commands)
+                    else:
+                        self._handle(item)
+                        budget -= 1
+                    if budget <= 0:
+                        break
                     try:
-                        envelope = inbox.receive_nowait()
+                        item = inbox.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    self._handle(envelope)
-                    taken += 1
-                else:
+                taken = MAX_TURN - budget  # commands (a batch counts its own)
+                if budget <= 0:
                     taken += inbox.statistics().current_buffer_used  # a full turn: some are still waiting
                 if taken > self.peak_depth:
                     self.peak_depth = taken
@@ -173,6 +180,30 @@ class ScopeActor:
         elif isinstance(command, Reserve):
             self.pending.discard(command.reservation_id)
         self._settle(envelope, decision, lsn)
+
+    def _handle_batch(self, batch: Batch) -> None:
+        """Apply a batch's commands in order (as envelopes sent one after another would be), then wake its
+        asker once, when the last record is durable. Each command still gets its own decision and record."""
+        decisions, lsns = batch.decisions, batch.lsns
+        last = 0
+        for command in batch.commands:
+            if command.at > self._last_at:
+                self._last_at = command.at
+            if isinstance(command, RegisterWorker):
+                command = attrs.evolve(command, ranks_elsewhere=self._ports.ranks_elsewhere(self.state.scope))
+            try:
+                decision, lsn = self._apply(command)
+            except JOURNAL_GONE as exc:
+                batch.failure = exc  # this command and the rest are not applied; the asker learns why
+                break
+            decisions.append(decision)
+            lsns.append(lsn)
+            if lsn:
+                last = lsn
+        if last and batch.failure is None:
+            self._journal.call_when_durable(last, batch.done.set)
+        else:
+            batch.done.set()
 
     @staticmethod
     def _overloaded(decision: Decision, command: SelectWorker) -> bool:

@@ -54,6 +54,24 @@ class Envelope:
         self.lsn = lsn
 
 
+class Batch:
+    """Several commands of one scope in one mailbox slot: the actor applies them in order in one turn and
+    sets ``done`` once, when the last one's events are durable (one wake-up, one durability callback and
+    one deadline for the lot, where envelopes cost one each). Only commands that are answered by their
+    decision alone go in a batch (the slot tracker's writes: nothing parks or draws; see ``BATCHABLE``)."""
+
+    __slots__ = ("commands", "deadline", "decisions", "done", "failure", "lsns", "timed_out")
+
+    def __init__(self, commands: list[Command]) -> None:
+        self.commands = commands
+        self.decisions: list[Decision] = []  # one per command applied, in order (fewer if the journal failed)
+        self.lsns: list[int] = []  # each decision's journal position (0: nothing written)
+        self.done = trio.Event()  # set once every decision is durable (or the journal has failed)
+        self.failure: BaseException | None = None  # the journal refused a command: it and the rest were not applied
+        self.deadline = 0.0
+        self.timed_out = False
+
+
 class Overloaded(Exception):
     """The scope's mailbox stayed full for ENQUEUE_TIMEOUT: the command was not applied."""
 

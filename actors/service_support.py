@@ -7,10 +7,13 @@ no: ``reason`` picks the answer), ``Overloaded`` / ``ReplyTimeout`` / ``JournalU
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
 
 
 class Refused(Exception):
@@ -45,3 +48,44 @@ class ScopeFilter:
 
 
 EVERY_SCOPE = ScopeFilter()
+
+
+# -- failures as data (between processes, and in a batch's answers) ---------------------------------------
+
+REFUSED, OVERLOADED, REPLY_TIMEOUT, JOURNAL_UNAVAILABLE, INTERNAL = "refused", "overloaded", "timeout", "journal", "bug"
+INTERNAL_ERROR = "the actor process failed on this request (a bug: its log has the traceback)"
+
+
+def encode_failure(exc: Exception) -> list[Any]:
+    """A service failure as data; anything else is a bug in the actor process (the front answers 500)."""
+    if isinstance(exc, Refused):
+        return [REFUSED, exc.reason.value, exc.message]
+    if isinstance(exc, Overloaded):
+        return [OVERLOADED, str(exc)]
+    if isinstance(exc, ReplyTimeout):
+        return [REPLY_TIMEOUT, str(exc), exc.request_id]
+    if isinstance(exc, JournalUnavailable):
+        return [JOURNAL_UNAVAILABLE, str(exc)]
+    return [INTERNAL, INTERNAL_ERROR]
+
+
+class ActorProcessBug(Exception):
+    """The actor process raised something that is not a service failure (the app answers 500)."""
+
+
+def decode_failure(data: list[Any]) -> Exception:
+    kind = data[0]
+    if kind == REFUSED:
+        return Refused(Reason(data[1]), data[2])
+    if kind == OVERLOADED:
+        return Overloaded(data[1])
+    if kind == REPLY_TIMEOUT:
+        late = ReplyTimeout.__new__(ReplyTimeout)
+        Exception.__init__(late, data[1])
+        late.request_id = data[2]
+        return late
+    if kind == JOURNAL_UNAVAILABLE:
+        gone = JournalUnavailable.__new__(JournalUnavailable)
+        Exception.__init__(gone, data[1])
+        return gone
+    return ActorProcessBug(data[1])

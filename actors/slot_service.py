@@ -8,19 +8,44 @@ their (model, tenant) scope, as in 1.6.1, so there is no service-wide directory 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
-from kvrouter.actors.core.commands import AddRequest, CompletePrefill, FreeRequest, RegisterWorker, UnregisterWorker
+from kvrouter.actors.core.commands import (
+    AddRequest,
+    Command,
+    CompletePrefill,
+    FreeRequest,
+    RegisterWorker,
+    UnregisterWorker,
+)
 from kvrouter.actors.core.decide import no_tracker
+from kvrouter.actors.core.decisions import Accepted, Rejected
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad, loads, potential_loads
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
 from kvrouter.actors.metric_families import Family, FamilySource
 from kvrouter.actors.service_metrics import system_families
-from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
+from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted, encode_failure
 from kvrouter.actors.system import ActorSystem
+
+
+def _write_command(write: Sequence[Any], at: int) -> Command:
+    """The command of one ``apply_writes`` item (the same command its own method makes)."""
+    method = write[0]
+    if method == "add":
+        return AddRequest(write[3], write[4], write[5], tuple(write[6]), write[7], at=at)
+    if method == "free":
+        return FreeRequest(write[3], at=at)
+    if method == "prefill_complete":
+        return CompletePrefill(write[3], at=at)
+    if method == "register":
+        return RegisterWorker(write[3], write[4], write[5], write[6], at=at)
+    if method == "unregister":
+        return UnregisterWorker(write[3], at=at)
+    raise ValueError(f"apply_writes has no write {method!r}")
 
 
 @attrs.frozen
@@ -74,6 +99,26 @@ class SlotService:
 
     async def free(self, scope: ScopeKey, request_id: str) -> bool:
         return accepted(await self.system.ask(scope, FreeRequest(request_id, at=self._now()))).created
+
+    async def apply_writes(self, writes: list[Any]) -> list[Any]:
+        """Many writes at once, each ``[method, model_name, tenant_id, *arguments]`` naming one of the methods
+        above and its arguments after the scope, as plain data (so a front forwards a whole batch in one
+        call). Applied as if each were called in list order once the one before it was submitted (the
+        writes of one scope are decided in list order); answered once all are durable, each with what its
+        method returns (``True``/``False``: created) or, in its place, its failure as data
+        (``encode_failure``: refused, overloaded, past the reply deadline, journal unavailable).
+        A write naming no method above is a bug of the caller: ``ValueError`` for the lot, nothing applied."""
+        at = self._now()
+        commands = [(ScopeKey(write[1], write[2]), _write_command(write, at)) for write in writes]
+        outcomes: list[Any] = []
+        for outcome in await self.system.ask_many(commands):
+            if isinstance(outcome, Accepted):
+                outcomes.append(outcome.created)
+            elif isinstance(outcome, Rejected):
+                outcomes.append(encode_failure(Refused.because(outcome)))
+            else:
+                outcomes.append(encode_failure(outcome))
+        return outcomes
 
     # -- queries --------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import logging
 import math
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -38,7 +38,7 @@ from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE, MAX_SCOPES
 from kvrouter.actors.core.selection_rules import service_weight
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.deadlines import Deadlines
-from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Envelope, JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Batch, Envelope, JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.operator_log import log_operator_events
 from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.ports import Clock
@@ -170,6 +170,90 @@ class ActorSystem:
             await self.wait_durable(envelope.lsn)  # only after a journal failure: raises
         assert envelope.decision is not None
         return envelope.decision
+
+    async def ask_many(self, commands: Sequence[tuple[ScopeKey, Command]]) -> list[Decision | Exception]:
+        """Apply ``commands`` (slot tracker writes: ``BATCHABLE``) and return each one's decision, in order,
+        once all of them are durable; a command that was not applied or not acknowledged gets the exception
+        ``ask`` would raise for it (Overloaded, ReplyTimeout, JournalUnavailable) in its place.
+
+        The same effect as asking each in list order, one after another's submission (the commands of one
+        scope are decided in list order; scopes are independent), at a fraction of the cost: the commands of
+        each scope go into its mailbox as one ``Batch`` (one post, one durability callback, one deadline).
+        """
+        results: list[Decision | Exception | None] = [None] * len(commands)
+        by_scope: dict[ScopeKey, list[int]] = {}
+        for index, (scope, _) in enumerate(commands):
+            by_scope.setdefault(scope, []).append(index)
+        posted: list[tuple[Batch, list[int], ScopeKey]] = []
+        for scope, indices in by_scope.items():
+            try:
+                batch, batched = await self._post_batch(scope, [commands[i][1] for i in indices], indices, results)
+            except (Overloaded, JournalUnavailable) as exc:
+                for i in indices:
+                    if results[i] is None:
+                        results[i] = exc
+                continue
+            if batch is not None:
+                self.deadlines.track(batch)
+                posted.append((batch, batched, scope))
+        for batch, batched, scope in posted:
+            await batch.done.wait()
+            durable = self.journal.durable_lsn
+            late: ReplyTimeout | None = None
+            for i, decision, lsn in zip(batched, list(batch.decisions), list(batch.lsns), strict=False):
+                if lsn <= durable:
+                    results[i] = decision
+                elif batch.timed_out:
+                    late = late or self.reply_timeout(f"a batch of {len(batched)} commands in {scope.describe()}")
+                    results[i] = late
+                else:
+                    try:
+                        await self.wait_durable(lsn)  # only after a journal failure: raises
+                        results[i] = decision
+                    except JournalUnavailable as gone:
+                        results[i] = gone
+            for i in batched[len(batch.decisions) :]:
+                if batch.failure is not None:
+                    results[i] = JournalUnavailable(batch.failure)
+                else:  # past the deadline before it was decided: it may still be applied
+                    late = late or self.reply_timeout(f"a batch of {len(batched)} commands in {scope.describe()}")
+                    results[i] = late
+        return results  # type: ignore[return-value]  (every slot is filled above)
+
+    async def _post_batch(
+        self, scope: ScopeKey, commands: list[Command], indices: list[int], results: list[Any]
+    ) -> tuple[Batch | None, list[int]]:
+        """Put ``commands`` of ``scope`` in its mailbox as one batch, answering at once those that come before
+        the scope exists (from an empty state, as ``_enqueue`` does); the batch (or None) and its indices."""
+        if self.failure is not None:
+            raise JournalUnavailable(self.failure)
+        actor = self.actors.get(scope)
+        start = 0
+        while actor is None and start < len(commands):
+            command = commands[start]
+            if not isinstance(command, SCOPE_CREATING):
+                results[indices[start]] = decide(ScopeState(scope), command)
+            elif len(self.actors) >= MAX_SCOPES:
+                results[indices[start]] = Rejected(
+                    Reason.CONFLICT,
+                    f"the service holds {len(self.actors)} (model, tenant) scopes, the limit of {MAX_SCOPES} "
+                    f"scopes per service; {scope.describe()} is not created",
+                )
+            else:
+                actor = self._start(ScopeState(scope), last_lsn=self.journal.last_lsn)
+                break
+            start += 1
+        if actor is None:
+            return None, []
+        batch = Batch(commands[start:] if start else commands)
+        try:
+            actor.outbox.send_nowait(batch)
+        except trio.WouldBlock:
+            with trio.move_on_after(ENQUEUE_TIMEOUT) as waited:
+                await actor.outbox.send(batch)
+            if waited.cancelled_caught:
+                raise Overloaded(f"mailbox of {scope.describe()} is full") from None
+        return batch, indices[start:]
 
     def reply_timeout(self, what: str) -> ReplyTimeout:
         """The error for an ask past its deadline, logged once with the request id it carries."""

@@ -27,13 +27,14 @@ commands in flight, and closes with 1001. The token is checked at the upgrade, a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 import trio
 
 from kvrouter.actors.core.limits import text_too_long
-from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Resolved, _Running, answer, render
+from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Resolved, _Running, render
 from kvrouter.api.http import HttpError, Request, Response, Route
 
 STREAM_PATH = "/ws/commands"
@@ -154,17 +155,10 @@ class CommandStream:
                     self.ordered_ready = trio.Event()
                     await self.ordered_ready.wait()
                 ids, items = self.ordered_work.popleft()
-                for command_id, item in zip(ids, items, strict=True):
-                    if isinstance(item, Response):
-                        self.deliver(command_id, item)
-                    elif item[0].pipelined:
-                        await nursery.start(running.pipelined, command_id, item, self.deliver)
-                    else:
-                        await running.all_done()
-                        self.deliver(command_id, await answer(*item))
+                await self.runner.run_ordered(items, _by_id(ids, self.deliver), nursery, running)
 
     async def run_unordered(self, ids: list[Any], items: list[Resolved | Response]) -> None:
-        await self.runner.run(items, lambda index, response: self.deliver(ids[index], response), ordered=False)
+        await self.runner.run(items, _by_id(ids, self.deliver), ordered=False)
 
     async def serve(self, receive: Any) -> None:
         """Read and dispatch messages until the client goes, breaks the protocol, or the service stops (then
@@ -202,6 +196,11 @@ class CommandStream:
                 self.ordered_ready.set()
             else:
                 nursery.start_soon(self.run_unordered, ids, items)
+
+
+def _by_id(ids: list[Any], deliver: Callable[[Any, Response], None]) -> Deliver:
+    """``deliver`` by command id, for the runner's deliver by index."""
+    return lambda index, response: deliver(ids[index], response)
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -25,6 +25,7 @@ command does not stop the others: each has its own result.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import unquote
@@ -32,8 +33,10 @@ from urllib.parse import unquote
 import orjson
 import trio
 
-from kvrouter.api.app import RouteTable, call_route
-from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response
+from kvrouter.api.app import RouteTable, call_route, http_error_response
+from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
+
+log = logging.getLogger("kvrouter.api")
 
 BATCH_PATH = "/batch"
 MAX_BATCH_COMMANDS = 1000  # per POST /batch and per stream message (policy beyond: 413 / close 1009)
@@ -91,26 +94,88 @@ class CommandRunner:
     async def run(self, commands: Sequence[Resolved | Response], deliver: Deliver, *, ordered: bool) -> None:
         """Run ``commands``; ``deliver(index, response)`` as each finishes (refusals at once).
 
-        ``ordered=False``: every command starts at once (they are independent: no order between them).
+        ``ordered=False``: every command starts at once (they are independent: no order between them); the
+        batched ones (``Route.batched``) of each kind go in one service call.
         """
-        if not ordered:
-            async with trio.open_nursery() as nursery:
-                for index, item in enumerate(commands):
-                    if isinstance(item, Response):
-                        deliver(index, item)
-                    else:
-                        nursery.start_soon(_run_one, index, item, deliver)
-            return
         async with trio.open_nursery() as nursery:
-            running = _Running()
+            if ordered:
+                await self.run_ordered(commands, deliver, nursery, _Running())
+                return
+            groups: dict[Any, list[tuple[int, Any]]] = {}
             for index, item in enumerate(commands):
                 if isinstance(item, Response):
                     deliver(index, item)
-                elif item[0].pipelined:
-                    await nursery.start(running.pipelined, index, item, deliver)
+                elif item[0].batched is not None:
+                    prepared = _prepare(item)
+                    if isinstance(prepared, Response):
+                        deliver(index, prepared)
+                    else:
+                        groups.setdefault(item[0].batched.apply, []).append((index, prepared))
                 else:
-                    await running.all_done()
-                    deliver(index, await answer(*item))
+                    nursery.start_soon(_run_one, index, item, deliver)
+            for apply, members in groups.items():
+                nursery.start_soon(_run_batch, apply, members, deliver)
+
+    async def run_ordered(
+        self, commands: Sequence[Resolved | Response], deliver: Deliver, nursery: trio.Nursery, running: _Running
+    ) -> None:
+        """Start ``commands`` in order (the module doc's rules) in ``nursery``; ``running`` holds the pipelined
+        commands of the sequence not yet finished (a stream's ordered messages share one). Consecutive
+        batched commands of one kind go in one service call, started where the first of them would start."""
+        run: list[tuple[int, Any]] = []
+        run_apply: Any = None
+        for index, item in enumerate(commands):
+            if isinstance(item, Response):
+                deliver(index, item)
+                continue
+            route = item[0]
+            if route.batched is not None:
+                prepared = _prepare(item)
+                if isinstance(prepared, Response):
+                    deliver(index, prepared)  # refused before it reached the service: it changes nothing
+                    continue
+                if run and route.batched.apply is not run_apply:
+                    await nursery.start(running.batch, run_apply, run, deliver)
+                    run = []
+                run_apply = route.batched.apply
+                run.append((index, prepared))
+                continue
+            if run:
+                await nursery.start(running.batch, run_apply, run, deliver)
+                run = []
+            if route.pipelined:
+                await nursery.start(running.pipelined, index, item, deliver)
+            else:
+                await running.all_done()
+                deliver(index, await answer(*item))
+        if run:
+            await nursery.start(running.batch, run_apply, run, deliver)
+
+
+def _prepare(item: Resolved) -> Any:
+    """The batched route's plain item for this request, or the response refusing it (as its handler would)."""
+    route, request = item
+    assert route.batched is not None
+    try:
+        return route.batched.prepare(request)
+    except HttpError as exc:
+        release(exc)
+        return http_error_response(exc)
+    except Exception as exc:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        release(exc)
+        return error_response(500, "internal error")
+
+
+async def _run_batch(apply: Any, members: list[tuple[int, Any]], deliver: Deliver) -> None:
+    try:
+        responses = await apply([prepared for _, prepared in members])
+    except Exception as exc:  # a bug below (``Batched.apply`` answers the service's failures itself)
+        log.exception("unhandled error in a batch of %d commands", len(members))
+        release(exc)
+        responses = [error_response(500, "internal error")] * len(members)
+    for (index, _), response in zip(members, responses, strict=True):
+        deliver(index, response)
 
 
 async def answer(route: Route, request: Request) -> Response:
@@ -144,6 +209,21 @@ class _Running:
         task_status.started()
         try:
             deliver(index, await answer(*item))
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self.idle.set()
+
+    async def batch(
+        self, apply: Any, members: list[tuple[int, Any]], deliver: Deliver, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """Batched commands: as ``pipelined`` (the batch's items are all submitted before its first wait)."""
+        if self.count == 0:
+            self.idle = trio.Event()
+        self.count += 1
+        task_status.started()
+        try:
+            await _run_batch(apply, members, deliver)
         finally:
             self.count -= 1
             if self.count == 0:

@@ -125,3 +125,18 @@ class Route:
     pipelined: bool = False
     # A WebSocket endpoint: the app hands an authorised upgrade of this path to this handler.
     websocket: WebSocketHandler | None = None
+    # A pipelined route whose commands a batch may run many at a time (``api/commands.py``).
+    batched: Batched | None = None
+
+
+@attrs.frozen
+class Batched:
+    """How many commands of a pipelined route run as one service call, each answered as its own request.
+
+    ``prepare(request)`` parses and validates the request exactly as the route's handler does (raising the
+    same ``HttpError``) and returns it as plain data; ``apply(prepared)`` runs a list of them in order (as if
+    each were submitted after the one before it) and returns each one's response. Consecutive commands of
+    routes with the same ``apply`` share one call."""
+
+    prepare: Callable[[Request], Any]
+    apply: Callable[[list[Any]], Awaitable[list[Response]]]

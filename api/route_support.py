@@ -3,14 +3,17 @@ service's failures to statuses, the scope query filter and the scope fields of r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.mailbox import JournalUnavailable, ReplyTimeout
+from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.service_support import Refused, ScopeFilter
 from kvrouter.api.http import Handler, Request, Response, error_response, json_response
+
+log = logging.getLogger("kvrouter.api")
 
 REASON_STATUS = {
     Reason.INVALID: 400,
@@ -32,14 +35,25 @@ def bound(service: Service, handler: Callable[[Service, Request], Awaitable[Resp
     async def respond(request: Request) -> Response:
         try:
             return await handler(service, request)
-        except Refused as refused:
-            return error_response(REASON_STATUS[refused.reason], refused.message, RETRY_AFTER.get(refused.reason, ()))
-        except ReplyTimeout as late:
-            return json_response(504, {"error": str(late), "request_id": late.request_id})
-        except JournalUnavailable as gone:
-            return error_response(503, str(gone))
+        except (Refused, ReplyTimeout, JournalUnavailable) as failure:
+            return failure_response(failure)
 
     return respond
+
+
+def failure_response(failure: Exception) -> Response:
+    """What a route answers when its service call fails with ``failure`` (as ``bound`` and the app's
+    ``call_route`` answer it), for a command of a batch whose failure came back as data."""
+    if isinstance(failure, Refused):
+        return error_response(REASON_STATUS[failure.reason], failure.message, RETRY_AFTER.get(failure.reason, ()))
+    if isinstance(failure, ReplyTimeout):
+        return json_response(504, {"error": str(failure), "request_id": failure.request_id})
+    if isinstance(failure, JournalUnavailable):
+        return error_response(503, str(failure))
+    if isinstance(failure, Overloaded):
+        return error_response(503, str(failure), ((b"retry-after", b"1"),))
+    log.error("a batched service call failed: %s", failure, exc_info=failure)
+    return error_response(500, "internal error")
 
 
 def scope_filter(request: Request) -> ScopeFilter:

@@ -6,13 +6,17 @@ Writes are durable before the service returns; reads have passed a read barrier 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import attrs
 
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import RankLoad
+from kvrouter.actors.service_support import decode_failure
 from kvrouter.actors.slot_service import SlotService
-from kvrouter.api.http import CREATED, OK, Request, Response, Route, json_response
-from kvrouter.api.route_support import bound, scope_fields, scope_filter
+from kvrouter.api.http import CREATED, OK, Batched, Request, Response, Route, json_response
+from kvrouter.api.route_support import bound, failure_response, scope_fields, scope_filter
 from kvrouter.api.schemas import AddBody, PotentialLoadsBody, RegisterBody, RequestRefBody, UnregisterBody, parse
 
 
@@ -20,32 +24,70 @@ def done(created: bool) -> Response:
     return CREATED if created else OK
 
 
-async def register(service: SlotService, request: Request) -> Response:
+# Each write is parsed into the plain item ``SlotService.apply_writes`` takes (``[method, model, tenant,
+# *arguments]``); its own route then calls that method with the same arguments, so a write answers the
+# same whether it comes alone or in a batch of commands.
+
+
+def _write(method: str, scope: ScopeKey, *arguments: Any) -> list[Any]:
+    return [method, scope.model_name, scope.tenant_id, *arguments]
+
+
+def prepare_register(request: Request) -> list[Any]:
     body = parse(RegisterBody, request.json())
-    return done(await service.register(body.scope(), body.worker_id, body.block_size, body.dp_start, body.dp_size))
+    return _write("register", body.scope(), body.worker_id, body.block_size, body.dp_start, body.dp_size)
 
 
-async def unregister(service: SlotService, request: Request) -> Response:
+def prepare_unregister(request: Request) -> list[Any]:
     body = parse(UnregisterBody, request.json())
-    return done(await service.unregister(body.scope(), body.worker_id))
+    return _write("unregister", body.scope(), body.worker_id)
 
 
-async def add(service: SlotService, request: Request) -> Response:
+def prepare_add(request: Request) -> list[Any]:
     body = parse(AddBody, request.json())
-    created = await service.add(
-        body.scope(), body.request_id, body.worker_id, body.dp_rank, body.sequence_hashes, body.new_isl_tokens
+    return _write(
+        "add", body.scope(), body.request_id, body.worker_id, body.dp_rank, body.sequence_hashes, body.new_isl_tokens
     )
-    return done(created)
 
 
-async def prefill_complete(service: SlotService, request: Request) -> Response:
+def prepare_prefill_complete(request: Request) -> list[Any]:
     body = parse(RequestRefBody, request.json())
-    return done(await service.prefill_complete(body.scope(), body.request_id))
+    return _write("prefill_complete", body.scope(), body.request_id)
 
 
-async def free(service: SlotService, request: Request) -> Response:
+def prepare_free(request: Request) -> list[Any]:
     body = parse(RequestRefBody, request.json())
-    return done(await service.free(body.scope(), body.request_id))
+    return _write("free", body.scope(), body.request_id)
+
+
+def write_route(service: SlotService, path: str, prepare: Callable[[Request], list[Any]], batches: Batched) -> Route:
+    """A slot tracker write: alone, its handler calls the ``SlotService`` method its prepared item names; in
+    a batch of commands, consecutive writes go to ``SlotService.apply_writes`` together."""
+
+    async def write(service: SlotService, request: Request) -> Response:
+        item = prepare(request)
+        method = getattr(service, item[0])
+        return done(await method(ScopeKey(item[1], item[2]), *item[3:]))
+
+    batched = attrs.evolve(batches, prepare=prepare)
+    return Route("POST", path, bound(service, write), json_body=True, pipelined=True, batched=batched)
+
+
+def write_batches(service: SlotService) -> Batched:
+    """``apply`` for the write routes: one ``apply_writes`` call, each outcome answered as its route would."""
+
+    async def apply(writes: list[Any]) -> list[Response]:
+        try:
+            outcomes = await service.apply_writes(writes)
+        except Exception as exc:  # the call as a whole failed (a front's link: overloaded, no reply in time)
+            failed = failure_response(exc)
+            return [failed] * len(writes)
+        return [
+            CREATED if outcome is True else OK if outcome is False else failure_response(decode_failure(outcome))
+            for outcome in outcomes
+        ]
+
+    return Batched(prepare_add, apply)
 
 
 async def workers(service: SlotService, request: Request) -> Response:
@@ -102,13 +144,14 @@ async def health(service: SlotService, request: Request) -> Response:
 
 
 def slot_tracker_routes(service: SlotService) -> list[Route]:
+    batches = write_batches(service)
     return [
-        Route("POST", "/register", bound(service, register), json_body=True, pipelined=True),
-        Route("POST", "/unregister", bound(service, unregister), json_body=True, pipelined=True),
+        write_route(service, "/register", prepare_register, batches),
+        write_route(service, "/unregister", prepare_unregister, batches),
         Route("GET", "/workers", bound(service, workers)),
-        Route("POST", "/add", bound(service, add), json_body=True, pipelined=True),
-        Route("POST", "/prefill_complete", bound(service, prefill_complete), json_body=True, pipelined=True),
-        Route("POST", "/free", bound(service, free), json_body=True, pipelined=True),
+        write_route(service, "/add", prepare_add, batches),
+        write_route(service, "/prefill_complete", prepare_prefill_complete, batches),
+        write_route(service, "/free", prepare_free, batches),
         Route("GET", "/loads", bound(service, loads)),
         Route("POST", "/potential_loads", bound(service, potential_loads), json_body=True),
         Route("GET", "/health", bound(service, health)),
