@@ -40,7 +40,7 @@ for _named in (ScopeKey, WorkerRank):
 
 
 # Values of these types travel as they are: no converter call on the hot path.
-PLAIN = (int, str, bool, float, bytes, type(None), int | None, str | None, bool | None, float | None)
+PLAIN = (int, str, bool, float, bytes, type(None), int | None, str | None, bool | None, float | None, list[Any])
 # Sequences of plain values: a list becomes the tuple again without a per-element check (both ends are ours).
 PLAIN_TUPLES = (tuple[int, ...], tuple[str, ...])
 

@@ -59,6 +59,7 @@ def test_every_public_async_method_of_the_service_objects_is_callable_remotely()
         "potential_loads",
         "load_changes",
         "metrics",
+        "apply_writes",
     }
     assert {"put_worker", "patch_worker", "select", "select_and_reserve", "dump", "load_changes", "metrics"} <= set(
         method_table(SelectService)
@@ -75,6 +76,12 @@ def test_metric_families_round_trip_as_results() -> None:
         histogram("kvrouter_y_seconds", "help", (), {(): buckets}),
     ]
     assert decode_result(spec, unpack(pack(encode_result(spec, families)))) == families
+
+
+def test_a_batch_of_writes_crosses_as_it_is() -> None:
+    writes = [["add", "m", "t", "r1", 1, 0, (1, 2**64 - 1), 16], ["free", "m", "t", "r1"]]
+    [got] = round_trip(SlotService, "apply_writes", writes)
+    assert got == [["add", "m", "t", "r1", 1, 0, [1, 2**64 - 1], 16], ["free", "m", "t", "r1"]]
 
 
 def test_arguments_round_trip_as_the_annotated_types() -> None:
