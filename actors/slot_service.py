@@ -64,6 +64,9 @@ class ScopeLoads:
 
 
 class SlotService:
+    # The methods whose calls ``apply_writes`` takes, many at a time (a front's dispatcher batches them).
+    BATCHED_WRITES = frozenset(("register", "unregister", "add", "prefill_complete", "free"))
+
     def __init__(self, system: ActorSystem) -> None:
         self.system = system
         self._now = system.clock.now_ns

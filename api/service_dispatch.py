@@ -2,7 +2,9 @@
 
 One PULL socket (bound in the runtime directory) receives every front's batches; each call becomes a task
 that decodes its arguments, awaits the service method (a write returns once it is durable, as in one
-process) and queues its reply for its front. One sender task per front puts every reply queued during
+process) and queues its reply for its front, except the slot tracker's writes: consecutive ones of a
+message go to ``SlotService.apply_writes`` together, in one task (one mailbox post per scope, one wake-up
+when all are durable), each answered as its own call. One sender task per front puts every reply queued during
 one loop turn in one message (PUSH, connected to the front's own PULL). A front that died and came back
 binds the same path: replies meant for its previous process carry that process's incarnation and are
 dropped there.
@@ -14,6 +16,7 @@ the replies queued per front are bounded by that (twice it, briefly, across a fr
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -34,7 +37,12 @@ from kvrouter.api.service_wire import (
 
 log = logging.getLogger("kvrouter.fronts")
 
+WRITES_TARGET = "service"  # the service object, as the fronts name it
 SOCKET_HWM = 10_000  # messages per pipe; each front has at most its max_in_flight calls outstanding
+
+
+async def _no_writes(writes: list[Any]) -> list[Any]:
+    raise AssertionError("a service object without apply_writes has no batched writes")
 
 
 class _Front:
@@ -57,6 +65,10 @@ class Dispatcher:
         self._endpoint = endpoint
         self._front_endpoint = front_endpoint
         self._fronts: dict[int, _Front] = {}
+        # The calls of WRITES_TARGET that go through its apply_writes in batches (the slot tracker's writes).
+        writer = targets.get(WRITES_TARGET)
+        self._batched_writes: frozenset[str] = getattr(writer, "BATCHED_WRITES", frozenset())
+        self._apply_writes: Callable[[list[Any]], Awaitable[list[Any]]] = getattr(writer, "apply_writes", _no_writes)
         self.received_messages = 0
         self.received_calls = 0
 
@@ -75,8 +87,17 @@ class Dispatcher:
                     # start (not start_soon): each call runs to its first wait before the next starts, so
                     # the calls of one message reach their scopes' mailboxes in the order the front sent them
                     # (trio runs a batch of new tasks in either order; a pipelined /batch relies on this).
+                    writes: list[tuple[int, list[Any]]] = []
                     for call_id, target, method, args in calls:
+                        if target == WRITES_TARGET and method in self._batched_writes:
+                            writes.append((call_id, [method, *args[0], *args[1:]]))
+                            continue
+                        if writes:
+                            await nursery.start(self._writes, front, incarnation, writes)
+                            writes = []
                         await nursery.start(self._call, front, incarnation, call_id, target, method, args)
+                    if writes:
+                        await nursery.start(self._writes, front, incarnation, writes)
         finally:
             pull.close()
             for front in self._fronts.values():
@@ -113,6 +134,31 @@ class Dispatcher:
                 log.exception("a forwarded call %s.%s failed", target, method)
             reply = pack([call_id, False, failure])
         front.replies.setdefault(incarnation, []).append(reply)
+        front.queued.set()
+
+    async def _writes(
+        self,
+        front: _Front,
+        incarnation: int,
+        writes: list[tuple[int, list[Any]]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Consecutive slot tracker writes of one message as one ``apply_writes`` call (one task, one mailbox
+        post per scope), each answered as its own call would be: its result, or its failure as data."""
+        task_status.started()
+        try:
+            outcomes = await self._apply_writes([item for _, item in writes])
+            replies = [
+                pack([call_id, True, outcome] if type(outcome) is bool else [call_id, False, outcome])
+                for (call_id, _), outcome in zip(writes, outcomes, strict=True)
+            ]
+        except Exception as exc:
+            failure = encode_failure(exc)
+            if failure[0] == INTERNAL:
+                log.exception("%d forwarded writes failed", len(writes))
+            replies = [pack([call_id, False, failure]) for call_id, _ in writes]
+        front.replies.setdefault(incarnation, []).extend(replies)
         front.queued.set()
 
     async def _send_replies(self, front: _Front) -> None:
