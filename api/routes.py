@@ -15,6 +15,7 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import RankLoad
 from kvrouter.actors.service_support import decode_failure
 from kvrouter.actors.slot_service import SlotService
+from kvrouter.api import write_bodies
 from kvrouter.api.http import CREATED, OK, Batched, Request, Response, Route, json_response
 from kvrouter.api.route_support import bound, failure_response, scope_fields, scope_filter
 from kvrouter.api.schemas import AddBody, PotentialLoadsBody, RegisterBody, RequestRefBody, UnregisterBody, parse
@@ -26,7 +27,8 @@ def done(created: bool) -> Response:
 
 # Each write is parsed into the plain item ``SlotService.apply_writes`` takes (``[method, model, tenant,
 # *arguments]``); its own route then calls that method with the same arguments, so a write answers the
-# same whether it comes alone or in a batch of commands.
+# same whether it comes alone or in a batch of commands. The hot bodies are read by ``write_bodies`` when
+# they are well-formed, by the strict converter otherwise (same result, same errors).
 
 
 def _write(method: str, scope: ScopeKey, *arguments: Any) -> list[Any]:
@@ -44,19 +46,31 @@ def prepare_unregister(request: Request) -> list[Any]:
 
 
 def prepare_add(request: Request) -> list[Any]:
-    body = parse(AddBody, request.json())
+    value = request.json()
+    plain = write_bodies.add_request(value)
+    if plain is not None:
+        return ["add", *plain]
+    body = parse(AddBody, value)
     return _write(
         "add", body.scope(), body.request_id, body.worker_id, body.dp_rank, body.sequence_hashes, body.new_isl_tokens
     )
 
 
 def prepare_prefill_complete(request: Request) -> list[Any]:
-    body = parse(RequestRefBody, request.json())
+    value = request.json()
+    plain = write_bodies.request_ref(value)
+    if plain is not None:
+        return ["prefill_complete", *plain]
+    body = parse(RequestRefBody, value)
     return _write("prefill_complete", body.scope(), body.request_id)
 
 
 def prepare_free(request: Request) -> list[Any]:
-    body = parse(RequestRefBody, request.json())
+    value = request.json()
+    plain = write_bodies.request_ref(value)
+    if plain is not None:
+        return ["free", *plain]
+    body = parse(RequestRefBody, value)
     return _write("free", body.scope(), body.request_id)
 
 
