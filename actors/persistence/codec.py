@@ -37,7 +37,15 @@ import cattrs
 import orjson
 from cattrs.strategies import configure_tagged_union
 
-from kvrouter.actors.core.events import EVENT_TAGS, KV_OP_TAGS, Event, KvOp
+from kvrouter.actors.core.events import (
+    EVENT_TAGS,
+    KV_OP_TAGS,
+    Event,
+    KvOp,
+    PrefillCompleted,
+    RequestAdded,
+    RequestFreed,
+)
 from kvrouter.actors.core.ids import ScopeKey
 
 RECORD_VERSION: Final = 2
@@ -110,8 +118,43 @@ class JournalRecord:
 
 def encode_record(scope: ScopeKey, events: tuple[Event, ...]) -> bytes:
     return orjson.dumps(
-        {"v": RECORD_VERSION, "scope": [scope[0], scope[1]], "events": [_unstructure_event(e) for e in events]}
+        {"v": RECORD_VERSION, "scope": [scope[0], scope[1]], "events": [_unstructure(e) for e in events]}
     )
+
+
+# The slot tracker's every-request events, unstructured by hand: the same dict (same keys, same order, the tag
+# last) the journal converter makes, at a fraction of its cost (``tests/persistence`` compares both).
+def _request_added(event: RequestAdded) -> dict[str, Any]:
+    return {
+        "request_id": event.request_id,
+        "worker_id": event.worker_id,
+        "dp_rank": event.dp_rank,
+        "sequence_hashes": event.sequence_hashes,
+        "prefill_tokens": event.prefill_tokens,
+        "at": event.at,
+        "expected_output_tokens": event.expected_output_tokens,
+        "type": "request_added",
+    }
+
+
+def _prefill_completed(event: PrefillCompleted) -> dict[str, Any]:
+    return {"request_id": event.request_id, "type": "prefill_completed"}
+
+
+def _request_freed(event: RequestFreed) -> dict[str, Any]:
+    return {"request_id": event.request_id, "type": "request_freed"}
+
+
+_BY_HAND: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
+    RequestAdded: _request_added,
+    PrefillCompleted: _prefill_completed,
+    RequestFreed: _request_freed,
+}
+
+
+def _unstructure(event: Event) -> Any:
+    by_hand = _BY_HAND.get(type(event))
+    return by_hand(event) if by_hand is not None else _unstructure_event(event)
 
 
 def decode_record(payload: bytes) -> JournalRecord:
