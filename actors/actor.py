@@ -120,7 +120,7 @@ class ScopeActor:
                 item = await inbox.receive()
                 budget = MAX_TURN
                 while True:
-                    if type(item) is Batch:
+                    if isinstance(item, Batch):
                         self._handle_batch(item)
                         budget -= len(item.commands)
                     else:

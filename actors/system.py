@@ -15,7 +15,7 @@ import math
 import random
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -218,7 +218,7 @@ class ActorSystem:
                 else:  # past the deadline before it was decided: it may still be applied
                     late = late or self.reply_timeout(f"a batch of {len(batched)} commands in {scope.describe()}")
                     results[i] = late
-        return results  # type: ignore[return-value]  (every slot is filled above)
+        return cast(list[Decision | Exception], results)  # every slot is filled above
 
     async def _post_batch(
         self, scope: ScopeKey, commands: list[Command], indices: list[int], results: list[Any]

@@ -111,7 +111,11 @@ def test_results_of_many_writes_per_message_survive_kill_9(tmp_path: Path) -> No
                 async def caller(i: int) -> None:
                     model = "ab"[i % 2]
                     for j in range(5):
-                        answered.append(await client.add(f"r{i}-{j}", 1, [100 * i + j, 10_000 + 100 * i + j], dp_rank=i % 2, model_name=model))
+                        answered.append(
+                            await client.add(
+                                f"r{i}-{j}", 1, [100 * i + j, 10_000 + 100 * i + j], dp_rank=i % 2, model_name=model
+                            )
+                        )
 
                 async with trio.open_nursery() as nursery:
                     for i in range(64):
