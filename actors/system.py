@@ -252,6 +252,7 @@ class ActorSystem:
             with trio.move_on_after(ENQUEUE_TIMEOUT) as waited:
                 await actor.outbox.send(batch)
             if waited.cancelled_caught:
+                self.mailbox_rejections[scope] = self.mailbox_rejections.get(scope, 0) + len(batch.commands)
                 raise Overloaded(f"mailbox of {scope.describe()} is full") from None
         return batch, indices[start:]
 
