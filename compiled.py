@@ -7,8 +7,8 @@ installed; they run instead when
 
 * no compiled module was built (no compiler, or ``KVROUTER_PURE_PYTHON=1`` at install time);
 * ``KVROUTER_PURE_PYTHON=1`` is set when the process starts (for comparing, or to rule the compiled code out);
-* the ``.py`` changed since it was compiled (an editable install whose source was edited afterwards: rerun
-  ``pip install -e .`` to compile it again). The build records a SHA-256 of each source it compiled.
+* the ``.py`` (or its ``.pxd``) changed since it was compiled (an editable install whose source was edited
+  afterwards: rerun ``pip install -e .`` to compile it again). The build records a SHA-256 of each source.
 
 The pure modules are the oracle: ``tests/compiled`` loads them next to the compiled ones (``load_pure``) and
 checks that both give identical results.
@@ -42,6 +42,17 @@ def source_path(module: str) -> Path:
     return _PACKAGE_DIR.joinpath(*module.split(".")[1:]).with_suffix(".py")
 
 
+def source_digest(module: str) -> str:
+    """SHA-256 of the module's ``.py`` and of its ``.pxd`` (the Cython types) when it has one, as the build
+    records it: editing either makes the compiled module stale."""
+    source = source_path(module)
+    digest = hashlib.sha256(source.read_bytes())
+    pxd = source.with_suffix(".pxd")
+    if pxd.exists():
+        digest.update(pxd.read_bytes())
+    return digest.hexdigest()
+
+
 def _extension_path(module: str) -> Path | None:
     stem = source_path(module).with_suffix("")
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -69,7 +80,7 @@ def status() -> dict[str, str]:
             out[module] = "pure: not compiled at install"
         elif forced:
             out[module] = f"pure: {PURE_ENV} is set"
-        elif digests.get(module) != hashlib.sha256(source_path(module).read_bytes()).hexdigest():
+        elif digests.get(module) != source_digest(module):
             out[module] = "pure: source changed since it was compiled"
         else:
             out[module] = "compiled"

@@ -40,6 +40,15 @@ def _source(module: str) -> str:
     return "/".join(module.split(".")[1:]) + ".py"
 
 
+def _digest(source: Path) -> str:
+    """SHA-256 of a module's ``.py`` and, when it has one, its ``.pxd`` (``kvrouter.compiled.source_digest``)."""
+    digest = hashlib.sha256(source.read_bytes())
+    pxd = source.with_suffix(".pxd")
+    if pxd.exists():
+        digest.update(pxd.read_bytes())
+    return digest.hexdigest()
+
+
 def _say(message: str) -> None:
     print(f"kvrouter build: {message}", file=sys.stderr)
 
@@ -67,6 +76,7 @@ class OptionalBuildExt(build_ext):
                     self.extensions,
                     compiler_directives={"language_level": 3},
                     build_dir=str(Path(self.build_temp) / "cython"),
+                    include_path=[str(self._pxd_root())],
                     quiet=True,
                 )
                 by_name = {ext.name: ext for ext in translated}
@@ -78,6 +88,29 @@ class OptionalBuildExt(build_ext):
                 Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
         super().run()
         self._write_manifest()
+
+    def _pxd_root(self) -> Path:
+        """A folder where ``kvrouter/...`` leads to the sources, so Cython finds the ``.pxd`` beside each ``.py``.
+
+        Cython looks a module's augmenting ``.pxd`` up by its full name (``kvrouter.actors.core.kv_index``), and
+        the repository root is the ``kvrouter`` package only through setuptools' package-dir; without this the
+        modules compile untyped. A symlink where the platform allows one, else copies of the ``.pxd`` files.
+        """
+        root = Path(self.build_temp).resolve() / "pxd"
+        link = root / "kvrouter"
+        if link.is_symlink() or link.exists():
+            return root
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            link.symlink_to(ROOT, target_is_directory=True)
+        except OSError:
+            for pxd in ROOT.glob("actors/**/*.pxd"):
+                target = link / pxd.relative_to(ROOT)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(pxd.read_bytes())
+            for folder in [link, *(p for p in link.rglob("*") if p.is_dir())]:
+                (folder / "__init__.pxd").touch()
+        return root
 
     def build_extension(self, ext: Extension) -> None:
         try:
@@ -104,7 +137,7 @@ class OptionalBuildExt(build_ext):
 
     def _write_manifest(self) -> None:
         """Which modules were compiled, and from which source: a source edited since is loaded from its .py."""
-        digests = {name: hashlib.sha256((ROOT / _source(name)).read_bytes()).hexdigest() for name in sorted(self.built)}
+        digests = {name: _digest(ROOT / _source(name)) for name in sorted(self.built)}
         package_dir = (
             ROOT if self.inplace or getattr(self, "editable_mode", False) else Path(self.build_lib) / "kvrouter"
         )

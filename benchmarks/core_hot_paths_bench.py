@@ -1,6 +1,7 @@
-"""In-process cost of the core's hot paths (no HTTP, no journal): decide of a selection, and
-decide + fold of an add/free cycle. Prints microseconds of CPU time per operation
-(best of 5 repeats; CPU time, so other work on a shared machine moves it less than wall time).
+"""In-process cost of the core's hot paths (no HTTP, no journal): decide of a selection,
+decide + fold of an add/free cycle, and the KV index alone (storing 1M blocks, resident memory per
+block, a 64-block match). Prints microseconds of CPU time per operation (best of 5 repeats; CPU
+time, so other work on a shared machine moves it less than wall time).
 
     .venv/bin/python benchmarks/core_hot_paths_bench.py [--pure-too]
 
@@ -16,6 +17,7 @@ anything (read them before and after a change, and rerun).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import subprocess
@@ -36,7 +38,8 @@ from kvrouter.actors.core.commands import (
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted
 from kvrouter.actors.core.evolve import fold
-from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.kv_index import KvIndex, Tier
 from kvrouter.actors.core.kv_wire import BlockStored, KvBatch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
@@ -113,10 +116,59 @@ def bench_add_free(repeat: int, number: int) -> float:
     return min(timeit.repeat(one, repeat=repeat, number=number, timer=time.process_time)) / number * 1e6
 
 
+def index_chains(blocks: int, seed: int = 3) -> list[tuple[WorkerRank, list[tuple[int, int]]]]:
+    """The select service bench's index: 64-block chains dealt round-robin to 16 ranks, published as two stores
+    (the second names the first's last block as parent); 64-bit external and local hashes, nothing shared."""
+    rng = random.Random(seed)
+    return [
+        (WorkerRank(chain % WORKERS, 0), [(rng.getrandbits(64), rng.getrandbits(64)) for _ in range(CHAIN_BLOCKS)])
+        for chain in range(blocks // CHAIN_BLOCKS)
+    ]
+
+
+def bench_index(blocks: int) -> tuple[float, float, float]:
+    """(CPU us per stored block, bytes of resident memory per block, CPU us per 64-block find_matches)."""
+    chains = index_chains(blocks)
+    half = CHAIN_BLOCKS // 2
+    gc.collect()
+    rss_before = rss_bytes()
+    index = KvIndex()
+    started = time.process_time()
+    for rank, chain in chains:
+        index.apply_stored(rank, Tier.DEVICE, None, chain[:half])
+        index.apply_stored(rank, Tier.DEVICE, chain[half - 1][0], chain[half:])
+    store_us = (time.process_time() - started) / (len(chains) * CHAIN_BLOCKS) * 1e6
+    gc.collect()
+    per_block = (rss_bytes() - rss_before) / (len(chains) * CHAIN_BLOCKS)
+    rng = random.Random(4)
+    queries = []
+    for _ in range(256):
+        chain = chains[rng.randrange(len(chains))][1]
+        shared = rng.randint(0, CHAIN_BLOCKS)
+        queries.append([local for _, local in chain[:shared]] + [rng.getrandbits(64) for _ in range(64 - shared)])
+    position = iter(range(1 << 62))
+
+    def one() -> None:
+        index.find_matches(queries[next(position) % len(queries)])
+
+    match_us = min(timeit.repeat(one, repeat=5, number=2000, timer=time.process_time)) / 2000 * 1e6
+    assert index.block_count() == len(chains) * CHAIN_BLOCKS
+    return store_us, per_block, match_us
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument("--index-blocks", type=int, default=1_000_000, help="blocks in the index benchmark (0: skip)")
     parser.add_argument("--pure-too", action="store_true", help="also measure with the compiled modules off")
     args = parser.parse_args()
     modes = sorted(set(status().values()))
@@ -125,8 +177,14 @@ def main() -> None:
     add_free_us = bench_add_free(args.repeat, args.number)
     print(f"decide(SelectWorker), 16 workers, 64-block prompt: {select_us:8.1f} us")
     print(f"decide+fold AddRequest then FreeRequest, 64 blocks: {add_free_us:8.1f} us")
+    if args.index_blocks:
+        store_us, per_block, match_us = bench_index(args.index_blocks)
+        print(f"KvIndex.apply_stored, {args.index_blocks:,} blocks: {store_us:8.2f} us per block")
+        print(f"KvIndex resident memory: {per_block:8.1f} B per block")
+        print(f"KvIndex.find_matches, 64-block query, 16 ranks: {match_us:8.2f} us")
     if args.pure_too:
         command = [sys.executable, __file__, "--repeat", str(args.repeat), "--number", str(args.number)]
+        command += ["--index-blocks", str(args.index_blocks)]
         print("-- again with the compiled modules off:", flush=True)
         subprocess.run(command, env={**os.environ, PURE_ENV: "1"}, check=True)
 

@@ -1,3 +1,4 @@
+# cython: annotation_typing=False
 """The per-scope KV block index: which (worker, dp_rank) holds which prompt prefixes, per storage tier.
 
 Semantics (spec §3.1, §2.3, and black-box probes of the 1.6.1 indexer):
@@ -24,14 +25,17 @@ Semantics (spec §3.1, §2.3, and black-box probes of the 1.6.1 indexer):
   hash, was confirmed on 1.6.1: a host chain that re-names A-B with other external hashes does
   not extend a device A-B match.)
 
-Representation, chosen for ~1M blocks in CPython: device positions are node ids (ints) in flat
-arrays, children are found through one dict keyed ``(parent_node << 64) | local_hash``, and which
-ranks cover a node is an int bitmask, so ``find_matches`` is one dict probe and one ``&``-free
-mask compare per query block, independent of the number of ranks. Per rank, a dict maps external
-hash -> node; the way back is the node's name (the external hash it was created with, in a flat
-array) unless the rank named it otherwise (a small per-rank dict of such renames, empty when ranks
-agree on the hash of the same content, as engines do): one dict entry per held block, not two.
-Lower-tier edges are per-rank dicts keyed ``((parent + 1) << 64) | local``.
+Representation, chosen for millions of blocks, and typed for Cython by ``kv_index.pxd`` (README "Compiled
+hot paths"; the same source runs as pure Python, and is the oracle the compiled module is tested against):
+device positions are node ids (ints) in flat typed arrays; children are found through an open-addressing
+table of node ids whose keys, ``(parent node, local hash)``, are read back from the node arrays, so a node
+costs eight bytes of table (its id and a hash tag) rather than a dict entry and a key object. Which ranks
+cover a node is an int bitmask (the rank's own mask object while one rank covers it), so ``find_matches``
+is one table probe and one mask compare per query block, independent of the number of ranks. Per rank, a
+table of the same kind finds a node from the rank's external hash; the way back is the node's name (the
+external hash it was created with, in a flat array) unless the rank named it otherwise (a small per-rank
+dict of such renames, empty when ranks agree on the hash of the same content, as engines do). Lower-tier
+edges are per-rank dicts keyed ``((parent + 1) << 64) | local``.
 
 Pathological inputs 1.6.1 handles differently (engines hash blocks by content, so these need a
 producer that reuses an external hash for other content): storing an external hash the rank
@@ -47,7 +51,6 @@ from __future__ import annotations
 import enum
 import heapq
 from array import array
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -56,7 +59,8 @@ import attrs
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
 
 SNAPSHOT_VERSION = 1
-_NONE = -1  # "no node" in the sibling/child link arrays
+_NONE = -1  # "no node" in the sibling links, and an empty slot of a node table
+_MIN_SLOTS = 8  # smallest node table (a power of two)
 
 
 class Tier(enum.IntEnum):
@@ -112,15 +116,18 @@ class _Lower:
 
 class _Rank:
     """Everything one (worker, dp_rank) holds. Its external hash of a node it covers is ``renamed[node]``
-    if there, else the node's name (``KvIndex._name``); ``ext_node`` is the inverse."""
+    if there, else the node's name (``KvIndex._name``); ``slots`` finds the node from that hash (a table of
+    ``count`` node ids; see "node tables" in ``KvIndex``)."""
 
-    __slots__ = ("bit", "ext_node", "lower", "mask", "rank", "renamed")
+    __slots__ = ("bit", "count", "lower", "mask", "rank", "renamed", "shift", "slots")
 
     def __init__(self, rank: WorkerRank, bit: int) -> None:
         self.rank = rank
         self.bit = bit
         self.mask = 1 << bit
-        self.ext_node: dict[int, int] = {}
+        self.slots = _new_slots(_MIN_SLOTS)
+        self.shift = _shift_for(_MIN_SLOTS)
+        self.count = 0  # device blocks held
         self.renamed: dict[int, int] = {}  # node -> this rank's external hash, where it is not the node's name
         self.lower: list[_Lower | None] = [None, None, None]  # HOST, DISK, EXTERNAL
 
@@ -132,14 +139,15 @@ class KvIndex:
     """Block index of one scope. Mutated only by its owning actor; not thread-safe, not copied."""
 
     __slots__ = (
+        "_arrays",
         "_bits_free",
         "_blocks",
         "_by_bit",
-        "_child",
         "_cover",
         "_depth",
         "_first",
         "_free_nodes",
+        "_live",
         "_local",
         "_lower_ranks",
         "_name",
@@ -147,20 +155,28 @@ class KvIndex:
         "_parent",
         "_prev",
         "_ranks",
+        "_shift",
+        "_slots",
     )
 
     def __init__(self) -> None:
-        # Device radix tree; node 0 is the root and is never freed.
-        self._child: dict[int, int] = {}  # (parent_node << 64) | local_hash -> node
-        self._parent = array("i", [_NONE])
-        self._local = array("Q", [0])
-        self._name = array("Q", [0])  # the external hash the node was created with (see _Rank.renamed)
-        self._first = array("i", [_NONE])  # first child
-        self._next = array("i", [_NONE])  # next sibling
-        self._prev = array("i", [_NONE])  # previous sibling
+        # Device radix tree; node 0 is the root and is never freed. The node arrays hold room for more nodes
+        # than exist (``len(self._cover)`` node ids are in use); ``_arrays`` keeps them as arrays for growing.
+        self._arrays: list[array[int]] = [
+            array("i", [_NONE]),  # parent node
+            array("Q", [0]),  # local hash
+            array("Q", [0]),  # name: the external hash the node was created with (see _Rank.renamed)
+            array("i", [_NONE]),  # first child
+            array("i", [_NONE]),  # next sibling
+            array("i", [_NONE]),  # previous sibling
+            array("i", [0]),  # depth: blocks from the root to the node (1 = stored at the root); trims cut by it
+        ]
+        self._parent, self._local, self._name, self._first, self._next, self._prev, self._depth = self._arrays
         self._cover: list[int] = [0]  # bitmask of rank bits covering the node
-        self._depth = array("i", [0])  # blocks from the root to the node (1 = stored at the root); trims cut by it
         self._free_nodes: list[int] = []
+        self._slots = _new_slots(_MIN_SLOTS)  # live nodes other than the root, by (parent, local hash)
+        self._shift = _shift_for(_MIN_SLOTS)
+        self._live = 0
         # Ranks.
         self._ranks: dict[WorkerRank, _Rank] = {}
         self._by_bit: list[_Rank | None] = []
@@ -201,8 +217,8 @@ class KvIndex:
         removed = 0
         if tier is Tier.DEVICE:
             for ext in block_hashes:
-                node = r.ext_node.get(ext & U64_MASK)
-                if node is not None:
+                node = self._ext_find(r, ext & U64_MASK)
+                if node != _NONE:
                     self._truncate(r, node)
                     removed += 1
             return removed
@@ -227,7 +243,7 @@ class KvIndex:
         if r is None:
             return
         parent = self._parent
-        for node in [n for n in r.ext_node.values() if parent[n] == 0]:
+        for node in [n for n in self._rank_nodes(r) if parent[n] == 0]:
             self._truncate(r, node)
         self._drop_lower(r)
 
@@ -248,13 +264,13 @@ class KvIndex:
         r = self._ranks.get(rank)
         if r is None:
             return 0
-        before = len(r.ext_node) + r.lower_count()
+        before = r.count + r.lower_count()
         self._drop_lower(r)
         if keep_depth is not None:
             depth, cut = self._depth, keep_depth + 1
-            for node in [n for n in r.ext_node.values() if depth[n] == cut]:
+            for node in [n for n in self._rank_nodes(r) if depth[n] == cut]:
                 self._truncate(r, node)
-        return before - len(r.ext_node)
+        return before - r.count
 
     def trim_plan(self, rank: WorkerRank, at_least: int) -> tuple[int | None, int]:
         """The shallowest cut of ``trim`` that drops ``at_least`` of the rank's blocks (or all of them):
@@ -266,10 +282,14 @@ class KvIndex:
         freed = r.lower_count()
         if freed >= at_least:
             return None, freed
-        per_depth = Counter(map(self._depth.__getitem__, r.ext_node.values()))
+        per_depth: dict[int, int] = {}
+        depth = self._depth
+        for node in self._rank_nodes(r):
+            d = depth[node]
+            per_depth[d] = per_depth.get(d, 0) + 1
         keep = max(per_depth, default=0)
         while keep > 0 and freed < at_least:
-            freed += per_depth[keep]
+            freed += per_depth.get(keep, 0)
             keep -= 1
         return keep, freed
 
@@ -281,23 +301,22 @@ class KvIndex:
     # ------------------------------------------------------------------------------------ reads
 
     def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerRank, Overlap]:
-        """Overlap of every rank with a non-zero match for the query's local block hashes (unsigned).
+        """Overlap of every rank with a non-zero match for the query's local block hashes (taken as u64).
 
         One walk down the device tree: the covering mask can only shrink along a path (covered
         sets are prefix-closed), so a rank's depth is where its bit leaves the mask.
         """
         depth: dict[int, tuple[int, int]] = {}  # bit -> (device blocks, last device node)
-        child = self._child
         cover = self._cover
         n_query = len(local_hashes)
         if n_query:
-            node = child.get(local_hashes[0])
-            if node is not None:
+            node = self._child_find(0, local_hashes[0] & U64_MASK)
+            if node != _NONE:
                 active = cover[node]
                 pos = 1
                 while pos < n_query:
-                    nxt = child.get((node << 64) | local_hashes[pos])
-                    if nxt is None:
+                    nxt = self._child_find(node, local_hashes[pos] & U64_MASK)
+                    if nxt == _NONE:
                         break
                     mask = cover[nxt]
                     if mask != active:
@@ -319,7 +338,10 @@ class KvIndex:
         for rank, r in self._lower_ranks.items():
             dev, last = depth.get(r.bit, (0, 0))
             pos = dev
-            key_parent = r.renamed.get(last, self._name[last]) + 1 if dev else 0
+            key_parent = 0  # a Python int: the edge keys below exceed 64 bits
+            if dev:
+                key_parent = self._ext_of(r, last)
+                key_parent += 1
             ext_counts = [0, 0, 0]
             for i, lower in enumerate(r.lower):
                 if lower is None or pos >= n_query:
@@ -327,7 +349,7 @@ class KvIndex:
                 edges = lower.edges
                 start = pos
                 while pos < n_query:
-                    ext = edges.get((key_parent << 64) | local_hashes[pos])
+                    ext = edges.get((key_parent << 64) | (local_hashes[pos] & U64_MASK))
                     if ext is None:
                         break
                     key_parent = ext + 1
@@ -345,9 +367,9 @@ class KvIndex:
         total = 0
         for r in ranks:
             if tier is None:
-                total += len(r.ext_node) + r.lower_count()
+                total += r.count + r.lower_count()
             elif tier is Tier.DEVICE:
-                total += len(r.ext_node)
+                total += r.count
             else:
                 lower = r.lower[tier - 1]
                 total += len(lower.by_ext) if lower is not None else 0
@@ -355,14 +377,14 @@ class KvIndex:
 
     def rank_totals(self) -> dict[WorkerRank, int]:
         """Blocks each rank holds, every tier together (ranks that hold nothing included)."""
-        return {rank: len(r.ext_node) + r.lower_count() for rank, r in self._ranks.items()}
+        return {rank: r.count + r.lower_count() for rank, r in self._ranks.items()}
 
     def rank_block_counts(self) -> dict[WorkerRank, dict[Tier, int]]:
         """Per rank (sorted), blocks held per tier; ranks that hold nothing are omitted."""
         out: dict[WorkerRank, dict[Tier, int]] = {}
         for rank in sorted(self._ranks):
             r = self._ranks[rank]
-            counts = {Tier.DEVICE: len(r.ext_node)} if r.ext_node else {}
+            counts = {Tier.DEVICE: r.count} if r.count else {}
             for tier, lower in zip(_LOWER_TIERS, r.lower, strict=True):
                 if lower is not None:
                     counts[tier] = len(lower.by_ext)
@@ -372,14 +394,14 @@ class KvIndex:
 
     def node_count(self) -> int:
         """Live device positions (shared by all ranks that cover them); for metrics and tests."""
-        return len(self._child)
+        return self._live
 
     def ranks(self) -> list[WorkerRank]:
         return sorted(self._ranks)
 
     def is_empty(self) -> bool:
         """No rank holds a block in any tier."""
-        return all(not r.ext_node and all(t is None for t in r.lower) for r in self._ranks.values())
+        return all(not r.count and all(t is None for t in r.lower) for r in self._ranks.values())
 
     # ------------------------------------------------------------------------------- invariants
 
@@ -387,18 +409,20 @@ class KvIndex:
         """Structural invariants, as messages (empty when sound). O(nodes + blocks): tests and simulations.
 
         The fast paths rely on every one of them: ``find_matches`` on prefix-closed covered sets and exact
-        cover masks, ``_truncate`` on the sibling links, dumps and snapshots on the per-rank inverse maps.
+        cover masks, ``_truncate`` on the sibling links, dumps and snapshots on the per-rank node tables.
         """
         problems: list[str] = []
         free = set(self._free_nodes)
         live = {n for n in range(1, len(self._cover)) if n not in free}
         if len(free) != len(self._free_nodes) or 0 in free:
             problems.append("free list repeats a node or holds the root")
+        if any(len(a) < len(self._cover) for a in self._arrays):
+            problems.append("a node array is shorter than the nodes in use")
         self._check_ranks(problems)
         self._check_tree(live, problems)
         covered: dict[int, int] = {}
         for r in self._ranks.values():
-            problems.extend(_check_rank(r, self._parent, self._name, live, covered))
+            problems.extend(self._check_rank(r, live, covered))
             for i, lower in enumerate(r.lower):
                 if lower is not None:
                     problems.extend(_check_lower(r.rank, _LOWER_TIERS[i], lower))
@@ -412,7 +436,7 @@ class KvIndex:
         for node in free:
             if self._parent[node] != _NONE:
                 problems.append(f"freed node {node} still names a parent")
-        counted = sum(len(r.ext_node) + r.lower_count() for r in self._ranks.values())
+        counted = sum(r.count + r.lower_count() for r in self._ranks.values())
         if self._blocks != counted:
             problems.append(f"block counter {self._blocks} != {counted} blocks held")
         return problems
@@ -437,14 +461,17 @@ class KvIndex:
             problems.append("the lower-tier rank set does not match the ranks holding lower-tier edges")
 
     def _check_tree(self, live: set[int], problems: list[str]) -> None:
-        """The child dict and the first/next/prev sibling links describe the same tree over the live nodes."""
+        """The child table and the first/next/prev sibling links describe the same tree over the live nodes."""
         parent, local = self._parent, self._local
-        if set(self._child.values()) != live or len(self._child) != len(live):
-            problems.append(f"child dict names {len(self._child)} nodes, {len(live)} are live")
-        for key, node in self._child.items():
-            if node in live and key != (parent[node] << 64) | local[node]:
-                problems.append(f"node {node}: child key does not match its parent and local hash")
-            if node in live and self._depth[node] != self._depth[parent[node]] + 1:
+        tabled = _entries(self._slots)
+        if set(tabled) != live or len(tabled) != len(live) or self._live != len(live):
+            problems.append(f"child table names {len(tabled)} nodes (counted {self._live}), {len(live)} are live")
+        if _shift_for(len(self._slots)) != self._shift or len(tabled) * 4 > len(self._slots) * 3:
+            problems.append(f"child table of {len(self._slots)} slots is mis-sized for {len(tabled)} nodes")
+        for node in live:
+            if self._child_find(parent[node], local[node]) != node:
+                problems.append(f"node {node}: not found in the child table under its parent and local hash")
+            if self._depth[node] != self._depth[parent[node]] + 1:
                 problems.append(f"node {node}: depth {self._depth[node]} is not its parent's plus one")
         children: dict[int, set[int]] = {0: set()}
         for node in live:
@@ -462,6 +489,30 @@ class KvIndex:
                 previous, child = child, self._next[child]
             if linked != expected:
                 problems.append(f"node {node}: sibling list holds {sorted(linked)}, children are {sorted(expected)}")
+
+    def _check_rank(self, r: _Rank, live: set[int], covered: dict[int, int]) -> list[str]:
+        """One rank's device names: one per node, found by the rank's table, renames only where they differ
+        from the node's name, on live nodes, prefix-closed; adds its bit to ``covered``."""
+        problems = []
+        names, parent = self._name, self._parent
+        listed = self._rank_nodes(r)
+        nodes = set(listed)
+        if len(nodes) != len(listed) or r.count != len(listed):
+            problems.append(f"{r.rank}: its table lists {len(listed)} entries, {len(nodes)} nodes, counted {r.count}")
+        if _shift_for(len(r.slots)) != r.shift or len(listed) * 4 > len(r.slots) * 3:
+            problems.append(f"{r.rank}: table of {len(r.slots)} slots is mis-sized for {len(listed)} nodes")
+        if any(self._ext_find(r, self._ext_of(r, n)) != n for n in nodes):
+            problems.append(f"{r.rank}: a node is not found under the external hash the rank names it by")
+        if not set(r.renamed) <= nodes or any(names[n] == e for n, e in r.renamed.items()):
+            problems.append(f"{r.rank}: a rename of a node it does not hold, or one that repeats the node's name")
+        for node in nodes:
+            if node not in live:
+                problems.append(f"{r.rank}: holds node {node}, which is not live")
+                continue
+            covered[node] = covered.get(node, 0) | r.mask
+            if parent[node] != 0 and parent[node] not in nodes:
+                problems.append(f"{r.rank}: covers node {node} but not its parent (not prefix-closed)")
+        return problems
 
     # ------------------------------------------------------------------------ dump and snapshot
 
@@ -524,76 +575,73 @@ class KvIndex:
         if parent_hash is None:
             node = 0
         else:
-            found = existing.ext_node.get(parent_hash & U64_MASK) if existing is not None else None
-            if found is None:
+            node = self._ext_find(existing, parent_hash & U64_MASK) if existing is not None else _NONE
+            if node == _NONE:
                 return False
-            node = found
         if not blocks:
             return True
         r = existing if existing is not None else self._rank(rank)
-        mask = r.mask
-        ext_node = r.ext_node
-        renamed = r.renamed
-        names = self._name
-        child = self._child
+        rank_mask = r.mask
         cover = self._cover
-        for ext, local in blocks:
-            ext &= U64_MASK
-            local &= U64_MASK
-            key = (node << 64) | local
-            nxt = child.get(key)
-            if nxt is not None and cover[nxt] & mask and renamed.get(nxt, names[nxt]) == ext:
+        for pair in blocks:
+            ext = pair[0] & U64_MASK
+            local = pair[1] & U64_MASK
+            nxt = self._child_find(node, local)
+            if nxt != _NONE and cover[nxt] & rank_mask and self._ext_of(r, nxt) == ext:
                 node = nxt  # already held: idempotent
                 continue
-            moved = ext_node.get(ext)
-            if moved is not None:  # the hash names another position of this rank: move it here
+            moved = self._ext_find(r, ext)
+            if moved != _NONE:  # the hash names another position of this rank: move it here
                 if self._is_ancestor_or_self(moved, node):
                     break  # would cut the path being stored; keep what is stored so far
                 self._truncate(r, moved)  # cannot free ``node`` or ``nxt``: neither is under ``moved``
-            if nxt is None:
-                nxt = self._new_node(node, local, key, ext)
-            if cover[nxt] & mask:
-                del ext_node[renamed.pop(nxt, names[nxt])]  # rename: one external hash per (rank, position)
+            if nxt == _NONE:
+                nxt = self._new_node(node, local, ext)
+            held = cover[nxt]
+            if held & rank_mask:  # rename: one external hash per (rank, position)
+                self._ext_remove(r, self._ext_of(r, nxt), nxt)
+                r.renamed.pop(nxt, None)
             else:
-                cover[nxt] |= mask
+                cover[nxt] = held | rank_mask if held else rank_mask  # one rank: share its mask object
                 self._blocks += 1
-            ext_node[ext] = nxt
-            if ext != names[nxt]:
-                renamed[nxt] = ext
+            if ext != self._name[nxt]:
+                r.renamed[nxt] = ext
+            self._ext_add(r, ext, nxt)
             node = nxt
         return True
 
-    def _new_node(self, parent: int, local: int, key: int, name: int) -> int:
+    def _new_node(self, parent: int, local: int, name: int) -> int:
         if self._free_nodes:
             node = self._free_nodes.pop()
-            self._parent[node] = parent
-            self._local[node] = local
-            self._name[node] = name
-            self._first[node] = _NONE
             self._cover[node] = 0
-            self._depth[node] = self._depth[parent] + 1
         else:
             node = len(self._cover)
-            self._parent.append(parent)
-            self._local.append(local)
-            self._name.append(name)
-            self._first.append(_NONE)
-            self._next.append(_NONE)
-            self._prev.append(_NONE)
+            if node == len(self._parent):
+                self._grow_nodes()
             self._cover.append(0)
-            self._depth.append(self._depth[parent] + 1)
+        self._parent[node] = parent
+        self._local[node] = local
+        self._name[node] = name
+        self._first[node] = _NONE
+        self._depth[node] = self._depth[parent] + 1
         head = self._first[parent]
         self._next[node] = head
         self._prev[node] = _NONE
         if head != _NONE:
             self._prev[head] = node
         self._first[parent] = node
-        self._child[key] = node
+        self._child_add(node)
         return node
 
+    def _grow_nodes(self) -> None:
+        """Room for a quarter more nodes: new arrays (the typed views of the old ones cannot resize them)."""
+        extra = len(self._parent) // 4 + 64
+        self._arrays = [a + array(a.typecode, [0]) * extra for a in self._arrays]
+        self._parent, self._local, self._name, self._first, self._next, self._prev, self._depth = self._arrays
+
     def _free(self, node: int) -> None:
+        self._child_remove(node)
         parent = self._parent[node]
-        del self._child[(parent << 64) | self._local[node]]
         prev, nxt = self._prev[node], self._next[node]
         if prev == _NONE:
             self._first[parent] = nxt
@@ -620,13 +668,14 @@ class KvIndex:
                 if cover[c] & mask:
                     stack.append(c)
                 c = nxt[c]
-        ext_node = r.ext_node
         renamed = r.renamed
-        names = self._name
         for node in reversed(order):  # children before parents, so a freed parent has no live children
-            cover[node] ^= mask
-            del ext_node[renamed.pop(node, names[node]) if renamed else names[node]]
-            if not cover[node]:
+            self._ext_remove(r, self._ext_of(r, node), node)
+            if renamed:
+                renamed.pop(node, None)
+            left = cover[node] ^ mask
+            cover[node] = left
+            if not left:
                 self._free(node)
         self._blocks -= len(order)
 
@@ -643,10 +692,89 @@ class KvIndex:
             node = parent[node]
         return False
 
+    # ----------------------------------------------------------------------------- node tables
+    # Open addressing with linear probing over a power-of-two array of entries ``(tag << 32) | node`` (``_NONE`` =
+    # empty), at most three quarters full. The tag is the top 31 bits of the key's 64-bit hash and the home slot
+    # the tag's top bits, so probing compares tags and reads a node's key only when they match, and growing or
+    # removing never reads a key. Removal shifts the following entries back (no tombstones), so a table is a
+    # function of its history, the same compiled and pure.
+
+    def _child_find(self, parent: int, local: int) -> int:
+        """The node under ``parent`` with local hash ``local`` (u64), or ``_NONE``."""
+        tag = _child_tag(parent, local)
+        slots = self._slots
+        wrap = len(slots) - 1
+        i = tag >> self._shift
+        while True:
+            entry = slots[i]
+            if entry == _NONE:
+                return _NONE
+            if entry >> 32 == tag:
+                node = entry & 0x7FFFFFFF
+                if self._local[node] == local and self._parent[node] == parent:
+                    return node
+            i = (i + 1) & wrap
+
+    def _child_add(self, node: int) -> None:
+        """Enter a node whose parent and local hash are set and not yet in the table."""
+        if (self._live + 1) * 4 > len(self._slots) * 3:
+            self._slots, self._shift = _resized(self._slots, len(self._slots) * 2)
+        _table_add(self._slots, self._shift, _child_tag(self._parent[node], self._local[node]), node)
+        self._live += 1
+
+    def _child_remove(self, node: int) -> None:
+        """Take a node out of the table (before its parent link is cleared)."""
+        _table_remove(self._slots, self._shift, _child_tag(self._parent[node], self._local[node]), node)
+        self._live -= 1
+        if self._live * 8 < len(self._slots) and len(self._slots) > _MIN_SLOTS:
+            self._slots, self._shift = _resized(self._slots, len(self._slots) // 2)
+
+    def _ext_of(self, r: _Rank, node: int) -> int:
+        """The rank's external hash of a node it covers."""
+        if r.renamed:
+            ext = r.renamed.get(node)
+            if ext is not None:
+                return ext
+        return self._name[node]
+
+    def _ext_find(self, r: _Rank, ext: int) -> int:
+        """The rank's node named ``ext`` (u64), or ``_NONE``."""
+        tag = _ext_tag(ext)
+        slots = r.slots
+        wrap = len(slots) - 1
+        i = tag >> r.shift
+        while True:
+            entry = slots[i]
+            if entry == _NONE:
+                return _NONE
+            if entry >> 32 == tag:
+                node = entry & 0x7FFFFFFF
+                if self._ext_of(r, node) == ext:
+                    return node
+            i = (i + 1) & wrap
+
+    def _ext_add(self, r: _Rank, ext: int, node: int) -> None:
+        """Enter ``node`` under ``ext``, which the rank's table does not hold."""
+        if (r.count + 1) * 4 > len(r.slots) * 3:
+            r.slots, r.shift = _resized(r.slots, len(r.slots) * 2)
+        _table_add(r.slots, r.shift, _ext_tag(ext), node)
+        r.count += 1
+
+    def _ext_remove(self, r: _Rank, ext: int, node: int) -> None:
+        """Take ``node``, held under ``ext``, out of the rank's table."""
+        _table_remove(r.slots, r.shift, _ext_tag(ext), node)
+        r.count -= 1
+        if r.count * 8 < len(r.slots) and len(r.slots) > _MIN_SLOTS:
+            r.slots, r.shift = _resized(r.slots, len(r.slots) // 2)
+
+    def _rank_nodes(self, r: _Rank) -> list[int]:
+        """The device nodes the rank holds, in table order (a function of the rank's history)."""
+        return _entries(r.slots)
+
     def _iter_runs(self) -> Iterator[StoredRun]:
         for rank in sorted(self._ranks):
             r = self._ranks[rank]
-            if r.ext_node:
+            if r.count:
                 yield from self._device_runs(r)
             for tier, lower in zip(_LOWER_TIERS, r.lower, strict=True):
                 if lower is not None:
@@ -656,62 +784,104 @@ class KvIndex:
                         yield StoredRun(rank, tier, None if parent < 0 else parent, ((ext, key & U64_MASK),))
 
     def _device_runs(self, r: _Rank) -> Iterator[StoredRun]:
-        mask = r.mask
-        renamed = r.renamed
-        names = self._name
-        cover = self._cover
-        first = self._first
-        nxt = self._next
-        local = self._local
-
-        def ext_of(node: int) -> int:
-            return renamed.get(node, names[node])
-
-        def covered_children(node: int) -> list[int]:
-            kids = []
-            c = first[node]
-            while c != _NONE:
-                if cover[c] & mask:
-                    kids.append(c)
-                c = nxt[c]
-            kids.sort(key=ext_of)
-            return kids
-
-        roots = sorted((n for n in r.ext_node.values() if self._parent[n] == 0), key=ext_of)
+        runs: list[StoredRun] = []
+        names = {node: self._ext_of(r, node) for node in self._rank_nodes(r)}
+        roots = sorted((n for n in names if self._parent[n] == 0), key=names.__getitem__)
         stack: list[tuple[int | None, int]] = [(None, n) for n in reversed(roots)]
         while stack:
             parent_ext, node = stack.pop()
             blocks = []
             while True:
-                blocks.append((ext_of(node), local[node]))
-                kids = covered_children(node)
+                blocks.append((names[node], self._local[node]))
+                kids = self._covered_children(r, node)
                 if len(kids) != 1:
                     break
                 node = kids[0]
-            here = ext_of(node)
+            here = names[node]
+            kids.sort(key=names.__getitem__)
             stack.extend((here, k) for k in reversed(kids))
-            yield StoredRun(r.rank, Tier.DEVICE, parent_ext, tuple(blocks))
+            runs.append(StoredRun(r.rank, Tier.DEVICE, parent_ext, tuple(blocks)))
+        return iter(runs)
+
+    def _covered_children(self, r: _Rank, node: int) -> list[int]:
+        kids = []
+        c = self._first[node]
+        while c != _NONE:
+            if self._cover[c] & r.mask:
+                kids.append(c)
+            c = self._next[c]
+        return kids
 
 
-def _check_rank(r: _Rank, parent: array[int], names: array[int], live: set[int], covered: dict[int, int]) -> list[str]:
-    """One rank's device names: one per node, renames only where they differ from the node's name, on live
-    nodes, prefix-closed; adds its bit to ``covered``."""
-    problems = []
-    nodes = set(r.ext_node.values())
-    if len(nodes) != len(r.ext_node):
-        problems.append(f"{r.rank}: two external hashes name one node")
-    if any(r.renamed.get(n, names[n]) != e for e, n in r.ext_node.items()):
-        problems.append(f"{r.rank}: an external hash maps to a node the rank names otherwise")
-    if not set(r.renamed) <= nodes or any(names[n] == e for n, e in r.renamed.items()):
-        problems.append(f"{r.rank}: a rename of a node it does not hold, or one that repeats the node's name")
-    for node in nodes:
-        if node not in live:
-            problems.append(f"{r.rank}: holds node {node}, which is not live")
-            continue
-        covered[node] = covered.get(node, 0) | r.mask
-        if parent[node] != 0 and parent[node] not in nodes:
-            problems.append(f"{r.rank}: covers node {node} but not its parent (not prefix-closed)")
-    return problems
+def _entries(slots: array[int]) -> list[int]:
+    """The node ids in a table, in slot order."""
+    return [slots[i] & 0x7FFFFFFF for i in range(len(slots)) if slots[i] != _NONE]
+
+
+def _new_slots(size: int) -> array[int]:
+    return array("q", [_NONE]) * size
+
+
+def _shift_for(size: int) -> int:
+    """A table of ``size`` = 2**k slots homes a 31-bit tag at its top k bits."""
+    return 31 - (size.bit_length() - 1)
+
+
+def _table_add(slots: array[int], shift: int, tag: int, node: int) -> None:
+    wrap = len(slots) - 1
+    i = tag >> shift
+    while slots[i] != _NONE:
+        i = (i + 1) & wrap
+    slots[i] = (tag << 32) | node
+
+
+def _table_remove(slots: array[int], shift: int, tag: int, node: int) -> None:
+    wrap = len(slots) - 1
+    hole = tag >> shift
+    entry = (tag << 32) | node
+    while slots[hole] != entry:
+        hole = (hole + 1) & wrap
+    i = hole
+    while True:
+        i = (i + 1) & wrap
+        moving = slots[i]
+        if moving == _NONE:
+            break
+        home = (moving >> 32) >> shift
+        if (i - home) & wrap >= (i - hole) & wrap:  # its home is not after the hole: it may move back
+            slots[hole] = moving
+            hole = i
+    slots[hole] = _NONE
+
+
+def _resized(old: array[int], size: int) -> tuple[array[int], int]:
+    """A table of ``size`` slots holding ``old``'s entries, and its shift."""
+    slots = _new_slots(size)
+    shift = _shift_for(size)
+    wrap = size - 1
+    for j in range(len(old)):
+        entry = old[j]
+        if entry != _NONE:
+            i = (entry >> 32) >> shift
+            while slots[i] != _NONE:
+                i = (i + 1) & wrap
+            slots[i] = entry
+    return slots, shift
+
+
+def _child_tag(parent: int, local: int) -> int:
+    """Tag of the child ``(parent node, local hash)``: the top 31 bits of a multiplicative hash (same in C)."""
+    golden = 0x9E3779B97F4A7C15
+    mix = 0xBF58476D1CE4E5B9
+    m64 = 0xFFFFFFFFFFFFFFFF
+    return (((local ^ ((parent * golden) & m64)) * mix) & m64) >> 33
+
+
+def _ext_tag(ext: int) -> int:
+    """Tag of an external hash (engines may number blocks 1, 2, 3...: mixed, not taken as is)."""
+    mix = 0xBF58476D1CE4E5B9
+    m64 = 0xFFFFFFFFFFFFFFFF
+    return (((ext ^ (ext >> 29)) * mix) & m64) >> 33
 
 
 def _check_lower(rank: WorkerRank, tier: Tier, lower: _Lower) -> list[str]:

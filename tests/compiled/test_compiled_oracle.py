@@ -11,6 +11,7 @@ missing compiled module is a broken build.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -248,6 +249,75 @@ def test_kv_index(ops: list[tuple[Any, ...]], queries: list[list[int]]) -> None:
     # A snapshot taken by either rebuilds the same index in the other.
     snapshot = indexes[0].to_snapshot()
     assert index_view(pure.KvIndex.from_snapshot(snapshot)) == index_view(compiled.KvIndex.from_snapshot(snapshot))
+
+
+def test_the_index_is_compiled_with_its_types() -> None:
+    """``kv_index.pxd`` reached the build: the node tables are C functions and ``KvIndex`` an extension type
+    (a build that misses the .pxd compiles the module untyped, several times slower; it happened once)."""
+    compiled, pure = pair("kvrouter.actors.core.kv_index")
+    assert hasattr(pure, "_child_tag") and hasattr(pure.KvIndex(), "__slots__")
+    assert not hasattr(compiled, "_child_tag") and not hasattr(compiled, "_table_remove")
+    with pytest.raises(AttributeError):
+        compiled.KvIndex()._slots  # noqa: B018 - a C field, invisible from Python
+
+
+wide_hashes = st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 40))  # mostly distinct, some collide
+chain_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("chain"), ranks, st.integers(0, 2**16), st.integers(1, 40), st.booleans()),
+        st.tuples(st.just("removed"), ranks, st.integers(0, 2**16), st.integers(0, 39)),
+        st.tuples(st.just("cleared"), ranks),
+        st.tuples(st.just("trim"), ranks, st.integers(0, 12)),
+        st.tuples(st.just("remove_rank"), ranks),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def chain_blocks(seed: int, length: int, shared_root: bool) -> list[tuple[int, int]]:
+    """A chain of 64-bit (external, local) hashes; ``shared_root`` chains start alike, so ranks share nodes."""
+    rng = random.Random(seed)
+    blocks = [(rng.getrandbits(64), rng.getrandbits(64)) for _ in range(length)]
+    if shared_root:
+        blocks[: min(4, length)] = [(1000 + i, 2000 + i) for i in range(min(4, length))]
+    return blocks
+
+
+def apply_chain_op(index: Any, module: ModuleType, op: tuple[Any, ...]) -> tuple[str, Any]:
+    kind, rank = op[0], op[1]
+    if kind == "chain":
+        blocks = chain_blocks(op[2], op[3], op[4])
+        half = len(blocks) // 2
+        first = outcome(lambda: index.apply_stored(rank, module.Tier.DEVICE, None, blocks[:half]))
+        parent = blocks[half - 1][0] if half else None
+        return first, outcome(lambda: index.apply_stored(rank, module.Tier.DEVICE, parent, blocks[half:]))
+    if kind == "removed":
+        blocks = chain_blocks(op[2], 40, False)
+        return outcome(lambda: index.apply_removed(rank, module.Tier.DEVICE, [blocks[op[3]][0]]))
+    if kind == "cleared":
+        return outcome(lambda: index.apply_cleared(rank))
+    if kind == "trim":
+        return outcome(lambda: (index.trim_plan(rank, op[2]), index.trim(rank, op[2])))
+    return outcome(lambda: index.remove_rank(rank))
+
+
+@SETTINGS
+@given(ops=chain_ops, query_seeds=st.lists(st.tuples(st.integers(0, 2**16), st.integers(0, 40)), max_size=6))
+def test_kv_index_tables_grow_and_shrink_alike(ops: list[tuple[Any, ...]], query_seeds: list[tuple[int, int]]) -> None:
+    """Long chains of 64-bit hashes (the small-space test above keeps the tables tiny): the node tables grow,
+    shift entries back on removal and shrink, compiled exactly as in Python."""
+    compiled, pure = pair("kvrouter.actors.core.kv_index")
+    indexes = compiled.KvIndex(), pure.KvIndex()
+    for op in ops:
+        assert apply_chain_op(indexes[0], compiled, op) == apply_chain_op(indexes[1], pure, op)
+        assert index_view(indexes[0]) == index_view(indexes[1])
+        assert indexes[1].check() == []
+    for seed, depth in query_seeds:
+        query = [*[local for _, local in chain_blocks(seed, 40, seed % 2 == 0)][:depth], seed, seed + 1]
+        assert apply_index_op(compiled, indexes[0], ("match", query)) == apply_index_op(
+            pure, indexes[1], ("match", query)
+        )
 
 
 # --------------------------------------------------------------------------------------- selection

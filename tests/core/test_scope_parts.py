@@ -294,15 +294,13 @@ def indexed() -> KvIndex:
 def test_index_invariant_inverse_maps() -> None:
     index = indexed()
     r = index._ranks[WorkerRank(1, 0)]
-    r.ext_node[99] = r.ext_node.pop(12)
-    assert (
-        "WorkerRank(worker_id=1, dp_rank=0): an external hash maps to a node the rank names otherwise" in index.check()
-    )
+    index._ext_add(r, 99, index._ext_find(r, 12))  # a second hash for the node, which the rank names 12
+    assert "WorkerRank(worker_id=1, dp_rank=0): its table lists 4 entries, 3 nodes, counted 4" in index.check()
 
 
 def test_index_invariant_cover_masks() -> None:
     index = indexed()
-    node = index._ranks[WorkerRank(2, 0)].ext_node[22]
+    node = index._ext_find(index._ranks[WorkerRank(2, 0)], 22)
     index._cover[node] |= index._ranks[WorkerRank(1, 0)].mask
     assert any(p.startswith(f"node {node}: cover mask") for p in index.check())
 
@@ -310,7 +308,8 @@ def test_index_invariant_cover_masks() -> None:
 def test_index_invariant_prefix_closed() -> None:
     index = indexed()
     r = index._ranks[WorkerRank(1, 0)]
-    middle = r.ext_node.pop(12)
+    middle = index._ext_find(r, 12)
+    index._ext_remove(r, 12, middle)
     index._cover[middle] ^= r.mask
     problems = index.check()
     assert any("(not prefix-closed)" in p for p in problems)
@@ -319,8 +318,8 @@ def test_index_invariant_prefix_closed() -> None:
 
 def test_index_invariant_child_links() -> None:
     index = indexed()
-    leaf = index._ranks[WorkerRank(2, 0)].ext_node[22]
-    index._first[index._parent[leaf]] = -1  # the sibling list loses the child the dict still has
+    leaf = index._ext_find(index._ranks[WorkerRank(2, 0)], 22)
+    index._first[index._parent[leaf]] = -1  # the sibling list loses the child the child table still has
     assert any("sibling list holds []" in p for p in index.check())
 
 
@@ -336,7 +335,8 @@ def test_index_invariant_leaked_node() -> None:
     """A position its last rank left but that was never freed."""
     index = indexed()
     r = index._ranks[WorkerRank(2, 0)]
-    leaf = r.ext_node.pop(22)
+    leaf = index._ext_find(r, 22)
+    index._ext_remove(r, 22, leaf)
     index._cover[leaf] ^= r.mask
     index._blocks -= 1  # the block counter follows, so the leak is the one problem
     assert index.check() == [f"node {leaf} is covered by no rank but not freed (leak)"]

@@ -1,0 +1,99 @@
+# Types for the Cython build of kv_index.py (README "Compiled hot paths"). The .py is the whole implementation and
+# runs as it is when nothing is compiled; this file only says which names are C integers, typed arrays and
+# extension classes, so the node tables and the store and match loops compile to C.
+cimport cython
+
+cdef int _NONE
+cdef Py_ssize_t _MIN_SLOTS
+
+
+@cython.final
+cdef class _Rank:
+    cdef public object rank
+    cdef public object bit
+    cdef public object mask
+    cdef public long long[::1] slots
+    cdef public int shift
+    cdef public Py_ssize_t count
+    cdef public dict renamed
+    cdef public list lower
+
+
+@cython.final
+cdef class KvIndex:
+    cdef list _arrays
+    cdef int[::1] _depth
+    cdef readonly int[::1] _first
+    cdef int[::1] _next
+    cdef readonly int[::1] _parent
+    cdef int[::1] _prev
+    cdef unsigned long long[::1] _local
+    cdef unsigned long long[::1] _name
+    cdef readonly list _cover
+    cdef list _free_nodes
+    cdef long long[::1] _slots
+    cdef int _shift
+    cdef Py_ssize_t _live
+    cdef readonly dict _ranks
+    cdef list _by_bit
+    cdef list _bits_free
+    cdef dict _lower_ranks
+    cdef public Py_ssize_t _blocks
+
+    @cython.locals(node=int, nxt=int, pos=Py_ssize_t, n_query=Py_ssize_t, cover=list, r=_Rank, dev=Py_ssize_t,
+                   last=int, key_parent=object)
+    cpdef dict find_matches(self, local_hashes)
+
+    @cython.locals(existing=_Rank, r=_Rank, node=int, nxt=int, moved=int, ext="unsigned long long",
+                   local="unsigned long long", cover=list)
+    cdef bint _store_device(self, rank, parent_hash, blocks)
+
+    @cython.locals(node=int, head=int)
+    cdef int _new_node(self, int parent, unsigned long long local, unsigned long long name)
+
+    @cython.locals(parent=int, prev=int, nxt=int)
+    cdef void _free(self, int node)
+
+    @cython.locals(first="int[::1]", nxt="int[::1]", order=list, stack=list, node=int, c=int, cover=list)
+    cdef void _truncate(self, _Rank r, int top)
+
+    @cython.locals(parent="int[::1]")
+    cdef bint _is_ancestor_or_self(self, int candidate, int node)
+
+    @cython.locals(slots="long long[::1]", wrap=Py_ssize_t, i=Py_ssize_t, node=int, tag="long long",
+                   entry="long long")
+    cpdef int _child_find(self, int parent, unsigned long long local)
+
+    cdef void _child_add(self, int node)
+
+    cdef void _child_remove(self, int node)
+
+    cdef unsigned long long _ext_of(self, _Rank r, int node)
+
+    @cython.locals(slots="long long[::1]", wrap=Py_ssize_t, i=Py_ssize_t, node=int, tag="long long",
+                   entry="long long")
+    cpdef int _ext_find(self, _Rank r, unsigned long long ext)
+
+    cpdef void _ext_add(self, _Rank r, unsigned long long ext, int node)
+
+    cpdef void _ext_remove(self, _Rank r, unsigned long long ext, int node)
+
+
+@cython.locals(i=Py_ssize_t)
+cdef list _entries(long long[::1] slots)
+
+@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t)
+cdef void _table_add(long long[::1] slots, int shift, long long tag, int node)
+
+@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t, hole=Py_ssize_t, home=Py_ssize_t, entry="long long",
+               moving="long long")
+cdef void _table_remove(long long[::1] slots, int shift, long long tag, int node)
+
+@cython.locals(slots="long long[::1]", shift=int, wrap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, entry="long long")
+cdef tuple _resized(long long[::1] old, Py_ssize_t size)
+
+@cython.locals(golden="unsigned long long", mix="unsigned long long", m64="unsigned long long")
+cdef long long _child_tag(unsigned long long parent, unsigned long long local)
+
+@cython.locals(mix="unsigned long long", m64="unsigned long long")
+cdef long long _ext_tag(unsigned long long ext)
