@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from pathlib import Path
 
 import attrs
 import trio
@@ -19,6 +20,7 @@ import zmq
 
 from kvrouter import __version__
 from kvrouter.api import log_setup
+from kvrouter.api.auth import BearerToken, TokenFileError
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, INTERRUPTED, STOPPED
 from kvrouter.api.mock_worker.kv_publisher import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
 from kvrouter.api.mock_worker.openai_app import (
@@ -100,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"and at most this many bytes of them (default {DEFAULT_BUFFER_BYTES})",
     )
     parser.add_argument("--register", metavar="URL", help="register with the selection service at URL (POST /workers)")
+    parser.add_argument(
+        "--register-token-file",
+        metavar="FILE",
+        help="the bearer token of a selection service or frontend started with --auth-token-file (the file's text)",
+    )
     parser.add_argument(
         "--register-attempts", type=_positive(int), default=10, help="tries before giving up (default 10)"
     )
@@ -188,12 +195,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cannot start: --port, --kv-events-port and --replay-port must differ (got %s)", ", ".join(map(str, ports))
         )
         return BAD_CONFIGURATION
-    options = options_from(args)
+    token = None
+    if args.register_token_file is not None:
+        try:
+            token = read_token(Path(args.register_token_file))
+        except TokenFileError as exc:
+            log.error("cannot start: %s", exc)
+            return BAD_CONFIGURATION
+    options = attrs.evolve(options_from(args), register_token=token)
     try:
         trio.run(partial(run_until_signal, options))
     except BaseException as exc:  # every failure becomes one line
         return _explain(exc, args)
     return 0
+
+
+def read_token(path: Path) -> str:
+    """The token in ``path``, checked by the rules the services apply to their own token file."""
+    BearerToken.from_file(path, "--register-token-file")  # raises TokenFileError with one line
+    return path.read_bytes().strip().decode("ascii")
 
 
 def _explain(exc: BaseException, args: argparse.Namespace) -> int:

@@ -37,17 +37,20 @@ class Registration:
     first_delay: float = 0.25
     max_delay: float = 4.0
     timeout: float = 5.0
+    token: str | None = attrs.field(default=None, repr=False)  # bearer token the service requires, if any
 
     @property
     def worker_id(self) -> int:
         return int(self.record["worker_id"])
 
 
-def _call(method: str, url: str, body: Any, timeout: float) -> tuple[int, bytes]:
+def _call(method: str, url: str, body: Any, timeout: float, token: str | None = None) -> tuple[int, bytes]:
     data = None if body is None else orjson.dumps(body)
     request = urllib.request.Request(url, data=data, method=method)
     if data is not None:
         request.add_header("content-type", "application/json")
+    if token is not None:
+        request.add_header("authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
@@ -74,7 +77,13 @@ async def register(registration: Registration) -> dict[str, Any]:
     for attempt in range(1, registration.attempts + 1):
         try:
             status, body = await trio.to_thread.run_sync(
-                _call, "POST", url, registration.record, registration.timeout, abandon_on_cancel=True
+                _call,
+                "POST",
+                url,
+                registration.record,
+                registration.timeout,
+                registration.token,
+                abandon_on_cancel=True,
             )
         except (OSError, ValueError) as exc:  # refused, unreachable, timed out, malformed URL
             reason = getattr(exc, "reason", exc)
@@ -113,7 +122,7 @@ async def unregister(registration: Registration) -> bool:
     url = f"{registration.url.rstrip('/')}/workers/{registration.worker_id}"
     try:
         status, body = await trio.to_thread.run_sync(
-            _call, "DELETE", url, None, registration.timeout, abandon_on_cancel=True
+            _call, "DELETE", url, None, registration.timeout, registration.token, abandon_on_cancel=True
         )
     except (OSError, ValueError) as exc:
         log.warning(

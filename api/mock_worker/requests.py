@@ -11,6 +11,7 @@ prompt. A problem is a ``RequestProblem`` (the app answers 400, or 404 for an un
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -37,7 +38,10 @@ class GenerateRequest:
     include_usage: bool
 
 
-def parse_request(body: Any, *, chat: bool, model: str) -> GenerateRequest:
+def parse_request(
+    body: Any, *, chat: bool, model: str, tokenizer: Callable[[str], list[int]] = tokenize
+) -> GenerateRequest:
+    """The checked request; ``tokenizer`` turns texts into ids (the frontend may pass a model's own)."""
     if not isinstance(body, dict):
         raise RequestProblem("the body must be a JSON object")
     named = body.get("model")
@@ -64,12 +68,12 @@ def parse_request(body: Any, *, chat: bool, model: str) -> GenerateRequest:
             raise RequestProblem("stream_options.include_usage must be true or false")
         include_usage = usage
     if chat:
-        prompt = tokenize(render_chat(_messages(body.get("messages"))))
+        prompt = tokenizer(render_chat(_messages(body.get("messages"))))
         max_tokens = _max_tokens(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _max_tokens(body, "max_tokens")
     else:
-        prompt = _prompt(body.get("prompt"))
+        prompt = _prompt(body.get("prompt"), tokenizer)
         max_tokens = _max_tokens(body, "max_tokens")
     if not prompt:
         raise RequestProblem("the prompt is empty: it must have at least one token")
@@ -91,11 +95,11 @@ def _max_tokens(body: dict[str, Any], field: str) -> int | None:
     return int(value)
 
 
-def _prompt(value: Any) -> list[int]:
+def _prompt(value: Any, tokenizer: Callable[[str], list[int]]) -> list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str):
-        return tokenize(value)
+        return tokenizer(value)
     if isinstance(value, list):
         if any(isinstance(item, str | list) for item in value):
             raise RequestProblem("prompt: one prompt per request (a text or a list of token ids), not a batch")

@@ -41,6 +41,7 @@ class MockWorkerOptions:
     replay_buffer_bytes: int = DEFAULT_BUFFER_BYTES
     register_url: str | None = None
     register_attempts: int = 10
+    register_token: str | None = attrs.field(default=None, repr=False)  # the service's bearer token, if it has one
     worker_id: int | None = None  # None: derived from the advertised HTTP endpoint
     advertise_host: str | None = None  # the host others reach us at (default: host)
     http: HttpSettings = attrs.Factory(HttpSettings)
@@ -116,7 +117,9 @@ async def run_mock_worker(
                     "max_num_batched_tokens": options.engine.max_batched_tokens,
                     "data_parallel_size": 1,
                 }
-                registration = Registration(options.register_url, record, attempts=options.register_attempts)
+                registration = Registration(
+                    options.register_url, record, attempts=options.register_attempts, token=options.register_token
+                )
                 await register(registration)
             log.info(
                 "kvrouter mock worker listening on %s (model %s, worker id %d, KV events %s, replay %s, "
