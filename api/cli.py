@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     services = parser.add_subparsers(
         dest="service",
         required=True,
-        metavar="{slot-tracker,select-service,simulate,keys,journal,worker-topology,mock-worker}",
+        metavar="{slot-tracker,select-service,simulate,keys,journal,worker-topology,mock-worker,frontend,demo}",
     )
     slot = services.add_parser(
         SLOT_TRACKER,
@@ -281,6 +281,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible mock inference worker publishing KV events (see kvrouter mock-worker --help)",
         add_help=False,
     )
+    services.add_parser(
+        "frontend",
+        help="an OpenAI-compatible KV-routing frontend in front of workers (see kvrouter frontend --help)",
+        add_help=False,
+    )
+    services.add_parser(
+        "demo",
+        help="mock workers behind a frontend, kv vs round-robin side by side (see kvrouter demo --help)",
+        add_help=False,
+    )
     for subparser in (slot, select):
         subparser.set_defaults(subparser=subparser)
     add_keys_command(services)
@@ -314,6 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.api.mock_worker.cli import main as mock_worker
 
         return mock_worker(arguments[1:])
+    if arguments[:1] == ["frontend"]:
+        from kvrouter.api.frontend.cli import main as frontend
+
+        return frontend(arguments[1:])
+    if arguments[:1] == ["demo"]:
+        from kvrouter.api.demo import main as demo
+
+        return demo(arguments[1:])
     if arguments[:1] == ["worker-topology"]:
         from kvrouter.api.worker_topology import main as worker_topology
 

@@ -307,3 +307,19 @@ MOCK_WORKER_KNOWN: KNOWN = [
     ("POST", "/v1/completions", {"prompt": list(range(2000))}),  # more than the KV cache holds
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}),
 ]
+
+# -- the frontend (kvrouter frontend): its own routes; the selection service's it serves are rows above -------
+
+FRONTEND_ROUTES = [
+    FuzzRoute("POST", "/v1/completions", COMPLETION, weight=3),
+    FuzzRoute("POST", "/v1/chat/completions", CHAT, weight=2),
+    FuzzRoute("GET", "/v1/models"),
+    FuzzRoute("GET", "/frontend/stats"),
+]
+FRONTEND_KNOWN: KNOWN = [
+    ("POST", "/v1/completions", {"prompt": [1, 2**32]}),
+    ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 2**70}),
+    ("POST", "/v1/completions", {"prompt": list(range(2000))}),  # more than the worker's KV cache holds
+    ("POST", "/v1/completions", {"prompt": "hi", "model": ["mock"]}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}], "stream": True}),
+]

@@ -1,0 +1,242 @@
+"""``kvrouter frontend``: parse the flags (named as in the seed's ``python -m dynamo.frontend``), start, stop on
+SIGINT/SIGTERM. A bad flag or value is one line and exit 2; a port in use or a data directory in use too."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import attrs
+import trio
+
+from kvrouter import __version__
+from kvrouter.actors.core.router_config import InvalidSettings, Setting, env_settings, parse_float, parse_int, resolve
+from kvrouter.api import log_setup
+from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
+from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
+from kvrouter.api.frontend.service import run_until_signal
+from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
+from kvrouter.api.http_flags import add_http_flags, http_options
+from kvrouter.journal.store import Durability
+
+log = logging.getLogger("kvrouter.frontend")
+LIMITS = FrontendLimits()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line (and exit 2), not the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(BAD_CONFIGURATION, f"{self.prog}: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="kvrouter frontend",
+        description="An OpenAI-compatible frontend that routes each request to a worker with the selection "
+        "service's core (KV-aware by default) and drives its lifecycle.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvrouter {__version__}")
+    parser.add_argument("--port", default=str(DEFAULT_PORT), help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--router-mode", default="kv", help=f"{' | '.join(ROUTER_MODES)} (default kv)")
+    parser.add_argument(
+        "--kv-overlap-score-weight",
+        metavar="W",
+        help="weight of the prefill blocks in the cost, >= 0 (default 1; 0: load balancing only)",
+    )
+    parser.add_argument(
+        "--router-temperature", metavar="T", help="softmax temperature of the choice, >= 0 (default 0: cheapest)"
+    )
+    parser.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="do not listen to the workers' KV events: predict their caches from the routing decisions",
+    )
+    parser.add_argument(
+        "--busy-threshold",
+        metavar="F",
+        help="0-1: a worker whose active KV blocks exceed this fraction of its total is busy and skipped (default off)",
+    )
+    parser.add_argument(
+        "--data-dir", metavar="DIR", help="journal of the catalog and bookings (default: in memory, nothing kept)"
+    )
+    parser.add_argument(
+        "--durability",
+        choices=[d.value for d in Durability],
+        default=Durability.ALWAYS.value,
+        help="with --data-dir: always (fsync before each answer, default), batch, off",
+    )
+    parser.add_argument("--fresh", action="store_true", help="with --data-dir: start empty, discarding the journal")
+    parser.add_argument(
+        "--workers",
+        metavar="URL[=KV],...",
+        default="",
+        help="comma-separated worker endpoints to register at startup, each optionally =its KV-events endpoint "
+        "(http://127.0.0.1:8101=tcp://127.0.0.1:5601); workers may also register with POST /workers",
+    )
+    parser.add_argument("--model-name", default="mock", help="the model the --workers serve (default mock)")
+    parser.add_argument("--block-size", default="16", help="KV block size of the --workers (default 16)")
+    parser.add_argument(
+        "--tokenizer", metavar="FILE", help="a Hugging Face tokenizer.json (needs kvrouter[hf]); default: built-in"
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        metavar="N",
+        help=f"requests proxied at once; beyond, 503 (default {LIMITS.max_in_flight})",
+    )
+    parser.add_argument(
+        "--max-body-bytes", metavar="N", help=f"a client's request body limit (default {LIMITS.body_limit})"
+    )
+    parser.add_argument(
+        "--max-prompt-tokens", metavar="N", help=f"tokens in a prompt, 400 beyond (default {LIMITS.max_prompt_tokens})"
+    )
+    parser.add_argument(
+        "--upstream-connect-timeout-secs",
+        metavar="S",
+        help=f"to reach a worker; then another worker is tried once (default {LIMITS.connect_timeout:g})",
+    )
+    parser.add_argument(
+        "--upstream-read-timeout-secs",
+        metavar="S",
+        help=f"a worker silent this long fails the request (504; default {LIMITS.read_timeout:g})",
+    )
+    parser.add_argument(
+        "--request-timeout-secs",
+        metavar="S",
+        help=f"a whole proxied request (504; default {LIMITS.request_timeout:g})",
+    )
+    parser.add_argument("--seed", metavar="N", help="seed of the random tie-breaks (default: fresh per process)")
+    add_http_flags(parser)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptions:
+    """The options ``args`` describe; raises ``InvalidSettings`` naming every bad flag."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    port = parse_int("--port", args.port, 0, 65535, problems)
+    flags: dict[str, Setting] = {"router_mode": ("--router-mode", args.router_mode)}
+    if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
+        problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
+        flags.pop("router_mode")
+    if args.kv_overlap_score_weight is not None:
+        flags["overlap_score_weight"] = ("--kv-overlap-score-weight", args.kv_overlap_score_weight)
+    if args.router_temperature is not None:
+        flags["router_temperature"] = ("--router-temperature", args.router_temperature)
+    if args.no_kv_events:
+        flags["use_kv_events"] = ("--no-kv-events", "false")
+    if args.busy_threshold is not None:
+        flags["active_decode_blocks_threshold"] = ("--busy-threshold", args.busy_threshold)
+    router = None
+    try:
+        router = resolve(env_settings(env), flags)
+    except InvalidSettings as exc:
+        problems.extend(exc.problems)
+    block_size = parse_int("--block-size", args.block_size, 1, 1 << 20, problems)
+    limits = FrontendLimits(
+        max_in_flight=_int(args.max_in_flight, "--max-in-flight", LIMITS.max_in_flight, problems),
+        body_limit=_int(args.max_body_bytes, "--max-body-bytes", LIMITS.body_limit, problems),
+        max_prompt_tokens=_int(args.max_prompt_tokens, "--max-prompt-tokens", LIMITS.max_prompt_tokens, problems),
+        connect_timeout=_secs(
+            args.upstream_connect_timeout_secs, "--upstream-connect-timeout-secs", LIMITS.connect_timeout, problems
+        ),
+        read_timeout=_secs(
+            args.upstream_read_timeout_secs, "--upstream-read-timeout-secs", LIMITS.read_timeout, problems
+        ),
+        request_timeout=_secs(args.request_timeout_secs, "--request-timeout-secs", LIMITS.request_timeout, problems),
+    )
+    http, auth = http_options(args, env, problems, warnings)
+    limits = attrs.evolve(limits, body_timeout=http.body_timeout)
+    workers = _workers(args.workers, problems)
+    seed = parse_int("--seed", args.seed, 0, 2**64 - 1, problems) if args.seed is not None else None
+    if not args.model_name:
+        problems.append("--model-name='' is empty")
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    if tokenizer is not None:
+        try:
+            load_tokenizer(tokenizer)
+        except TokenizerUnavailable as exc:
+            problems.append(str(exc))
+    if args.data_dir == "":
+        problems.append("--data-dir='' is empty; give a directory or leave it out (journal in memory)")
+    if problems or router is None:
+        raise InvalidSettings(problems)
+    for warning in warnings:
+        log.warning("%s", warning)
+    return FrontendOptions(
+        host=args.host,
+        port=port if port is not None else DEFAULT_PORT,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        durability=Durability(args.durability),
+        fresh=args.fresh,
+        router=router,
+        workers=workers,
+        model_name=args.model_name,
+        block_size=block_size or 16,
+        tokenizer=tokenizer,
+        limits=limits,
+        http=http,
+        auth=auth,
+        seed=seed,
+    )
+
+
+def _int(raw: str | None, flag: str, default: int, problems: list[str]) -> int:
+    if raw is None:
+        return default
+    value = parse_int(flag, raw, 1, 1 << 40, problems)
+    return value if value is not None else default
+
+
+def _secs(raw: str | None, flag: str, default: float, problems: list[str]) -> float:
+    if raw is None:
+        return default
+    value = parse_float(flag, raw, 0.001, 86_400.0, problems)
+    return value if value is not None else default
+
+
+def _workers(raw: str, problems: list[str]) -> tuple[WorkerSpec, ...]:
+    specs = []
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        endpoint, _, kv = item.partition("=")
+        if not endpoint.startswith(("http://", "https://")):
+            problems.append(f"--workers: {endpoint!r} is not an http:// or https:// URL")
+            continue
+        if kv and not kv.startswith(("tcp://", "ipc://")):
+            problems.append(f"--workers: the KV-events endpoint {kv!r} of {endpoint} must be tcp:// or ipc://")
+            continue
+        specs.append(WorkerSpec(endpoint, kv or None))
+    return tuple(specs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log_setup.configure(args.log_level, "frontend")
+    try:
+        options = options_from(args, dict(os.environ))
+    except InvalidSettings as exc:
+        log.error("cannot start: %s", "; ".join(exc.problems))
+        return BAD_CONFIGURATION
+    try:
+        trio.run(partial(run_until_signal, options))
+    except BaseException as exc:  # every failure becomes one line
+        return _explain(exc, options)
+    return 0
+
+
+def _explain(exc: BaseException, options: FrontendOptions) -> int:
+    context = ServiceContext(options.host, options.port, options.data_dir or Path("(memory)"))
+    reason = explain(exc, context, journal_open=False)
+    log.error("%s", reason.message, exc_info=exc if reason.unexpected else None)
+    return reason.status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
