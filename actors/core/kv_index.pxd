@@ -70,6 +70,12 @@ cdef class KvIndex:
 
     cdef unsigned long long _ext_of(self, _Rank r, int node)
 
+    @cython.locals(runs=list, names=dict, node=int, n=int, stack=list, blocks=list, kids=list)
+    cdef object _device_runs(self, _Rank r)
+
+    @cython.locals(kids=list, c=int)
+    cdef list _covered_children(self, _Rank r, int node)
+
     @cython.locals(slots="long long[::1]", wrap=Py_ssize_t, i=Py_ssize_t, node=int, tag="long long",
                    entry="long long")
     cpdef int _ext_find(self, _Rank r, unsigned long long ext)
