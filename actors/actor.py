@@ -35,11 +35,14 @@ from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
-from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.explain import explain_selection, finish
+from kvrouter.actors.core.explanation import Explanation
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.routing_modes import MODE_ROUND_ROBIN
-from kvrouter.actors.core.selection_rules import no_pending_selection, tracked_output
+from kvrouter.actors.core.selection_rules import Selection, no_pending_selection, tracked_output
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.decision_feed import DecisionFeed, DecisionRecord
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Batch, Envelope
 from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.persistence.codec import encode_record
@@ -67,6 +70,8 @@ class ActorPorts:
     # What the owner's other scopes count toward limits.MAX_RANKS_PER_SERVICE (read right before a registration
     # is decided, so the check and the fold are one step); an owner of one scope leaves the default.
     ranks_elsewhere: Callable[[ScopeKey], int] = lambda scope: 0
+    # Explained selections go here while someone reads them (GET /ws/decisions); None: never explained.
+    decisions: DecisionFeed | None = None
 
 
 class ScopeActor:
@@ -155,9 +160,11 @@ class ScopeActor:
     def _handle(self, envelope: Envelope) -> None:
         command = envelope.command
         self._last_at = max(self._last_at, command.at)
+        explanation = None
         try:
             if isinstance(command, SelectWorker):
                 command = self._with_draw(command)
+                explanation = self._explanation(command)
             elif isinstance(command, SelectDisaggregated):
                 command = self._with_draws(command)
             elif isinstance(command, ReserveSelection):
@@ -172,6 +179,8 @@ class ScopeActor:
         if isinstance(command, SelectWorker):
             if isinstance(decision, Accepted):
                 self._remember_selection(command, decision)
+                if explanation is not None:
+                    decision = self._explained(command, decision, explanation)
             elif self._overloaded(decision, command) and not envelope.abandoned:
                 refusal = self.waiting.park(envelope, command, _isl_tokens(command))
                 if refusal is None:
@@ -219,6 +228,7 @@ class ScopeActor:
                 self.waiting.remove(waiter)  # its asker has answered already; never applied
                 continue
             command = attrs.evolve(waiter.command, at=max(waiter.command.at, self._last_at))
+            explanation = self._explanation(command)
             try:
                 decision, lsn = self._apply(command)
             except JOURNAL_GONE as exc:
@@ -230,6 +240,8 @@ class ScopeActor:
             self.waiting.remove(waiter)
             if isinstance(decision, Accepted):
                 self._remember_selection(command, decision)
+                if explanation is not None:
+                    decision = self._explained(command, decision, explanation)
             self._settle(envelope, decision, lsn)
         self._changed = False
 
@@ -246,10 +258,47 @@ class ScopeActor:
         """
         assert not command.reserve, "bookings go through the mailbox and the journal"
         command = self._with_draw(command)
+        explanation = self._explanation(command)
         decision = decide(self.state, command)
         assert not (isinstance(decision, Accepted) and decision.events), "a query must not change state"
         if isinstance(decision, Accepted):
             self._remember_selection(command, decision)
+            if explanation is not None:
+                decision = self._explained(command, decision, explanation)
+        return decision
+
+    def _explanation(self, command: SelectWorker) -> Explanation | None:
+        """Why this selection will choose what it chooses, taken before it is decided; only when asked for
+        (the request's ``explain``, or a reader of the decision feed): otherwise selections pay nothing."""
+        decisions = self._ports.decisions
+        if command.explain or (decisions is not None and decisions.wanted):
+            return explain_selection(self.state, command)
+        return None
+
+    def _explained(self, command: SelectWorker, decision: Accepted, explanation: Explanation) -> Accepted:
+        """Publish an accepted selection's explanation, and attach it to the reply if the request asked."""
+        selection: Selection = decision.reply
+        finished = finish(explanation, WorkerRank(selection.worker_id, selection.dp_rank))
+        decisions = self._ports.decisions
+        if decisions is not None:
+            decisions.count(finished)
+            if decisions.wanted:
+                record = DecisionRecord(
+                    decisions.next_seq(),
+                    command.at,
+                    self.state.scope,
+                    command.reserve,
+                    command.selection_id,
+                    selection.reservation_id,
+                    selection.endpoint,
+                    selection.overlap,
+                    selection.effective_prefill_tokens,
+                    selection.potential_decode_blocks,
+                    finished,
+                )
+                decisions.publish(record)
+        if command.explain:
+            return attrs.evolve(decision, reply=attrs.evolve(selection, explanation=finished))
         return decision
 
     def _settle(self, envelope: Envelope, decision: Decision, lsn: int) -> None:

@@ -58,6 +58,7 @@ from kvrouter.actors.core.selection_queries import (
 )
 from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.decision_feed import DecisionBatch
 from kvrouter.actors.directory import Directory
 from kvrouter.actors.hit_accuracy import HitAccuracy
 from kvrouter.actors.index_counters import IndexCounters
@@ -97,6 +98,7 @@ class SelectionRequest:
     selection_id: str | None = None
     reservation_id: str | None = None  # select_and_reserve only
     router_mode: str | None = None  # this request's router mode (a canonical name); None: the service's
+    explain: bool = False  # the selection carries its explanation (select, select_and_reserve)
 
 
 @attrs.frozen
@@ -306,6 +308,7 @@ class SelectService:
             at=now,
             predicted_ranks=self._predicted_ranks(request.scope, now),
             writer_id=self.writer_id,
+            explain=request.explain,
         )
 
     def _predicted_ranks(self, scope: ScopeKey, now: int) -> frozenset[WorkerRank]:
@@ -433,6 +436,14 @@ class SelectService:
             return LoadChange(scope, version, rows, *self.system.pending_loads(scope))
 
         return await read_changes(self.load_feed, self.system, epoch, cursor, wait_seconds, measure)
+
+    async def decision_changes(self, epoch: str, cursor: int, wait_seconds: float) -> DecisionBatch:
+        """Explained selections after ``cursor`` of feed ``epoch``, waiting up to ``wait_seconds`` (at most 2)
+        for one; a cursor of another epoch starts from now. Each call keeps selections explained a while
+        (``actors/decision_feed.py``). Answered after a read barrier (a booking shown is durable)."""
+        batch = await self.system.decisions.read(epoch, cursor, wait_seconds)
+        await self.system.read_barrier()
+        return batch
 
     async def potential_loads(
         self, scope: ScopeKey, prompt: Prompt, override: RouterConfigOverride | None = None

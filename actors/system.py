@@ -38,6 +38,7 @@ from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE, MAX_SCOPES
 from kvrouter.actors.core.selection_rules import service_weight
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.deadlines import Deadlines
+from kvrouter.actors.decision_feed import DecisionFeed
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Batch, Envelope, JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.operator_log import log_operator_events
 from kvrouter.actors.pending import PendingSelections
@@ -115,7 +116,11 @@ class ActorSystem:
         self.deadlines = Deadlines(reply_deadline)
         # Set once the journal can no longer be written: every ask fails at once from then on.
         self.failure: BaseException | None = None
-        self._ports = ActorPorts(journal, self.observers, self.after_turn, self.retire, self.ranks_elsewhere)
+        # Explained selections, while someone reads them (GET /ws/decisions, actors/decision_feed.py).
+        self.decisions = DecisionFeed()
+        self._ports = ActorPorts(
+            journal, self.observers, self.after_turn, self.retire, self.ranks_elsewhere, decisions=self.decisions
+        )
         # Production takes snapshots off the loop (a forked child, else a thread encodes); simulations
         # pass encode_snapshots_in_thread=False to take them inline, at a deterministic point of virtual time.
         if snapshotter is None:

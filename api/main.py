@@ -44,6 +44,7 @@ from kvrouter.api.app import make_app
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.command_routes import with_command_routes
 from kvrouter.api.http import Route
+from kvrouter.api.live_decisions import decisions_route
 from kvrouter.api.live_loads import partition_loads_route, slot_loads_route
 from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
 from kvrouter.api.metrics import FrontMetrics, metrics_route
@@ -193,7 +194,7 @@ async def select_service_objects(
 
 
 def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
-    live = [partition_loads_route(objects.service, streams)[1]]
+    live = [partition_loads_route(objects.service, streams)[1], decisions_route(objects.service, streams)[1]]
     return with_command_routes(
         [*select_service_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
     )

@@ -10,6 +10,7 @@ from typing import Any
 from kvrouter.actors.core.catalog import WorkerPatch, record_view
 from kvrouter.actors.core.disaggregation import DisaggregatedSelection
 from kvrouter.actors.core.endpoints import parse_decimal
+from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import U64_MASK, to_i64
 from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.selection_rules import Selection
@@ -72,7 +73,43 @@ def selection_view(selection: Selection, body: SelectBody, reserved: bool) -> di
         effective_prefill_tokens=selection.effective_prefill_tokens,
         potential_decode_blocks=selection.potential_decode_blocks,
     )
+    if body.explain and selection.explanation is not None:
+        view["explain"] = explanation_view(selection.explanation)
     return view
+
+
+def explanation_view(explanation: Explanation) -> dict[str, Any]:
+    """What ``"explain": true`` adds to a reply (and a ``/ws/decisions`` message holds): the reason, the rule,
+    the mode and temperature, and every candidate's terms."""
+    return {
+        "reason": explanation.reason,
+        "rule": explanation.rule,
+        "router_mode": explanation.router_mode,
+        "temperature": explanation.temperature,
+        "isl_tokens": explanation.isl_tokens,
+        "block_size": explanation.block_size,
+        "candidates": [
+            {
+                "worker_id": c.worker_id,
+                "dp_rank": c.dp_rank,
+                "overlap_blocks": {
+                    "device": c.device_blocks,
+                    "host": c.host_blocks,
+                    "disk": c.disk_blocks,
+                    "external": c.external_blocks,
+                },
+                "cached_tokens": c.cached_tokens,
+                "new_prefill_tokens": c.new_prefill_tokens,
+                "active_prefill_tokens": c.active_prefill_tokens,
+                "active_decode_blocks": c.active_decode_blocks,
+                "active_requests": c.active_requests,
+                "potential_decode_blocks": c.potential_decode_blocks,
+                "cost": c.cost,
+                "excluded": c.excluded,
+            }
+            for c in explanation.candidates
+        ],
+    }
 
 
 def potential_load_view(row: PotentialLoad) -> dict[str, Any]:
@@ -105,6 +142,7 @@ def selection_request(body: SelectBody) -> SelectionRequest:
         body.selection_id,
         body.reservation_id,
         router_mode=body.mode(),
+        explain=body.explain,
     )
 
 

@@ -234,6 +234,7 @@ class SelectBody(PromptBody):
     affinity_target: AffinityTarget | None = None
     priority_jump: float | None = None
     router_mode: str | None = None  # kvrouter's: kv, round_robin, random, direct, least_loaded
+    explain: bool = False  # kvrouter's: the reply says why (candidates, costs, reason); without it, unchanged
 
     def mode(self) -> str | None:
         """The request's router mode (canonical name), None for the service's; 422 for an unknown one."""

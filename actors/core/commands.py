@@ -172,6 +172,7 @@ class SelectWorker:
     predicted_ranks: frozenset[WorkerRank] = frozenset()
     writer_id: int = 0  # this replica's id, the version of the session bindings it writes
     turn: int = 0  # round-robin position, counted per scope by the actor (round-robin selections only)
+    explain: bool = False  # the reply carries why (actors/core/explain.py); derived data, never journaled
 
 
 @attrs.frozen

@@ -46,6 +46,7 @@ from kvrouter.actors.core.events import (
     WorkerRemoved,
     WorkerUpserted,
 )
+from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
 from kvrouter.actors.core.index_bounds import fit_ops, incoming_blocks, make_room, refused_event
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
@@ -96,6 +97,7 @@ class Selection:
     max_predicted_blocks: int = 2**20
     predicted_prune_target: int = 838_860
     track_active_blocks: bool = True  # False: the booking holds no decode blocks
+    explanation: Explanation | None = None  # only when the request asked ("explain": true); never journaled
 
 
 def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_events: bool) -> int | None:

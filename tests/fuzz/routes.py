@@ -181,6 +181,7 @@ SELECT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "affinity_target": st.fixed_dictionaries({"worker_id": WORKER_IDS}, optional={"dp_rank": st.integers(0, 3)}),
     "priority_jump": st.floats(-10, 10),
     "router_mode": st.sampled_from(["kv", "round_robin", "random", "direct", "least_loaded"]),
+    "explain": st.booleans(),
 }
 SELECT = st.tuples(PROMPT, optional(SELECT_FIELDS)).map(lambda parts: {**parts[0], **parts[1]})
 RESERVATION = st.one_of(
@@ -222,6 +223,7 @@ SELECTION_ROUTES = [
     FuzzRoute("POST", "/potential_loads", SELECT, unavailable_ok=True),
     FuzzRoute("POST", "/overlap_scores", SELECT, unavailable_ok=True),
     FuzzRoute("GET", "/dump"),
+    FuzzRoute("GET", "/ws/decisions", query=SCOPE_QUERY),
     *REPLICA_ROUTES,
     *SELF_DESCRIPTION_ROUTES,
 ]
