@@ -125,6 +125,8 @@ class DecisionHub:
                 continue
             failing = False
             self._apply(batch)
+            if batch.records:
+                await trio.sleep(self.settings.interval_seconds)  # the decisions meanwhile come in one batch
 
     def _apply(self, batch: DecisionBatch) -> None:
         if batch.missed and batch.epoch == self._epoch:

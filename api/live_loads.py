@@ -108,6 +108,8 @@ class LoadHub:
                 continue
             failing = False
             self._apply(changes)
+            if changes.changes:
+                await trio.sleep(self.settings.interval_seconds)  # the changes meanwhile: one update per scope
 
     def _apply(self, changes: LoadChanges) -> None:
         if changes.reset:

@@ -39,6 +39,7 @@ log = logging.getLogger("kvrouter.api.streams")
 DEFAULT_MAX_SUBSCRIBERS = 256
 HEARTBEAT_SECONDS = 10.0
 STALL_SECONDS = 10.0
+UPDATE_INTERVAL_SECONDS = 0.25
 POLL_SECONDS = 1.5  # a hub's long poll: the service answers within 2 s even when idle
 RETRY_SECONDS = 1.0  # after a failed poll
 CLOSE_GOING_AWAY = 1001
@@ -56,6 +57,9 @@ class StreamSettings:
     max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
     heartbeat_seconds: float = HEARTBEAT_SECONDS
     stall_seconds: float = STALL_SECONDS
+    # A hub reads the service at most this often: changes in between are one update per scope (conflated), so
+    # the work per subscriber is bounded by this rate, not by the service's write rate.
+    interval_seconds: float = UPDATE_INTERVAL_SECONDS
 
 
 DEFAULT_STREAMS = StreamSettings()
