@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     services = parser.add_subparsers(
         dest="service",
         required=True,
-        metavar="{slot-tracker,select-service,simulate,keys,journal,worker-topology,mock-worker,frontend,demo}",
+        metavar="{slot-tracker,select-service,simulate,keys,journal,worker-topology,mock-worker,frontend,demo,watch}",
     )
     slot = services.add_parser(
         SLOT_TRACKER,
@@ -291,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="mock workers behind a frontend, kv vs round-robin side by side (see kvrouter demo --help)",
         add_help=False,
     )
+    services.add_parser(
+        "watch",
+        help="follow a service's loads or decisions live (see kvrouter watch --help)",
+        add_help=False,
+    )
     for subparser in (slot, select):
         subparser.set_defaults(subparser=subparser)
     add_keys_command(services)
@@ -332,6 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.api.demo import main as demo
 
         return demo(arguments[1:])
+    if arguments[:1] == ["watch"]:
+        from kvrouter.api.watch import main as watch
+
+        return watch(arguments[1:])
     if arguments[:1] == ["worker-topology"]:
         from kvrouter.api.worker_topology import main as worker_topology
 

@@ -23,7 +23,10 @@ def stream_url(url: str, path: str) -> str:
         raise ValueError(f"{url!r}: kvrouter serves plain http:// (or ws://), not {parts.scheme}://")
     if parts.hostname is None:
         raise ValueError(f"{url!r} names no host")
-    port = parts.port  # ValueError for a bad port
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r}: {exc}") from None
     netloc = parts.hostname if port is None else f"{parts.hostname}:{port}"
     if ":" in parts.hostname:
         netloc = f"[{parts.hostname}]" + (f":{port}" if port is not None else "")
