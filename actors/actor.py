@@ -72,6 +72,9 @@ class ActorPorts:
     ranks_elsewhere: Callable[[ScopeKey], int] = lambda scope: 0
     # Explained selections go here while someone reads them (GET /ws/decisions); None: never explained.
     decisions: DecisionFeed | None = None
+    # Told (synchronously, must not block) when the scope's queue of waiting selections grew or shrank: its
+    # pending counts changed without any event (the owner's live list, as ``observers``).
+    queue_observers: Sequence[Callable[[ScopeKey], None]] = ()
 
 
 class ScopeActor:
@@ -182,7 +185,10 @@ class ScopeActor:
                 if explanation is not None:
                     decision = self._explained(command, decision, explanation)
             elif self._overloaded(decision, command) and not envelope.abandoned:
+                queued = len(self.waiting)
                 refusal = self.waiting.park(envelope, command, _isl_tokens(command))
+                if len(self.waiting) != queued:
+                    self._queue_changed()
                 if refusal is None:
                     return  # answered when a rank frees up (or the asker's deadline passes)
                 decision = Rejected(Reason.OVERLOADED, refusal)
@@ -222,6 +228,7 @@ class ScopeActor:
         """Ask the core again for the waiting selections, in policy order, until one still finds every rank
         busy: the rest wait for the next change. Overlaps and loads are the current ones."""
         self._changed = False
+        queued = len(self.waiting)
         for waiter in self.waiting.in_order():
             envelope = waiter.envelope
             if envelope.timed_out or envelope.abandoned:
@@ -244,6 +251,12 @@ class ScopeActor:
                     decision = self._explained(command, decision, explanation)
             self._settle(envelope, decision, lsn)
         self._changed = False
+        if len(self.waiting) != queued:
+            self._queue_changed()
+
+    def _queue_changed(self) -> None:
+        for notify in self._ports.queue_observers:
+            notify(self.state.scope)
 
     def pending_loads(self) -> tuple[int, int]:
         """``(pending_count, pending_isl_tokens)`` of the scope's queue, as ``/loads`` shows them."""

@@ -159,6 +159,7 @@ class SelectService:
         # Which scopes' loads changed, for GET /ws/loads (one O(1) bump per applied change).
         self.load_feed = LoadFeed()
         system.observers.append(self.load_feed.observe)
+        system.queue_observers.append(self.load_feed.bump)  # pending counts move without events
 
     async def run(self, *, task_status: trio.TaskStatus[SelectService] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the catalog writer and follow applied events; ``await nursery.start(service.run)``."""

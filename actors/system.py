@@ -118,8 +118,16 @@ class ActorSystem:
         self.failure: BaseException | None = None
         # Explained selections, while someone reads them (GET /ws/decisions, actors/decision_feed.py).
         self.decisions = DecisionFeed()
+        # Told when a scope's queue of waiting selections changes (its pending counts; GET /ws/loads).
+        self.queue_observers: list[Callable[[ScopeKey], None]] = []
         self._ports = ActorPorts(
-            journal, self.observers, self.after_turn, self.retire, self.ranks_elsewhere, decisions=self.decisions
+            journal,
+            self.observers,
+            self.after_turn,
+            self.retire,
+            self.ranks_elsewhere,
+            decisions=self.decisions,
+            queue_observers=self.queue_observers,
         )
         # Production takes snapshots off the loop (a forked child, else a thread encodes); simulations
         # pass encode_snapshots_in_thread=False to take them inline, at a deterministic point of virtual time.

@@ -231,6 +231,8 @@ async def _show_loads(ws: WebSocketConnection, url: str, out: TextIO) -> None:
 
 def _closed_line(closed: ConnectionClosed) -> str:
     reason = closed.reason
+    if reason is None:
+        return "the connection to the service broke"
     detail = f": {reason.reason}" if reason.reason else ""
     return f"the service closed the stream ({reason.code}{detail})"
 

@@ -42,7 +42,11 @@ SELECT = "selection service"
 
 @contextlib.asynccontextmanager
 async def serving(
-    kind: str, data_dir: Path, layout: str, streams: StreamSettings = DEFAULT_STREAMS
+    kind: str,
+    data_dir: Path,
+    layout: str,
+    streams: StreamSettings = DEFAULT_STREAMS,
+    config: RouterConfig = RouterConfig(),  # noqa: B008 - frozen
 ) -> AsyncIterator[ServiceHandle]:
     """``kind`` in ``layout`` ("one-process" or "proxied") with these stream bounds."""
     options = ServiceOptions(
@@ -60,14 +64,14 @@ async def serving(
                 objects, routes_of, cls = slot_tracker_objects, slot_tracker_routes_of, SlotService
             else:
                 objects, routes_of, cls = (
-                    select_objects_builder(RouterConfig()),
+                    select_objects_builder(config),
                     select_service_routes_of,
                     SelectService,
                 )
             routes = partial(routes_of, streams=streams)
             handle = await nursery.start(run_proxied_service, kind, options, objects, routes, cls)
         else:
-            build = slot_tracker_app if kind == SLOT else select_service_builder(RouterConfig())
+            build = slot_tracker_app if kind == SLOT else select_service_builder(config)
             handle = await nursery.start(run_service, kind, options, build)
         try:
             yield handle
@@ -265,3 +269,41 @@ async def test_subscribers_are_closed_with_1001_when_the_service_stops(tmp_path:
         with pytest.raises(ConnectionClosed) as closed:
             await ws.get_message()
         assert closed.value.reason.code == 1001
+
+
+@pytest.mark.parametrize("layout", ["one-process", "proxied"])
+async def test_a_selection_waiting_in_the_queue_shows_in_pending_count(tmp_path: Path, layout: str) -> None:
+    """Parking a selection changes no state (no event): the queue tells the feed itself."""
+    config = RouterConfig(use_kv_events=False, router_queue_threshold=1.0)
+    async with (
+        serving(SELECT, tmp_path, layout, config=config) as service,
+        httpx.AsyncClient(base_url=service.urls[0], timeout=30) as http,
+        trio.open_nursery() as nursery,
+    ):
+        worker = {
+            "worker_id": 1,
+            "model_name": "m",
+            "block_size": 4,
+            "endpoint": "http://w",
+            "max_num_batched_tokens": 10,
+        }
+        assert (await http.post("/workers", json=worker)).status_code == 201
+        first = {"model_name": "m", "token_ids": list(range(12)), "reservation_id": "a"}
+        booked = await http.post("/select_and_reserve", json=first)
+        assert booked.status_code == 200, booked.text
+        async with open_stream(loads_url(service)) as ws:
+            [partition] = (await message(ws))["scopes"]
+            assert partition["pending_count"] == 0
+
+            async def book_second() -> None:
+                second = {"model_name": "m", "token_ids": list(range(100, 120)), "reservation_id": "b"}
+                assert (await http.post("/select_and_reserve", json=second)).status_code == 200
+
+            nursery.start_soon(book_second)
+            queued = await message(ws)
+            assert (queued["pending_count"], queued["pending_isl_tokens"]) == (1, 20)
+            assert (await http.post("/reservations/a/prefill_complete")).status_code == 200
+            while True:  # the prefill completes and b is admitted: maybe one update, maybe two
+                admitted = await message(ws)
+                if admitted["pending_count"] == 0 and admitted["loads"][0]["active_requests"] == 2:
+                    break
