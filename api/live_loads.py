@@ -107,25 +107,29 @@ class LoadHub:
                 await trio.sleep(RETRY_SECONDS)
                 continue
             failing = False
-            self._apply(changes)
-            if changes.changes:
-                await trio.sleep(self.settings.interval_seconds)  # the changes meanwhile: one update per scope
+            delivered = self._apply(changes)
+            if changes.changes:  # the changes meanwhile: one update per scope
+                settings = self.settings
+                await trio.sleep(max(settings.interval_seconds, delivered / settings.fan_out_per_second))
 
-    def _apply(self, changes: LoadChanges) -> None:
+    def _apply(self, changes: LoadChanges) -> int:
+        """Publish each changed scope; returns the messages handed to subscribers."""
+        delivered = 0
         if changes.reset:
             gone = set(self._scopes)
             for change in changes.changes:
                 gone.discard(change.scope)
             for scope in sorted(gone):
                 version = self._versions.get(scope, 0) + 1
-                self._publish(LoadChange(scope, version, None))
+                delivered += self._publish(LoadChange(scope, version, None))
         for change in changes.changes:
-            self._publish(change)
+            delivered += self._publish(change)
         self._epoch, self._cursor = changes.epoch, changes.cursor
         self._synced.set()
+        return delivered
 
-    def _publish(self, change: LoadChange) -> None:
-        """Render the scope's message once; mark it pending for each matching subscriber."""
+    def _publish(self, change: LoadChange) -> int:
+        """Render the scope's message once; mark it pending for each matching subscriber (how many)."""
         scope = change.scope
         body = self._render(change)
         body["seq"] = change.version
@@ -138,6 +142,7 @@ class LoadHub:
             self._scopes[scope] = scope_json
             self._versions[scope] = change.version
         message = '{"type":"update",' + scope_json[1:]
+        delivered = 0
         for subscriber in self._subscribers:
             if subscriber.wanted(scope):
                 if scope in subscriber.pending:
@@ -145,6 +150,8 @@ class LoadHub:
                     self.conflated += 1
                 subscriber.pending[scope] = message
                 subscriber.wake.set()
+                delivered += 1
+        return delivered
 
     def _join(self, wanted: ScopeFilter) -> tuple[_Subscriber, str]:
         """A new subscriber and its snapshot, in one step (no change can fall in between)."""

@@ -40,6 +40,10 @@ DEFAULT_MAX_SUBSCRIBERS = 256
 HEARTBEAT_SECONDS = 10.0
 STALL_SECONDS = 10.0
 UPDATE_INTERVAL_SECONDS = 0.25
+# Scope messages a load hub hands to its subscribers per second, all together: past it the hub reads the
+# service less often (one update per scope covers more changes), so a process's cost for its subscribers
+# stays bounded however many there are (100 subscribers of one scope: an update every 0.5 s).
+FAN_OUT_PER_SECOND = 200.0
 POLL_SECONDS = 1.5  # a hub's long poll: the service answers within 2 s even when idle
 RETRY_SECONDS = 1.0  # after a failed poll
 CLOSE_GOING_AWAY = 1001
@@ -60,6 +64,7 @@ class StreamSettings:
     # A hub reads the service at most this often: changes in between are one update per scope (conflated), so
     # the work per subscriber is bounded by this rate, not by the service's write rate.
     interval_seconds: float = UPDATE_INTERVAL_SECONDS
+    fan_out_per_second: float = FAN_OUT_PER_SECOND
 
 
 DEFAULT_STREAMS = StreamSettings()
