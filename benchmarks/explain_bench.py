@@ -7,7 +7,7 @@ before issue 11), so the first two figures show what the hook costs when nobody 
 
 Workload: core_hot_paths_bench's selection (16 workers, block size 16, 64-block chains indexed, 64-block
 prompts sharing a random prefix, some ranks busy). CPU time, best of ``--repeat`` rounds, the variants
-interleaved round by round so a busy machine moves them alike.
+interleaved round by round (in alternating order) so a busy machine moves them alike.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ async def run(repeat: int, number: int) -> dict[str, float]:
         '"explain": true': asked,
     }
     best = dict.fromkeys(variants, float("inf"))
-    for _ in range(repeat):
-        for name, one in variants.items():
+    for round_index in range(repeat):
+        order = list(variants.items())
+        for name, one in order if round_index % 2 else reversed(order):  # alternate: no variant always first
             if name != "a /ws/decisions reader":
                 feed._leased = False
             started = time.process_time()
