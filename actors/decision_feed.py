@@ -22,6 +22,7 @@ import trio
 
 from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.metric_families import Family, counter
 
 MAX_RECORDS = 4096
 MAX_BYTES = 8 * 1024 * 1024
@@ -102,6 +103,24 @@ class DecisionFeed:
             self._bytes -= dropped
             self.evicted += 1
         self._changed.set()
+
+    def families(self) -> list[Family]:
+        """For ``GET /metrics`` (a ``SelectService.metric_sources`` entry)."""
+        reasons = {(reason,): float(count) for reason, count in self.by_reason.items()}
+        return [
+            counter(
+                "kvrouter_selections_explained",
+                "Selections explained (while /ws/decisions is read, or explain: true), by reason",
+                ("reason",),
+                reasons,
+            ),
+            counter(
+                "kvrouter_decisions_evicted",
+                "Decisions the feed dropped before every reader took them",
+                (),
+                {(): float(self.evicted)},
+            ),
+        ]
 
     def next_seq(self) -> int:
         self.seq += 1

@@ -160,6 +160,7 @@ class SelectService:
         self.load_feed = LoadFeed()
         system.observers.append(self.load_feed.observe)
         system.queue_observers.append(self.load_feed.bump)  # pending counts move without events
+        self.metric_sources.append(system.decisions.families)  # explained selections by reason
 
     async def run(self, *, task_status: trio.TaskStatus[SelectService] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the catalog writer and follow applied events; ``await nursery.start(service.run)``."""

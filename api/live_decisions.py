@@ -17,8 +17,8 @@ appends it to every matching subscriber's queue. Messages (JSON text)::
 
 Bounds: each subscriber's queue holds at most ``QUEUE_MESSAGES`` decisions and ``QUEUE_BYTES`` bytes; policy:
 drop oldest (a subscriber reading slowly sees the newest decisions, with gaps in ``seq``), counted per
-subscriber and in ``dropped``. Counters: ``subscribers``, ``subscribers_peak``, ``refused``, ``dropped``,
-``closed_slow``, ``poll_failures``, ``decisions`` (rendered).
+subscriber and in ``counters.dropped``. Counters (``StreamCounters``, also in ``GET /metrics``): ``subscribers``,
+``subscribers_peak``, ``refused``, ``dropped``, ``closed_slow``, ``poll_failures``.
 """
 
 from __future__ import annotations
@@ -33,21 +33,20 @@ import trio
 
 from kvrouter.actors.decision_feed import DecisionBatch, DecisionRecord
 from kvrouter.actors.service_support import ScopeFilter
-from kvrouter.api.http import HttpError, Request, Route
+from kvrouter.api.http import Route
 from kvrouter.api.live_streams import (
-    CLOSE_TOO_SLOW,
     DEFAULT_STREAMS,
     POLL_SECONDS,
     RETRY_SECONDS,
     Pump,
     Sender,
+    StreamCounters,
+    StreamMetrics,
     StreamSettings,
-    bad_request,
-    deny,
     refuse_plain_get,
-    serve_connection,
+    serve_subscriber,
 )
-from kvrouter.api.route_support import scope_fields, scope_filter
+from kvrouter.api.route_support import scope_fields
 from kvrouter.api.select_routes import explanation_view
 
 log = logging.getLogger("kvrouter.api.streams")
@@ -90,25 +89,18 @@ class _Subscriber:
 
 
 class DecisionHub:
-    def __init__(self, fetch: Fetch, settings: StreamSettings = DEFAULT_STREAMS) -> None:
+    def __init__(
+        self, fetch: Fetch, settings: StreamSettings = DEFAULT_STREAMS, metrics: StreamMetrics | None = None
+    ) -> None:
         self._fetch = fetch
         self.settings = settings
+        self.counters = StreamCounters("decisions", metrics)
         self._epoch = ""
         self._cursor = 0
         self._subscribers: set[_Subscriber] = set()
-        self._connections = 0
         self._synced = trio.Event()
         self.pump = Pump(self._poll)
-        self.subscribers_peak = 0
-        self.refused = 0
-        self.dropped = 0
-        self.closed_slow = 0
-        self.poll_failures = 0
-        self.decisions = 0
-
-    @property
-    def subscribers(self) -> int:
-        return self._connections
+        self.decisions = 0  # decision messages rendered
 
     async def _poll(self) -> None:
         failing = False
@@ -117,7 +109,7 @@ class DecisionHub:
             try:
                 batch = await self._fetch(self._epoch, self._cursor, wait)
             except Exception as exc:
-                self.poll_failures += 1
+                self.counters.poll_failures += 1
                 if not failing:
                     log.warning("the decision stream cannot read the service's decisions (retrying every 1 s): %s", exc)
                 failing = True
@@ -132,7 +124,7 @@ class DecisionHub:
         if batch.missed and batch.epoch == self._epoch:
             for subscriber in self._subscribers:
                 subscriber.dropped += batch.missed
-                self.dropped += batch.missed
+            self.counters.drop(batch.missed * len(self._subscribers))
         for record in batch.records:
             message = orjson.dumps(decision_view(record)).decode()
             self.decisions += 1
@@ -149,7 +141,7 @@ class DecisionHub:
         while len(subscriber.queue) > QUEUE_MESSAGES or (subscriber.bytes > QUEUE_BYTES and len(subscriber.queue) > 1):
             subscriber.bytes -= len(subscriber.queue.popleft())
             subscriber.dropped += 1
-            self.dropped += 1
+            self.counters.drop(1)
         subscriber.wake.set()
 
     def _leave(self, subscriber: _Subscriber) -> None:
@@ -179,38 +171,23 @@ class DecisionHub:
 
     def route(self) -> Route:
         async def websocket(scope: dict[str, Any], receive: Any, send: Any, stopping: trio.Event | None) -> None:
-            try:
-                wanted = scope_filter(Request("GET", scope["path"], scope.get("query_string", b""), b""))
-            except HttpError as exc:
-                await deny(scope, send, bad_request(exc))
-                return
-            limit = self.settings.max_subscribers
-            admitted = self._connections < limit
-            if admitted:
-                self._connections += 1
-                self.subscribers_peak = max(self.subscribers_peak, self._connections)
-            else:
-                self.refused += 1
-            try:
-                closed = await serve_connection(
-                    receive,
-                    send,
-                    stopping,
-                    admitted=admitted,
-                    full_reason=f"{limit} decision subscribers already (--stream-max-subscribers): try again later",
-                    pump=self.pump,
-                    stream=lambda sender: self._stream(wanted, sender),
-                    settings=self.settings,
-                )
-            finally:
-                if admitted:
-                    self._connections -= 1
-            if closed is not None and closed.code == CLOSE_TOO_SLOW:
-                self.closed_slow += 1
+            await serve_subscriber(
+                scope,
+                receive,
+                send,
+                stopping,
+                counters=self.counters,
+                settings=self.settings,
+                what="decision",
+                pump=self.pump,
+                stream=self._stream,
+            )
 
         return Route("GET", DECISIONS_PATH, refuse_plain_get, websocket=websocket)
 
 
-def decisions_route(service: Any, settings: StreamSettings = DEFAULT_STREAMS) -> tuple[DecisionHub, Route]:
-    hub = DecisionHub(service.decision_changes, settings)
+def decisions_route(
+    service: Any, settings: StreamSettings = DEFAULT_STREAMS, metrics: StreamMetrics | None = None
+) -> tuple[DecisionHub, Route]:
+    hub = DecisionHub(service.decision_changes, settings, metrics)
     return hub, hub.route()

@@ -30,21 +30,20 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.load_feed import LoadChange, LoadChanges
 from kvrouter.actors.select_service import PartitionLoads
 from kvrouter.actors.service_support import ScopeFilter
-from kvrouter.api.http import HttpError, Request, Route
+from kvrouter.api.http import Route
 from kvrouter.api.live_streams import (
-    CLOSE_TOO_SLOW,
     DEFAULT_STREAMS,
     POLL_SECONDS,
     RETRY_SECONDS,
     Pump,
     Sender,
+    StreamCounters,
+    StreamMetrics,
     StreamSettings,
-    bad_request,
-    deny,
     refuse_plain_get,
-    serve_connection,
+    serve_subscriber,
 )
-from kvrouter.api.route_support import scope_fields, scope_filter
+from kvrouter.api.route_support import scope_fields
 from kvrouter.api.routes import load_row
 from kvrouter.api.select_routes import partition_view
 
@@ -66,32 +65,29 @@ class _Subscriber:
 
 
 class LoadHub:
-    """A process's follower of one service's loads (see the module doc). Counters for metrics:
-    ``subscribers`` (now), ``subscribers_peak``, ``refused`` (over the limit, 1013), ``conflated``
-    (intermediate states a subscriber skipped: the stream's drops), ``closed_slow`` (1008), ``poll_failures``."""
+    """A process's follower of one service's loads (see the module doc). ``counters`` (``StreamCounters``):
+    ``subscribers`` (now), ``subscribers_peak``, ``refused`` (over the limit, 1013), ``dropped`` (intermediate
+    states a subscriber skipped, conflated into a newer one), ``closed_slow`` (1008), ``poll_failures``."""
 
-    def __init__(self, fetch: Fetch, render: Render, settings: StreamSettings = DEFAULT_STREAMS) -> None:
+    def __init__(
+        self,
+        fetch: Fetch,
+        render: Render,
+        settings: StreamSettings = DEFAULT_STREAMS,
+        metrics: StreamMetrics | None = None,
+    ) -> None:
         self._fetch = fetch
         self._render = render
         self.settings = settings
+        self.counters = StreamCounters("loads", metrics)
         self._epoch = ""
         self._cursor = 0
         self._scopes: dict[ScopeKey, str] = {}  # the latest SCOPE json of every listed scope
         self._versions: dict[ScopeKey, int] = {}
         self._subscribers: set[_Subscriber] = set()
-        self._connections = 0  # admitted subscriber connections (the limit counts these)
         self._synced = trio.Event()  # the hub is current (a poll answered since the first subscriber came)
         self.pump = Pump(self._poll)
-        self.subscribers_peak = 0
-        self.refused = 0
-        self.conflated = 0
-        self.closed_slow = 0
-        self.poll_failures = 0
         self.updates = 0  # scope messages built
-
-    @property
-    def subscribers(self) -> int:
-        return self._connections
 
     async def _poll(self) -> None:
         failing = False
@@ -100,7 +96,7 @@ class LoadHub:
             try:
                 changes = await self._fetch(self._epoch, self._cursor, timeout)
             except Exception as exc:
-                self.poll_failures += 1
+                self.counters.poll_failures += 1
                 if not failing:
                     log.warning("the load stream cannot read the service's loads (retrying every 1 s): %s", exc)
                 failing = True
@@ -142,15 +138,16 @@ class LoadHub:
             self._scopes[scope] = scope_json
             self._versions[scope] = change.version
         message = '{"type":"update",' + scope_json[1:]
-        delivered = 0
+        delivered = conflated = 0
         for subscriber in self._subscribers:
             if subscriber.wanted(scope):
                 if scope in subscriber.pending:
                     subscriber.conflated += 1
-                    self.conflated += 1
+                    conflated += 1
                 subscriber.pending[scope] = message
                 subscriber.wake.set()
                 delivered += 1
+        self.counters.drop(conflated)
         return delivered
 
     def _join(self, wanted: ScopeFilter) -> tuple[_Subscriber, str]:
@@ -187,34 +184,17 @@ class LoadHub:
         """``GET /ws/loads`` with the query filters of ``GET /loads``."""
 
         async def websocket(scope: dict[str, Any], receive: Any, send: Any, stopping: trio.Event | None) -> None:
-            try:
-                wanted = scope_filter(Request("GET", scope["path"], scope.get("query_string", b""), b""))
-            except HttpError as exc:
-                await deny(scope, send, bad_request(exc))
-                return
-            limit = self.settings.max_subscribers
-            admitted = self._connections < limit
-            if admitted:
-                self._connections += 1
-                self.subscribers_peak = max(self.subscribers_peak, self._connections)
-            else:
-                self.refused += 1
-            try:
-                closed = await serve_connection(
-                    receive,
-                    send,
-                    stopping,
-                    admitted=admitted,
-                    full_reason=f"{limit} load subscribers already (--stream-max-subscribers): try again later",
-                    pump=self.pump,
-                    stream=lambda sender: self._stream(wanted, sender),
-                    settings=self.settings,
-                )
-            finally:
-                if admitted:
-                    self._connections -= 1
-            if closed is not None and closed.code == CLOSE_TOO_SLOW:
-                self.closed_slow += 1
+            await serve_subscriber(
+                scope,
+                receive,
+                send,
+                stopping,
+                counters=self.counters,
+                settings=self.settings,
+                what="load",
+                pump=self.pump,
+                stream=self._stream,
+            )
 
         return Route("GET", LOADS_PATH, refuse_plain_get, websocket=websocket)
 
@@ -231,11 +211,15 @@ def partition_load_view(change: LoadChange) -> dict[str, Any]:
     return partition_view(partition)
 
 
-def slot_loads_route(service: Any, settings: StreamSettings = DEFAULT_STREAMS) -> tuple[LoadHub, Route]:
-    hub = LoadHub(service.load_changes, slot_load_view, settings)
+def slot_loads_route(
+    service: Any, settings: StreamSettings = DEFAULT_STREAMS, metrics: StreamMetrics | None = None
+) -> tuple[LoadHub, Route]:
+    hub = LoadHub(service.load_changes, slot_load_view, settings, metrics)
     return hub, hub.route()
 
 
-def partition_loads_route(service: Any, settings: StreamSettings = DEFAULT_STREAMS) -> tuple[LoadHub, Route]:
-    hub = LoadHub(service.load_changes, partition_load_view, settings)
+def partition_loads_route(
+    service: Any, settings: StreamSettings = DEFAULT_STREAMS, metrics: StreamMetrics | None = None
+) -> tuple[LoadHub, Route]:
+    hub = LoadHub(service.load_changes, partition_load_view, settings, metrics)
     return hub, hub.route()

@@ -32,7 +32,10 @@ import attrs
 import orjson
 import trio
 
+from kvrouter.actors.service_support import ScopeFilter
 from kvrouter.api.http import JSON, HttpError, Request, Response, error_response
+from kvrouter.api.metrics import FrontMetrics
+from kvrouter.api.route_support import scope_filter
 
 log = logging.getLogger("kvrouter.api.streams")
 
@@ -68,6 +71,78 @@ class StreamSettings:
 
 
 DEFAULT_STREAMS = StreamSettings()
+
+
+class StreamMetrics:
+    """The live streams' figures in ``GET /metrics`` (``FrontMetrics``: summed over ``--fronts`` processes),
+    labelled by ``stream`` (``loads``, ``decisions``); counted as things happen, from the hubs."""
+
+    def __init__(self, front: FrontMetrics) -> None:
+        self.subscribers = front.gauge("kvrouter_stream_subscribers", "Connected live-stream subscribers", ("stream",))
+        self.refused = front.counter(
+            "kvrouter_stream_refused", "Subscribers refused over --stream-max-subscribers (closed 1013)", ("stream",)
+        )
+        self.dropped = front.counter(
+            "kvrouter_stream_dropped",
+            "Messages a subscriber never got: load states conflated into a newer one, decisions dropped (oldest)",
+            ("stream",),
+        )
+        self.closed_slow = front.counter(
+            "kvrouter_stream_closed_slow", "Subscribers closed as hopelessly behind (1008)", ("stream",)
+        )
+
+    @classmethod
+    def of(cls, front: FrontMetrics) -> StreamMetrics:
+        """One per ``FrontMetrics`` (its registry takes each name once)."""
+        found = getattr(front, "_stream_metrics", None)
+        if found is None:
+            found = cls(front)
+            front._stream_metrics = found  # type: ignore[attr-defined]
+        return found
+
+
+class StreamCounters:
+    """A hub's counters: plain attributes (read them directly), mirrored into ``GET /metrics`` if given."""
+
+    def __init__(self, stream: str, metrics: StreamMetrics | None) -> None:
+        self.subscribers = 0
+        self.subscribers_peak = 0
+        self.refused = 0
+        self.dropped = 0  # load states conflated, or decisions dropped
+        self.closed_slow = 0
+        self.poll_failures = 0
+        self._gauge = metrics.subscribers.labels(stream) if metrics is not None else None
+        self._refused = metrics.refused.labels(stream) if metrics is not None else None
+        self._dropped = metrics.dropped.labels(stream) if metrics is not None else None
+        self._slow = metrics.closed_slow.labels(stream) if metrics is not None else None
+
+    def joined(self) -> None:
+        self.subscribers += 1
+        self.subscribers_peak = max(self.subscribers_peak, self.subscribers)
+        if self._gauge is not None:
+            self._gauge.inc()
+
+    def left(self) -> None:
+        self.subscribers -= 1
+        if self._gauge is not None:
+            self._gauge.dec()
+
+    def refuse(self) -> None:
+        self.refused += 1
+        if self._refused is not None:
+            self._refused.inc()
+
+    def drop(self, count: int) -> None:
+        if count:
+            self.dropped += count
+            if self._dropped is not None:
+                self._dropped.inc(count)
+
+    def closed(self, closing: Closing | None) -> None:
+        if closing is not None and closing.code == CLOSE_TOO_SLOW:
+            self.closed_slow += 1
+            if self._slow is not None:
+                self._slow.inc()
 
 
 class Closing(Exception):
@@ -196,3 +271,45 @@ async def serve_connection(
 
 def bad_request(exc: HttpError) -> Response:
     return error_response(exc.status, exc.message)
+
+
+async def serve_subscriber(
+    scope: dict[str, Any],
+    receive: Any,
+    send: Any,
+    stopping: trio.Event | None,
+    *,
+    counters: StreamCounters,
+    settings: StreamSettings,
+    what: str,
+    pump: Pump,
+    stream: Callable[[ScopeFilter, Sender], Awaitable[None]],
+) -> None:
+    """A hub's WebSocket handler: the filters (a bad one refuses the upgrade with 400), the subscriber limit
+    (1013), then ``stream`` until the connection ends; counted in ``counters``."""
+    try:
+        wanted = scope_filter(Request("GET", scope["path"], scope.get("query_string", b""), b""))
+    except HttpError as exc:
+        await deny(scope, send, bad_request(exc))
+        return
+    limit = settings.max_subscribers
+    admitted = counters.subscribers < limit
+    if admitted:
+        counters.joined()
+    else:
+        counters.refuse()
+    try:
+        closed = await serve_connection(
+            receive,
+            send,
+            stopping,
+            admitted=admitted,
+            full_reason=f"{limit} {what} subscribers already (--stream-max-subscribers): try again later",
+            pump=pump,
+            stream=lambda sender: stream(wanted, sender),
+            settings=settings,
+        )
+    finally:
+        if admitted:
+            counters.left()
+    counters.closed(closed)

@@ -46,7 +46,7 @@ from kvrouter.api.command_routes import with_command_routes
 from kvrouter.api.http import Route
 from kvrouter.api.live_decisions import decisions_route
 from kvrouter.api.live_loads import partition_loads_route, slot_loads_route
-from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
+from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamMetrics, StreamSettings
 from kvrouter.api.metrics import FrontMetrics, metrics_route
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
@@ -129,7 +129,7 @@ async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nur
 
 
 def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
-    live = [slot_loads_route(objects.service, streams)[1]]
+    live = [slot_loads_route(objects.service, streams, StreamMetrics.of(objects.front))[1]]
     return with_command_routes(
         [*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
     )
@@ -194,7 +194,11 @@ async def select_service_objects(
 
 
 def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
-    live = [partition_loads_route(objects.service, streams)[1], decisions_route(objects.service, streams)[1]]
+    metrics = StreamMetrics.of(objects.front)
+    live = [
+        partition_loads_route(objects.service, streams, metrics)[1],
+        decisions_route(objects.service, streams, metrics)[1],
+    ]
     return with_command_routes(
         [*select_service_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
     )

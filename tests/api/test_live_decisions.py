@@ -207,3 +207,27 @@ async def test_beyond_the_limit_a_subscriber_is_closed_with_1013(tmp_path: Path,
         with pytest.raises(ConnectionClosed) as closed:
             await second.get_message()
         assert closed.value.reason.code == 1013
+
+
+def sample(text: str, name: str) -> float | None:
+    """The value of the exposition line starting with ``name`` (labels included), None if absent."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_stream_counters_move_in_the_metrics(tmp_path: Path, layout: str) -> None:
+    settings = StreamSettings(max_subscribers=1)
+    async with selector(tmp_path, layout, streams=settings) as (service, http), decisions(service) as ws:
+        await add_workers(http, 1, 2)
+        assert (await http.post("/select", json=prompt(0))).status_code == 200
+        assert (await decision(ws))["explain"]["reason"] == "tie"
+        async with open_stream(stream_url(service.urls[0], "/ws/decisions")) as second:
+            with pytest.raises(ConnectionClosed):
+                await second.get_message()
+        text = (await http.get("/metrics")).text
+        assert sample(text, 'kvrouter_stream_subscribers{stream="decisions"}') == 1.0
+        assert sample(text, 'kvrouter_stream_refused_total{stream="decisions"}') == 1.0
+        assert sample(text, 'kvrouter_selections_explained_total{reason="tie"}') == 1.0
