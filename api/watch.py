@@ -162,9 +162,9 @@ def decision_line(message: dict[str, Any]) -> str:
     booked = "reserve" if message["reserved"] else "select "
     stamp = time.strftime("%H:%M:%S", time.localtime(message["at_ns"] / 1e9))
     return (
-        f"{stamp} #{message['seq']:<6} {booked} {message['model_name']}/{message['tenant_id']} -> worker "
-        f"{message['worker_id']} rank {message['dp_rank']}  {reason:<24} cost {cost_text:>8}  cached {cached:>6} "
-        f"of {explain['isl_tokens']} tokens  {len(explain['candidates'])} candidates"
+        f"{stamp} #{message['seq']} {booked} {message['model_name']}/{message['tenant_id']} -> worker "
+        f"{message['worker_id']} rank {message['dp_rank']}: {reason}, cost {cost_text}, cached {cached} "
+        f"of {explain['isl_tokens']} tokens, {len(explain['candidates'])} candidates"
     )
 
 
@@ -217,7 +217,7 @@ async def _print_decisions(ws: WebSocketConnection, out: TextIO) -> None:
             if last is not None and message["seq"] > last + 1:
                 console.print(f"[dim]... {message['seq'] - last - 1} decisions dropped (this terminal was slow)[/]")
             last = message["seq"]
-            console.print(decision_line(message))
+            console.print(decision_line(message), soft_wrap=True)
 
 
 async def _show_loads(ws: WebSocketConnection, url: str, out: TextIO) -> None:

@@ -159,5 +159,5 @@ def test_the_table_and_the_decision_log_as_rendered() -> None:
             },
         }
     )
-    assert "worker 2 rank 0" in line and "cache" in line and "1.50" in line and "cached     48 of 64" in line
+    assert "worker 2 rank 0: cache, cost 1.50, cached 48 of 64 tokens, 2 candidates" in line
     assert main(["not a url at all:::"], io.StringIO()) == 2
