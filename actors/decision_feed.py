@@ -22,7 +22,7 @@ import trio
 
 from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.metric_families import Family, counter
+from kvrouter.actors.metric_families import Family, Labels, counter
 
 MAX_RECORDS = 4096
 MAX_BYTES = 8 * 1024 * 1024
@@ -106,7 +106,7 @@ class DecisionFeed:
 
     def families(self) -> list[Family]:
         """For ``GET /metrics`` (a ``SelectService.metric_sources`` entry)."""
-        reasons = {(reason,): float(count) for reason, count in self.by_reason.items()}
+        reasons: dict[Labels, float] = {(reason,): float(count) for reason, count in self.by_reason.items()}
         return [
             counter(
                 "kvrouter_selections_explained",
