@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import shutil
 import sys
 import tempfile
@@ -27,7 +28,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port, reference_python, rss_bytes
-from slot_tracker_bench import BLOCK_SIZE, BLOCKS, RANKS, WORKERS, Result, Server, measure
+from slot_tracker_bench import BLOCK_SIZE, BLOCKS, RANKS, WORKERS, Result, Server, cpu_seconds, measure
 
 from kvrouter.client import StreamClient
 
@@ -97,10 +98,14 @@ def streamed(args: argparse.Namespace) -> Result:
         server.wait_ready()
         trio.run(setup, url)
         trio.run(drive, url, args.callers, args.connections, 0.5, 1)  # warm-up
+        service_cpu = client_cpu = 0.0
         for round_index in range(args.rounds):
+            service_before, client_before = cpu_seconds(server.process.pid), own_cpu_seconds()
             result, messages = trio.run(
                 drive, url, args.callers, args.connections, args.seconds / args.rounds, 2 + round_index
             )
+            service_cpu += cpu_seconds(server.process.pid) - service_before
+            client_cpu += own_cpu_seconds() - client_before
             rounds.append(result)
             print(
                 f"  round {round_index + 1}: {result.rate:8.0f} commands/s, {result.requests / max(messages, 1):6.1f} "
@@ -118,7 +123,18 @@ def streamed(args: argparse.Namespace) -> Result:
         f"p99 {result.percentile(0.99):6.0f} us per command)   rss {rss / 1024:6.1f} MiB   ({load()})",
         flush=True,
     )
+    commands = sum(r.requests for r in rounds)
+    print(
+        f"{'':<26}CPU per command: service {1e6 * service_cpu / commands:5.1f} us, "
+        f"client library (this process) {1e6 * client_cpu / commands:5.1f} us",
+        flush=True,
+    )
     return result
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
