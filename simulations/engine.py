@@ -18,8 +18,9 @@ with chunked prefill, as the reference's mocker does:
 The pass lasts ``prefill(T) + decode(p)`` (``timing.EngineParams``), ``decode(p)`` only when a request
 past its prompt computes its next token in it: the pass that ends a prompt samples that request's first
 token from the prefill itself, as the reference's mocker times it (a lone prompt's time to first token is
-``prefill(T)``). KV events of the pass (blocks stored as they fill, evictions, a clear) are returned with
-it, in order.
+``prefill(T)``). ``p`` sums the tokens of the decoding sequences, over the capacity in tokens; ``T`` is
+the reference's rounding of the chunks' mean end and start (``EngineParams.timed_prefill_tokens``).
+KV events of the pass (blocks stored as they fill, evictions, a clear) are returned with it, in order.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class EngineRequest:
 class PassResult:
     duration_ms: float
     prefill_tokens: int  # uncached prompt tokens computed (T)
-    kv_share: float  # p: share of the KV blocks held by running requests when tokens were emitted
+    kv_share: float  # p: share of the KV capacity, in tokens, that the sequences decoding in the pass fill
     admitted: list[tuple[EngineRequest, int]]  # (request, prompt tokens found cached)
     emitted: list[EngineRequest]  # requests that produced a token at the end of the pass
     finished: list[EngineRequest]  # requests whose last token that was
@@ -144,7 +145,8 @@ class WorkerEngine:
         bs = params.block_size
         emitted: list[EngineRequest] = []  # requests whose whole sequence is computed after this pass
         caching = params.prefix_caching
-        decoding = False  # a request past its prompt computes its next token in this pass
+        decoding = 0  # tokens in the sequences of the requests past their prompt that decode in this pass
+        chunks = ends = starts = 0  # prefill chunks in the pass, the sums of where they end and start
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -159,7 +161,7 @@ class WorkerEngine:
                 budget -= 1
                 i += 1
                 emitted.append(request)
-                decoding = True
+                decoding += request.length
                 continue
             count = need if need < budget else budget
             if not self._grow(request, count):
@@ -167,10 +169,13 @@ class WorkerEngine:
                 self._preempt(victim)
                 preempted.append(victim)
                 continue
-            if need > 1 or request.computed - count < request.prompt_length:
+            if need > 1 or computed < request.prompt_length:
                 prefill += count
+                chunks += 1
+                ends += computed + count
+                starts += computed
             else:
-                decoding = True
+                decoding += request.length
             budget -= count
             i += 1
             if request.computed == request.length:
@@ -186,16 +191,19 @@ class WorkerEngine:
             admitted.append((request, cached))
             computed_now = request.computed - cached
             prefill += computed_now
+            chunks += 1
+            ends += request.computed
+            starts += cached
             budget -= computed_now
             if request.computed == request.length:
                 emitted.append(request)
-        duration = params.prefill_time(prefill)
+        duration = params.prefill_time(params.timed_prefill_tokens(chunks, ends, starts))
         finished: list[EngineRequest] = []
         share = 0.0
+        if decoding:
+            share = decoding / (params.num_blocks * bs)
+            duration += params.decode_time(share)
         if emitted:
-            share = self.cache.active / params.num_blocks
-            if decoding:
-                duration += params.decode_time(share)
             for request in emitted:
                 request.generated += 1
                 if request.generated >= request.output_length:

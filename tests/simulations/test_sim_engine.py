@@ -103,14 +103,52 @@ def test_pass_time_is_prefill_plus_decode_of_the_kv_share() -> None:
     worker.submit(request(list(range(10)), output=3))
     first = worker.step()  # 10 prompt tokens: the forward pass that ends the prompt samples the first token
     assert first.emitted and first.duration_ms == pytest.approx(params.prefill_time(10))
-    decode = worker.step()  # a decode step: 3 blocks held when the second token comes out
+    decode = worker.step()  # a decode step over a sequence of 11 tokens (3 blocks held)
     assert decode.prefill_tokens == 0
-    assert decode.kv_share == pytest.approx(0.3)
-    assert decode.duration_ms == pytest.approx(params.decode_time(0.3))
+    assert decode.kv_share == pytest.approx(11 / 40)  # tokens over the capacity in tokens, not 3 / 10 blocks
+    assert decode.duration_ms == pytest.approx(params.decode_time(11 / 40))
     worker.submit(request(list(range(20, 26)), output=1, index=1))
     mixed = worker.step()  # one prompt of 6 tokens and one decode token: both parts
     assert mixed.prefill_tokens == 6 and len(mixed.emitted) == 2
-    assert mixed.duration_ms == pytest.approx(params.prefill_time(6) + params.decode_time(mixed.kv_share))
+    # Only the decoding sequence (now 12 tokens) counts in p; the prompt computed beside it does not.
+    assert mixed.kv_share == pytest.approx(12 / 40)
+    assert mixed.duration_ms == pytest.approx(params.prefill_time(6) + params.decode_time(12 / 40))
+
+
+def test_the_decode_share_sums_the_decoding_sequences_in_tokens() -> None:
+    # As the reference's mocker times it (measured: a lone 6,400-token prompt's second token takes
+    # decode(6401 / 1,048,576), not decode(101 blocks / 16,384)): p counts the tokens of the sequences
+    # that decode in the pass, partly filled blocks as what they hold, and nothing of a prompt in prefill.
+    params = EngineParams(block_size=BS, num_blocks=100, max_batched_tokens=64, max_running=8)
+    worker = WorkerEngine(params)
+    worker.submit(request(list(range(9)), output=5, index=0))  # 9 tokens: 3 blocks, the last holding 1
+    worker.submit(request(list(range(100, 105)), output=5, index=1))
+    worker.step()  # both prompts, both first tokens
+    both = worker.step()  # sequences of 10 and 6 tokens decode
+    assert both.kv_share == pytest.approx((10 + 6) / 400)
+    assert worker.cache.active == 3 + 2  # blocks held: the old share would have been 5 / 100
+    worker.submit(request(list(range(200, 240)), output=2, index=2))
+    with_prompt = worker.step()  # a 40-token prompt beside the two decodes
+    assert with_prompt.prefill_tokens == 40
+    assert with_prompt.kv_share == pytest.approx((11 + 7) / 400)
+
+
+def test_the_timed_prefill_rounds_the_chunks_mean_positions_as_the_reference_does() -> None:
+    # Two chunks: the end of a prompt (tokens 15,575 to 20,000) and a new prompt's first 3,766 tokens.
+    # The reference's mocker times them as 2 x (23,766 // 2 - 15,575 // 2) = 8,192 tokens, one more
+    # than computed; measured there: the pass lasts prefill(8192) + decode(p), 0.022 ms more.
+    assert EngineParams.timed_prefill_tokens(2, 20_000 + 3_766, 15_575) == 8_192
+    assert EngineParams.timed_prefill_tokens(2, 36_640 + 5_115, 33_564) == 8_190  # and one fewer
+    assert EngineParams.timed_prefill_tokens(1, 5_000, 1_000) == 4_000  # one chunk: exact
+    assert EngineParams.timed_prefill_tokens(0, 0, 0) == 0
+    params = EngineParams(block_size=BS, num_blocks=100, max_batched_tokens=7, max_running=8)
+    worker = WorkerEngine(params)
+    worker.submit(request(list(range(10)), output=2, index=0))
+    assert worker.step().duration_ms == pytest.approx(params.prefill_time(7))  # tokens 0-6 of the first prompt
+    worker.submit(request(list(range(100, 120)), output=2, index=1))
+    both = worker.step()  # tokens 7-9 of the first prompt, 0-3 of the second: ends 10 + 4, starts 7 + 0
+    assert both.prefill_tokens == 7
+    assert both.duration_ms == pytest.approx(params.prefill_time(2 * (14 // 2 - 7 // 2)))  # timed as 8
 
 
 def test_a_full_cache_preempts_the_newest_request_which_then_recomputes() -> None:
