@@ -286,7 +286,7 @@ class Exchange:
                 cached = _cached_tokens(answer)
                 if cached is not None:
                     self.extra_headers.append((b"x-kvrouter-prefill-cached-tokens", str(cached).encode()))
-                await self.routing.prefill_complete(target)
+                await self.routing.prefill_complete(target, cached)
         except WorkerUnreachable as exc:
             problem = exc.reason
         except httpx.HTTPError as exc:
@@ -358,8 +358,9 @@ class Exchange:
         try:
             try:
                 return await self.proxy.client.send(request, stream=True)
-            except httpx.RemoteProtocolError:
-                # A pooled connection the worker closed as we sent (its idle timeout): once more, on a new one.
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # Connected, and the connection dropped before any answer (a pooled connection the worker's idle
+                # timeout closed as the request went out): once more to the same worker, on a new connection.
                 return await self.proxy.client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise WorkerUnreachable(target, f"at {target.endpoint} cannot be reached ({_describe(exc)})") from None

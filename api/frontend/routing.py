@@ -93,9 +93,11 @@ class Routing:
             prefill = _target(chosen.prefill, chosen.prefill.reservation_id or f"{request_id}:prefill")
         return Plan(decode, prefill)
 
-    async def prefill_complete(self, target: Target) -> None:
+    async def prefill_complete(self, target: Target, cached_tokens: int | None = None) -> None:
+        """``cached_tokens``: what the worker reported cached, when known then (the service compares it with
+        its prediction)."""
         with as_router_errors():
-            await self.service.complete_prefill(target.reservation_id)
+            await self.service.complete_prefill(target.reservation_id, cached_tokens)
 
     async def free(self, target: Target) -> None:
         """Release the booking; one already gone (expired, freed) is not an error here."""

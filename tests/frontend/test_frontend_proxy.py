@@ -298,3 +298,42 @@ async def test_bad_requests_are_refused_before_anything_is_booked(nursery: trio.
         assert worker.app.loop.finished == 0
         stats = (await http.get("/frontend/stats")).json()
         assert stats["refused"] == 10 and stats["in_flight"] == 0
+
+
+async def flaky_worker(task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """A worker whose first connection is closed once a request has arrived on it (a keep-alive connection its
+    idle timeout closed as the request was sent); later connections get a whole answer."""
+    connections = 0
+
+    async def serve(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(65536)
+            if connections == 1:
+                return
+            body = b'{"choices":[{"index":0,"text":"fine","finish_reason":"length"}],"usage":{"prompt_tokens":17}}'
+            head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            await stream.send_all(head.encode() + body)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(serve, listeners)
+
+
+async def test_a_connection_dropped_before_any_answer_is_sent_again(nursery: trio.Nursery) -> None:
+    """Before: the dropped connection answered the client 502 (seen in the demo: a pooled connection that the
+    worker's idle timeout had closed)."""
+    frontend = await start_frontend(nursery)
+    port = await nursery.start(flaky_worker)
+    async with httpx.AsyncClient(base_url=frontend.url, timeout=10) as http:
+        worker = {"worker_id": 3, "model_name": "mock", "endpoint": f"http://127.0.0.1:{port}", "block_size": 4}
+        worker["kv_events_endpoint"] = IN_PROCESS_KV_EVENTS
+        assert (await http.post("/workers", json=worker)).status_code in (200, 201)
+        answer = await http.post("/v1/completions", json={"prompt": PROMPT})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == "fine"
+        assert (await http.get("/frontend/stats")).json()["retried"] == 0  # the same worker, on a new connection
+        await wait_idle(http)
