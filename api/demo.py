@@ -19,6 +19,8 @@ import itertools
 import logging
 import math
 import random
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -48,8 +50,9 @@ TURNS = 4
 SPEEDUP = 1.0  # the engine model in real time: prefill time is then well above the proxy's own overhead
 SESSIONS_PER_SECOND = 8.0
 THINK_SECONDS = 0.1
-OUTPUT_TOKENS = 12  # mean answer length
+OUTPUT_TOKENS = 8  # mean answer length (few: each token is one event through three HTTP hops)
 CLIENT_TIMEOUT = 60.0
+CLUSTER_START_SECONDS = 60.0
 
 
 @attrs.frozen
@@ -144,26 +147,28 @@ def _tokens(hash_ids: Sequence[int], length: int) -> list[int]:
 
 
 async def ask(http: httpx.AsyncClient, turn: Turn) -> Outcome:
-    """One streamed completion through the frontend, timed at the client."""
+    """One streamed completion through the frontend, timed at the client. Only the last event (the usage) is
+    parsed: the first token is the first chunk carrying a ``"text"``, the rest is counted, not decoded."""
     body = {"prompt": turn.prompt, "max_tokens": turn.max_tokens, "stream": True}
     body["stream_options"] = {"include_usage": True}
     started = time.perf_counter()
     first = None
-    usage: dict[str, Any] = {}
+    tail = b""
     async with http.stream("POST", "/v1/completions", content=orjson.dumps(body)) as response:
         if response.status_code != 200:
             text = (await response.aread())[:200]
             raise RuntimeError(f"{response.status_code} {text!r}")
         worker = response.headers.get("x-kvrouter-worker-id", "?")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = orjson.loads(line[6:])
-            if first is None and event.get("choices"):
+        async for chunk in response.aiter_raw():
+            if first is None and b'"text"' in chunk:
                 first = time.perf_counter()
-            if event.get("usage"):
-                usage = event["usage"]
+            tail = (tail + chunk)[-4096:]
     ended = time.perf_counter()
+    usage: dict[str, Any] = {}
+    for event in reversed(tail.split(b"\n\n")):
+        if event.startswith(b"data: {") and b'"usage"' in event:
+            usage = orjson.loads(event[6:]).get("usage") or {}
+            break
     return Outcome(
         ttft=(first or ended) - started,
         latency=ended - started,
@@ -202,11 +207,48 @@ async def replay(url: str, sessions: list[Session]) -> tuple[list[Outcome], int,
 
 
 async def run_mode(mode: str, workers: int, sessions: list[Session], speedup: float, seed: int) -> ModeResult:
-    """A fresh frontend in ``mode`` and fresh workers (empty caches), the workload, then everything stopped."""
+    """A fresh cluster (frontend in ``mode``, ``workers`` workers with empty caches) in a process of its own, the
+    workload from this one, then the cluster stopped."""
+    command = [sys.executable, "-m", "kvrouter.api.demo", "--serve-cluster", mode, "--workers", str(workers)]
+    command += ["--speedup", str(speedup), "--seed", str(seed)]
+    process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    try:
+        url = await _cluster_url(process)
+        outcomes, failures, seconds = await replay(url, sessions)
+    finally:
+        with trio.CancelScope(shield=True):
+            await _stop(process)
+    return ModeResult(mode, tuple(outcomes), failures, seconds)
+
+
+async def _cluster_url(process: trio.Process) -> str:
+    """The frontend's URL, which the cluster process prints once every worker's KV events are subscribed."""
+    assert process.stdout is not None
+    received = b""
+    with trio.fail_after(CLUSTER_START_SECONDS):
+        while b"\n" not in received:
+            chunk = await process.stdout.receive_some(4096)
+            if not chunk:
+                raise RuntimeError(f"the demo's cluster process exited with status {await process.wait()}")
+            received += chunk
+    return received.split(b"\n", 1)[0].decode().strip()
+
+
+async def _stop(process: trio.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(10):
+            await process.wait()
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+
+
+async def serve_cluster(mode: str, workers: int, speedup: float, seed: int) -> None:
+    """``--serve-cluster MODE``: a frontend and ``workers`` mock workers in this process; prints the frontend's
+    URL when they are ready, then serves until SIGTERM or SIGINT."""
     canonical = parse_router_mode(mode)
     assert canonical is not None
-    preset = ENGINE_PRESETS["dynamo-mocker"]
-    engine = attrs.evolve(preset, block_size=BLOCK_SIZE, num_blocks=preset.num_blocks * preset.block_size // BLOCK_SIZE)
     options = FrontendOptions(
         port=0,
         router=RouterConfig(router_mode=canonical),
@@ -214,22 +256,27 @@ async def run_mode(mode: str, workers: int, sessions: list[Session], speedup: fl
         seed=seed,
         limits=FrontendLimits(request_timeout=CLIENT_TIMEOUT),
     )
-    async with trio.open_nursery() as nursery:
-        frontend: FrontendHandle = await nursery.start(run_frontend, options)
-        for index in range(workers):
-            worker = MockWorkerOptions(
-                engine=engine, speedup=speedup, register_url=frontend.url, worker_id=index + 1, register_attempts=3
-            )
-            await nursery.start(run_mock_worker, worker)
-        await _listening(frontend, workers)
-        outcomes, failures, seconds = await replay(frontend.url, sessions)
-        nursery.cancel_scope.cancel()
-    return ModeResult(mode, tuple(outcomes), failures, seconds)
+    preset = ENGINE_PRESETS["dynamo-mocker"]
+    engine = attrs.evolve(preset, block_size=BLOCK_SIZE, num_blocks=preset.num_blocks * preset.block_size // BLOCK_SIZE)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            frontend: FrontendHandle = await nursery.start(run_frontend, options)
+            for index in range(workers):
+                worker = MockWorkerOptions(
+                    engine=engine, speedup=speedup, register_url=frontend.url, worker_id=index + 1, register_attempts=3
+                )
+                await nursery.start(run_mock_worker, worker)
+            await _listening(frontend, workers)
+            sys.stdout.write(frontend.url + "\n")
+            sys.stdout.flush()
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
 
 
 async def _listening(frontend: FrontendHandle, count: int) -> None:
     """Until every worker's KV-event listener is subscribed (events published before would be missed)."""
-    with trio.fail_after(30):
+    with trio.fail_after(CLUSTER_START_SECONDS):
         while True:
             rows = await frontend.routing.service.workers()
             ready = [r for r in rows if r.listeners and all(s.get("state") == "active" for s in r.listeners.values())]
@@ -342,12 +389,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=_count(0, 2**32), default=1, help="workload seed (default 1)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--serve-cluster", choices=MODES, help=argparse.SUPPRESS)  # the demo's own child process
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_setup.configure(args.log_level, "demo")
+    if args.serve_cluster is not None:
+        trio.run(serve_cluster, args.serve_cluster, args.workers, args.speedup, args.seed)
+        return 0
     started = time.perf_counter()
     try:
         results = trio.run(run_demo, args.workers, args.requests, args.speedup, args.seed)
