@@ -17,6 +17,7 @@ import signal
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from functools import partial
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from kvrouter.api.live_decisions import decisions_route
 from kvrouter.api.live_loads import partition_loads_route, slot_loads_route
 from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamMetrics, StreamSettings
 from kvrouter.api.metrics import FrontMetrics, metrics_route
+from kvrouter.api.openapi import openapi_route
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
 from kvrouter.api.select_routes import select_service_routes
@@ -56,6 +58,7 @@ from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import DataDirectoryInUse, Durability
 
 log = logging.getLogger("kvrouter")
+KVROUTER_VERSION = version("kvrouter")
 
 GC_GEN0_THRESHOLD = 20_000  # CPython's default is 700
 SLOT_TRACKER_BODY_LIMIT = 2 * 1024 * 1024  # axum's default, as the reference slot tracker
@@ -130,9 +133,10 @@ async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nur
 
 def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
     live = [slot_loads_route(objects.service, streams, StreamMetrics.of(objects.front))[1]]
-    return with_command_routes(
+    served = with_command_routes(
         [*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
     )
+    return [*served, openapi_route(served, "kvrouter slot tracker", KVROUTER_VERSION)]
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
@@ -199,9 +203,10 @@ def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = 
         partition_loads_route(objects.service, streams, metrics)[1],
         decisions_route(objects.service, streams, metrics)[1],
     ]
-    return with_command_routes(
+    served = with_command_routes(
         [*select_service_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
     )
+    return [*served, openapi_route(served, "kvrouter selection service", KVROUTER_VERSION)]
 
 
 def select_objects_builder(
