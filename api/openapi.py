@@ -361,6 +361,11 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
         responses={101: None},
         query=SCOPE_QUERY,
     ),
+    ("GET", "/ws/decisions"): RouteDoc(
+        "Live decisions (WebSocket, selection service): one message per selection with its explanation",
+        responses={101: None},
+        query=SCOPE_QUERY,
+    ),
     # -- about the service itself
     ("GET", "/metrics"): RouteDoc(
         "The service's figures in Prometheus's text format", responses={200: {"type": "string"}}, content=TEXT
