@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlencode, urlsplit
@@ -263,9 +263,23 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     mode = "json" if args.json else "decisions" if args.decisions else "loads"
     try:
         trio.run(follow, url, token, mode, out)
-    except WatchError as exc:
-        print(f"kvrouter watch: {exc}", file=sys.stderr)
-        return exc.status
-    except KeyboardInterrupt:
-        return 0
+    except BaseException as exc:  # anything but Ctrl-C or a WatchError is raised again
+        leaves = list(_leaves(exc))
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+            return 0
+        failure = next((leaf for leaf in leaves if isinstance(leaf, WatchError)), None)
+        if failure is None:
+            raise
+        print(f"kvrouter watch: {failure}", file=sys.stderr)
+        return failure.status
     return 0
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions inside the nurseries' exception groups (a stream the service closes or a Ctrl-C arrives
+    wrapped in one group per nursery it crossed)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc

@@ -5,6 +5,7 @@ connection, refused upgrade), never a traceback. Also the table and the decision
 from __future__ import annotations
 
 import io
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,36 @@ def test_the_table_and_the_decision_log_as_rendered() -> None:
     )
     assert "worker 2 rank 0: cache, cost 1.50, cached 48 of 64 tokens, 2 candidates" in line
     assert main(["not a url at all:::"], io.StringIO()) == 2
+
+
+async def _finish(process: trio.Process) -> tuple[int, str]:
+    """Wait for the watcher to exit; its status and stderr."""
+    assert process.stderr is not None
+    chunks = []
+    while chunk := await process.stderr.receive_some(65536):
+        chunks.append(chunk)
+    return await process.wait(), b"".join(chunks).decode()
+
+
+async def test_a_stream_the_service_closes_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path / "data") as service:
+        command = [*WATCH, service.urls[0], "--json"]
+        process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert (await Lines(process).next())["type"] == "snapshot"
+    # leaving `running` stopped the service, which closes every stream with 1001
+    with trio.fail_after(60):
+        status, stderr = await _finish(process)
+    assert status == 1, stderr
+    assert stderr.startswith("kvrouter watch: the service closed the stream (1001"), stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+
+
+async def test_ctrl_c_exits_0_without_a_traceback(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path / "data") as service:
+        command = [*WATCH, service.urls[0], "--json"]
+        process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with trio.fail_after(60):
+            assert (await Lines(process).next())["type"] == "snapshot"  # following the stream
+            process.send_signal(signal.SIGINT)
+            status, stderr = await _finish(process)
+        assert (status, stderr) == (0, "")
