@@ -30,6 +30,7 @@ from rich.table import Table
 from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
 
 from kvrouter.api.auth import TOKEN_FILE_ENV, BearerToken, TokenFileError
+from kvrouter.api.one_line_parser import OneLineParser
 from kvrouter.api.stream_client import open_stream, stream_url
 
 PING_SECONDS = 10.0  # the service closes a connection silent for its body timeout (30 s by default)
@@ -56,7 +57,7 @@ class WatchError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvrouter watch",
         description="Follow a kvrouter service's loads (or, with --decisions, its selections) live.",
     )

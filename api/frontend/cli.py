@@ -22,17 +22,11 @@ from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLi
 from kvrouter.api.frontend.service import run_until_signal
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
 from kvrouter.api.http_flags import add_http_flags, http_options
+from kvrouter.api.one_line_parser import OneLineParser
 from kvrouter.journal.store import Durability
 
 log = logging.getLogger("kvrouter.frontend")
 LIMITS = FrontendLimits()
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A bad flag is one line (and exit 2), not the usage block."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(BAD_CONFIGURATION, f"{self.prog}: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

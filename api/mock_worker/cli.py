@@ -31,6 +31,7 @@ from kvrouter.api.mock_worker.openai_app import (
 )
 from kvrouter.api.mock_worker.registration import RegistrationFailed
 from kvrouter.api.mock_worker.service import MockWorkerOptions, run_until_signal
+from kvrouter.api.one_line_parser import OneLineParser
 from kvrouter.simulations.timing import ENGINE_PRESETS
 
 log = logging.getLogger("kvrouter.mock_worker")
@@ -41,7 +42,7 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's default
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvrouter mock-worker",
         description="An OpenAI-compatible inference worker without a GPU: the simulator's engine model on the "
         "real clock, KV events over ZMQ in vLLM's wire format.",

@@ -95,6 +95,8 @@ def test_a_bad_url_or_token_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
         ["http://127.0.0.1:99999"],
         ["http://127.0.0.1:1/loads"],
         ["http://127.0.0.1:1", "--token-file", str(tmp_path / "missing")],
+        [],
+        ["http://127.0.0.1:1", "--bogus"],
     ):
         done = run_watch(*arguments)
         assert done.returncode == 2, (arguments, done.stderr)

@@ -133,12 +133,15 @@ def bad_starts(tmp_path: Path, *argvs: list[str]) -> list[tuple[int, str]]:
         (["--speedup", "0"], "argument --speedup: '0' is not a positive number"),
         (["--blocks", "nan"], "argument --blocks: 'nan' is not a positive number"),
         (["--worker-id", "-1"], "argument --worker-id: '-1' is not a worker id"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_a_bad_flag_exits_2_naming_it(capsys: pytest.CaptureFixture[str], flags: list[str], text: str) -> None:
     with pytest.raises(SystemExit) as exited:
         main(flags)
-    assert exited.value.code == 2 and text in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and text in err
+    assert err.count("\n") == 1 and err.startswith("kvrouter mock-worker: "), err  # one line, not the usage block
 
 
 def test_startup_failures_are_one_line(tmp_path: Path) -> None:
