@@ -5,15 +5,14 @@ upgrade, and the TCP socket is closed on exit however the connection ended."""
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-import trio
-from trio_websocket import HandshakeError, WebSocketConnection, wrap_client_stream
+from trio_websocket import WebSocketConnection
+
+from kvrouter.client.stream import open_websocket
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of many scopes is one message
-CLOSE_SECONDS = 2.0
 
 
 def stream_url(url: str, path: str) -> str:
@@ -38,42 +37,10 @@ def stream_url(url: str, path: str) -> str:
 async def open_stream(
     url: str, *, token: str | None = None, receive_buffer: int | None = None
 ) -> AsyncIterator[WebSocketConnection]:
-    """Connect to ``url`` (a ws:// URL); ``receive_buffer``: the socket's SO_RCVBUF (tests of slow readers).
-    A refused upgrade raises trio-websocket's ``ConnectionRejected``; a refused connection ``OSError``."""
-    parts = urlsplit(url)
-    if parts.scheme != "ws" or parts.hostname is None:
-        raise ValueError(f"{url!r} is not a ws:// URL")
-    port = parts.port or 80
-    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    headers = [(b"authorization", b"Bearer " + token.encode())] if token is not None else None
-    if receive_buffer is None:
-        stream = await trio.open_tcp_stream(parts.hostname, port)
-    else:
-        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-        await sock.connect((parts.hostname, port))
-        stream = trio.SocketStream(sock)
-    rejected: list[HandshakeError] = []
-    try:
-        async with trio.open_nursery() as nursery:
-            connection = await wrap_client_stream(
-                nursery,
-                stream,
-                f"{parts.hostname}:{port}",
-                resource,
-                extra_headers=headers,
-                max_message_size=MAX_MESSAGE_BYTES,
-            )
-            try:
-                yield connection
-            finally:
-                with trio.move_on_after(CLOSE_SECONDS) as closing:
-                    closing.shield = True
-                    await connection.aclose()
-                nursery.cancel_scope.cancel()
-    except* HandshakeError as refusals:
-        rejected.extend(refusals.exceptions)  # type: ignore[arg-type]
-    finally:
-        await trio.aclose_forcefully(stream)
-    if rejected:
-        raise rejected[0]
+    """Connect to ``url`` (a ws:// URL) with the command stream client's connection (``client.stream``), whose
+    messages here may be as large as a snapshot; ``receive_buffer``: the socket's SO_RCVBUF (tests of slow
+    readers). A refused upgrade raises trio-websocket's ``ConnectionRejected``; a refused connection ``OSError``."""
+    async with open_websocket(
+        url, token=token, max_message_size=MAX_MESSAGE_BYTES, receive_buffer=receive_buffer
+    ) as connection:
+        yield connection

@@ -14,6 +14,7 @@ Bounds: at most ``max_in_flight`` commands waiting for a result; beyond it a cal
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -48,17 +49,25 @@ class _Waiter:
 
 @contextlib.asynccontextmanager
 async def open_websocket(
-    url: str, *, token: str | None = None, max_message_size: int = MAX_REPLY_BYTES
+    url: str, *, token: str | None = None, max_message_size: int = MAX_REPLY_BYTES, receive_buffer: int | None = None
 ) -> AsyncIterator[WebSocketConnection]:
-    """A WebSocket client connection to ``url`` (``ws://host:port/path``) whose TCP socket is closed on exit,
-    however the connection ended (trio-websocket 0.12's ``open_websocket_url`` leaves it open when the
-    service closes first). A refused upgrade raises trio-websocket's ``ConnectionRejected``."""
+    """A WebSocket client connection to ``url`` (``ws://host:port/path[?query]``) whose TCP socket is closed on
+    exit, however the connection ended (trio-websocket 0.12's ``open_websocket_url`` leaves it open when the
+    service closes first). ``receive_buffer``: the socket's SO_RCVBUF (tests of slow readers). A refused
+    upgrade raises trio-websocket's ``ConnectionRejected``; a refused connection ``OSError``."""
     parts = urlsplit(url)
     if parts.scheme != "ws" or parts.hostname is None:
         raise ValueError(f"{url!r} is not a ws:// URL (kvrouter serves plain HTTP)")
     port = parts.port or 80
+    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     headers = [(b"authorization", b"Bearer " + token.encode())] if token is not None else None
-    stream = await trio.open_tcp_stream(parts.hostname, port)
+    if receive_buffer is None:
+        stream = await trio.open_tcp_stream(parts.hostname, port)
+    else:
+        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        await sock.connect((parts.hostname, port))
+        stream = trio.SocketStream(sock)
     rejected: list[HandshakeError] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -66,7 +75,7 @@ async def open_websocket(
                 nursery,
                 stream,
                 f"{parts.hostname}:{port}",
-                parts.path or "/",
+                resource,
                 extra_headers=headers,
                 max_message_size=max_message_size,
                 receive_buffer_size=RECEIVE_BYTES,
