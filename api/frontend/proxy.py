@@ -30,8 +30,9 @@ from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.options import FrontendLimits
 from kvrouter.api.frontend.routing import Plan, Routing, Target
 from kvrouter.api.frontend.tokenizers import Tokenize
-from kvrouter.api.http import JSON, Response, error_response
+from kvrouter.api.http import Response, error_response
 from kvrouter.api.mock_worker.requests import RequestProblem, parse_request
+from kvrouter.api.openai_body import Refusal, read_json_body
 
 log = logging.getLogger("kvrouter.frontend")
 
@@ -39,17 +40,8 @@ ASGIScope = dict[str, Any]
 SSE_DATA = b"data: "
 DONE = b"[DONE]"
 _BODY_UNREAD = frozenset({408, 413, 415, 503})
-UNSUPPORTED_MEDIA = "Expected request with `Content-Type: application/json`"
 # Response headers of the worker worth passing on (hop-by-hop and length headers are the server's business).
 PASSED_HEADERS = frozenset({b"content-type", b"cache-control", b"retry-after"})
-
-
-class Refusal(Exception):
-    """An answer decided before any byte of a response went out."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status)
-        self.response = response
 
 
 class WorkerUnreachable(Exception):
@@ -109,36 +101,11 @@ class Proxy:
             counters.in_flight -= 1
 
     async def _read_body(self, scope: ASGIScope, receive: Any) -> bytes:
-        content_type = content_length = None
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                content_type = value
-            elif name == b"content-length":
-                content_length = int(value) if value.isdigit() else None
-        mime = None if content_type is None else content_type.split(b";", 1)[0].strip().lower()
-        if mime != JSON:
-            raise Refusal(error_response(415, UNSUPPORTED_MEDIA))
         limit = self.limits.body_limit
-        too_large = Refusal(error_response(413, f"the request body is larger than {limit} bytes (--max-body-bytes)"))
-        if content_length is not None and content_length > limit:
-            raise too_large
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.limits.body_timeout) as reading:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise Refusal(error_response(400, "client disconnected"))
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        if reading.cancelled_caught:
-            raise Refusal(error_response(408, f"the request body did not arrive within {self.limits.body_timeout:g} s"))
-        return b"".join(chunks)
+        too_large = f"the request body is larger than {limit} bytes (--max-body-bytes)"
+        return await read_json_body(
+            scope, receive, limit=limit, arrival_seconds=self.limits.body_timeout, too_large=too_large
+        )
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], str, list[int]]:
         try:

@@ -26,13 +26,13 @@ from kvrouter.api.http import JSON, Response, error_response, json_response
 from kvrouter.api.mock_worker.engine_loop import EngineLoop, Generation
 from kvrouter.api.mock_worker.kv_publisher import KvEventPublisher
 from kvrouter.api.mock_worker.requests import GenerateRequest, RequestProblem, parse_request
+from kvrouter.api.openai_body import Refusal, read_json_body
 
 log = logging.getLogger("kvrouter.mock_worker")
 
 ASGIScope = dict[str, Any]
 SSE = b"text/event-stream"
 DONE = b"data: [DONE]\n\n"
-UNSUPPORTED_MEDIA = "Expected request with `Content-Type: application/json`"
 BODY_TOO_LARGE = "the request body is larger than --max-body-bytes ({limit} bytes)"
 DEFAULT_BODY_LIMIT = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -45,12 +45,6 @@ class AppLimits:
     body_limit: int = DEFAULT_BODY_LIMIT
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_requests: int = DEFAULT_MAX_REQUESTS
-
-
-class _Refusal(Exception):
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status)
-        self.response = response
 
 
 class MockWorkerApp:
@@ -102,7 +96,7 @@ class MockWorkerApp:
             return
         try:
             await handler(scope, receive, send)
-        except _Refusal as refusal:
+        except Refusal as refusal:
             await _send(send, refusal.response, scope)
 
     async def _refuse_websocket(self, scope: ASGIScope, send: Any) -> None:
@@ -161,11 +155,11 @@ class MockWorkerApp:
         try:
             request = parse_request(body, chat=chat, model=self.model)
         except RequestProblem as problem:
-            raise _Refusal(error_response(problem.status, problem.message)) from None
+            raise Refusal(error_response(problem.status, problem.message)) from None
         params = self.loop.params
         if not self.loop.engine.fits(len(request.prompt), request.max_tokens):
             needed = -(-(len(request.prompt) + request.max_tokens) // params.block_size)
-            raise _Refusal(
+            raise Refusal(
                 error_response(
                     400,
                     f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) need {needed} KV "
@@ -173,7 +167,7 @@ class MockWorkerApp:
                 )
             )
         if self.loop.load >= self.limits.max_requests:
-            raise _Refusal(
+            raise Refusal(
                 error_response(
                     503,
                     f"the worker is full: {self.limits.max_requests} requests are running or queued "
@@ -214,41 +208,18 @@ class MockWorkerApp:
             log.debug("%s aborted: the client went away", generation.request_id)
 
     async def _read_json(self, scope: ASGIScope, receive: Any) -> Any:
-        content_type = content_length = None
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                content_type = value
-            elif name == b"content-length":
-                content_length = int(value) if value.isdigit() else None
-        if content_type is None or content_type.split(b";", 1)[0].strip().lower() != JSON:
-            raise _Refusal(error_response(415, UNSUPPORTED_MEDIA))
         limit = self.limits.body_limit
-        too_large = _Refusal(error_response(413, BODY_TOO_LARGE.format(limit=limit)))
-        if content_length is not None and content_length > limit:
-            raise too_large
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.limits.body_timeout) as reading:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise _Refusal(error_response(400, "client disconnected"))
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        if reading.cancelled_caught:
-            raise _Refusal(
-                error_response(408, f"the request body did not arrive within {self.limits.body_timeout:g} s")
-            )
-        raw = b"".join(chunks)
+        raw = await read_json_body(
+            scope,
+            receive,
+            limit=limit,
+            arrival_seconds=self.limits.body_timeout,
+            too_large=BODY_TOO_LARGE.format(limit=limit),
+        )
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise _Refusal(error_response(400, f"the body is not valid JSON: {exc}")) from None
+            raise Refusal(error_response(400, f"the body is not valid JSON: {exc}")) from None
 
     # -- response bodies ----------------------------------------------------------------------------
 

@@ -1,0 +1,55 @@
+"""Reading an OpenAI-style request body from ASGI, shared by the mock worker and the frontend: JSON only,
+bounded in bytes and in time, every refusal a ready ``{"error"}`` response."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from kvrouter.api.app import UNSUPPORTED_MEDIA
+from kvrouter.api.http import JSON, Response, error_response
+
+
+class Refusal(Exception):
+    """An answer decided before any byte of a response went out."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+async def read_json_body(
+    scope: dict[str, Any], receive: Any, *, limit: int, arrival_seconds: float, too_large: str
+) -> bytes:
+    """The whole body of a JSON request: 415 for another type, 413 (``too_large``) past ``limit`` bytes (from a
+    declared length before reading a byte), 408 if it takes longer than ``arrival_seconds``, 400 if the client
+    goes away."""
+    content_type = content_length = None
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            content_type = value
+        elif name == b"content-length":
+            content_length = int(value) if value.isdigit() else None
+    if content_type is None or content_type.split(b";", 1)[0].strip().lower() != JSON:
+        raise Refusal(error_response(415, UNSUPPORTED_MEDIA))
+    refused_as_too_large = Refusal(error_response(413, too_large))
+    if content_length is not None and content_length > limit:
+        raise refused_as_too_large
+    chunks: list[bytes] = []
+    size = 0
+    with trio.move_on_after(arrival_seconds) as reading:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Refusal(error_response(400, "client disconnected"))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise refused_as_too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    if reading.cancelled_caught:
+        raise Refusal(error_response(408, f"the request body did not arrive within {arrival_seconds:g} s"))
+    return b"".join(chunks)
