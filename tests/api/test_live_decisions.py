@@ -6,32 +6,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.select_service import SelectService
 from kvrouter.api import live_decisions
 from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
 from kvrouter.api.main import (
     ServiceHandle,
-    ServiceOptions,
-    run_service,
-    select_objects_builder,
-    select_service_builder,
-    select_service_routes_of,
 )
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from kvrouter.api.stream_client import open_stream, stream_url
-from kvrouter.journal.store import Durability
-from tests.support.proxied import run_proxied_service
+from tests.support.stream_services import SELECT, serving
 
 LAYOUTS = ["one-process", "proxied"]
 APPROXIMATE = RouterConfig(use_kv_events=False)  # bookings are the cache: no KV publisher needed
@@ -41,28 +31,11 @@ APPROXIMATE = RouterConfig(use_kv_events=False)  # bookings are the cache: no KV
 async def selector(
     data_dir: Path, layout: str, config: RouterConfig = APPROXIMATE, streams: StreamSettings = DEFAULT_STREAMS
 ) -> AsyncIterator[tuple[ServiceHandle, httpx.AsyncClient]]:
-    options = ServiceOptions(
-        port=0,
-        data_dir=data_dir,
-        durability=Durability.ALWAYS,
-        seed=7,
-        body_limit=SELECTION_BODY_LIMIT,
-        streams=streams,
-    )
-    async with trio.open_nursery() as nursery:
-        handle: ServiceHandle
-        if layout == "proxied":
-            routes = partial(select_service_routes_of, streams=streams)
-            objects = select_objects_builder(config)
-            service = partial(run_proxied_service, "selection service", options, objects, routes, SelectService)
-            handle = await nursery.start(service)
-        else:
-            handle = await nursery.start(run_service, "selection service", options, select_service_builder(config))
-        try:
-            async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http:
-                yield handle, http
-        finally:
-            handle.stop()
+    async with (
+        serving(SELECT, data_dir, layout, streams, config) as handle,
+        httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http,
+    ):
+        yield handle, http
 
 
 async def add_workers(http: httpx.AsyncClient, *ids: int, ranks: int = 1, model: str = "m") -> None:
