@@ -53,7 +53,7 @@ from kvrouter.actors.peers.zmq_socket import open_socket
 from kvrouter.api.app import make_app
 from kvrouter.api.http import Route
 from kvrouter.api.live_streams import StreamSettings
-from kvrouter.api.main import ObjectsBuilder, ServiceObjects, ServiceOptions, recovered_runtime
+from kvrouter.api.main import ObjectsBuilder, ServiceObjects, ServiceOptions, counted, recovered_runtime
 from kvrouter.api.metrics import MULTIPROCESS_ENV
 from kvrouter.api.server import hypercorn_config, serve_http
 from kvrouter.api.service_dispatch import SOCKET_HWM, Dispatcher
@@ -388,13 +388,13 @@ async def _supervise(
             assert front.process is not None
             return (await front.process.wait()) or 1
     log.info(
-        "kvrouter %s listening on %s (%d fronts, data dir %s, durability %s, %s scopes recovered)",
+        "kvrouter %s listening on %s (%s, data dir %s, durability %s, %s recovered)",
         name,
         " ".join(urls),
-        count,
+        counted(count, "front"),
         options.data_dir,
         options.durability.value,
-        scopes,
+        counted(int(scopes), "scope"),
     )
     status = 0
     stopping = False

@@ -267,14 +267,19 @@ async def run_service(
 
         urls = await inner.start(http)
         log.info(
-            "kvrouter %s listening on %s (data dir %s, durability %s, %d scopes recovered)",
+            "kvrouter %s listening on %s (data dir %s, durability %s, %s recovered)",
             name,
             " ".join(urls),
             options.data_dir,
             options.durability.value,
-            scopes,
+            counted(scopes, "scope"),
         )
         task_status.started(ServiceHandle(urls, system, stopping.set))
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 scope``, ``2 scopes``: the startup line is read by people."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 @contextlib.contextmanager

@@ -481,3 +481,9 @@ def test_a_journal_left_in_the_old_shared_default_directory_is_not_silently_set_
     assert "./kvrouter-data holds a journal from an earlier kvrouter" in record.getMessage()
     assert "pass --data-dir kvrouter-data" in record.getMessage()
     assert not (tmp_path / "kvrouter-data" / "slot-tracker").exists()
+
+
+def test_startup_line_says_one_scope_not_one_scopes() -> None:
+    from kvrouter.api.main import counted
+
+    assert [counted(n, "scope") for n in (0, 1, 2)] == ["0 scopes", "1 scope", "2 scopes"]

@@ -257,7 +257,7 @@ def test_the_actor_process_killed_with_sigkill_stops_the_service_and_a_restart_r
     errors = [line for line in service.stderr().splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "the actor process exited (status -9)" in errors[0], errors
     again = started(slot_tracker(tmp_path / "data"), tmp_path)
-    assert "1 scopes recovered" in again.listening
+    assert "1 scope recovered" in again.listening
     with httpx.Client(base_url=again.url, timeout=30) as http:
         assert active_prefill_tokens(http) == 30 * 9
     assert again.stop() == 0
@@ -274,7 +274,7 @@ def test_sigterm_stops_every_process_gracefully(tmp_path: Path, started: Any) ->
     assert " ERROR " not in log and "Traceback" not in log
     assert "journal closed" in log and "kvrouter slot tracker stopped" in log
     again = started(slot_tracker(tmp_path / "data"), tmp_path)
-    assert "(2 fronts, data dir" in again.listening and "1 scopes recovered" in again.listening
+    assert "(2 fronts, data dir" in again.listening and "1 scope recovered" in again.listening
     with httpx.Client(base_url=again.url, timeout=30) as http:
         assert active_prefill_tokens(http) == 9
     assert again.stop() == 0
