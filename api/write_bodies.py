@@ -52,11 +52,53 @@ def add_request(body: Any) -> tuple[str, str, str, int, int, tuple[int, ...], in
     ``/add`` body, or None."""
     if type(body) is not dict:
         return None
-    request_id = body.get("request_id")
-    worker_id = body.get("worker_id")
-    dp_rank = body.get("dp_rank")
-    hashes = body.get("sequence_hashes")
-    isl_tokens = body.get("new_isl_tokens", 0)
+    values = add_values(
+        body.get("request_id"),
+        body.get("worker_id"),
+        body.get("dp_rank"),
+        body.get("sequence_hashes"),
+        body.get("new_isl_tokens", 0),
+    )
+    if values is None:
+        return None
+    scope = scope_of(body)
+    if scope is None:
+        return None
+    return scope[0], scope[1], *values
+
+
+def add_fields(
+    model: Any, tenant: Any, request_id: Any, worker_id: Any, dp_rank: Any, hashes: Any, isl_tokens: Any
+) -> tuple[str, str, str, int, int, tuple[int, ...], int] | None:
+    """``add_request`` of the compact format's positional ``/add`` (``client/compact.py``: None for an absent
+    tenant or new_isl_tokens), or None for anything the JSON body it stands for would not pass here."""
+    if type(model) is not str or text_too_long(model):
+        return None
+    if tenant is None:
+        tenant = DEFAULT_TENANT
+    elif type(tenant) is not str or text_too_long(tenant):
+        return None
+    values = add_values(request_id, worker_id, dp_rank, hashes, 0 if isl_tokens is None else isl_tokens)
+    if values is None:
+        return None
+    return model, tenant, *values
+
+
+def ref_fields(model: Any, tenant: Any, request_id: Any) -> tuple[str, str, str] | None:
+    """``request_ref`` of the compact format's positional ``/prefill_complete`` and ``/free``, or None."""
+    if type(model) is not str or text_too_long(model) or type(request_id) is not str or text_too_long(request_id):
+        return None
+    if tenant is None:
+        return model, DEFAULT_TENANT, request_id
+    if type(tenant) is not str or text_too_long(tenant):
+        return None
+    return model, tenant, request_id
+
+
+def add_values(
+    request_id: Any, worker_id: Any, dp_rank: Any, hashes: Any, isl_tokens: Any
+) -> tuple[str, int, int, tuple[int, ...], int] | None:
+    """The checked fields of an ``/add`` besides its scope (hashes as unsigned), or None."""
     if (
         type(request_id) is not str
         or type(worker_id) is not int
@@ -78,7 +120,4 @@ def add_request(body: Any) -> tuple[str, str, str, int, int, tuple[int, ...], in
         unsigned = tuple(hashes) if low >= 0 else tuple([h & U64_MASK for h in hashes])
     else:
         unsigned = ()
-    scope = scope_of(body)
-    if scope is None:
-        return None
-    return scope[0], scope[1], request_id, worker_id, dp_rank, unsigned, isl_tokens
+    return request_id, worker_id, dp_rank, unsigned, isl_tokens
