@@ -19,6 +19,9 @@ client sending faster than the service answers is slowed by TCP, not buffered. A
 MAX_MESSAGE_BYTES (hypercorn's ``websocket_max_message_size``, set in ``api/server.py``) or holding
 more than MAX_BATCH_COMMANDS commands closes the connection with 1009; a message that is not such an
 object, or a command without a valid id, closes it with 1007 (the reason says what was wrong).
+The compact format (``kvrouter/client/compact.py``: msgpack, positional commands, binary frames) is used
+instead when the client offers the WebSocket subprotocol ``kvrouter.commands.msgpack.v1`` at the upgrade;
+its messages obey the same bounds and close codes, and a text frame closes it with 1003.
 Commands in flight when the connection goes are abandoned (one not yet decided is never applied;
 one decided is durable as usual). When the service stops (SIGTERM), it stops reading, answers the
 commands in flight, and closes with 1001. The token is checked at the upgrade, as for any route.
@@ -30,12 +33,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import orjson
 import trio
 
 from kvrouter.actors.core.limits import text_too_long
-from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Resolved, _Running, render
-from kvrouter.api.http import HttpError, Request, Response, Route
+from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Item, Ready, _Running, render
+from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response
+from kvrouter.api.write_bodies import add_fields, ref_fields
+from kvrouter.client.compact import ADD, FIELDS, PATHS, ROUTE, SUBPROTOCOL, json_body
 
 STREAM_PATH = "/ws/commands"
 MAX_MESSAGE_BYTES = 1 << 20
@@ -43,9 +49,16 @@ MAX_IN_FLIGHT = 4096
 CLOSE_TOO_BIG = 1009
 CLOSE_INVALID = 1007
 CLOSE_GOING_AWAY = 1001
+CLOSE_UNSUPPORTED = 1003
 STOPPING = "the service is stopping: reconnect once it is back"
 NOT_A_MESSAGE = 'a message is a JSON object {"commands": [...], "ordered": true|false}'
 BAD_ID = "every command needs an `id`: an integer or a string"
+NOT_A_COMPACT_MESSAGE = "a message of the compact format is a msgpack array [ordered, [command, ...]]"
+TEXT_ON_COMPACT = "this connection speaks the compact format (msgpack): send binary frames"
+NOT_A_COMPACT_COMMAND = (
+    "a compact command is [id, 0, method, path] or [id, 0, method, path, JSON body as bytes], or a hot write "
+    "with its fields in order (see kvrouter/client/compact.py)"
+)
 PLAIN_GET = "this route speaks WebSocket: open it with a WebSocket upgrade (see the README's command stream)"
 
 
@@ -80,6 +93,86 @@ def parse_message(data: bytes | str) -> tuple[list[Any], list[Any], bool]:
             raise Malformed(CLOSE_INVALID, BAD_ID)
         ids.append(found)
     return ids, commands, ordered
+
+
+def _valid_id(found: Any) -> bool:
+    return type(found) is int or (type(found) is str and not text_too_long(found))
+
+
+class CompactReader:
+    """Reads the compact format's messages into the runner's items: a well-formed hot write straight into its
+    route's plain item (``Ready``: the checks of ``api/write_bodies.py``, no request, no lookup); anything else
+    as the JSON command it stands for, so it gets that command's answer."""
+
+    def __init__(self, runner: CommandRunner) -> None:
+        self.runner = runner
+        self.hot: dict[int, Any] = {}  # the code's ``Batched.apply``; None where the service has no such route
+        for code, path in PATHS.items():
+            found = runner.resolve_target("POST", path)
+            batched = None if isinstance(found, Response) else found[0].batched
+            self.hot[code] = None if batched is None else batched.apply
+
+    def parse(self, data: bytes | str) -> tuple[list[Any], list[Item], bool]:
+        """(ids, items, ordered) of one message; raises Malformed."""
+        if type(data) is not bytes:
+            raise Malformed(CLOSE_UNSUPPORTED, TEXT_ON_COMPACT)
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise Malformed(CLOSE_TOO_BIG, f"a message holds at most {MAX_MESSAGE_BYTES} bytes")
+        try:
+            message = msgpack.unpackb(data)
+        except (ValueError, TypeError) as exc:  # msgpack's errors (and bad UTF-8) are ValueErrors
+            raise Malformed(CLOSE_INVALID, f"not msgpack: {exc}") from None
+        if type(message) is not list or len(message) != 2 or type(message[0]) is not bool:
+            raise Malformed(CLOSE_INVALID, NOT_A_COMPACT_MESSAGE)
+        ordered, commands = message
+        if type(commands) is not list:
+            raise Malformed(CLOSE_INVALID, NOT_A_COMPACT_MESSAGE)
+        if len(commands) > MAX_BATCH_COMMANDS:
+            raise Malformed(CLOSE_TOO_BIG, f"a message holds at most {MAX_BATCH_COMMANDS} commands")
+        ids = []
+        for command in commands:
+            if type(command) is not list or not command or not _valid_id(command[0]):
+                raise Malformed(CLOSE_INVALID, BAD_ID)
+            ids.append(command[0])
+        return ids, [self.item(command) for command in commands], ordered
+
+    def item(self, command: list[Any]) -> Item:
+        code = command[1] if len(command) > 1 else None
+        if type(code) is not int:
+            return error_response(400, NOT_A_COMPACT_COMMAND)
+        if code == ROUTE and len(command) in (4, 5):
+            if len(command) == 4:
+                return self.runner.resolve_target(command[2], command[3])
+            if type(command[4]) is not bytes:
+                return error_response(400, NOT_A_COMPACT_COMMAND)
+            return self.runner.resolve_target(command[2], command[3], body=command[4])
+        names = FIELDS.get(code)
+        if names is None or len(command) != 2 + len(names):
+            return error_response(400, NOT_A_COMPACT_COMMAND)
+        fields = command[2:]
+        apply = self.hot[code]
+        if apply is not None:
+            plain = add_fields(*fields) if code == ADD else ref_fields(*fields)
+            if plain is not None:
+                return Ready(apply, [PATHS[code][1:], *plain])
+        # Not plainly valid (or no such route here): the JSON command it stands for, answered as that is.
+        try:
+            body = orjson.loads(orjson.dumps(json_body(code, fields)))
+        except TypeError:  # a value JSON cannot carry (bytes, an extension type)
+            return error_response(400, NOT_A_COMPACT_COMMAND)
+        return self.runner.resolve_target("POST", PATHS[code], parsed=body)
+
+
+def render_compact(command_id: Any, response: Response) -> list[Any]:
+    """A result of the compact format: [id, status, body] (+ headers), the body as the route's JSON bytes."""
+    body = response.body
+    shown: Any = None
+    if body:
+        shown = bytes(body) if response.content_type == JSON else bytes(body).decode("utf-8", "replace")
+    if response.headers:
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in response.headers}
+        return [command_id, response.status, shown, headers]
+    return [command_id, response.status, shown]
 
 
 class _Window:
@@ -120,20 +213,30 @@ class CommandStream:
     """One connection: reads messages while there is room, runs their commands, sends their results."""
 
     def __init__(
-        self, runner: CommandRunner, send: Any, limit: int = MAX_IN_FLIGHT, stopping: trio.Event | None = None
+        self,
+        runner: CommandRunner,
+        send: Any,
+        limit: int = MAX_IN_FLIGHT,
+        stopping: trio.Event | None = None,
+        *,
+        compact: bool = False,
     ) -> None:
         self.runner = runner
         self.send = send
         self.stopping = stopping
         self.window = _Window(limit)
-        self.outgoing: list[bytes] = []
+        self.compact = CompactReader(runner) if compact else None
+        self.outgoing: list[Any] = []  # rendered results: JSON bytes, or compact results (lists)
         self.ready = trio.Event()
-        self.ordered_work: deque[tuple[list[Any], list[Resolved | Response]]] = deque()
+        self.ordered_work: deque[tuple[list[Any], list[Item]]] = deque()
         self.ordered_ready = trio.Event()
 
     def deliver(self, command_id: Any, response: Response) -> None:
-        result = render(response)
-        self.outgoing.append(b'{"id":%s,%s' % (orjson.dumps(command_id), result[1:]))
+        if self.compact is not None:
+            self.outgoing.append(render_compact(command_id, response))
+        else:
+            result = render(response)
+            self.outgoing.append(b'{"id":%s,%s' % (orjson.dumps(command_id), result[1:]))
         self.ready.set()
 
     async def send_results(self) -> None:
@@ -142,8 +245,11 @@ class CommandStream:
             await self.ready.wait()
             self.ready = trio.Event()
             batch, self.outgoing = self.outgoing, []
-            text = (b'{"results":[' + b",".join(batch) + b"]}").decode()
-            await self.send({"type": "websocket.send", "text": text})
+            if self.compact is not None:
+                await self.send({"type": "websocket.send", "bytes": msgpack.packb(batch)})
+            else:
+                text = (b'{"results":[' + b",".join(batch) + b"]}").decode()
+                await self.send({"type": "websocket.send", "text": text})
             self.window.give_back(len(batch))
 
     async def run_ordered(self) -> None:
@@ -157,7 +263,7 @@ class CommandStream:
                 ids, items = self.ordered_work.popleft()
                 await self.runner.run_ordered(items, _by_id(ids, self.deliver), nursery, running)
 
-    async def run_unordered(self, ids: list[Any], items: list[Resolved | Response]) -> None:
+    async def run_unordered(self, ids: list[Any], items: list[Item]) -> None:
         await self.runner.run(items, _by_id(ids, self.deliver), ordered=False)
 
     async def serve(self, receive: Any) -> None:
@@ -185,12 +291,17 @@ class CommandStream:
             if message["type"] != "websocket.receive":
                 return None  # websocket.disconnect
             data = message.get("bytes")
+            if data is None:
+                data = message.get("text", "")
             try:
-                ids, commands, ordered = parse_message(data if data is not None else message.get("text", ""))
+                if self.compact is not None:
+                    ids, items, ordered = self.compact.parse(data)
+                else:
+                    ids, commands, ordered = parse_message(data)
+                    items = [self.runner.resolve(command) for command in commands]
             except Malformed as bad:
                 return bad.code, bad.reason
-            await self.window.take(len(commands))
-            items = [self.runner.resolve(command) for command in commands]
+            await self.window.take(len(items))
             if ordered:
                 self.ordered_work.append((ids, items))
                 self.ordered_ready.set()
@@ -217,7 +328,11 @@ def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
     async def websocket(scope: dict[str, Any], receive: Any, send: Any, stopping: trio.Event | None) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
-        await send({"type": "websocket.accept"})
-        await CommandStream(runner, send, limit, stopping).serve(receive)
+        compact = SUBPROTOCOL in scope.get("subprotocols", ())
+        accept: dict[str, Any] = {"type": "websocket.accept"}
+        if compact:
+            accept["subprotocol"] = SUBPROTOCOL
+        await send(accept)
+        await CommandStream(runner, send, limit, stopping, compact=compact).serve(receive)
 
     return Route("GET", STREAM_PATH, plain, websocket=websocket)

@@ -15,6 +15,8 @@ from urllib.parse import quote
 
 import attrs
 
+from kvrouter.client.compact import ADD, FREE, PREFILL_COMPLETE, json_body
+
 T = TypeVar("T")
 NO_BODY: Any = object()
 
@@ -73,13 +75,37 @@ class Booking:
     tenant_id: str
 
 
-@attrs.frozen
 class Op(Generic[T]):
-    method: str
-    path: str
-    body: Any
-    decode: Callable[[Reply], T]
-    raises: bool = True  # a 4xx/5xx raises CommandError (``call`` returns every reply as it is)
+    """One operation: its route and body, how to read a success, and (for the slot tracker's hot writes) the
+    positional command of the compact format (``client/compact.py``; the JSON body is derived from it)."""
+
+    __slots__ = ("_body", "compact", "decode", "method", "path", "raises")
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        decode: Callable[[Reply], T],
+        raises: bool = True,  # a 4xx/5xx raises CommandError (``call`` returns every reply as it is)
+        compact: tuple[Any, ...] | None = None,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self._body = body
+        self.decode = decode
+        self.raises = raises
+        self.compact = compact
+
+    @property
+    def body(self) -> Any:
+        """The route's body (``NO_BODY`` for none)."""
+        if self.compact is not None:
+            return json_body(self.compact[0], self.compact[1:])
+        return self._body
+
+    def __repr__(self) -> str:
+        return f"Op({self.method} {self.path})"
 
 
 def _reply(reply: Reply) -> Reply:
@@ -170,23 +196,18 @@ class Operations(ABC):
         tenant_id: str | None = None,
     ) -> Any:
         """``POST /add`` -> bool: whether the request was created."""
-        fields = {
-            "request_id": request_id,
-            "worker_id": worker_id,
-            "dp_rank": dp_rank,
-            "sequence_hashes": list(sequence_hashes),
-            "new_isl_tokens": new_isl_tokens,
-        }
-        return self.perform(Op("POST", "/add", _scoped(model_name, tenant_id, fields), _created))
+        hashes = list(sequence_hashes)
+        command = (ADD, model_name, tenant_id, request_id, worker_id, dp_rank, hashes, new_isl_tokens)
+        return self.perform(Op("POST", "/add", None, _created, compact=command))
 
     def prefill_complete(self, request_id: str, *, model_name: str = "default", tenant_id: str | None = None) -> Any:
         """``POST /prefill_complete`` -> bool."""
-        body = _scoped(model_name, tenant_id, {"request_id": request_id})
-        return self.perform(Op("POST", "/prefill_complete", body, _created))
+        command = (PREFILL_COMPLETE, model_name, tenant_id, request_id)
+        return self.perform(Op("POST", "/prefill_complete", None, _created, compact=command))
 
     def free(self, request_id: str, *, model_name: str = "default", tenant_id: str | None = None) -> Any:
         """``POST /free`` -> bool."""
-        return self.perform(Op("POST", "/free", _scoped(model_name, tenant_id, {"request_id": request_id}), _created))
+        return self.perform(Op("POST", "/free", None, _created, compact=(FREE, model_name, tenant_id, request_id)))
 
     # -- the selection service ----------------------------------------------------------------------------
 

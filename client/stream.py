@@ -19,10 +19,13 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import msgpack
 import orjson
+import outcome
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
 
+from kvrouter.client.compact import ROUTE, SUBPROTOCOL, array_header
 from kvrouter.client.operations import NO_BODY, Op, Operations, Reply, StreamClosed, result_of
 
 T = TypeVar("T")
@@ -31,6 +34,8 @@ MAX_PER_MESSAGE = 1000  # the service's MAX_BATCH_COMMANDS
 MAX_IN_FLIGHT = 4096  # the service's MAX_IN_FLIGHT per connection
 MAX_MESSAGE_BYTES = 1 << 20  # the service's MAX_MESSAGE_BYTES: a larger message closes the stream (1009)
 MESSAGE_HEAD = b'{"ordered":false,"commands":['
+COMPACT_HEAD = b"\x92\xc2"  # msgpack: [false, <the commands' array>]
+MESSAGE_OVERHEAD = len(MESSAGE_HEAD) + 2  # a message's bytes besides its commands (the compact one has fewer)
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # one results message (up to 4096 results, each as large as a route answers)
 RECEIVE_BYTES = 64 * 1024
 CLOSE_SECONDS = 2.0  # the closing handshake waits at most this long for the service's answer
@@ -39,21 +44,19 @@ CLOSE_SECONDS = 2.0  # the closing handshake waits at most this long for the ser
 PING_SECONDS = 10.0
 
 
-class _Waiter:
-    __slots__ = ("done", "reply")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.reply: Reply | BaseException | None = None
-
-
 @contextlib.asynccontextmanager
 async def open_websocket(
-    url: str, *, token: str | None = None, max_message_size: int = MAX_REPLY_BYTES, receive_buffer: int | None = None
+    url: str,
+    *,
+    token: str | None = None,
+    max_message_size: int = MAX_REPLY_BYTES,
+    receive_buffer: int | None = None,
+    subprotocols: list[str] | None = None,
 ) -> AsyncIterator[WebSocketConnection]:
     """A WebSocket client connection to ``url`` (``ws://host:port/path[?query]``) whose TCP socket is closed on
     exit, however the connection ended (trio-websocket 0.12's ``open_websocket_url`` leaves it open when the
-    service closes first). ``receive_buffer``: the socket's SO_RCVBUF (tests of slow readers). A refused
+    service closes first). ``receive_buffer``: the socket's SO_RCVBUF (tests of slow readers); ``subprotocols``:
+    the WebSocket subprotocols offered (the one the service chose is ``connection.subprotocol``). A refused
     upgrade raises trio-websocket's ``ConnectionRejected``; a refused connection ``OSError``."""
     parts = urlsplit(url)
     if parts.scheme != "ws" or parts.hostname is None:
@@ -76,6 +79,7 @@ async def open_websocket(
                 stream,
                 f"{parts.hostname}:{port}",
                 resource,
+                subprotocols=subprotocols,
                 extra_headers=headers,
                 max_message_size=max_message_size,
                 receive_buffer_size=RECEIVE_BYTES,
@@ -105,29 +109,38 @@ def stream_url(base_url: str) -> str:
 
 class StreamClient(Operations):
     """Open with ``async with StreamClient.connect(url, token=...) as client``; every operation of
-    ``Operations`` is then an ``await client.add(...)`` etc. Safe to use from many tasks at once."""
+    ``Operations`` is then an ``await client.add(...)`` etc. Safe to use from many tasks at once.
+
+    The connection speaks the compact format (``client/compact.py``) when the service offers it, else JSON
+    (``compact=False`` asks for JSON); ``client.format`` says which."""
 
     def __init__(self, websocket: WebSocketConnection, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self._websocket = websocket
         self._room = trio.Semaphore(max_in_flight)
         self._next_id = 0
-        self._waiting: dict[int, _Waiter] = {}
+        # The caller task waiting for each command's result: woken by ``trio.lowlevel.reschedule`` with the
+        # result (or the failure that closed the stream), one wake-up per command and nothing allocated.
+        self._waiting: dict[int, trio.lowlevel.Task] = {}
         self._outgoing: list[bytes] = []
         self._wake = trio.Event()
         self._closed: BaseException | None = None
+        self.compact = websocket.subprotocol == SUBPROTOCOL
+        self.format = "msgpack" if self.compact else "json"
+        self._packer = msgpack.Packer()
         self.messages_sent = 0  # how many messages carried the commands (batching under load shows here)
         self._last_sent = trio.current_time()
 
     @classmethod
     @contextlib.asynccontextmanager
     async def connect(
-        cls, url: str, *, token: str | None = None, max_in_flight: int = MAX_IN_FLIGHT
+        cls, url: str, *, token: str | None = None, max_in_flight: int = MAX_IN_FLIGHT, compact: bool = True
     ) -> AsyncIterator[StreamClient]:
         """Connect to a service (``http://host:port`` or the full ``ws://`` stream URL); a refused upgrade
         (401 without the right token) raises ``StreamClosed`` with the service's message."""
         raised: list[BaseException] = []  # by the caller's block: re-raised as it is, not in a nursery's group
+        offered = [SUBPROTOCOL] if compact else None
         try:
-            async with open_websocket(stream_url(url), token=token) as websocket:
+            async with open_websocket(stream_url(url), token=token, subprotocols=offered) as websocket:
                 client = cls(websocket, max_in_flight)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(client._send_messages)
@@ -147,35 +160,53 @@ class StreamClient(Operations):
 
     async def perform(self, op: Op[T]) -> T:
         """Send ``op`` with the next message and wait for its result."""
-        return result_of(op, await self._exchange(op.method, op.path, op.body))
+        return result_of(op, await self._exchange(op))
 
-    async def _exchange(self, method: str, path: str, body: Any) -> Reply:
+    def _encode(self, command_id: int, op: Op[Any]) -> bytes:
+        if self.compact:
+            if op.compact is not None:
+                return self._packer.pack((command_id, *op.compact))
+            body = op.body
+            if body is NO_BODY:
+                return self._packer.pack((command_id, ROUTE, op.method, op.path))
+            return self._packer.pack((command_id, ROUTE, op.method, op.path, orjson.dumps(body)))
+        command: dict[str, Any] = {"id": command_id, "method": op.method, "path": op.path}
+        body = op.body
+        if body is not NO_BODY:
+            command["body"] = body
+        return orjson.dumps(command)
+
+    async def _exchange(self, op: Op[Any]) -> Reply:
         if self._closed is not None:
             raise StreamClosed(str(self._closed))
-        async with self._room:
+        try:
+            self._room.acquire_nowait()  # room is the common case: no scheduling round for it
+        except trio.WouldBlock:
+            await self._room.acquire()
+        try:
             command_id = self._next_id
             self._next_id += 1
-            command: dict[str, Any] = {"id": command_id, "method": method, "path": path}
-            if body is not NO_BODY:
-                command["body"] = body
-            encoded = orjson.dumps(command)
-            if len(encoded) + len(MESSAGE_HEAD) + 2 > MAX_MESSAGE_BYTES:
+            encoded = self._encode(command_id, op)
+            if len(encoded) + MESSAGE_OVERHEAD > MAX_MESSAGE_BYTES:
                 raise ValueError(
                     f"a command of {len(encoded)} bytes does not fit a stream message ({MAX_MESSAGE_BYTES} bytes): "
                     "send it to its HTTP route"
                 )
-            waiter = _Waiter()
-            self._waiting[command_id] = waiter
+            waiting = self._waiting
+            waiting[command_id] = trio.lowlevel.current_task()
             self._outgoing.append(encoded)
             self._wake.set()
-            try:
-                await waiter.done.wait()
-            finally:
-                self._waiting.pop(command_id, None)
-            if isinstance(waiter.reply, BaseException):
-                raise StreamClosed(str(waiter.reply))
-            assert waiter.reply is not None
-            return waiter.reply
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                waiting.pop(command_id, None)
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            reply = await trio.lowlevel.wait_task_rescheduled(abort)
+        finally:
+            self._room.release()
+        if isinstance(reply, BaseException):
+            raise StreamClosed(str(reply))
+        return reply
 
     async def _send_messages(self) -> None:
         try:
@@ -184,8 +215,11 @@ class StreamClient(Operations):
                 self._wake = trio.Event()
                 while self._outgoing:
                     batch = self._take_message()
-                    message = MESSAGE_HEAD + b",".join(batch) + b"]}"
-                    await self._websocket.send_message(message.decode())
+                    if self.compact:
+                        await self._websocket.send_message(COMPACT_HEAD + array_header(len(batch)) + b"".join(batch))
+                    else:
+                        message = MESSAGE_HEAD + b",".join(batch) + b"]}"
+                        await self._websocket.send_message(message.decode())
                     self.messages_sent += 1
                     self._last_sent = trio.current_time()
         except ConnectionClosed as closed:
@@ -193,7 +227,7 @@ class StreamClient(Operations):
 
     def _take_message(self) -> list[bytes]:
         """The next commands to send: as many as fit one message (MAX_PER_MESSAGE, MAX_MESSAGE_BYTES)."""
-        size = len(MESSAGE_HEAD) + 2
+        size = MESSAGE_OVERHEAD
         count = 0
         for command in self._outgoing[:MAX_PER_MESSAGE]:
             size += len(command) + 1
@@ -205,14 +239,25 @@ class StreamClient(Operations):
         return batch
 
     async def _receive_results(self) -> None:
+        waiting = self._waiting
+        reschedule = trio.lowlevel.reschedule
         try:
             while True:
-                message = orjson.loads(await self._websocket.get_message())
-                for result in message["results"]:
-                    waiter = self._waiting.get(result["id"])
-                    if waiter is not None:
-                        waiter.reply = Reply(result["status"], result["body"], result.get("headers", {}))
-                        waiter.done.set()
+                message = await self._websocket.get_message()
+                if self.compact:
+                    for result in msgpack.unpackb(message):
+                        task = waiting.pop(result[0], None)
+                        if task is not None:
+                            body = result[2]
+                            shown = orjson.loads(body) if type(body) is bytes else body
+                            headers = result[3] if len(result) > 3 else {}
+                            reschedule(task, outcome.Value(Reply(result[1], shown, headers)))
+                else:
+                    for result in orjson.loads(message)["results"]:
+                        task = waiting.pop(result["id"], None)
+                        if task is not None:
+                            reply = Reply(result["status"], result["body"], result.get("headers", {}))
+                            reschedule(task, outcome.Value(reply))
         except ConnectionClosed as closed:
             self._fail(StreamClosed(_closed_reason(closed)))
 
@@ -230,10 +275,10 @@ class StreamClient(Operations):
         """Every waiting caller learns that the stream is gone; later calls raise at once."""
         if self._closed is None:
             self._closed = failure
-        for waiter in self._waiting.values():
-            if waiter.reply is None:
-                waiter.reply = self._closed
-                waiter.done.set()
+        tasks = list(self._waiting.values())
+        self._waiting.clear()
+        for task in tasks:
+            trio.lowlevel.reschedule(task, outcome.Value(self._closed))
 
 
 def _closed_reason(closed: ConnectionClosed) -> str:

@@ -1,6 +1,7 @@
 """Slot tracker writes batched into one service call (``SlotService.apply_writes``) by POST /batch and the
 command stream: interleaved scopes and refusals in the middle of a run of writes answer exactly as each
-request on its own route, in both layouts; results received over the stream survive kill -9."""
+request on its own route, in both layouts (the stream in both its formats); results received over the
+stream survive kill -9."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import orjson
 import trio
 
 from kvrouter.api.main import ServiceHandle
 from kvrouter.client import StreamClient
+from kvrouter.client.compact import FIELDS, OPTIONAL, PATHS, ROUTE, SUBPROTOCOL
 from kvrouter.client.stream import open_websocket
 from tests.api.test_batch import batched, cmd, one_by_one
 from tests.api.test_cli import CLI, Service
 from tests.api.test_command_stream import results, send, with_id, ws_url
+from tests.api.test_compact_stream import as_json_result, compact_results
 
 JsonCommand = dict[str, Any]
 
@@ -90,6 +94,28 @@ async def test_batched_writes_answer_as_their_routes(slot_tracker: ServiceHandle
         found = await results(ws, len(commands))
     streamed = [{"status": found[i]["status"], "body": found[i]["body"]} for i in range(len(commands))]
     assert renamed(streamed, {"XstreamAX": "XoneAX", "XstreamBX": "XoneBX"}) == expected
+
+    async with open_websocket(ws_url(url), subprotocols=[SUBPROTOCOL]) as ws:
+        commands = [to_compact(i, command) for i, command in enumerate(interleaved("XpackAX", "XpackBX"))]
+        assert sum(command[1] != ROUTE for command in commands) >= 10  # the hot writes positional
+        await ws.send_message(msgpack.packb([True, commands]))
+        packed = await compact_results(ws, len(commands))
+    streamed = [as_json_result(packed[i]) for i in range(len(commands))]
+    streamed = [{"status": answer["status"], "body": answer["body"]} for answer in streamed]
+    assert renamed(streamed, {"XpackAX": "XoneAX", "XpackBX": "XoneBX"}) == expected
+
+
+def to_compact(command_id: int, command: JsonCommand) -> list[Any]:
+    """``command`` in the compact format: a hot write whose body has exactly its fields as positional fields,
+    any other command as a route with its body as JSON bytes."""
+    body = command.get("body")
+    for code, path in PATHS.items():
+        names = FIELDS[code]
+        if command["path"] == path and type(body) is dict and set(names) - OPTIONAL <= set(body) <= set(names):
+            return [command_id, code, *(body.get(name) for name in names)]
+    if "body" in command:
+        return [command_id, ROUTE, command["method"], command["path"], orjson.dumps(body)]
+    return [command_id, ROUTE, command["method"], command["path"]]
 
 
 def test_results_of_many_writes_per_message_survive_kill_9(tmp_path: Path) -> None:

@@ -4,17 +4,24 @@ errors raised, commands batched under load, and durability (a result received, k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
+import msgpack
 import orjson
 import pytest
 import trio
+import trio.testing
+from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
 
 from kvrouter.client import AsyncioClient, BlockingClient, CommandError, Selection, StreamClient, StreamClosed
+from kvrouter.client.compact import SUBPROTOCOL
 from tests.api.test_cli import CLI, Service
 from tests.support.services import running
 
@@ -159,19 +166,25 @@ def test_the_client_module_imports_without_the_service() -> None:
     assert "kvrouter.actors" not in shown and "kvrouter.api" not in shown, shown
 
 
-async def test_commands_too_large_for_one_message_go_in_several(tmp_path: Path) -> None:
-    """200 adds of ~12 KB each (2.4 MB) issued together: split by size (the service closes the stream on a
-    message over 1 MiB), every one answered; a single command over 1 MiB is refused before it is sent."""
-    async with running("slot tracker", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+@pytest.mark.parametrize("compact", [True, False], ids=["msgpack", "json"])
+async def test_commands_too_large_for_one_message_go_in_several(tmp_path: Path, compact: bool) -> None:
+    """200 adds of 1,200 hashes each (2.2 MB in msgpack, 4.8 MB in JSON) issued together: split by size (the
+    service closes the stream on a message over 1 MiB), every one answered; a single command over 1 MiB is
+    refused before it is sent."""
+    async with (
+        running("slot tracker", tmp_path) as service,
+        StreamClient.connect(service.urls[0], compact=compact) as client,
+    ):
+        assert client.format == ("msgpack" if compact else "json")
         await client.register(1, block_size=16)
         async with trio.open_nursery() as nursery:
             for i in range(200):
-                nursery.start_soon(client.add, f"r{i}", 1, list(range(2**60 + i * 1000, 2**60 + i * 1000 + 600)))
+                nursery.start_soon(client.add, f"r{i}", 1, list(range(2**60 + i * 2000, 2**60 + i * 2000 + 1200)))
         assert 3 <= client.messages_sent <= 10
         with pytest.raises(ValueError, match="does not fit a stream message"):
-            await client.add("huge", 1, list(range(2**62, 2**62 + 70_000)))
+            await client.add("huge", 1, list(range(2**62, 2**62 + 120_000)))
         reply = await client.call("GET", "/loads")
-        assert sum(row["active_decode_blocks"] for row in reply.body) == 200 * 600
+        assert sum(row["active_decode_blocks"] for row in reply.body) == 200 * 1200
 
 
 async def test_an_idle_client_stays_connected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,3 +197,84 @@ async def test_an_idle_client_stays_connected(tmp_path: Path, monkeypatch: pytes
         await client.register(1, block_size=16)
         await trio.sleep(3.0)  # three body timeouts without a command
         assert await client.add("r", 1, [1]) is True
+
+
+async def test_cancelled_callers_leave_the_stream_working() -> None:
+    """Callers cancelled while their commands are in flight: their results are dropped when they come, and
+    the next caller gets its own result."""
+    first_read, cancelled = trio.Event(), trio.Event()
+
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept(subprotocol=SUBPROTOCOL)
+        held = msgpack.unpackb(await ws.get_message())[1]
+        first_read.set()
+        await cancelled.wait()
+        await ws.send_message(msgpack.packb([[command[0], 200, b'{"status":"ok"}'] for command in held]))
+        later = msgpack.unpackb(await ws.get_message())[1]
+        await ws.send_message(msgpack.packb([[command[0], 201, b'{"status":"ok"}'] for command in later]))
+        with contextlib.suppress(ConnectionClosed):
+            await ws.get_message()
+
+    async with serving(handler) as url, StreamClient.connect(url) as client:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                for i in range(50):
+                    nursery.start_soon(client.free, f"c{i}")
+                await first_read.wait()
+                scope.cancel()
+        cancelled.set()
+        assert await client.add("after", 1, [1, 2, 3]) is True
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Callable[[WebSocketRequest], Awaitable[None]]) -> AsyncIterator[str]:
+    """A WebSocket server on 127.0.0.1 port 0 running ``handler`` per connection; yields its http:// URL."""
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(partial(serve_websocket, handler, "127.0.0.1", 0, ssl_context=None))
+        yield f"http://127.0.0.1:{server.port}"
+        nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def fake_service(subprotocol: str | None, answer: bool) -> AsyncIterator[str]:
+    """A WebSocket server on port 0 that accepts with ``subprotocol`` and reads one message; then answers its
+    first command (``answer``) or closes with 1011 without answering."""
+
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept(subprotocol=subprotocol)
+        message = await ws.get_message()
+        if answer:
+            first = orjson.loads(message)["commands"][0]
+            await ws.send_message(orjson.dumps({"results": [{"id": first["id"], "status": 200, "body": None}]}))
+            with contextlib.suppress(ConnectionClosed):
+                await ws.get_message()  # until the client closes
+        await ws.aclose(code=1011, reason="boom")
+
+    async with serving(handler) as url:
+        yield url
+
+
+async def test_every_waiting_caller_learns_the_stream_closed() -> None:
+    async with fake_service(SUBPROTOCOL, answer=False) as url, StreamClient.connect(url) as client:
+        assert client.format == "msgpack"
+        failures: list[BaseException] = []
+
+        async def caller(i: int) -> None:
+            try:
+                await client.free(f"r{i}")
+            except StreamClosed as closed:
+                failures.append(closed)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(caller, i)
+        assert len(failures) == 5 and all("1011" in str(failure) for failure in failures)
+        with pytest.raises(StreamClosed, match="1011"):
+            await client.free("later")
+
+
+async def test_the_client_speaks_json_to_a_service_without_the_compact_format() -> None:
+    async with fake_service(None, answer=True) as url, StreamClient.connect(url) as client:
+        assert client.format == "json"
+        reply = await client.call("POST", "/free", {"model_name": "m", "request_id": "r"})
+        assert reply.status == 200 and reply.body is None

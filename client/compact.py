@@ -1,0 +1,57 @@
+"""The command stream's compact format: msgpack messages of positional commands (``GET /ws/commands`` with the
+WebSocket subprotocol ``SUBPROTOCOL``). Shared by the client and the service, so both read one definition.
+
+Why: in the JSON format each command is an object with a route path and a body object, which the client
+builds and encodes and the service decodes, looks up and checks field by field; the slot tracker's hot
+writes are the same few fields every time. Here a hot write is a short array and a reply's body travels
+as the route's own JSON bytes, so neither side builds or walks per-command objects it does not need.
+
+A client message (a binary frame) is ``[ordered, [command, ...]]``; a command is one of::
+
+    [id, ADD, model_name, tenant_id | nil, request_id, worker_id, dp_rank, [hash, ...], new_isl_tokens | nil]
+    [id, PREFILL_COMPLETE, model_name, tenant_id | nil, request_id]
+    [id, FREE, model_name, tenant_id | nil, request_id]
+    [id, ROUTE, method, path]                   any route, no body
+    [id, ROUTE, method, path, body]             any route; ``body``: the request's JSON body as bytes (bin)
+
+``nil`` for ``tenant_id`` or ``new_isl_tokens`` means the field is absent (its default). A hot write means
+exactly the JSON command ``{"method": "POST", "path": PATHS[code], "body": json_body(code, fields)}``,
+and is answered as that command would be. The service answers with binary frames
+``[[id, status, body], ...]`` (``[id, status, body, {header: value}]`` where the route sends headers),
+``body`` being the route's JSON body as bytes (bin), a text body as a string, or nil when empty.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUBPROTOCOL = "kvrouter.commands.msgpack.v1"
+ROUTE = 0
+ADD = 1
+PREFILL_COMPLETE = 2
+FREE = 3
+PATHS = {ADD: "/add", PREFILL_COMPLETE: "/prefill_complete", FREE: "/free"}
+FIELDS = {
+    ADD: ("model_name", "tenant_id", "request_id", "worker_id", "dp_rank", "sequence_hashes", "new_isl_tokens"),
+    PREFILL_COMPLETE: ("model_name", "tenant_id", "request_id"),
+    FREE: ("model_name", "tenant_id", "request_id"),
+}
+OPTIONAL = frozenset(("tenant_id", "new_isl_tokens"))  # nil: the field is absent
+
+
+def json_body(code: int, fields: list[Any] | tuple[Any, ...]) -> dict[str, Any]:
+    """The JSON body a hot write's positional ``fields`` stand for (its route's body)."""
+    return {
+        name: value
+        for name, value in zip(FIELDS[code], fields, strict=True)
+        if value is not None or name not in OPTIONAL
+    }
+
+
+def array_header(count: int) -> bytes:
+    """msgpack's header of an array of ``count`` elements (the elements follow, each packed on its own)."""
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 1 << 16:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")

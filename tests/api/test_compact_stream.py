@@ -1,0 +1,250 @@
+"""The command stream's compact format (msgpack, ``kvrouter/client/compact.py``): negotiated per connection by
+subprotocol, every command answered exactly as its JSON command is, malformed messages closed with a clear
+code and nothing applied, hot writes read exactly as their JSON bodies are (generated fields)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from kvrouter.actors.core.ids import I64_MAX, U64_MASK
+from kvrouter.actors.core.limits import MAX_TEXT_BYTES
+from kvrouter.api import routes
+from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, CompactReader, Malformed
+from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
+from kvrouter.api.http import Response
+from kvrouter.client import StreamClient
+from kvrouter.client.compact import ADD, FIELDS, FREE, PATHS, PREFILL_COMPLETE, ROUTE, SUBPROTOCOL, json_body
+from kvrouter.client.stream import open_websocket
+from tests.api.test_command_stream import results, send, ws_url
+from tests.support.services import running
+
+ODD = st.sampled_from([None, True, False, 1.5, "7", [], b"raw", -1, U64_MASK + 1 - 1, "x" * (MAX_TEXT_BYTES + 1)])
+GOOD = {
+    "model_name": st.sampled_from(["m", "", "é", "x" * MAX_TEXT_BYTES]),
+    "tenant_id": st.sampled_from([None, "t", "default"]),
+    "request_id": st.sampled_from(["r", "", "x" * MAX_TEXT_BYTES]),
+    "worker_id": st.sampled_from([0, 1, U64_MASK]),
+    "dp_rank": st.sampled_from([0, 1]),
+    "sequence_hashes": st.lists(st.sampled_from([0, 1, -1, I64_MAX]), max_size=5),
+    "new_isl_tokens": st.sampled_from([None, 0, 48]),
+}
+
+
+class _NoService:
+    """The write routes' service object: never called here (only their ``prepare`` runs)."""
+
+
+def write_runner() -> CommandRunner:
+    batches = routes.write_batches(_NoService())  # type: ignore[arg-type]
+    table = [
+        routes.write_route(_NoService(), path, prepare, batches)  # type: ignore[arg-type]
+        for path, prepare in (
+            ("/add", routes.prepare_add),
+            ("/prefill_complete", routes.prepare_prefill_complete),
+            ("/free", routes.prepare_free),
+        )
+    ]
+    runner = CommandRunner()
+    runner.serve(table)
+    return runner
+
+
+def outcome_of(item: Any) -> Any:
+    """What a command comes to before the service: its plain write item, or (status, body) of its refusal."""
+    if isinstance(item, Ready):
+        return item.prepared
+    if not isinstance(item, Response):
+        item = _prepare(item)
+    if isinstance(item, Response):
+        return item.status, orjson.loads(item.body)
+    return item
+
+
+@st.composite
+def hot_commands(draw: st.DrawFn) -> tuple[int, list[Any]]:
+    """A hot write's positional fields, well-formed, then up to two of them replaced by a value of any kind."""
+    code = draw(st.sampled_from([ADD, PREFILL_COMPLETE, FREE]))
+    fields = [draw(GOOD[name]) for name in FIELDS[code]]
+    for _ in range(draw(st.integers(0, 2))):
+        fields[draw(st.integers(0, len(fields) - 1))] = draw(st.one_of(ODD, st.lists(ODD, max_size=3)))
+    return code, fields
+
+
+RUNNER = write_runner()
+READER = CompactReader(RUNNER)
+
+
+@settings(max_examples=500, deadline=None)
+@given(hot_commands())
+def test_a_hot_write_comes_to_what_its_json_command_comes_to(command: tuple[int, list[Any]]) -> None:
+    code, fields = command
+    compact = outcome_of(READER.item([7, code, *fields]))
+    try:
+        body = orjson.loads(orjson.dumps(json_body(code, fields)))
+    except TypeError:  # bytes: JSON cannot carry it, so there is no JSON command to compare with
+        assert compact[0] == 400
+        return
+    assert compact == outcome_of(RUNNER.resolve({"method": "POST", "path": PATHS[code], "body": body}))
+
+
+def test_typical_hot_writes_skip_the_request() -> None:
+    add = READER.item([1, ADD, "m", None, "r", 3, 1, [-1, 2], None])
+    assert isinstance(add, Ready) and add.prepared == ["add", "m", "default", "r", 3, 1, (U64_MASK, 2), 0]
+    free = READER.item([2, FREE, "m", "t", "r"])
+    assert isinstance(free, Ready) and free.prepared == ["free", "m", "t", "r"]
+
+
+@pytest.mark.parametrize(
+    ("data", "code", "reason"),
+    [
+        ("[false, []]", 1003, "send binary frames"),
+        (b"\xc1", 1007, "not msgpack"),
+        (msgpack.packb([False, []]) + b"\x00", 1007, "not msgpack"),
+        (msgpack.packb({"commands": []}), 1007, "[ordered, [command, ...]]"),
+        (msgpack.packb([1, []]), 1007, "[ordered, [command, ...]]"),
+        (msgpack.packb([True, {}]), 1007, "[ordered, [command, ...]]"),
+        (msgpack.packb([True, [[1.5, ROUTE, "GET", "/health"]]]), 1007, "every command needs an `id`"),
+        (msgpack.packb([True, [[]]]), 1007, "every command needs an `id`"),
+        (msgpack.packb([True, [{"id": 1}]]), 1007, "every command needs an `id`"),
+        (msgpack.packb([True, [[True, ROUTE, "GET", "/health"]]]), 1007, "every command needs an `id`"),
+        (msgpack.packb([True, [[i, ROUTE, "GET", "/x"] for i in range(MAX_BATCH_COMMANDS + 1)]]), 1009, "at most"),
+        (b"\x00" * (MAX_MESSAGE_BYTES + 1), 1009, "at most"),
+    ],
+)
+def test_a_malformed_message_is_refused_as_a_whole(data: bytes | str, code: int, reason: str) -> None:
+    with pytest.raises(Malformed) as refused:
+        READER.parse(data)
+    assert refused.value.code == code and reason in refused.value.reason
+
+
+@pytest.mark.parametrize(
+    "command",
+    [[1], [1, "add"], [1, 99], [1, ADD, "m"], [1, ROUTE, "GET"], [1, ROUTE, "POST", "/add", {"model_name": "m"}]],
+)
+def test_a_command_that_is_not_one_gets_a_400_of_its_own(command: list[Any]) -> None:
+    ids, items, ordered = READER.parse(msgpack.packb([True, [command, [2, FREE, "m", None, "r"]]]))
+    assert ids == [1, 2] and ordered is True
+    assert outcome_of(items[0])[0] == 400 and "compact command" in outcome_of(items[0])[1]["error"]
+    assert outcome_of(items[1]) == ["free", "m", "default", "r"]
+
+
+async def compact_results(ws: WebSocketConnection, count: int) -> dict[Any, list[Any]]:
+    found: dict[Any, list[Any]] = {}
+    while len(found) < count:
+        for result in msgpack.unpackb(await ws.get_message()):
+            assert result[0] not in found
+            found[result[0]] = result
+    return found
+
+
+def as_json_result(result: list[Any]) -> dict[str, Any]:
+    """A compact result in the JSON format's shape (the body parsed from the route's JSON bytes)."""
+    body = orjson.loads(result[2]) if type(result[2]) is bytes else result[2]
+    shown = {"id": result[0], "status": result[1], "body": body}
+    if len(result) > 3:
+        shown["headers"] = result[3]
+    return shown
+
+
+def json_command(command: list[Any]) -> dict[str, Any]:
+    """The JSON command a compact one stands for."""
+    if command[1] == ROUTE:
+        shown = {"id": command[0], "method": command[2], "path": command[3]}
+        if len(command) > 4:
+            shown["body"] = orjson.loads(command[4])
+        return shown
+    return {"id": command[0], "method": "POST", "path": PATHS[command[1]], "body": json_body(command[1], command[2:])}
+
+
+REGISTER = orjson.dumps({"model_name": "m", "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 2})
+SCRIPT = [
+    [[0, ROUTE, "POST", "/register", REGISTER]],
+    [
+        [1, ADD, "m", None, "r1", 1, 0, [1, 2, 3], 48],
+        [2, ADD, "m", None, "r1", 1, 0, [1, 2, 3], None],  # a duplicate
+        [3, ADD, "m", None, "r2", 1, 9, [4], None],  # no such rank
+        [4, ADD, "m", None, "r3", -1, 0, [4], None],  # refused by the strict parser
+        [5, ADD, "m", "t", "r4", 1, 0, [4], None],  # no such scope
+        [6, PREFILL_COMPLETE, "m", None, "r1"],
+        [7, FREE, "m", None, "ghost"],
+        ["loads", ROUTE, "GET", "/loads?model_name=m"],
+        ["no route", ROUTE, "GET", "/nope"],
+        ["405", ROUTE, "DELETE", "/loads"],
+        ["nested", ROUTE, "POST", "/batch", b"[]"],
+    ],
+    [[8, FREE, "m", None, "r1"], ["after", ROUTE, "GET", "/loads?model_name=m"]],
+]
+
+
+@pytest.mark.parametrize("kind", ["slot tracker", "selection service"])
+async def test_every_command_is_answered_as_its_json_command(tmp_path: Path, kind: str) -> None:
+    """The same script through both formats, on two fresh services: the same results, id for id (the
+    selection service has no hot writes: they get the JSON command's 404)."""
+    async with (
+        running(kind, tmp_path / "compact") as service,
+        open_websocket(ws_url(service.urls[0]), subprotocols=[SUBPROTOCOL]) as ws,
+    ):
+        assert ws.subprotocol == SUBPROTOCOL
+        compact: dict[Any, Any] = {}
+        for message in SCRIPT:
+            await ws.send_message(msgpack.packb([True, message]))
+            compact |= await compact_results(ws, len(message))
+        # A body that is not JSON (no JSON command can carry one): refused as its HTTP request is.
+        path = "/free" if kind == "slot tracker" else "/select"
+        await ws.send_message(msgpack.packb([True, [["bad json", ROUTE, "POST", path, b"{"]]]))
+        refused = as_json_result((await compact_results(ws, 1))["bad json"])
+        assert refused["status"] == 400 and "Failed to parse the request body as JSON" in refused["body"]["error"]
+    async with running(kind, tmp_path / "json") as service, open_websocket(ws_url(service.urls[0])) as ws:
+        assert ws.subprotocol is None
+        answered: dict[Any, Any] = {}
+        for message in SCRIPT:
+            await send(ws, [json_command(command) for command in message])
+            answered |= await results(ws, len(message))
+    assert {key: as_json_result(result) for key, result in compact.items()} == answered
+    if kind == "slot tracker":
+        statuses = [answered[i]["status"] for i in range(1, 9)]
+        assert statuses == [201, 409, 404, 422, 404, 200, 200, 200], statuses
+        assert answered["after"]["body"][0]["active_decode_blocks"] == 0
+        assert answered["405"]["status"] == 405 and answered["405"]["headers"]["allow"]
+        assert answered["nested"]["status"] == 400
+    assert answered["no route"]["status"] == 404
+
+
+async def test_a_malformed_message_closes_the_connection_and_applies_nothing(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path) as service:
+        async with open_websocket(ws_url(service.urls[0]), subprotocols=[SUBPROTOCOL]) as ws:
+            await ws.send_message(msgpack.packb([True, [[0, ROUTE, "POST", "/register", REGISTER]]]))
+            assert (await compact_results(ws, 1))[0][1] == 201
+            await ws.send_message(msgpack.packb([True, [[1, ADD, "m", None, "r1", 1, 0, [1], None], [2.5, FREE]]]))
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+        assert closed.value.reason.code == 1007 and "`id`" in (closed.value.reason.reason or "")
+        async with open_websocket(ws_url(service.urls[0]), subprotocols=[SUBPROTOCOL]) as ws:
+            await ws.send_message("text")
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+        assert closed.value.reason.code == 1003
+        async with StreamClient.connect(service.urls[0]) as client:
+            assert client.format == "msgpack"
+            assert (await client.call("GET", "/loads?model_name=m")).body[0]["active_decode_blocks"] == 0
+
+
+async def test_the_client_speaks_json_when_asked(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path) as service:
+        async with StreamClient.connect(service.urls[0], compact=False) as client:
+            assert client.format == "json"
+            assert await client.register(1, block_size=16) is True
+            assert await client.add("r", 1, [1, 2], tenant_id=None, new_isl_tokens=None) is True
+            assert (await client.call("GET", "/loads")).body[0]["active_decode_blocks"] == 2
+        async with StreamClient.connect(service.urls[0]) as client:
+            assert client.format == "msgpack"
+            assert await client.free("r") is False
+            assert (await client.call("GET", "/loads")).body[0]["active_decode_blocks"] == 0
