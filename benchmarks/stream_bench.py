@@ -1,7 +1,7 @@
 """Streamed lifecycle: commands/s through the client library (``kvrouter.client``) over the command stream,
 with ``--durability always``, next to the reference's HTTP lifecycle rate when it is installed.
 
-    python benchmarks/stream_bench.py [--seconds 6] [--callers 256] [--connections 1]
+    python benchmarks/stream_bench.py [--seconds 6] [--callers 256] [--connections 1] [--format msgpack|json]
                                       [--reference-python /work/refvenv/bin/python]
 
 Workload: the slot tracker benchmark's (8 workers x 2 DP ranks, 64-block prompts, 1024 prefill tokens);
@@ -9,6 +9,7 @@ each of ``--callers`` trio tasks loops add -> prefill_complete -> free, awaiting
 caller's commands are ordered by the service's replies), all sharing ``--connections`` streams: calls
 made while a message is in flight go out together in the next one. Latency is per command, from the
 call to its result (durable). The service runs as a subprocess; the load generator in this process.
+``--format``: the stream's compact format (msgpack, the client's default) or JSON.
 The reference is measured by ``slot_tracker_bench.measure`` (its own HTTP clients, same workload).
 """
 
@@ -37,7 +38,9 @@ def load() -> str:
     return "load average " + " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
-async def drive(url: str, callers: int, connections: int, seconds: float, seed: int) -> tuple[Result, int]:
+async def drive(
+    url: str, callers: int, connections: int, seconds: float, seed: int, compact: bool = True
+) -> tuple[Result, int]:
     """(commands, seconds, per-command latencies) and the number of messages the clients sent."""
     rng = random.Random(seed)
     prefixes = [[rng.getrandbits(63) for _ in range(BLOCKS)] for _ in range(32)]
@@ -65,7 +68,7 @@ async def drive(url: str, callers: int, connections: int, seconds: float, seed: 
 
     async def connection(index: int, stop_at: float) -> None:
         nonlocal messages
-        async with StreamClient.connect(url) as client, trio.open_nursery() as nursery:
+        async with StreamClient.connect(url, compact=compact) as client, trio.open_nursery() as nursery:
             for caller_index in range(index, callers, connections):
                 nursery.start_soon(caller, client, caller_index, stop_at)
         messages += client.messages_sent
@@ -97,12 +100,13 @@ def streamed(args: argparse.Namespace) -> Result:
     try:
         server.wait_ready()
         trio.run(setup, url)
-        trio.run(drive, url, args.callers, args.connections, 0.5, 1)  # warm-up
+        compact = args.format == "msgpack"
+        trio.run(drive, url, args.callers, args.connections, 0.5, 1, compact)  # warm-up
         service_cpu = client_cpu = 0.0
         for round_index in range(args.rounds):
             service_before, client_before = cpu_seconds(server.process.pid), own_cpu_seconds()
             result, messages = trio.run(
-                drive, url, args.callers, args.connections, args.seconds / args.rounds, 2 + round_index
+                drive, url, args.callers, args.connections, args.seconds / args.rounds, 2 + round_index, compact
             )
             service_cpu += cpu_seconds(server.process.pid) - service_before
             client_cpu += own_cpu_seconds() - client_before
@@ -119,7 +123,8 @@ def streamed(args: argparse.Namespace) -> Result:
     middle = sorted(rounds, key=lambda r: r.rate)[len(rounds) // 2]
     result = Result(middle.requests, middle.seconds, [latency for r in rounds for latency in r.latencies])
     print(
-        f"kvrouter stream (always)  lifecycle {result.rate:8.0f} commands/s (p50 {result.percentile(0.5):6.0f} us, "
+        f"kvrouter stream (always, {args.format})  lifecycle {result.rate:8.0f} commands/s "
+        f"(p50 {result.percentile(0.5):6.0f} us, "
         f"p99 {result.percentile(0.99):6.0f} us per command)   rss {rss / 1024:6.1f} MiB   ({load()})",
         flush=True,
     )
@@ -143,12 +148,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (the median round's rate)")
     parser.add_argument("--callers", type=int, default=256, help="concurrent lifecycles through the client")
     parser.add_argument("--connections", type=int, default=1, help="command streams the callers share")
+    parser.add_argument("--format", choices=("msgpack", "json"), default="msgpack", help="the stream's format")
     parser.add_argument("--clients", type=int, default=4, help="HTTP connections for the reference")
     parser.add_argument("--reference-python", help="a python with ai-dynamo-runtime==1.6.1 installed")
     args = parser.parse_args()
     print(
         f"stream benchmark: {WORKERS} workers x {RANKS} ranks, {BLOCKS}-block prompts, {args.callers} callers on "
-        f"{args.connections} stream(s), {args.seconds:.0f} s per measurement, cpus={os.cpu_count()} ({load()})",
+        f"{args.connections} stream(s) ({args.format}), {args.seconds:.0f} s per measurement, "
+        f"cpus={os.cpu_count()} ({load()})",
         flush=True,
     )
     ours = streamed(args)

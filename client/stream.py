@@ -158,10 +158,6 @@ class StreamClient(Operations):
         if raised:
             raise raised[0]
 
-    async def perform(self, op: Op[T]) -> T:
-        """Send ``op`` with the next message and wait for its result."""
-        return result_of(op, await self._exchange(op))
-
     def _encode(self, command_id: int, op: Op[Any]) -> bytes:
         if self.compact:
             if op.compact is not None:
@@ -176,7 +172,8 @@ class StreamClient(Operations):
             command["body"] = body
         return orjson.dumps(command)
 
-    async def _exchange(self, op: Op[Any]) -> Reply:
+    async def perform(self, op: Op[T]) -> T:
+        """Send ``op`` with the next message and wait for its result (one coroutine per call: the hot path)."""
         if self._closed is not None:
             raise StreamClosed(str(self._closed))
         try:
@@ -206,7 +203,7 @@ class StreamClient(Operations):
             self._room.release()
         if isinstance(reply, BaseException):
             raise StreamClosed(str(reply))
-        return reply
+        return result_of(op, reply)
 
     async def _send_messages(self) -> None:
         try:

@@ -160,7 +160,7 @@ def test_a_result_received_survives_kill_9(tmp_path: Path) -> None:
 
 
 def test_the_client_module_imports_without_the_service() -> None:
-    """``kvrouter.client`` needs trio-websocket and orjson only, not the service's modules."""
+    """``kvrouter.client`` needs trio-websocket, orjson and msgpack only, not the service's modules."""
     code = "import sys, kvrouter.client; print(sorted(m for m in sys.modules if m.startswith('kvrouter.')))"
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "kvrouter.actors" not in shown and "kvrouter.api" not in shown, shown
