@@ -10,10 +10,13 @@ Each listener holds a slot of the process's ``ListenerSlots`` (zmq sockets and f
 finite). ``admit`` reserves the slots a record needs *before* the record is journaled, so a registration
 beyond capacity is refused instead of failing later, and a restart never needs more than was accepted.
 
-Batches enter the actor's mailbox as commands; the listener waits while the mailbox is full (policy:
-block; zmq's high-water mark then pushes back on the publisher, and the gap is replayed later). KV
-events do not wait for the journal's fsync: the watermark is journaled with the blocks, so a crash
-loses both together and the restarted listener replays the same batches from the worker.
+Batches enter the actor's mailbox as commands, one command per group the listener hands over (what was
+queued on its socket: ``kv_listener.GROUP_MAX_BATCHES``), decoded here first (a batch that cannot be read is
+logged and skipped, never journaled). The listener then waits until the actor has applied that command before
+it reads on (policy: block; zmq's high-water mark then pushes back on the publisher, and the gap is replayed
+later), so the mailbox holds at most one group per listener: its memory is bounded by the listeners, not by
+the mailbox's length. KV events do not wait for the journal's fsync: the watermark is journaled with the
+blocks, so a crash loses both together and the restarted listener replays the same batches from the worker.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import Command, IngestKvBatch, ResetKvStream
 from kvrouter.actors.core.events import Event, WorkerRemoved, WorkerUpserted
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
-from kvrouter.actors.core.kv_wire import WireError, decode_batch
+from kvrouter.actors.core.index_bounds import run_block_limit
+from kvrouter.actors.core.kv_wire import KvBatch, WireError, decode_batch, stored_upper_bound
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatch, OnRestart
+from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatches, OnRestart
+from kvrouter.actors.mailbox import Envelope
 from kvrouter.actors.peers.socket_budget import ListenerCapacityError, ListenerSlots
 from kvrouter.actors.system import ActorSystem
 
@@ -179,7 +184,7 @@ class KvIngest:
         listener = KvListener(
             key.endpoint,
             key.replay_endpoint,
-            self._on_batch(key),
+            self._on_batches(key),
             resume_from=watermark,
             on_restart=self._on_restart(key),
         )
@@ -199,23 +204,54 @@ class KvIngest:
         with cancel_scope:
             await listener.run()
 
-    def _on_batch(self, key: ListenerKey) -> OnBatch:
-        system = self._system
-        clock = system.clock
-        cap = system.max_index_blocks_per_scope
+    def _on_batches(self, key: ListenerKey) -> OnBatches:
+        cap = self._system.max_index_blocks_per_scope
+        limit = run_block_limit(cap)
 
-        async def on_batch(seq: int, payload: bytes) -> None:
-            try:
-                batch = decode_batch(payload)
-            except WireError as exc:
-                log.warning("worker %d dp_rank %d: batch %d skipped: %s", *key.rank, seq, exc)
-                return
-            command = IngestKvBatch(
-                key.rank.worker_id, key.rank.dp_rank, seq, batch, at=clock.now_ns(), max_index_blocks=cap
-            )
-            await system.submit(key.scope, command)
+        async def on_batches(group: list[tuple[int, bytes]]) -> None:
+            # One command per run of batches storing at most ``limit`` blocks between them (the whole group, in
+            # practice): the index cap then trims and refuses as if each batch were its own command.
+            run: list[tuple[int, KvBatch]] = []
+            run_blocks = 0
+            for seq, payload in group:
+                try:
+                    batch = decode_batch(payload)
+                except WireError as exc:
+                    log.warning("worker %d dp_rank %d: batch %d skipped: %s", *key.rank, seq, exc)
+                    continue
+                blocks = stored_upper_bound(batch)
+                if run and run_blocks + blocks > limit:
+                    await self._apply(key, run, cap)
+                    run, run_blocks = [], 0
+                run.append((seq, batch))
+                run_blocks += blocks
+            if run:
+                await self._apply(key, run, cap)
 
-        return on_batch
+        return on_batches
+
+    async def _apply(self, key: ListenerKey, run: list[tuple[int, KvBatch]], cap: int) -> None:
+        """Queue the run as one command and wait until the actor has applied it (not until it is durable: see
+        the module doc). Returns at once if the scope is gone (its worker left)."""
+        actor = self._system.actors.get(key.scope)
+        if actor is None:
+            return
+        (seq, batch), *following = run
+        command = IngestKvBatch(
+            key.rank.worker_id,
+            key.rank.dp_rank,
+            seq,
+            batch,
+            at=self._system.clock.now_ns(),
+            max_index_blocks=cap,
+            following=tuple(following),
+        )
+        applied = trio.Event()
+        try:
+            await actor.outbox.send(Envelope(command, on_settled=applied.set))
+        except trio.ClosedResourceError:
+            return  # retired while we waited
+        await applied.wait()
 
     def _on_restart(self, key: ListenerKey) -> OnRestart:
         system = self._system

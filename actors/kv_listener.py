@@ -1,7 +1,7 @@
 """KvListener: the shell task that hears one worker rank's KV events over ZMQ (spec §4).
 
 Live traffic is ``[topic, seq (8 BE), payload]`` on a SUB socket. The listener keeps a watermark
-(the last seq handed to ``on_batch``) and repairs the stream before handing anything on:
+(the last seq handed on) and repairs the stream before handing anything on:
 
 * ``seq == last + 1``: deliver.
 * ``seq <= last``: stale duplicate, skip (counted) -- unless the publisher restarted, see below.
@@ -49,7 +49,14 @@ reports a connection lost for good, a reconnection (catch-up, restart detection)
 failure. Budget: 3 zmq sockets and 4 descriptors per listener, plus a DEALER and 2 descriptors
 while a replay runs (see actors/peers/socket_budget.py).
 
-Backpressure: ``on_batch`` is awaited inline, so while the consumer is busy we stop reading; the SUB
+Hand-over in groups: batches go to ``on_batches`` as a list of ``(seq, payload)`` in stream order. What
+is already queued on the socket when the listener looks (up to ``GROUP_MAX_BATCHES`` batches or
+``GROUP_MAX_BYTES`` of payload) travels as one group, so a flood costs the consumer one hand-over (one
+command, one journal record) per group instead of per batch; a lone batch still goes at once, since the
+group is handed on before the listener waits for anything (the socket, a replay reply, a restart's
+``on_restart``). ``each_batch`` adapts a consumer that takes one batch at a time.
+
+Backpressure: ``on_batches`` is awaited inline, so while the consumer is busy we stop reading; the SUB
 pipe fills to RCVHWM, then the publisher's PUB drops, and we see a gap that replay repairs.
 
 Logs (logger ``kvrouter.kv_listener``): state changes, connection problems, gaps, replays and lost
@@ -106,6 +113,10 @@ TCP_KEEPALIVE_CNT: Final = 3
 # indexed block from ~330 to ~440 bytes during a 1M-block ingest, and ingest was no faster.
 # In bytes: at most LIVE_RCVHWM x MAX_KV_MESSAGE_BYTES per listener (batches are ~kB in practice).
 LIVE_RCVHWM: Final = 100
+# A group handed to ``on_batches`` holds at most this many batches and (but for a single batch) this much
+# payload: what a flood queued is taken in a few large hand-overs, and the consumer's memory per group is bounded.
+GROUP_MAX_BATCHES: Final = 64
+GROUP_MAX_BYTES: Final = 1024 * 1024
 # Replies queued on the replay DEALER; same policy (the publisher's ROUTER waits or drops).
 REPLAY_RCVHWM: Final = 1_000
 # A replay stream that stays silent this long is abandoned as incomplete (per reply, not overall,
@@ -147,6 +158,7 @@ _REPLAYED: Final = {False: "", True: ", replayed"}
 
 ListenerState = Literal["connecting", "active", "failed"]
 OnBatch = Callable[[int, bytes], Awaitable[None]]
+OnBatches = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 OnRestart = Callable[[], Awaitable[None]]
 
 
@@ -161,7 +173,7 @@ class ListenerStatus:
     last_seq: int | None = None  # the watermark: last seq delivered (or resumed from); None = none yet
     # The current connection problem (cleared once connected), else the last lost range.
     last_error: str | None = None
-    batches: int = 0  # delivered to on_batch, live and replayed
+    batches: int = 0  # handed on, live and replayed
     replayed_batches: int = 0  # of which came from the replay endpoint
     gaps: int = 0  # times a seq jumped past last + 1 (each triggers one replay, if configured)
     lost_batches: int = 0  # seqs never delivered: no replay endpoint, or the replay came back short
@@ -183,7 +195,7 @@ class KvListener:
         self,
         endpoint: str,
         replay_endpoint: str | None,
-        on_batch: OnBatch,
+        on_batches: OnBatches,
         *,
         topic: bytes = b"",
         resume_from: int | None = None,
@@ -195,7 +207,9 @@ class KvListener:
         resolver: Resolver | None = None,
     ) -> None:
         self.status = ListenerStatus(endpoint=endpoint, replay_endpoint=replay_endpoint, last_seq=resume_from)
-        self._on_batch = on_batch
+        self._on_batches = on_batches
+        self._group: list[tuple[int, bytes]] = []  # batches taken in order, not yet handed on
+        self._group_bytes = 0
         self._on_restart = on_restart
         self._topic = topic
         self._replay_timeout = replay_timeout
@@ -226,7 +240,7 @@ class KvListener:
     def resume_from(self, seq: int | None) -> None:
         """Continue after ``seq`` (a journaled watermark): the next expected batch is seq + 1.
 
-        Call it before ``run`` or from the consumer between batches; it only moves the watermark.
+        Call it before ``run`` or from the consumer's ``on_batches``; it only moves the watermark.
         """
         self.status.last_seq = seq
 
@@ -425,12 +439,18 @@ class KvListener:
                 self._catch_up_due = False
                 last = -1 if self.status.last_seq is None else self.status.last_seq
                 await self._fill_gap(last + 1, None)
-            self._recv_scope = trio.CancelScope()
-            frames = None
-            with self._recv_scope:
-                frames = await sub.recv_multipart()
+            frames = sub.try_recv_multipart()
             if frames is None:
-                continue  # woken for a catch-up or a (re)connection
+                if self._group:
+                    # Nothing queued: hand on what was taken before waiting for more, then look at the
+                    # connection and catch-up requests again (they may have come while the consumer ran).
+                    await self._hand_on()
+                    continue
+                self._recv_scope = trio.CancelScope()
+                with self._recv_scope:
+                    frames = await sub.recv_multipart()
+                if frames is None:
+                    continue  # woken for a catch-up or a (re)connection
             if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == _END_MARKER:
                 self.status.malformed += 1
                 log.debug("kv listener %s: ignored a %d-frame message", self.status.endpoint, len(frames))
@@ -460,6 +480,7 @@ class KvListener:
                 last,
             )
             status.restarts += 1
+            await self._hand_on()  # the old stream's batches go first, then the restart
             status.last_seq, last = None, -1
             if self._on_restart is not None:
                 await self._on_restart()
@@ -473,12 +494,24 @@ class KvListener:
         await self._deliver(seq, payload, replayed=False)
 
     async def _deliver(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        """Take the batch into the group (the watermark moves now); hand the group on once it is full."""
         log.debug("kv listener %s: batch %d, %d bytes%s", self.status.endpoint, seq, len(payload), _REPLAYED[replayed])
-        await self._on_batch(seq, payload)
-        self.status.last_seq = seq
-        self.status.batches += 1
+        self._group.append((seq, payload))
+        self._group_bytes += len(payload)
+        status = self.status
+        status.last_seq = seq
+        status.batches += 1
         if replayed:
-            self.status.replayed_batches += 1
+            status.replayed_batches += 1
+        if len(self._group) >= GROUP_MAX_BATCHES or self._group_bytes >= GROUP_MAX_BYTES:
+            await self._hand_on()
+
+    async def _hand_on(self) -> None:
+        """Give the consumer the batches taken so far, in order (nothing when there are none)."""
+        if self._group:
+            group, self._group, self._group_bytes = self._group, [], 0
+            await self._on_batches(group)
+            await trio.lowlevel.checkpoint()  # a flood read without waiting must still let other tasks run
 
     async def _fill_gap(self, start: int, end: int | None) -> None:
         """Deliver what the replay endpoint has of ``[start, end)``; count and log the rest as lost.
@@ -486,6 +519,7 @@ class KvListener:
         ``end=None`` is a catch-up after a (re)connection: take everything buffered from ``start``
         until the end marker; nothing is known to be missing, so nothing is counted as lost.
         """
+        await self._hand_on()  # what came before the gap need not wait for the replay
         replay_endpoint = self.status.replay_endpoint
         wanted = f"{start}.." if end is None else f"{start}..{end - 1}"
         if replay_endpoint is None:
@@ -528,9 +562,11 @@ class KvListener:
                     return
                 await dealer.send_multipart([b"", start.to_bytes(8, "big")])
                 while end is None or next_seq < end:
-                    frames: list[bytes] | None = None
-                    with trio.move_on_after(self._replay_timeout):
-                        frames = await dealer.recv_multipart()
+                    frames: list[bytes] | None = dealer.try_recv_multipart()
+                    if frames is None:
+                        await self._hand_on()  # before waiting for the next reply
+                        with trio.move_on_after(self._replay_timeout):
+                            frames = await dealer.recv_multipart()
                     if frames is None:
                         problem = (
                             f"timed out: no reply for {self._replay_timeout}s; publisher gone, or a reply over "
@@ -605,3 +641,13 @@ def _parse_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
     if delimiter != b"" or len(seq) != 8:
         return None
     return int.from_bytes(seq, "big"), payload
+
+
+def each_batch(on_batch: OnBatch) -> OnBatches:
+    """An ``on_batches`` for a consumer that takes one batch at a time: awaits it for each batch of a group."""
+
+    async def on_batches(group: list[tuple[int, bytes]]) -> None:
+        for seq, payload in group:
+            await on_batch(seq, payload)
+
+    return on_batches

@@ -90,7 +90,9 @@ class RemoveWorker:
 
 @attrs.frozen
 class IngestKvBatch:
-    """One batch from a worker rank's KV-event stream (``seq`` is its sequence number)."""
+    """One batch from a worker rank's KV-event stream (``seq`` is its sequence number), and the batches that
+    followed it when the listener read several at once (``following``: ``(seq, batch)`` in stream order),
+    decided together: one decision and one journal record for the lot."""
 
     worker_id: int
     dp_rank: int
@@ -98,6 +100,7 @@ class IngestKvBatch:
     batch: KvBatch
     at: int = 0
     max_index_blocks: int = MAX_INDEX_BLOCKS_PER_SCOPE  # the scope's index cap (actors/core/index_bounds.py)
+    following: tuple[tuple[int, KvBatch], ...] = ()
 
 
 @attrs.frozen

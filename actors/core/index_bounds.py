@@ -28,6 +28,16 @@ from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_index import KvIndex
 
 TRIM_FRACTION = 8  # a trimmed rank drops at least 1/TRIM_FRACTION of its blocks
+# Several batches of a rank decided together (one IngestKvBatch with ``following``) store at most 1/RUN_FRACTION of
+# the cap between them (a lone batch may store more): the room they need is then at most what the heaviest rank of a
+# full index holds (with up to RUN_FRACTION ranks), so grouping trims what deciding them one by one would, and a
+# batch is refused blocks only when it alone is over the cap.
+RUN_FRACTION = 16
+
+
+def run_block_limit(cap: int) -> int:
+    """The most blocks a run of several batches may store (``RUN_FRACTION``)."""
+    return cap // RUN_FRACTION
 
 
 def incoming_blocks(ops: Iterable[KvOp]) -> int:

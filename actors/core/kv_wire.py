@@ -44,6 +44,7 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "stored_blocks",
+    "stored_upper_bound",
     "tier_from_medium",
 ]
 
@@ -345,6 +346,11 @@ def _kind(value: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------- convert
+
+
+def stored_upper_bound(batch: KvBatch) -> int:
+    """At most how many blocks the batch stores (what its stores name; conversion may keep fewer)."""
+    return sum(len(event.block_hashes) for event in batch.events if type(event) is BlockStored)
 
 
 def stored_blocks(

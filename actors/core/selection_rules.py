@@ -178,36 +178,53 @@ def decide_remove(command: RemoveWorker, state: ScopeState) -> Decision:
 
 
 def decide_ingest(command: IngestKvBatch, state: ScopeState) -> Decision:
+    """A rank's batch and those that followed it: one ``KvIndexed`` per run of batches placing their blocks on
+    the same dp rank (ops in stream order, watermark at the run's last seq), under one check of the index cap."""
     selection, ranks = state.selection, state.slots.ranks
     record = selection.catalog.get(command.worker_id)
     if record is None:
         return NOTHING_CHANGED  # the worker left while its batch was in flight
     if WorkerRank(command.worker_id, command.dp_rank) not in ranks:
         return NOTHING_CHANGED  # the listener's rank left the worker's DP range meanwhile
-    dp_rank = command.batch.dp_rank if command.batch.dp_rank is not None else command.dp_rank
-    if WorkerRank(command.worker_id, dp_rank) not in ranks:
-        return NOTHING_CHANGED
     block_size = record.block_size or selection.partition_block_size or 0
-    ops: list[KvOp] = []
-    for event in command.batch.events:
-        if isinstance(event, BlockStored):
-            blocks = stored_blocks(event, block_size)
-            if blocks:
-                ops.append(KvStoredOp(int(event.tier), event.parent_hash, tuple(blocks)))
-        elif isinstance(event, BlockRemoved):
-            if event.block_hashes:
-                ops.append(KvRemovedOp(int(event.tier), event.block_hashes))
-        elif isinstance(event, AllBlocksCleared):
-            ops.append(KvClearedOp())
-    kept = tuple(ops)
-    incoming = incoming_blocks(kept)
+    runs: list[tuple[int, int | None, list[KvOp]]] = []  # (dp rank, last seq, ops)
+    incoming = 0
+    for seq, batch in ((command.seq, command.batch), *command.following):
+        dp_rank = batch.dp_rank if batch.dp_rank is not None else command.dp_rank
+        if WorkerRank(command.worker_id, dp_rank) not in ranks:
+            continue
+        if runs and runs[-1][0] == dp_rank:
+            ops = runs[-1][2]
+            runs[-1] = (dp_rank, seq, ops)
+        else:
+            ops = []
+            runs.append((dp_rank, seq, ops))
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                blocks = stored_blocks(event, block_size)
+                if blocks:
+                    ops.append(KvStoredOp(int(event.tier), event.parent_hash, tuple(blocks)))
+                    incoming += len(blocks)
+            elif isinstance(event, BlockRemoved):
+                if event.block_hashes:
+                    ops.append(KvRemovedOp(int(event.tier), event.block_hashes))
+            elif isinstance(event, AllBlocksCleared):
+                ops.append(KvClearedOp())
+    if not runs:
+        return NOTHING_CHANGED
     cap = command.max_index_blocks
     if selection.index.block_count() + incoming <= cap:
-        return Accepted((KvIndexed(command.worker_id, dp_rank, command.dp_rank, command.seq, kept),))
+        return Accepted(
+            tuple(KvIndexed(command.worker_id, dp, command.dp_rank, seq, tuple(ops)) for dp, seq, ops in runs)
+        )
     trims, room = make_room(selection.index, cap, incoming)
-    kept, refused = fit_ops(kept, room)
-    indexed = KvIndexed(command.worker_id, dp_rank, command.dp_rank, command.seq, kept)
-    return Accepted((*trims, indexed, *refused_event(WorkerRank(command.worker_id, dp_rank), refused)))
+    events: list[Event] = [*trims]
+    for dp, seq, ops in runs:
+        kept, refused = fit_ops(ops, room)
+        room -= incoming_blocks(kept)
+        events.append(KvIndexed(command.worker_id, dp, command.dp_rank, seq, kept))
+        events.extend(refused_event(WorkerRank(command.worker_id, dp), refused))
+    return Accepted(tuple(events))
 
 
 def decide_recover(command: RecoverKv, state: ScopeState) -> Decision:

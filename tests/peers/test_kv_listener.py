@@ -14,7 +14,7 @@ import pytest
 import trio
 import zmq
 
-from kvrouter.actors.kv_listener import MAX_KV_MESSAGE_BYTES, KvListener, ListenerStatus
+from kvrouter.actors.kv_listener import MAX_KV_MESSAGE_BYTES, KvListener, ListenerStatus, each_batch
 from kvrouter.actors.peers.endpoints import _system_resolver
 from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket, zmq_context
 from tests.support.kv_publisher import KvPublisher, free_tcp_port, open_kv_publisher, sample_payload
@@ -74,7 +74,7 @@ async def start_listener(
     endpoint = options.pop("endpoint", None) or (publisher and publisher.endpoint)
     replay = options.pop("replay_endpoint", None) or (publisher and publisher.replay_endpoint)
     assert isinstance(endpoint, str)
-    listener = KvListener(endpoint, replay, sink, on_restart=sink.on_restart, **options)  # type: ignore[arg-type]
+    listener = KvListener(endpoint, replay, each_batch(sink), on_restart=sink.on_restart, **options)  # type: ignore[arg-type]
     status = await nursery.start(listener.run)
     assert status is listener.status
     return listener
@@ -353,7 +353,7 @@ async def test_bad_endpoint_fails_without_raising() -> None:
     sink = Sink()
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            status: ListenerStatus = await nursery.start(KvListener("tcp://nowhere:notaport", None, sink).run)
+            status: ListenerStatus = await nursery.start(KvListener("tcp://nowhere:notaport", None, each_batch(sink)).run)
     assert status.state == "failed"
     assert status.last_error is not None and "tcp://nowhere:notaport" in status.last_error
 
@@ -364,9 +364,9 @@ async def test_cancellation_closes_every_socket() -> None:
     sink = Sink()
     with trio.fail_after(5):
         async with open_kv_publisher(drop_live=[1], answer_replays=False) as pub, trio.open_nursery() as nursery:
-            idle = KvListener(pub.endpoint, pub.replay_endpoint, sink, topic=b"matches-nothing")
+            idle = KvListener(pub.endpoint, pub.replay_endpoint, each_batch(sink), topic=b"matches-nothing")
             await nursery.start(idle.run)
-            replaying = KvListener(pub.endpoint, pub.replay_endpoint, Sink(), replay_timeout=60)
+            replaying = KvListener(pub.endpoint, pub.replay_endpoint, each_batch(Sink()), replay_timeout=60)
             await nursery.start(replaying.run)
             await pub.wait_for_subscribers(2)
             pub.publish(payload(0))
@@ -644,7 +644,7 @@ async def test_a_blocked_event_loop_does_not_cost_the_connection(nursery: trio.N
 
     with trio.fail_after(30):
         async with open_kv_publisher(replay=False) as pub:
-            listener = KvListener(pub.endpoint, None, on_batch)
+            listener = KvListener(pub.endpoint, None, each_batch(on_batch))
             await nursery.start(listener.run)
             await pub.wait_for_subscribers()
             for seq in range(count):
@@ -748,7 +748,7 @@ async def test_catch_up_after_a_network_blip_is_not_mistaken_for_a_restart(nurse
         async with open_kv_publisher() as pub:
             assert pub.port is not None and pub.replay_endpoint is not None
             proxy = await nursery.start(CuttableProxy(pub.port).run)
-            listener = KvListener(f"tcp://127.0.0.1:{proxy.port}", pub.replay_endpoint, on_batch)
+            listener = KvListener(f"tcp://127.0.0.1:{proxy.port}", pub.replay_endpoint, each_batch(on_batch))
             await nursery.start(listener.run)
             await pub.wait_for_subscribers()
             await wait_until(lambda: pub.replay_requests == [0])  # the first catch-up had nothing

@@ -146,7 +146,7 @@ async def test_a_connected_listener_costs_what_the_budget_says() -> None:
         sys.stdin.read()
     """
 
-    async def discard(seq: int, data: bytes) -> None:
+    async def discard(group: list[tuple[int, bytes]]) -> None:
         pass
 
     async def start_active(nursery: trio.Nursery, port: int, how_many: int) -> None:
@@ -187,7 +187,7 @@ def test_out_of_descriptors_fails_the_listener_not_the_process() -> None:
         import json, resource, trio
         from kvrouter.actors.kv_listener import KvListener
 
-        async def discard(seq, data):
+        async def discard(group):
             pass
 
         async def main():
@@ -219,7 +219,7 @@ async def test_replays_take_turns_under_the_process_wide_limit(nursery: trio.Nur
     loss, which happens before the permit is handed on); without the limit both ask at once."""
     socket_budget._REPLAY_LIMITER.set(trio.CapacityLimiter(1))  # this test's trio run only
 
-    async def discard(seq: int, data: bytes) -> None:
+    async def discard(group: list[tuple[int, bytes]]) -> None:
         pass
 
     with trio.fail_after(10):
