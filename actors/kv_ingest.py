@@ -11,7 +11,8 @@ finite). ``admit`` reserves the slots a record needs *before* the record is jour
 beyond capacity is refused instead of failing later, and a restart never needs more than was accepted.
 
 Batches enter the actor's mailbox as commands, one command per group the listener hands over (what was
-queued on its socket: ``kv_listener.GROUP_MAX_BATCHES``), decoded here first (a batch that cannot be read is
+queued on its socket: ``kv_listener.GROUP_MAX_BATCHES``; split where its stores would pass
+``index_bounds.run_block_limit``), decoded here first (a batch that cannot be read is
 logged and skipped, never journaled). The listener then waits until the actor has applied that command before
 it reads on (policy: block; zmq's high-water mark then pushes back on the publisher, and the gap is replayed
 later), so the mailbox holds at most one group per listener: its memory is bounded by the listeners, not by

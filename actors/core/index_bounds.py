@@ -29,9 +29,9 @@ from kvrouter.actors.core.kv_index import KvIndex
 
 TRIM_FRACTION = 8  # a trimmed rank drops at least 1/TRIM_FRACTION of its blocks
 # Several batches of a rank decided together (one IngestKvBatch with ``following``) store at most 1/RUN_FRACTION of
-# the cap between them (a lone batch may store more): the room they need is then at most what the heaviest rank of a
-# full index holds (with up to RUN_FRACTION ranks), so grouping trims what deciding them one by one would, and a
-# batch is refused blocks only when it alone is over the cap.
+# the cap between them (a lone batch may store more; the shell splits longer runs): the room they need then fits in
+# what the heaviest rank of a full index (of up to RUN_FRACTION ranks) holds, so grouping trims the heaviest ranks
+# as deciding the batches one by one would, and a batch is refused blocks only when it alone is over the cap.
 RUN_FRACTION = 16
 
 

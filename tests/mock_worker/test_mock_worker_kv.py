@@ -127,7 +127,7 @@ async def test_the_replay_buffer_keeps_the_newest_batches_in_vllms_format(nurser
     assert batch.dp_rank == 0
     (stored,) = batch.events
     assert isinstance(stored, BlockStored)
-    assert stored.token_ids == tuple(p + 300 for p in PROMPT[:16]) and stored.block_size == BLOCK
+    assert tuple(stored.token_ids) == tuple(p + 300 for p in PROMPT[:16]) and stored.block_size == BLOCK
     assert len(stored.block_hashes) == 4 and stored.parent_hash is None
 
 

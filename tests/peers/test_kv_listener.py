@@ -14,7 +14,14 @@ import pytest
 import trio
 import zmq
 
-from kvrouter.actors.kv_listener import MAX_KV_MESSAGE_BYTES, KvListener, ListenerStatus, each_batch
+from kvrouter.actors.kv_listener import (
+    GROUP_MAX_BATCHES,
+    LIVE_RCVHWM,
+    MAX_KV_MESSAGE_BYTES,
+    KvListener,
+    ListenerStatus,
+    each_batch,
+)
 from kvrouter.actors.peers.endpoints import _system_resolver
 from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket, zmq_context
 from tests.support.kv_publisher import KvPublisher, free_tcp_port, open_kv_publisher, sample_payload
@@ -353,7 +360,9 @@ async def test_bad_endpoint_fails_without_raising() -> None:
     sink = Sink()
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            status: ListenerStatus = await nursery.start(KvListener("tcp://nowhere:notaport", None, each_batch(sink)).run)
+            status: ListenerStatus = await nursery.start(
+                KvListener("tcp://nowhere:notaport", None, each_batch(sink)).run
+            )
     assert status.state == "failed"
     assert status.last_error is not None and "tcp://nowhere:notaport" in status.last_error
 
@@ -770,3 +779,44 @@ async def test_catch_up_after_a_network_blip_is_not_mistaken_for_a_restart(nurse
     status = listener.status
     assert sink.seqs == list(range(51))
     assert (status.restarts, status.disconnects, status.replayed_batches, status.stale_dropped) == (0, 1, 49, 49)
+
+
+async def test_a_flood_is_handed_on_in_bounded_groups_in_order(nursery: trio.Nursery) -> None:
+    """What is queued on the socket when the consumer comes back is handed over together (one command, one
+    journal record downstream), never more than GROUP_MAX_BATCHES at once, in stream order; a lone batch
+    still goes on at once, without waiting for company."""
+    groups: list[list[int]] = []
+    release = trio.Event()
+    changed = trio.Event()
+
+    async def on_batches(group: list[tuple[int, bytes]]) -> None:
+        nonlocal changed
+        groups.append([seq for seq, _ in group])
+        changed.set()
+        changed = trio.Event()
+        if len(groups) == 1:
+            await release.wait()  # the flood queues behind the first group meanwhile
+
+    def handed_on() -> int:
+        return sum(map(len, groups))
+
+    count = LIVE_RCVHWM - 10  # all fit in the SUB pipe: nothing dropped, no replay needed
+    with trio.fail_after(20):
+        async with open_kv_publisher(replay=False) as pub:
+            listener = KvListener(pub.endpoint, None, on_batches)
+            await nursery.start(listener.run)
+            await pub.wait_for_subscribers()
+            pub.publish(payload(0))
+            while handed_on() < 1:
+                await changed.wait()
+            assert groups == [[0]]  # alone, and at once
+            for seq in range(1, count):
+                pub.publish(payload(seq))
+            await trio.sleep(0.2)  # let libzmq's I/O thread queue what fits in the SUB pipe
+            release.set()
+            while handed_on() < count:
+                await changed.wait()
+    assert [seq for group in groups for seq in group] == list(range(count))
+    assert max(map(len, groups)) <= GROUP_MAX_BATCHES
+    assert len(groups) < count // 2  # taken in groups, not one by one
+    assert listener.status.batches == count and listener.status.last_seq == count - 1

@@ -1,0 +1,145 @@
+"""KV-event ingest alone: the select service benchmark's ingest phase (same workload, same publishers, same
+completion probes), repeated, with the service's CPU time per block, and the reference's in alternating rounds.
+
+    python benchmarks/kv_ingest_bench.py [--blocks 1000000] [--rounds 3] [--reference-python PATH]
+        [--durability always] [--profile-dir DIR]
+
+Each round starts a fresh service, registers the 16 workers, publishes the chains and waits until every
+worker's last chain is indexed (``select_service_bench.ingest``). Printed per round: blocks/s, the
+service's CPU time (user + system, from /proc) per block during the ingest, and RSS per indexed block.
+``--profile-dir`` records kvrouter's ingest with py-spy (if installed) into DIR/round-N.txt (collapsed stacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, reference_python
+from select_service_bench import CHAIN_BLOCKS, REPO, Publishers, Service, Workload, ingest, prepare
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its reaped children so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICKS  # utime stime cutime cstime
+
+
+def kvrouter_argv(port: int, data: Path, durability: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "kvrouter.api.select_service",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data),
+        "--durability",
+        durability,
+        "--log-level",
+        "warning",
+        "--fresh",
+    ]
+
+
+def one_round(
+    label: str,
+    argv: list[str],
+    port: int,
+    env: dict[str, str],
+    cwd: Path,
+    workdir: Path,
+    blocks: int,
+    profile: Path | None,
+) -> str:
+    publishers = Publishers()
+    service = Service(label, argv, port, workdir, env, cwd)
+    spy = None
+    try:
+        service.start()
+        trio.run(prepare, service, publishers)
+        if profile is not None:
+            spy = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(service.pid), "--rate", "250", "--format", "raw", "-o", str(profile)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(1.0)  # py-spy attaches
+        before = cpu_seconds(service.pid)
+        result = trio.run(ingest, service, publishers, Workload(blocks // CHAIN_BLOCKS), max(30.0, blocks / 20_000))
+        cpu = cpu_seconds(service.pid) - before
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            spy.wait()
+        service.stop()
+        publishers.close()
+    if result.seconds is None:
+        return f"{label}: TIMED OUT ({result.workers_done}/16 workers complete)"
+    return (
+        f"{label}: {result.blocks:,} blocks in {result.seconds:.2f} s = {result.rate:,.0f} blocks/s; "
+        f"service CPU {cpu / result.blocks * 1e6:.2f} us/block; RSS {result.bytes_per_block:.0f} B/block"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--durability", choices=["always", "batch", "off"], default="always")
+    parser.add_argument("--reference-python", default=None)
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--profile-dir", type=Path, default=None)
+    args = parser.parse_args()
+    python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    ref_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DYN_LOG", "RUST_LOG")}
+    ref_env["DYN_LOG"] = "warn"
+    workdir = Path(tempfile.mkdtemp(prefix="kvrouter-ingest-bench-"))
+    if args.profile_dir is not None:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+    print(f"KV ingest: {args.blocks:,} blocks, 16 workers, durability {args.durability}; load {os.getloadavg()}")
+    try:
+        for n in range(1, args.rounds + 1):
+            data = Path(tempfile.mkdtemp(prefix="data-", dir=workdir))
+            profile = None if args.profile_dir is None else args.profile_dir / f"round-{n}.txt"
+            port = free_port()
+            print(
+                one_round(
+                    "kvrouter",
+                    kvrouter_argv(port, data, args.durability),
+                    port,
+                    env,
+                    REPO,
+                    workdir,
+                    args.blocks,
+                    profile,
+                ),
+                flush=True,
+            )
+            shutil.rmtree(data, ignore_errors=True)
+            if python is not None:
+                port = free_port()
+                argv = [python, "-m", "dynamo.select_service", "--port", str(port)]
+                print(one_round("reference", argv, port, ref_env, workdir, workdir, args.blocks, None), flush=True)
+        print(f"load average at the end: {os.getloadavg()}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
