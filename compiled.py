@@ -31,6 +31,7 @@ COMPILED_MODULES = (
     "kvrouter.actors.core.kv_index",
     "kvrouter.actors.core.hashing",
     "kvrouter.actors.core.selection",
+    "kvrouter.actors.core.kv_batch_reader",
 )
 PURE_ENV = "KVROUTER_PURE_PYTHON"
 MANIFEST = "_compiled_manifest.json"

@@ -16,11 +16,13 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvrouter.actors.core.hashing as compiled_hashing
+import kvrouter.actors.core.kv_batch_reader as compiled_kv_batch_reader
 import kvrouter.actors.core.kv_index as compiled_kv_index
 import kvrouter.actors.core.selection as compiled_selection
 import kvrouter.actors.core.trie as compiled_trie
@@ -29,7 +31,10 @@ from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.compiled import COMPILED_MODULES, is_compiled, load_pure, status
 
 PURE = {name: load_pure(name, "kvrouter_oracle." + name.rsplit(".", 1)[1]) for name in COMPILED_MODULES}
-COMPILED = {m.__name__: m for m in (compiled_trie, compiled_kv_index, compiled_hashing, compiled_selection)}
+COMPILED = {
+    m.__name__: m
+    for m in (compiled_trie, compiled_kv_index, compiled_hashing, compiled_selection, compiled_kv_batch_reader)
+}
 
 
 def test_every_compiled_module_is_covered_here() -> None:
@@ -110,6 +115,44 @@ def test_sequence_hashes_and_seeds(hashes: list[int], prev: int, lora: str) -> N
         lambda m: m.lora_seed(lora),
     ):
         assert outcome(lambda m_call=m_call: m_call(compiled)) == outcome(lambda m_call=m_call: m_call(pure))
+
+
+# -------------------------------------------------------------------------------- kv batch reader
+
+
+@SETTINGS
+@given(
+    events=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("BlockStored"),
+                st.lists(st.integers(-(2**63), 2**64 - 1), max_size=6),
+                st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
+                st.lists(st.integers(0, 2**32 - 1), max_size=40),
+                st.integers(0, 2**40),
+                st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
+                st.one_of(st.none(), st.sampled_from(["GPU", "cpu_pinned", "DISK", "other"])),
+                st.one_of(st.none(), st.text(max_size=5)),
+            ).map(lambda e: list(e)[: 5 + len(e[7] or "") % 4]),
+            st.tuples(st.just("BlockRemoved"), st.lists(st.integers(0, 2**64 - 1), max_size=6)).map(list),
+            st.just(["AllBlocksCleared"]),
+        ),
+        max_size=4,
+    ),
+    ts=st.one_of(st.floats(allow_nan=False), st.integers(-(2**63), 2**64 - 1)),
+    dp_rank=st.one_of(st.none(), st.integers(0, 2**33)),
+    damage=st.tuples(st.integers(0, 2), st.integers(0, 10_000), st.integers(0, 255)),
+)
+def test_kv_batch_reader(events: list[Any], ts: Any, dp_rank: Any, damage: tuple[int, int, int]) -> None:
+    compiled, pure = pair("kvrouter.actors.core.kv_batch_reader")
+    payload = bytearray(msgpack.packb([ts, events, dp_rank]))
+    how, where, value = damage
+    if how == 1:  # cut short
+        payload = payload[: where % len(payload)]
+    elif how == 2:  # one byte changed
+        payload[where % len(payload)] = value
+    data = bytes(payload)
+    assert outcome(lambda: compiled.read_batch(data)) == outcome(lambda: pure.read_batch(data))
 
 
 # -------------------------------------------------------------------------------------------- trie

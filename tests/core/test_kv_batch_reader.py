@@ -1,0 +1,111 @@
+"""The direct batch reader (actors/core/kv_batch_reader.py) against the general decoder: for every payload it
+reads, it must give exactly what ``msgpack.unpackb`` + validation give; everything else it must leave alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvrouter.actors.core.kv_batch_reader import read_batch
+from kvrouter.actors.core.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Tier,
+    WireError,
+    batch_from_read,
+    decode_batch,
+    decode_batch_generally,
+    encode_batch,
+)
+
+U64 = st.integers(0, (1 << 64) - 1)
+TOKENS = st.lists(st.one_of(st.integers(0, 300), st.integers(0, (1 << 32) - 1)), max_size=40)
+TIERS = st.sampled_from(list(Tier))
+NAMES = st.one_of(st.none(), st.text(max_size=6))
+
+
+@st.composite
+def events(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
+    if kind == "stored":
+        return BlockStored(
+            tuple(draw(st.lists(U64, max_size=5))),
+            draw(st.one_of(st.none(), U64)),
+            draw(TOKENS),
+            draw(st.integers(0, 64)),
+            lora_name=draw(NAMES) or None,
+            tier=draw(TIERS),
+            lora_id=draw(st.one_of(st.none(), st.integers(-(1 << 63), (1 << 64) - 1))),
+        )
+    if kind == "removed":
+        return BlockRemoved(tuple(draw(st.lists(U64, max_size=5))), draw(TIERS))
+    return AllBlocksCleared()
+
+
+BATCHES = st.tuples(
+    st.lists(events(), max_size=4),
+    st.one_of(st.floats(allow_nan=False), st.integers(0, 10**12)),
+    st.one_of(st.none(), st.integers(0, (1 << 32) - 1)),
+    st.booleans(),
+)
+
+
+def general(payload: bytes) -> Any:
+    try:
+        return decode_batch_generally(payload)
+    except WireError as exc:
+        return WireError, str(exc)
+
+
+def read(payload: bytes) -> Any:
+    found = read_batch(payload)
+    return None if found is None else batch_from_read(found)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(BATCHES)
+def test_vllm_shaped_batches_are_read_directly_and_equal_the_general_decode(batch: Any) -> None:
+    items, ts, dp_rank, signed = batch
+    payload = encode_batch(items, ts=ts, dp_rank=dp_rank, signed_hashes=signed)
+    direct = read(payload)
+    assert direct is not None
+    assert direct == general(payload) == decode_batch(payload)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(BATCHES, st.data())
+def test_damaged_payloads_are_left_to_the_general_decoder(batch: Any, data: st.DataObject) -> None:
+    """Cut short, a byte changed, or bytes appended: the reader gives up or agrees with the general decoder
+    (which also rejects what it cannot read); it never accepts what the general decoder rejects."""
+    items, ts, dp_rank, signed = batch
+    payload = bytearray(encode_batch(items, ts=ts, dp_rank=dp_rank, signed_hashes=signed))
+    how = data.draw(st.sampled_from(["cut", "flip", "append"]))
+    if how == "cut":
+        payload = payload[: data.draw(st.integers(0, len(payload) - 1))]
+    elif how == "flip":
+        payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+    else:
+        payload += bytes(data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=3)))
+    damaged = bytes(payload)
+    direct = read(damaged)
+    if direct is not None:
+        assert direct == general(damaged)
+    assert decode_batch(damaged) == direct if direct is not None else True
+
+
+def test_other_shapes_are_left_to_the_general_decoder() -> None:
+    store = BlockStored((1, 2), None, list(range(8)), 4)
+    for payload in (
+        encode_batch([store], batch_as_map=True),
+        encode_batch([store], events_as_maps=True),
+        encode_batch([["BlockStored", [1], None, list(range(4)), 4, None, None, None, None, 0, None, None, "LOCAL"]]),
+        encode_batch([["BlockStored", [1], None, [[1, 2], [3, 4]], 4]]),  # Eagle bigrams
+        encode_batch([["Ignored"]]),
+        msgpack.packb([0.0, [], None, "extra"]),
+    ):
+        assert read_batch(payload) is None
+        assert decode_batch(payload) == decode_batch_generally(payload)
