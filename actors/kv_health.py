@@ -17,6 +17,8 @@ from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_modes import EXACT, KvMode, RankMode, StreamHealth, rank_mode
 from kvrouter.actors.core.state import ScopeState
 
+NO_RANKS: frozenset[WorkerRank] = frozenset()
+
 # Whether a rank's listener is connected: True / False, or None when it has no listener.
 ListenerConnected = Callable[[int, int], bool | None]
 
@@ -59,12 +61,24 @@ class KvHealth:
         return {rank: self.mode(scope, rank, now) for rank in record.ranks}
 
     def predicted_ranks(self, state: ScopeState, workers: tuple[WorkerRecord, ...], now: int) -> frozenset[WorkerRank]:
-        """The ranks of ``workers`` to score on predicted blocks now."""
+        """The ranks of ``workers`` to score on predicted blocks now.
+
+        Every selection asks this for every rank, so the common case is kept cheap: a connected rank with no
+        unanswered booking is exact whatever the time (``rank_mode``), and only forgets when it was seen down;
+        any other rank goes through ``mode`` (which also notes when a rank was first seen down)."""
         if self.stale_after_secs <= 0:
-            return frozenset()
-        return frozenset(
-            rank
-            for record in workers
-            for rank in record.ranks
-            if self.mode(state.scope, rank, now).mode is KvMode.PREDICTED
-        )
+            return NO_RANKS
+        scope, connected_now, unanswered, down_since = state.scope, self._connected, self._unanswered, self._down_since
+        predicted = []
+        for record in workers:
+            for rank in record.ranks:
+                connected = connected_now(rank.worker_id, rank.dp_rank)
+                if connected is None:
+                    continue  # no listener: exact (``mode``)
+                if connected and (not unanswered or (scope, rank) not in unanswered):
+                    if down_since:
+                        down_since.pop((scope, rank), None)
+                    continue
+                if self.mode(scope, rank, now).mode is KvMode.PREDICTED:
+                    predicted.append(rank)
+        return frozenset(predicted) if predicted else NO_RANKS
