@@ -105,6 +105,21 @@ def test_block_hashes(
 
 
 @SETTINGS
+@given(
+    token_ids=st.one_of(
+        tokens,
+        bad_tokens,
+        st.lists(st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([True, False, None, "1", 1.0, 2**32, -1]))),
+    )
+)
+def test_token_id_checks(token_ids: list[Any]) -> None:
+    compiled, pure = pair("kvrouter.actors.core.hashing")
+    assert outcome(lambda: compiled.u32_token_ids(token_ids)) == outcome(lambda: pure.u32_token_ids(token_ids))
+    valid = all(type(t) is int and 0 <= t < 2**32 for t in token_ids)
+    assert pure.u32_token_ids(token_ids) is valid
+
+
+@SETTINGS
 @given(hashes=st.lists(st.integers(-(2**64), 2**65), max_size=70), prev=st.integers(-(2**64), 2**65), lora=st.text())
 def test_sequence_hashes_and_seeds(hashes: list[int], prev: int, lora: str) -> None:
     compiled, pure = pair("kvrouter.actors.core.hashing")
