@@ -224,6 +224,24 @@ class Service:
             self.terminate(timeout=20)
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children (all their threads) so far."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listed:
+            pids = [pid, *(int(child) for child in listed.read().split())]
+    except OSError:
+        pids = [pid]
+    total = 0
+    for one in pids:
+        with suppress(OSError), open(f"/proc/{one}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / CLOCK_TICKS
+
+
 def tree_rss(pid: int) -> int:
     """RSS of ``pid`` and its children (with --fronts: the supervisor, the actor process and the fronts)."""
     try:
@@ -431,6 +449,14 @@ async def concurrent(port: int, connections: int, seconds: float, make_cycle: Cy
     return cycles / (time.perf_counter() - started), result
 
 
+def timed_cpu(service: Service, measure: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``trio.run(measure, *args)`` and the service's CPU seconds meanwhile (all its processes and threads):
+    what other load on a shared machine distorts much less than latency or rate."""
+    before = tree_cpu(service.pid)
+    result = trio.run(measure, *args)
+    return result, tree_cpu(service.pid) - before
+
+
 def overlap_blocks(answer: dict[str, Any]) -> int | None:
     overlap = answer.get("overlap")
     if isinstance(overlap, dict):
@@ -560,31 +586,36 @@ def measure(flavor: Flavor, args: argparse.Namespace, workdir: Path) -> Report:
         selects = [encoder.encode("POST", "/select", {"model_name": MODEL, "token_ids": t}) for t in prompts]
         health = [encoder.encode("GET", "/health")]
         trio.run(sequential, service.port, selects, 0.5)  # warm-up
-        select_lat = trio.run(sequential, service.port, selects, args.seconds)
-        health_lat = trio.run(sequential, service.port, health, args.seconds)
+        select_lat, select_cpu = timed_cpu(service, sequential, service.port, selects, args.seconds)
+        health_lat, health_cpu = timed_cpu(service, sequential, service.port, health, args.seconds)
         report.values.update(
             select_p50=select_lat.percentile(0.5),
             select_p99=select_lat.percentile(0.99),
             health_p50=health_lat.percentile(0.5),
             health_p99=health_lat.percentile(0.99),
+            select_cpu=select_cpu / len(select_lat.samples) * 1e6,
+            health_cpu=health_cpu / len(health_lat.samples) * 1e6,
         )
         report.values["work_p50"] = report.values["select_p50"] - report.values["health_p50"]  # type: ignore[operator]
+        report.values["work_cpu"] = report.values["select_cpu"] - report.values["health_cpu"]  # type: ignore[operator]
         print(
             f"  /select p50 {select_lat.percentile(0.5):.0f} us p99 {select_lat.percentile(0.99):.0f} us "
             f"({len(select_lat.samples)} requests); /health p50 {health_lat.percentile(0.5):.0f} us "
             f"p99 {health_lat.percentile(0.99):.0f} us; selection work = select p50 - health p50 = "
-            f"{report.values['work_p50']:.0f} us",
+            f"{report.values['work_p50']:.0f} us; service CPU per request: /select "
+            f"{report.values['select_cpu']:.0f} us, /health {report.values['health_cpu']:.0f} us",
             flush=True,
         )
 
         def select_cycle(connection: Connection, index: int, n: int) -> list[bytes]:
             return [selects[(index * 7919 + n) % len(selects)]]
 
-        rate, lat = trio.run(concurrent, service.port, 32, args.seconds, select_cycle)
+        (rate, lat), busy = timed_cpu(service, concurrent, service.port, 32, args.seconds, select_cycle)
         report.values["select_rate"] = rate
+        report.values["select_cpu_32"] = busy / len(lat.samples) * 1e6
         print(
             f"  /select with 32 connections: {rate:,.0f} req/s (p50 {lat.percentile(0.5):.0f} us, "
-            f"p99 {lat.percentile(0.99):.0f} us)",
+            f"p99 {lat.percentile(0.99):.0f} us; service CPU {report.values['select_cpu_32']:.0f} us per request)",
             flush=True,
         )
 
@@ -664,7 +695,11 @@ ROWS = [  # key, label, format, higher is better
     ("select_p99", "/select p99, 1 client (us)", "{:,.0f}", False),
     ("health_p50", "/health p50, 1 client (us)", "{:,.0f}", False),
     ("work_p50", "selection work = select p50 - health p50 (us)", "{:,.0f}", False),
+    ("select_cpu", "service CPU per /select, 1 client (us)", "{:,.0f}", False),
+    ("health_cpu", "service CPU per /health, 1 client (us)", "{:,.0f}", False),
+    ("work_cpu", "selection CPU = the two above's difference (us)", "{:,.0f}", False),
     ("select_rate", "/select, 32 connections (req/s)", "{:,.0f}", True),
+    ("select_cpu_32", "service CPU per /select, 32 connections (us)", "{:,.0f}", False),
     ("reserve_rate", "select_and_reserve + DELETE, 4 conns (cycles/s)", "{:,.0f}", True),
     ("restart_term", "restart after SIGTERM to ready (s)", "{:.2f}", False),
     ("restart_term_intact", "  catalog and index intact", "bool", True),
@@ -720,6 +755,17 @@ def print_table(ours: Report, ref: Report | None, args: argparse.Namespace) -> N
     )
     work = ours.values.get("work_p50")
     check(None if work is None else work <= 150, f"/select p50 - /health p50 <= 150 us: {show(work, '{:.0f}')} us")
+    ref_work, ref_rate = (ref.values.get("work_p50"), ref.values.get("select_rate")) if ref else (None, None)
+    check(
+        None if work is None or not ref_work else work <= 1.5 * ref_work,
+        f"issue 10: selection work <= 1.5 x reference's ({show(ref_work, '{:.0f}')} us): {show(work, '{:.0f}')} us",
+    )
+    rate = ours.values.get("select_rate")
+    check(
+        None if rate is None or not ref_rate else rate >= 0.15 * ref_rate,
+        f"issue 10: /select at 32 connections >= 0.15 x reference's: "
+        f"{show(rate, '{:,.0f}')} vs {show(ref_rate, '{:,.0f}')} req/s",
+    )
     for key, how in (("restart_term", "SIGTERM"), ("restart_kill", "kill -9")):
         ready, intact = ours.values.get(key), ours.values.get(key + "_intact")
         check(
