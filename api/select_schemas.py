@@ -7,7 +7,7 @@ As in ``api/schemas.py``: strict JSON types, serde-like 422 messages, unknown fi
 from __future__ import annotations
 
 import math
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import attrs
 
@@ -309,7 +309,7 @@ def fast_select_body(value: Any) -> SelectBody | None:
     if tokens is not None:
         if type(tokens) is not list or len(tokens) > MAX_PROMPT_TOKENS or not u32_token_ids(tokens):
             return None
-        tokens = tuple(tokens)
+        tokens = TokenIds(tuple(tokens))
     expected = get("expected_output_tokens")
     if expected is not None and (type(expected) is not int or not 0 <= expected <= U32_MAX):
         return None
@@ -318,13 +318,13 @@ def fast_select_body(value: Any) -> SelectBody | None:
         return None
     return SelectBody(
         model_name=get("model_name", "default"),
-        tenant_id=get("tenant_id"),
-        routing_group=get("routing_group"),
+        tenant_id=cast(str, get("tenant_id")),  # absent: None, as the converter leaves it
+        routing_group=cast(str, get("routing_group")),
         token_ids=tokens,
         lora_name=get("lora_name"),
         selection_id=get("selection_id"),
         reservation_id=get("reservation_id"),
-        expected_output_tokens=expected,
+        expected_output_tokens=None if expected is None else U32(expected),
         session_id=get("session_id"),
         router_mode=get("router_mode"),
         explain=explain,
