@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -19,12 +20,13 @@ from kvrouter.actors.core.ids import U64_MASK, ScopeKey, WorkerRank
 from kvrouter.actors.core.router_config import RouterConfig
 
 
-@attrs.frozen
-class TierOverlap:
+class TierOverlap(NamedTuple):
     """How many leading query blocks a rank holds per tier (spec §2.3).
 
     ``device`` is the GPU prefix match; the ``*_ext`` counts continue the prefix beyond it in the lower tiers.
     ``shared_beyond_device`` counts shared-cache hits past the device match (0 unless a shared cache is used).
+    A named tuple (immutable, hashable) rather than an attrs class: one is built per matched rank per selection,
+    at a fraction of a frozen attrs instance's cost.
     """
 
     device: int = 0
@@ -110,9 +112,9 @@ def overlap_summary(per_rank: Mapping[int, TierOverlap], block_size: int) -> dic
     return {"longest_matched": max(gpu, cpu, disk), "gpu": gpu, "dp": dp, "cpu": cpu, "disk": disk}
 
 
-@attrs.frozen
-class RankCandidate:
-    """Everything the cost needs about one schedulable rank for one request."""
+class RankCandidate(NamedTuple):
+    """Everything the cost needs about one schedulable rank for one request (a named tuple, as ``TierOverlap``:
+    one is built per rank per selection)."""
 
     rank: WorkerRank
     overlap: TierOverlap = NO_OVERLAP
@@ -194,15 +196,19 @@ def pick(costs: Sequence[tuple[WorkerRank, float]], *, temperature: float, draw:
         raise ValueError(f"draw must be in [0, 1), got {draw!r}")
     if math.isnan(temperature):
         raise ValueError("temperature must not be NaN")
-    ordered = sorted(costs)
-    if any(math.isnan(c) for _, c in ordered):
-        raise ValueError("costs must not be NaN")
-    low = min(c for _, c in ordered)
-    high = max(c for _, c in ordered)
+    low = high = costs[0][1]
+    for _, c in costs:  # one pass (this runs for every selection): NaN check, min and max
+        if c != c:
+            raise ValueError("costs must not be NaN")
+        if c < low:
+            low = c
+        elif c > high:
+            high = c
     spread = high - low
     if temperature <= 0.0 or not math.isfinite(spread):  # an infinite spread cannot be normalised: take the min
-        tied = [rank for rank, c in ordered if c == low]
+        tied = sorted([rank for rank, c in costs if c == low])  # in rank order; usually one
         return tied[_slice(draw, len(tied))]
+    ordered = sorted(costs)
     if spread == 0.0:
         return ordered[_slice(draw, len(ordered))][0]
     # Normalise first: ``spread * temperature`` can underflow to 0 when the spread is subnormal.
@@ -218,6 +224,74 @@ def pick(costs: Sequence[tuple[WorkerRank, float]], *, temperature: float, draw:
 
 def _slice(draw: float, count: int) -> int:
     return min(int(draw * count), count - 1)
+
+
+def rank_candidates(
+    workers: Sequence[Any], loads: Mapping[WorkerRank, Any], matches: Mapping[WorkerRank, Any], sequence_hashes: Any
+) -> list[RankCandidate]:
+    """One candidate per rank of ``workers`` (catalog records), in their order then rank order: its overlap per
+    tier from ``matches`` (a tuple of ``TierOverlap``'s fields, or absent), its loads from ``loads`` (a rank's
+    ``prefill_tokens``, ``active_decode_blocks``, ``requests`` and the ``trie`` of their blocks), and how many
+    leading blocks of ``sequence_hashes`` its live requests already hold. Here (compiled) rather than beside its
+    caller: it runs for every rank of every selection."""
+    out = []
+    for record in workers:
+        taints = record.taint_set
+        for rank in record.ranks:
+            rank_loads = loads[rank]
+            found = matches.get(rank)
+            requests = rank_loads.requests
+            out.append(
+                RankCandidate(
+                    rank,
+                    TierOverlap(*found) if found else NO_OVERLAP,
+                    rank_loads.prefill_tokens,
+                    rank_loads.active_decode_blocks,
+                    len(requests),
+                    rank_loads.trie.overlap_depth(sequence_hashes) if requests else 0,
+                    taints,
+                )
+            )
+    return out
+
+
+def cheapest(
+    kept: Sequence[RankCandidate],
+    *,
+    isl: int,
+    num_seq_hashes: int,
+    block_size: int,
+    config: RouterConfig,
+    preferred_taints: Mapping[str, float],
+    draw: float,
+) -> RankCandidate:
+    """The cost function's pick among the eligible ranks (spec §2.4): each rank's ``cost`` (computed once per
+    distinct situation: idle, cold ranks all cost the same), then ``pick`` at the configured temperature."""
+    min_prefill = kept[0].active_prefill_tokens
+    for c in kept:
+        if c.active_prefill_tokens < min_prefill:
+            min_prefill = c.active_prefill_tokens
+    memo: dict[tuple[object, ...], float] = {}
+    costs = []
+    for c in kept:
+        key = c[1:]  # everything but the rank
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = cost(
+                c,
+                isl=isl,
+                num_seq_hashes=num_seq_hashes,
+                block_size=block_size,
+                config=config,
+                min_active_prefill=min_prefill,
+                preferred_taints=preferred_taints,
+            )
+        costs.append((c.rank, value))
+    chosen = pick(costs, temperature=config.router_temperature, draw=draw)
+    for c in kept:
+        if c.rank == chosen:
+            return c
+    raise AssertionError("pick chose a rank that is not a candidate")  # pragma: no cover - pick returns an input
 
 
 class Refusal(enum.Enum):

@@ -22,13 +22,12 @@ from kvrouter.actors.core.limits import MAX_PROMPT_BLOCKS
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad, rank_load
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.selection import (
-    NO_OVERLAP,
     RankCandidate,
-    TierOverlap,
     effective_cached_tokens,
     no_schedulable_workers,
     potential_decode_blocks,
     potential_prefill_tokens,
+    rank_candidates,
 )
 from kvrouter.actors.core.state import ScopeState
 
@@ -129,25 +128,7 @@ def candidates(
                 known = matches.get(rank)
                 if known is None or guess.device > known.device:
                     matches[rank] = guess
-    ranks = state.slots.ranks
-    out = []
-    for record in request.workers:
-        taints = record.taint_set
-        for rank in record.ranks:
-            loads = ranks[rank]
-            found = matches.get(rank)
-            out.append(
-                RankCandidate(
-                    rank,
-                    TierOverlap(*found) if found else NO_OVERLAP,
-                    loads.prefill_tokens,
-                    loads.active_decode_blocks,
-                    len(loads.requests),
-                    loads.trie.overlap_depth(sequence_hashes) if loads.requests else 0,
-                    taints,
-                )
-            )
-    return out
+    return rank_candidates(request.workers, state.slots.ranks, matches, sequence_hashes)
 
 
 def potential_loads(found: list[RankCandidate], request: SelectionInput, config: RouterConfig) -> list[PotentialLoad]:

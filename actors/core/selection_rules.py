@@ -57,12 +57,11 @@ from kvrouter.actors.core.selection import (
     NO_ENDPOINTS,
     RankCandidate,
     Refusal,
-    cost,
+    cheapest,
     effective_cached_tokens,
     effective_prefill_tokens,
     eligible,
     overlap_summary,
-    pick,
     reported_decode_blocks,
 )
 from kvrouter.actors.core.selection_queries import SelectionInput, candidates, selection_input
@@ -369,7 +368,15 @@ def choose_rank(
     prompt = request.prompt
     # Without active-block tracking a booking adds no decode blocks, so none are projected either.
     num_seq_hashes = len(prompt.sequence_hashes) if config.router_track_active_blocks else 0
-    return _cheapest(free, prompt.isl_tokens, num_seq_hashes, request.block_size, config, constraints, draw)
+    return cheapest(
+        free,
+        isl=prompt.isl_tokens,
+        num_seq_hashes=num_seq_hashes,
+        block_size=request.block_size,
+        config=config,
+        preferred_taints=dict(constraints.preferred),
+        draw=draw,
+    )
 
 
 def _affinity_target(
@@ -389,46 +396,6 @@ def _affinity_target(
     if any(c.rank == (worker_id, dp_rank) for c in usable):
         found = [c for c in found if c.rank.worker_id != worker_id or c.rank.dp_rank == dp_rank]
     return found, frozenset({worker_id})
-
-
-def _cheapest(
-    kept: list[RankCandidate],
-    isl: int,
-    num_seq_hashes: int,
-    block_size: int,
-    config: RouterConfig,
-    constraints: RoutingConstraints,
-    draw: float,
-) -> RankCandidate:
-    """The cost function's pick among the eligible ranks (spec §2.4)."""
-    min_prefill = min(c.active_prefill_tokens for c in kept)
-    preferred = dict(constraints.preferred)
-    # Ranks in the same situation (typically idle and cold) cost the same: compute each once.
-    memo: dict[tuple[object, ...], float] = {}
-    costs = []
-    for c in kept:
-        key = (
-            c.overlap,
-            c.active_prefill_tokens,
-            c.active_decode_blocks,
-            c.active_requests,
-            c.prompt_overlap_depth,
-            c.taints,
-        )
-        value = memo.get(key)
-        if value is None:
-            value = memo[key] = cost(
-                c,
-                isl=isl,
-                num_seq_hashes=num_seq_hashes,
-                block_size=block_size,
-                config=config,
-                min_active_prefill=min_prefill,
-                preferred_taints=preferred,
-            )
-        costs.append((c.rank, value))
-    chosen_rank = pick(costs, temperature=config.router_temperature, draw=draw)
-    return next(c for c in kept if c.rank == chosen_rank)
 
 
 def selection_of(

@@ -403,6 +403,51 @@ candidate_fields = st.tuples(
 )
 
 
+class _Trie:
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    def overlap_depth(self, hashes: Sequence[int]) -> int:
+        return min(self.depth, len(hashes))
+
+
+class _Loads:
+    def __init__(self, prefill: int, decode: int, requests: int, depth: int) -> None:
+        self.prefill_tokens, self.active_decode_blocks = prefill, decode
+        self.requests = {f"r{i}": None for i in range(requests)}
+        self.trie = _Trie(depth)
+
+
+class _Record:
+    def __init__(self, worker_id: int, ranks: int, taints: frozenset[str]) -> None:
+        self.ranks = tuple(WorkerRank(worker_id, r) for r in range(ranks))
+        self.taint_set = taints
+
+
+@SETTINGS
+@given(
+    workers=st.lists(
+        st.tuples(st.integers(1, 3), st.frozensets(st.sampled_from(["a", "b"]), max_size=2)), min_size=1, max_size=5
+    ),
+    loads=st.lists(
+        st.tuples(st.integers(0, 900), st.integers(0, 50), st.integers(0, 3), st.integers(0, 9)), min_size=15
+    ),
+    matched=st.lists(st.tuples(*(st.integers(0, 9) for _ in range(5))), min_size=15),
+    hashes=st.lists(u64s, max_size=12),
+)
+def test_rank_candidates(workers: list[Any], loads: list[Any], matched: list[Any], hashes: list[int]) -> None:
+    compiled, pure = pair("kvrouter.actors.core.selection")
+    records = [_Record(worker_id, ranks, taints) for worker_id, (ranks, taints) in enumerate(workers)]
+    ranks = [rank for record in records for rank in record.ranks]
+    by_rank = {rank: _Loads(*loads[i]) for i, rank in enumerate(ranks)}
+    matches = {rank: matched[i] for i, rank in enumerate(ranks) if i % 2}
+
+    def build(m: ModuleType) -> list[tuple[Any, ...]]:
+        return [tuple(c) for c in m.rank_candidates(records, by_rank, matches, tuple(hashes))]
+
+    assert build(compiled) == build(pure)
+
+
 @SETTINGS
 @given(
     config=configs,
@@ -451,7 +496,16 @@ def test_scoring(
         cached = [m.effective_cached_tokens(c.overlap, config, block_size) for c in candidates]
         summary = m.overlap_summary({i: c.overlap for i, c in enumerate(candidates)}, block_size)
         chosen = outcome(lambda: m.pick(costs, temperature=config.router_temperature, draw=draw))
-        return costs, cached, summary, chosen
+        cheapest = m.cheapest(
+            candidates,
+            isl=isl,
+            num_seq_hashes=num_seq_hashes,
+            block_size=block_size,
+            config=config,
+            preferred_taints=preferred,
+            draw=draw,
+        )
+        return costs, cached, summary, chosen, tuple(cheapest)
 
     compiled_result, pure_result = score(compiled), score(pure)
     # Bit-identical floats, NaN included (compare the representations, NaN != NaN).
