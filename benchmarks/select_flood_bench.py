@@ -1,0 +1,239 @@
+"""/select latency while a KV-event flood is ingested, for kvrouter and (when installed) the Dynamo reference.
+
+    python benchmarks/select_flood_bench.py [--reference-python PATH] [--flood-blocks 320000] [--rounds 3]
+
+Issue 10's target: ``/select`` p99 during a 320k-block KV-event flood <= 5 ms. The workload is
+``select_service_bench.py``'s (16 workers with a real ZMQ publisher each in this process, block size 16,
+chains of 64 blocks published as one batch of two BlockStored events, 64-block prompts sharing a random
+prefix with an indexed chain). Per service: a base set is indexed first (``--base-blocks``), then one client
+sends ``/select`` in a loop: for ``--seconds`` without a flood, then during each of ``--rounds`` floods, each
+publishing ``--flood-blocks`` new blocks from a thread as fast as the publishers take them. A flood lasts
+from its first publish until every worker's last flood chain is indexed (polled as the ingest measurement
+polls it, one probe at a time on its own connection). Printed: p50/p99/max and the count of ``/select``
+answers without and during the floods, and the blocks/s each flood was ingested at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, reference_python
+from http_client import Connection
+from select_service_bench import (
+    BLOCK_SIZE,
+    CHAIN_BLOCKS,
+    HOST,
+    MODEL,
+    REPO,
+    WORKERS,
+    Latencies,
+    Publishers,
+    Service,
+    Workload,
+    chain_payload,
+    chain_tokens,
+    device_blocks,
+    prepare,
+)
+
+
+async def indexed(connection: Connection, chain: int) -> bool:
+    status, raw = await connection.send(
+        connection.encode("POST", "/overlap_scores", {"model_name": MODEL, "token_ids": chain_tokens(chain)})
+    )
+    return status == 200 and device_blocks(orjson.loads(raw), Workload.owner(chain)) == CHAIN_BLOCKS
+
+
+async def publish_and_wait(service: Service, publishers: Publishers, chains: range, limit: float) -> float:
+    """Publish ``chains`` from a thread; returns seconds until every worker's last one is indexed."""
+    messages = [(Workload.owner(chain), chain_payload(chain)) for chain in chains]
+    last = {}
+    for chain in chains:
+        last[Workload.owner(chain)] = chain
+    pending = sorted(last.values(), reverse=True)
+    connection = await Connection.open(HOST, service.port)
+    started = time.perf_counter()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, publishers.publish, messages)
+            while pending:
+                if time.perf_counter() - started > limit:
+                    raise TimeoutError(f"{service.label}: {len(pending)} workers not indexed after {limit:.0f} s")
+                t0 = time.perf_counter()
+                if await indexed(connection, pending[0]):
+                    pending.pop(0)
+                    continue
+                service.check_alive()
+                await trio.sleep(min(0.02, max(0.005, 10 * (time.perf_counter() - t0))))
+    finally:
+        await connection.aclose()
+    return time.perf_counter() - started
+
+
+async def select_loop(port: int, requests: list[bytes], result: Latencies, stop: trio.Event) -> None:
+    """One client, one /select at a time, until ``stop``."""
+    connection = await Connection.open(HOST, port)
+    try:
+        n = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            status, body = await connection.send(requests[n % len(requests)])
+            result.samples.append(time.perf_counter() - t0)
+            if status != 200:
+                raise RuntimeError(f"/select answered {status}: {body[:300]!r}")
+            n += 1
+    finally:
+        await connection.aclose()
+
+
+async def measure(service: Service, publishers: Publishers, args: argparse.Namespace) -> dict[str, object]:
+    await prepare(service, publishers)
+    base = Workload(args.base_blocks // CHAIN_BLOCKS)
+    base_seconds = await publish_and_wait(service, publishers, range(base.chains), 300.0)
+    rng = random.Random(11)
+    encoder = Connection(None, f"{HOST}:{service.port}")  # type: ignore[arg-type]  # encoding only
+    selects = [
+        encoder.encode("POST", "/select", {"model_name": MODEL, "token_ids": base.prompt(rng)[0]}) for _ in range(256)
+    ]
+
+    async def selecting(seconds: float | None, flood: range | None) -> tuple[Latencies, float | None]:
+        result, stop = Latencies(), trio.Event()
+        took = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(select_loop, service.port, selects, result, stop)
+            if flood is None:
+                await trio.sleep(seconds or 0.0)
+            else:
+                took = await publish_and_wait(service, publishers, flood, 300.0)
+            stop.set()
+        return result, took
+
+    await selecting(0.5, None)  # warm-up
+    quiet, _ = await selecting(args.seconds, None)
+    flooded = Latencies()
+    rates = []
+    per_flood = args.flood_blocks // CHAIN_BLOCKS
+    for round_ in range(args.rounds):
+        first = base.chains + round_ * per_flood
+        during, took = await selecting(None, range(first, first + per_flood))
+        flooded.samples.extend(during.samples)
+        rates.append(per_flood * CHAIN_BLOCKS / took if took else 0.0)
+        print(
+            f"  flood {round_ + 1}: {per_flood * CHAIN_BLOCKS:,} blocks indexed in {took:.2f} s; /select p50 "
+            f"{during.percentile(0.5):,.0f} us p99 {during.percentile(0.99):,.0f} us max "
+            f"{max(during.samples) * 1e6:,.0f} us ({len(during.samples)} answers)",
+            flush=True,
+        )
+    return {
+        "base_seconds": base_seconds,
+        "quiet": quiet,
+        "flooded": flooded,
+        "rates": rates,
+    }
+
+
+def run(label: str, argv: list[str], env: dict[str, str], cwd: Path, port: int, args: argparse.Namespace) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="kvrouter-flood-bench-"))
+    publishers = Publishers()
+    service = Service(label, argv, port, workdir, env, cwd)
+    print(f"{label}:", flush=True)
+    try:
+        service.start()
+        result = trio.run(measure, service, publishers, args)
+    finally:
+        service.stop()
+        publishers.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    quiet: Latencies = result["quiet"]
+    flooded: Latencies = result["flooded"]
+    print(
+        f"  without a flood: /select p50 {quiet.percentile(0.5):,.0f} us p99 {quiet.percentile(0.99):,.0f} us "
+        f"({len(quiet.samples)} answers); during the floods: p50 {flooded.percentile(0.5):,.0f} us p99 "
+        f"{flooded.percentile(0.99):,.0f} us max {max(flooded.samples) * 1e6:,.0f} us ({len(flooded.samples)} answers)",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference-python", help="a python with ai-dynamo-runtime==1.6.1 (default: found)")
+    parser.add_argument("--no-reference", action="store_true", help="measure kvrouter only")
+    parser.add_argument("--durability", choices=["always", "batch", "off"], default="always")
+    parser.add_argument("--base-blocks", type=int, default=64_000, help="indexed before measuring")
+    parser.add_argument("--flood-blocks", type=int, default=320_000, help="blocks published per flood")
+    parser.add_argument("--rounds", type=int, default=3, help="floods per service")
+    parser.add_argument("--seconds", type=float, default=5.0, help="the measurement without a flood")
+    args = parser.parse_args()
+    for name in ("base_blocks", "flood_blocks"):
+        if getattr(args, name) < WORKERS * CHAIN_BLOCKS:
+            parser.error(f"--{name.replace('_', '-')} must be at least {WORKERS * CHAIN_BLOCKS}")
+    python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
+    print(
+        f"/select during KV-event floods: {WORKERS} workers, block size {BLOCK_SIZE}, {args.base_blocks:,} blocks "
+        f"indexed first, {args.rounds} floods of {args.flood_blocks:,} blocks; machine: cpus={os.cpu_count()}, "
+        f"load average {os.getloadavg()[0]:.2f}; kvrouter --durability {args.durability}; reference: "
+        f"{python or 'not installed'}",
+        flush=True,
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    results = {}
+    port = free_port()
+    data = Path(tempfile.mkdtemp(prefix="kvrouter-flood-data-"))
+    try:
+        argv = [
+            sys.executable,
+            "-m",
+            "kvrouter.api.select_service",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data),
+            "--durability",
+            args.durability,
+            "--log-level",
+            "warning",
+            "--fresh",
+        ]
+        results["kvrouter"] = run(f"kvrouter ({args.durability})", argv, env, REPO, port, args)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    if python is not None:
+        ref_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DYN_LOG", "RUST_LOG")}
+        ref_env["DYN_LOG"] = "warn"
+        port = free_port()
+        argv = [python, "-m", "dynamo.select_service", "--port", str(port)]
+        results["reference"] = run("reference 1.6.1", argv, ref_env, Path(tempfile.gettempdir()), port, args)
+    print()
+    print(f"{'':44} {'kvrouter':>12} {'reference':>12}")
+    rows = [
+        ("/select p50 without a flood (us)", lambda r: r["quiet"].percentile(0.5)),
+        ("/select p99 without a flood (us)", lambda r: r["quiet"].percentile(0.99)),
+        ("/select p50 during the floods (us)", lambda r: r["flooded"].percentile(0.5)),
+        ("/select p99 during the floods (us)", lambda r: r["flooded"].percentile(0.99)),
+        ("/select max during the floods (us)", lambda r: max(r["flooded"].samples) * 1e6),
+        ("flood ingest, mean of rounds (blocks/s)", lambda r: sum(r["rates"]) / len(r["rates"])),
+    ]
+    for label, value in rows:
+        shown = [f"{value(results[k]):,.0f}" if k in results else "-" for k in ("kvrouter", "reference")]
+        print(f"{label:44} {shown[0]:>12} {shown[1]:>12}")
+    p99 = results["kvrouter"]["flooded"].percentile(0.99)
+    verdict = "meets" if p99 <= 5000 else "MISSES"
+    print(f"target (issue 10): kvrouter /select p99 during a {args.flood_blocks:,}-block flood <= 5 ms: {verdict}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
