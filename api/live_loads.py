@@ -4,7 +4,10 @@ One ``LoadHub`` per process follows the service object's ``load_changes`` (a lon
 a per-scope version, ``actors/load_feed.py``), renders each changed scope's message once, and marks it
 pending for every subscriber whose filter matches. A subscriber keeps only the latest message per scope
 (``pending``: scope -> message), so one that reads slowly gets the newest state, never a backlog, and costs
-the actors nothing; each intermediate state it skipped is counted (``conflated``). Messages (JSON text)::
+the actors nothing; each intermediate state it skipped is counted (``conflated``). A subscriber that is waiting
+with nothing queued is not woken at all: the hub frames the message once and writes the same bytes to each such
+subscriber's socket itself (``api/ws_direct.py``: ~20 us per subscriber instead of ~120 us through its task and
+hypercorn); one whose socket cannot take it now gets it queued, as above. Messages (JSON text)::
 
     {"type": "snapshot", "scopes": [SCOPE, ...]}      first, every matching scope, sorted
     {"type": "update", **SCOPE}                       then one per change of a scope
@@ -46,6 +49,7 @@ from kvrouter.api.live_streams import (
 from kvrouter.api.route_support import scope_fields
 from kvrouter.api.routes import load_row
 from kvrouter.api.select_routes import partition_view
+from kvrouter.api.ws_direct import DirectSocket, text_frame
 
 log = logging.getLogger("kvrouter.api.streams")
 
@@ -55,10 +59,13 @@ Render = Callable[[LoadChange], dict[str, Any]]
 
 
 class _Subscriber:
-    __slots__ = ("conflated", "pending", "wake", "wanted")
+    __slots__ = ("conflated", "direct", "idle", "last_sent", "pending", "wake", "wanted")
 
-    def __init__(self, wanted: ScopeFilter) -> None:
+    def __init__(self, wanted: ScopeFilter, direct: DirectSocket | None) -> None:
         self.wanted = wanted
+        self.direct = direct  # its socket, if the hub may write frames to it itself (api/ws_direct.py)
+        self.idle = False  # its task waits with nothing queued: a new message may be written directly
+        self.last_sent = 0.0  # when it was last sent something (heartbeats fill silences)
         self.pending: dict[ScopeKey, str] = {}  # the latest unsent message per scope
         self.wake = trio.Event()
         self.conflated = 0
@@ -88,6 +95,7 @@ class LoadHub:
         self._synced = trio.Event()  # the hub is current (a poll answered since the first subscriber came)
         self.pump = Pump(self._poll)
         self.updates = 0  # scope messages built
+        self.written_directly = 0  # messages written to a subscriber's socket by the hub (api/ws_direct.py)
 
     async def _poll(self) -> None:
         failing = False
@@ -125,7 +133,8 @@ class LoadHub:
         return delivered
 
     def _publish(self, change: LoadChange) -> int:
-        """Render the scope's message once; mark it pending for each matching subscriber (how many)."""
+        """Render the scope's message once; write its frame (framed once) to each matching subscriber that is
+        waiting with nothing queued and whose socket takes it now, else mark it pending (returns how many)."""
         scope = change.scope
         body = self._render(change)
         body["seq"] = change.version
@@ -138,21 +147,37 @@ class LoadHub:
             self._scopes[scope] = scope_json
             self._versions[scope] = change.version
         message = '{"type":"update",' + scope_json[1:]
-        delivered = conflated = 0
+        delivered = conflated = written = 0
+        frame = b""
+        now = 0.0
         for subscriber in self._subscribers:
-            if subscriber.wanted(scope):
-                if scope in subscriber.pending:
-                    subscriber.conflated += 1
-                    conflated += 1
-                subscriber.pending[scope] = message
-                subscriber.wake.set()
-                delivered += 1
+            if not subscriber.wanted(scope):
+                continue
+            delivered += 1
+            direct = subscriber.direct
+            if subscriber.idle and direct is not None:
+                if not frame:
+                    frame, now = text_frame(message), trio.current_time()
+                if direct.write(frame):
+                    written += 1
+                    subscriber.last_sent = now
+                    if direct.unsent:  # its task writes the rest before anything else
+                        subscriber.idle = False
+                        subscriber.wake.set()
+                    continue
+            if scope in subscriber.pending:
+                subscriber.conflated += 1
+                conflated += 1
+            subscriber.pending[scope] = message
+            subscriber.idle = False
+            subscriber.wake.set()
+        self.written_directly += written
         self.counters.drop(conflated)
         return delivered
 
-    def _join(self, wanted: ScopeFilter) -> tuple[_Subscriber, str]:
+    def _join(self, wanted: ScopeFilter, direct: DirectSocket | None) -> tuple[_Subscriber, str]:
         """A new subscriber and its snapshot, in one step (no change can fall in between)."""
-        subscriber = _Subscriber(wanted)
+        subscriber = _Subscriber(wanted, direct)
         self._subscribers.add(subscriber)
         parts = [self._scopes[scope] for scope in sorted(self._scopes) if wanted(scope)]
         return subscriber, '{"type":"snapshot","scopes":[' + ",".join(parts) + "]}"
@@ -164,19 +189,28 @@ class LoadHub:
 
     async def _stream(self, wanted: ScopeFilter, sender: Sender) -> None:
         await self._synced.wait()
-        subscriber, snapshot = self._join(wanted)
+        subscriber, snapshot = self._join(wanted, sender.direct)
+        heartbeat = self.settings.heartbeat_seconds
         try:
             await sender.text(snapshot)
+            subscriber.last_sent = trio.current_time()
             while True:
-                with trio.move_on_after(self.settings.heartbeat_seconds):
-                    await subscriber.wake.wait()
                 if not subscriber.pending:
-                    await sender.heartbeat()
-                    continue
+                    subscriber.idle = True  # until woken, the hub may write to the socket itself
+                    with trio.move_on_at(subscriber.last_sent + heartbeat):
+                        await subscriber.wake.wait()
+                    subscriber.idle = False
                 subscriber.wake = trio.Event()
-                batch, subscriber.pending = subscriber.pending, {}
-                for message in batch.values():
-                    await sender.text(message)
+                await sender.flush()  # the rest of a frame the hub wrote in part, if any
+                if subscriber.pending:
+                    batch, subscriber.pending = subscriber.pending, {}
+                    for message in batch.values():
+                        await sender.text(message)
+                elif trio.current_time() < subscriber.last_sent + heartbeat:
+                    continue  # woken to flush, or the hub wrote to the socket meanwhile: not idle
+                else:
+                    await sender.heartbeat()
+                subscriber.last_sent = trio.current_time()
         finally:
             self._leave(subscriber)
 

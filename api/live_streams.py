@@ -36,6 +36,7 @@ from kvrouter.actors.service_support import ScopeFilter
 from kvrouter.api.http import JSON, HttpError, Request, Response, error_response
 from kvrouter.api.metrics import FrontMetrics
 from kvrouter.api.route_support import scope_filter
+from kvrouter.api.ws_direct import DirectSocket, direct_socket
 
 log = logging.getLogger("kvrouter.api.streams")
 
@@ -178,17 +179,29 @@ class Pump:
 
 
 class Sender:
-    """A subscriber's side of the socket: each message timed against the stall bound, heartbeats when idle."""
+    """A subscriber's side of the socket: each message timed against the stall bound, heartbeats when idle.
+    ``direct``: the socket itself, where a hub may write frames without this task (``api/ws_direct.py``)."""
 
-    def __init__(self, send: Any, settings: StreamSettings) -> None:
+    def __init__(self, send: Any, settings: StreamSettings, direct: DirectSocket | None = None) -> None:
         self._send = send
         self.settings = settings
+        self.direct = direct
         self.messages = 0
 
     async def text(self, data: str) -> None:
         started = trio.current_time()
         await self._send({"type": "websocket.send", "text": data})
         self.messages += 1
+        self._check(started)
+
+    async def flush(self) -> None:
+        """Write the rest of a frame a hub wrote in part (timed as one message), if any."""
+        if self.direct is not None and self.direct.unsent:
+            started = trio.current_time()
+            await self.direct.flush()
+            self._check(started)
+
+    def _check(self, started: float) -> None:
         took = trio.current_time() - started
         if took > self.settings.stall_seconds:
             raise Closing(
@@ -224,6 +237,7 @@ async def serve_connection(
     pump: Pump,
     stream: Callable[[Sender], Awaitable[None]],
     settings: StreamSettings,
+    direct: DirectSocket | None = None,
 ) -> Closing | None:
     """Accept the upgrade, then run ``stream`` (which sends until it raises ``Closing``) while pumping the hub,
     reading (and ignoring) client messages; close as the module doc says. Returns how the service closed the
@@ -235,7 +249,7 @@ async def serve_connection(
         refusal = Closing(CLOSE_TRY_LATER, full_reason)
         await send({"type": "websocket.close", "code": refusal.code, "reason": refusal.reason[:120]})
         return refusal
-    sender = Sender(send, settings)
+    sender = Sender(send, settings, direct)
     closing: Closing | None = None
     async with trio.open_nursery() as nursery:
 
@@ -308,6 +322,7 @@ async def serve_subscriber(
             pump=pump,
             stream=lambda sender: stream(wanted, sender),
             settings=settings,
+            direct=direct_socket(scope, send),
         )
     finally:
         if admitted:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import os
 import struct
 import termios
 from collections.abc import Awaitable, Callable
@@ -116,6 +117,7 @@ class _Stream:
         self._closed = False
         self._closing = False  # hypercorn has started to close: no more sends
         self._sent: trio.Event | None = None  # set while a send is in progress, fired when it ends
+        self._unsent = b""  # what ``write_now`` could not write at once: the next send starts with it
         self.socket = stream.socket  # hypercorn reads the peer and local addresses from it
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -125,6 +127,12 @@ class _Stream:
         # hypercorn handles quietly), instead of either failing with BusyResourceError (an "app error").
         if self._closing:
             raise trio.ClosedResourceError("the connection is closing")
+        while self._sent is not None:  # only behind ``flush``: hypercorn's own sends never overlap
+            await self._sent.wait()
+            if self._closing:
+                raise trio.ClosedResourceError("the connection is closing")
+        if self._unsent:
+            data, self._unsent = self._unsent + bytes(data), b""
         self._sent = sent = trio.Event()
         try:
             # Hypercorn's send has no timeout and is shielded from cancellation: a client that stops reading
@@ -143,6 +151,31 @@ class _Stream:
         finally:
             self._sent = None
             sent.set()
+
+    def write_now(self, data: bytes) -> bool:
+        """Write ``data`` without waiting, if no send is in progress or unfinished and the socket takes at least
+        part of it at once (a live stream's message, encoded once for every subscriber: ``api/ws_direct.py``).
+        What the socket did not take is kept, and written before anything else (``flush``, or the next send).
+        False: nothing was written."""
+        if self._closing or self._sent is not None or self._unsent:
+            return False
+        try:
+            written = os.write(self._stream.socket.fileno(), data)
+        except OSError:  # would block, or broken (the next send reports it)
+            return False
+        if written < len(data):
+            self._unsent = data[written:]
+        return True
+
+    @property
+    def unsent(self) -> int:
+        """Bytes ``write_now`` left to write."""
+        return len(self._unsent)
+
+    async def flush(self) -> None:
+        """Write what ``write_now`` left (under the write timeout, as any send)."""
+        if self._unsent:
+            await self.send_all(b"")
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         return await self._stream.receive_some(max_bytes)
