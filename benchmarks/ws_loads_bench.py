@@ -1,7 +1,7 @@
 """Slot tracker lifecycle throughput with 0 and with N connected ``GET /ws/loads`` subscribers, in one run.
 
     python benchmarks/ws_loads_bench.py [--subscribers 100] [--seconds 12] [--rounds 3] [--durability off]
-        [--fronts 0]
+        [--fronts 0] [--delivery-seconds 12]
 
 The workload of ``slot_tracker_bench.py`` (8 workers x 2 ranks; each client loops add -> prefill_complete ->
 free). One service runs for the whole run; rounds alternate between no subscriber and N subscribers (the
@@ -9,6 +9,11 @@ median of each is reported), so both rates come from the same process in the sam
 subscribers run in a child process of their own (so reading their messages does not slow the load
 generator), each reading every message as it comes; the child reports how many messages and updates they
 received. Target (issue 11): the rate with N subscribers stays >= 0.9 x the rate with none.
+
+Then (``--delivery-seconds``, 0 to skip) the cost of delivering itself, which the rates above show only through
+the noise of a shared machine: a paced load (``--paced`` lifecycles/s, the same scope changing all the time, so
+the hub sends its capped ~200 updates/s in all), rounds alternating between no subscriber and N; the service's
+extra CPU with subscribers divided by the updates they received is its CPU per delivered update.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port
-from slot_tracker_bench import Result, Server, drive, lifecycle, load_average, merged, setup
+from http_client import Connection
+from slot_tracker_bench import CycleMaker, Result, Server, drive, lifecycle, load_average, merged, setup
 
 
 async def subscribers(url: str, count: int) -> None:
@@ -82,6 +88,50 @@ def stop_subscribers(child: subprocess.Popen[str]) -> dict[str, float]:
     return report
 
 
+async def paced(port: int, seconds: float, make_cycle: CycleMaker, per_second: float) -> int:
+    """One client running ``per_second`` lifecycles a second for ``seconds``; returns the requests sent."""
+    connection = await Connection.open("127.0.0.1", port)
+    started = trio.current_time()
+    cycles = requests = 0
+    try:
+        while trio.current_time() - started < seconds:
+            for raw in make_cycle(connection, cycles):
+                status, body = await connection.send(raw)
+                if status >= 300 and status != 404:
+                    raise RuntimeError(f"unexpected {status}: {body[:200]!r}")
+                requests += 1
+            cycles += 1
+            await trio.sleep_until(started + cycles / per_second)
+    finally:
+        await connection.aclose()
+    return requests
+
+
+def delivery_cost(server: Server, port: int, subscribers: int, seconds: float, rounds: int, per_second: float) -> str:
+    """Paced rounds without and with subscribers: the service's CPU per delivered update (see the module doc)."""
+    cpu = {"alone": 0.0, "watched": 0.0}
+    updates = 0.0
+    per_round = seconds / rounds
+    for round_index in range(rounds):
+        before = sum(server.cpu().values())
+        trio.run(paced, port, per_round, lifecycle(30 + round_index), per_second)
+        cpu["alone"] += sum(server.cpu().values()) - before
+        child = start_subscribers(port, subscribers)
+        try:
+            before = sum(server.cpu().values())
+            trio.run(paced, port, per_round, lifecycle(40 + round_index), per_second)
+            cpu["watched"] += sum(server.cpu().values()) - before
+        finally:
+            updates += stop_subscribers(child)["updates"]
+    extra = (cpu["watched"] - cpu["alone"]) / seconds
+    return (
+        f"paced at {per_second * 3:.0f} req/s: service CPU {cpu['alone'] / seconds * 1e3:.1f} ms/s alone, "
+        f"{cpu['watched'] / seconds * 1e3:.1f} ms/s with {subscribers} subscribers receiving {updates / seconds:.0f} "
+        f"updates/s: {extra / max(updates / seconds, 1e-9) * 1e6:.0f} us of service CPU per delivered update; "
+        f"load average {load_average()}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--subscribers", type=int, default=100)
@@ -91,6 +141,8 @@ def main() -> None:
     parser.add_argument("--durability", choices=["always", "batch", "off"], default="off")
     parser.add_argument("--fronts", type=int, default=0)
     parser.add_argument("--profile", metavar="FILE", help="run the service under cProfile, writing FILE")
+    parser.add_argument("--delivery-seconds", type=float, default=12.0, help="paced measurement, 0: skip")
+    parser.add_argument("--paced", type=float, default=4.0, help="lifecycles per second in the paced measurement")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -123,6 +175,9 @@ def main() -> None:
                 cpu["watched"] += sum(server.cpu().values()) - before
             finally:
                 received.append(stop_subscribers(child))
+        delivery = None
+        if args.delivery_seconds > 0:
+            delivery = delivery_cost(server, port, args.subscribers, args.delivery_seconds, args.rounds, args.paced)
     finally:
         server.stop()
         subprocess.run(["rm", "-rf", str(data)], check=False)
@@ -150,6 +205,8 @@ def main() -> None:
         f"in all ({updates / seconds / args.subscribers:.1f} per subscriber per s, conflated by the service); "
         f"load average {load_average()}"
     )
+    if delivery is not None:
+        print(delivery)
 
 
 if __name__ == "__main__":
