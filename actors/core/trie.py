@@ -1,40 +1,78 @@
+# cython: annotation_typing=False
 """Per-rank reference-counted prefix trie of active prompt blocks.
 
 A block shared by several live requests on one rank is one trie position, so it is counted once
 (the reference's structural reference counting). Positions are keyed by path, not by hash alone:
 ``[2, 3]`` after ``[1, 2, 3]`` sits under another root and is counted again, exactly as the
-reference counts non-prefix-consistent input.
+reference counts non-prefix-consistent input. Hashes are the reference's u64 (the API and the hashing
+module hand over unsigned ones, and the journal holds only those); a position is keyed by its hash modulo
+2**64, so an out-of-range int cannot fail the compiled build where the pure one goes on.
 
-Layout: a flat dict from ``(parent node id, hash)`` to a node id, and a dict of pass counts (how
-many live requests pass through each node). Flat int-keyed dicts rather than a dict per node,
-because container-per-node tries make CPython's cyclic GC walk every node again and again (a
-64-block insert cost ~170 µs that way; ~15 µs like this). A node whose count drops to zero has a
-dead subtree, so removal cuts the rest of the path in one step.
+Representation, typed for Cython by ``trie.pxd`` (README "Compiled hot paths"; the same source runs as pure
+Python and is the oracle the compiled module is tested against): positions are node ids (ints) in flat typed
+arrays (parent, hash, pass count: how many live requests pass through the node), found through an
+open-addressing table of node ids keyed by ``(parent node, hash)``, as the KV index finds its children
+(``kv_index.py``'s node tables; the table code is the same). Every ``/add`` and ``/free`` walks a rank's trie
+(64 blocks each way): with a dict from ``(parent, hash)`` tuples to node ids each block cost a tuple, an int
+object or two and dict entries; like this, compiled, it costs a few C loads and stores, and no Python object
+per node. A node whose count drops to zero has a dead subtree, so removal frees the rest of the path in one
+step. Freed node ids are reused last-freed first (a list threaded through the hash array), so ids are a
+function of the operations only, the same compiled and pure.
+
+Run as Python this is ~15x slower than dicts, so without the compiled module the slot tracker uses
+``dict_trie.PrefixTrie`` instead (same behaviour; ``slots.PrefixTrie`` chooses).
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 
 ROOT = 0
+_NONE = -1  # "no node": an empty table slot, the end of the free list, a free node's parent
+_MIN_SLOTS = 8  # smallest node table (a power of two)
+# A table this small is never shrunk: a rank's requests come and go, and one that empties and fills again
+# (as busy ranks do, many times a second) would otherwise be resized all the way down and up each time.
+_KEEP_SLOTS = 4096
+_U64 = 0xFFFFFFFFFFFFFFFF
 
 
 class PrefixTrie:
-    __slots__ = ("_counts", "_fractions", "_next_id", "_nodes")
+    __slots__ = (
+        "_arrays",
+        "_count",
+        "_fractions",
+        "_free_head",
+        "_hash",
+        "_live",
+        "_parent",
+        "_shift",
+        "_slots",
+        "_used",
+    )
 
     def __init__(self) -> None:
-        self._nodes: dict[tuple[int, int], int] = {}  # (parent id, hash) -> node id
-        self._counts: dict[int, int] = {}  # node id -> live requests passing through it
+        # Node 0 is the root and is never freed; ``_used`` node ids have been handed out, the arrays may hold more.
+        self._arrays: list[array[int]] = [
+            array("i", [_NONE]),  # parent node; _NONE for the root and for free nodes
+            array("Q", [0]),  # block hash; for a free node, 1 + the next free node (0: the last)
+            array("i", [0]),  # pass count: live requests passing through the node (0: free)
+        ]
+        self._parent, self._hash, self._count = self._arrays
+        self._used = 1
+        self._free_head = _NONE
+        self._live = 0  # live nodes other than the root
+        self._slots = _new_slots(_MIN_SLOTS)  # live nodes by (parent, hash)
+        self._shift = _shift_for(_MIN_SLOTS)
         # Sparse per-node weights set by output-block decay (selection service only). A node keeps
         # its fraction when another request later shares it, as in the reference.
         self._fractions: dict[int, float] = {}
-        self._next_id = ROOT + 1
 
     @property
     def size(self) -> int:
         """Number of live positions == active prompt blocks on the rank."""
-        return len(self._counts)
+        return self._live
 
     @property
     def has_fractions(self) -> bool:
@@ -43,24 +81,28 @@ class PrefixTrie:
     def weighted_size(self) -> float:
         """Positions weighted by their decay fraction (exactly summed: independent of order)."""
         if not self._fractions:
-            return float(len(self._counts))
-        return len(self._counts) - math.fsum(1.0 - f for f in self._fractions.values())
+            return float(self._live)
+        return self._live - math.fsum(1.0 - f for f in self._fractions.values())
 
     def path(self, hashes: Sequence[int]) -> Iterator[int]:
         """Node ids along a live path (stops where the path ends)."""
-        nodes = self._nodes
+        return iter(self._path(hashes))
+
+    def _path(self, hashes: Sequence[int]) -> list[int]:
+        nodes = []
         parent = ROOT
         for h in hashes:
-            node = nodes.get((parent, h))
-            if node is None:
-                return
-            yield node
+            node = self._child_find(parent, h & _U64)
+            if node == _NONE:
+                break
+            nodes.append(node)
             parent = node
+        return nodes
 
     def decay_exclusive_tail(self, hashes: Sequence[int], fraction: float) -> None:
         """Give ``fraction`` to the tail of this path that no other live request shares."""
-        for node in reversed(list(self.path(hashes))):
-            if self._counts[node] != 1:
+        for node in reversed(self._path(hashes)):
+            if self._count[node] != 1:
                 break
             self._fractions[node] = fraction
 
@@ -71,7 +113,7 @@ class PrefixTrie:
         seen: set[int] = set()
         entries = []
         for owner, hashes in paths:
-            for depth, node in enumerate(self.path(hashes), 1):
+            for depth, node in enumerate(self._path(hashes), 1):
                 fraction = self._fractions.get(node)
                 if fraction is not None and node not in seen:
                     seen.add(node)
@@ -79,69 +121,200 @@ class PrefixTrie:
         return entries
 
     def set_fraction(self, hashes: Sequence[int], depth: int, fraction: float) -> None:
-        node = list(self.path(hashes[:depth]))[-1]
+        node = self._path(hashes[:depth])[-1]
         self._fractions[node] = fraction
 
     def insert(self, hashes: Sequence[int]) -> None:
-        nodes, counts = self._nodes, self._counts
         parent = ROOT
         for h in hashes:
-            key = (parent, h)
-            node = nodes.get(key)
-            if node is None:
-                node = self._next_id
-                self._next_id = node + 1
-                nodes[key] = node
-                counts[node] = 1
+            key = h & _U64
+            node = self._child_find(parent, key)
+            if node == _NONE:
+                node = self._new_node(parent, key)
             else:
-                counts[node] += 1
+                self._count[node] += 1
             parent = node
 
     def remove(self, hashes: Sequence[int]) -> None:
-        """Undo one ``insert`` of the same ``hashes``."""
-        nodes, counts = self._nodes, self._counts
+        """Undo one ``insert`` of the same ``hashes`` (``KeyError`` if no live path has them)."""
+        count = self._count
         parent = ROOT
         dead = False
         for h in hashes:
-            key = (parent, h)
-            node = nodes[key]
+            node = self._child_find(parent, h & _U64)
+            if node == _NONE:
+                raise KeyError(f"no live trie path through block hash {h} (remove of a path never inserted)")
             if dead:
                 # Below a node that only this request held: the rest of the path was ours alone.
-                del nodes[key], counts[node]
+                self._free_node(node)
             else:
-                remaining = counts[node] - 1
+                remaining = count[node] - 1
                 if remaining:
-                    counts[node] = remaining
-                    parent = node
-                    continue
-                del nodes[key], counts[node]
-                dead = True
-            if self._fractions:
-                self._fractions.pop(node, None)
+                    count[node] = remaining
+                else:
+                    self._free_node(node)
+                    dead = True
             parent = node
 
+    def overlap_depth(self, hashes: Sequence[int]) -> int:
+        """Length of the longest prefix of ``hashes`` that is a live root-anchored path."""
+        parent = ROOT
+        depth = 0
+        for h in hashes:
+            node = self._child_find(parent, h & _U64)
+            if node == _NONE:
+                break
+            depth += 1
+            parent = node
+        return depth
+
     def check(self) -> list[str]:
-        """The node map, the pass counts and the fractions name the same live nodes."""
+        """The node arrays, the table, the free list and the fractions name the same live nodes."""
         problems = []
-        if set(self._nodes.values()) != set(self._counts) or len(self._nodes) != len(self._counts):
+        live = [node for node in range(1, self._used) if self._parent[node] != _NONE]
+        free = []
+        node = self._free_head
+        while node != _NONE and len(free) < self._used:
+            free.append(node)
+            node = self._hash[node] - 1
+        if len(live) != self._live or len(live) + len(free) != self._used - 1 or set(live) & set(free):
             problems.append("trie nodes and pass counts disagree")
-        if any(count <= 0 for count in self._counts.values()):
+        entries = _entries(self._slots)
+        if sorted(entries) != live:
+            problems.append("trie node table and live nodes disagree")
+        elif any(self._child_find(self._parent[n], self._hash[n]) != n for n in live):
+            problems.append("trie node not found under its parent and hash")
+        if any(self._count[n] <= 0 for n in live):
             problems.append("trie node kept with no request passing through it")
-        if not set(self._fractions) <= set(self._counts):
+        if any(self._parent[n] != ROOT and self._count[n] > self._count[self._parent[n]] for n in live):
+            problems.append("trie node passed by more requests than its parent")
+        if not set(self._fractions) <= set(live):
             problems.append("decay fraction on a trie node that is gone")
         if any(not 0.0 <= f <= 1.0 for f in self._fractions.values()):
             problems.append("decay fraction outside [0, 1]")
         return problems
 
-    def overlap_depth(self, hashes: Sequence[int]) -> int:
-        """Length of the longest prefix of ``hashes`` that is a live root-anchored path."""
-        nodes = self._nodes
-        parent = ROOT
-        depth = 0
-        for h in hashes:
-            node = nodes.get((parent, h))
-            if node is None:
-                break
-            depth += 1
-            parent = node
-        return depth
+    # ----------------------------------------------------------------------------------- nodes
+
+    def _new_node(self, parent: int, key: int) -> int:
+        """A live node under ``parent`` with hash ``key`` (u64) and one request passing through it."""
+        node = self._free_head
+        if node != _NONE:
+            following = self._hash[node]
+            self._free_head = following - 1
+        else:
+            node = self._used
+            if node == len(self._parent):
+                self._grow_nodes()
+            self._used = node + 1
+        self._parent[node] = parent
+        self._hash[node] = key
+        self._count[node] = 1
+        if (self._live + 1) * 4 > len(self._slots) * 3:
+            self._slots, self._shift = _resized(self._slots, len(self._slots) * 2)
+        _table_add(self._slots, self._shift, _child_tag(parent, key), node)
+        self._live += 1
+        return node
+
+    def _free_node(self, node: int) -> None:
+        """Take a live node out of the table and onto the free list (its children are the caller's)."""
+        _table_remove(self._slots, self._shift, _child_tag(self._parent[node], self._hash[node]), node)
+        self._live -= 1
+        if self._live * 16 < len(self._slots) and len(self._slots) > _KEEP_SLOTS:
+            self._slots, self._shift = _resized(self._slots, len(self._slots) // 2)
+        if self._fractions:
+            self._fractions.pop(node, None)
+        self._parent[node] = _NONE
+        self._count[node] = 0
+        self._hash[node] = self._free_head + 1
+        self._free_head = node
+
+    def _grow_nodes(self) -> None:
+        """Room for a quarter more nodes: new arrays (the typed views of the old ones cannot resize them)."""
+        extra = len(self._parent) // 4 + 64
+        self._arrays = [a + array(a.typecode, [0]) * extra for a in self._arrays]
+        self._parent, self._hash, self._count = self._arrays
+
+    # ----------------------------------------------------------------------------- node table
+    # Open addressing with linear probing over a power-of-two array of entries ``(tag << 32) | node`` (``_NONE`` =
+    # empty), at most three quarters full: the KV index's node tables (``kv_index.py``), which say why.
+
+    def _child_find(self, parent: int, key: int) -> int:
+        """The live node under ``parent`` with hash ``key`` (u64), or ``_NONE``."""
+        tag = _child_tag(parent, key)
+        slots = self._slots
+        wrap = len(slots) - 1
+        i = tag >> self._shift
+        while True:
+            entry = slots[i]
+            if entry == _NONE:
+                return _NONE
+            if entry >> 32 == tag:
+                node = entry & 0x7FFFFFFF
+                if self._hash[node] == key and self._parent[node] == parent:
+                    return node
+            i = (i + 1) & wrap
+
+
+def _entries(slots: array[int]) -> list[int]:
+    """The node ids in a table, in slot order."""
+    return [slots[i] & 0x7FFFFFFF for i in range(len(slots)) if slots[i] != _NONE]
+
+
+def _new_slots(size: int) -> array[int]:
+    return array("q", [_NONE]) * size
+
+
+def _shift_for(size: int) -> int:
+    """A table of ``size`` = 2**k slots homes a 31-bit tag at its top k bits."""
+    return 31 - (size.bit_length() - 1)
+
+
+def _table_add(slots: array[int], shift: int, tag: int, node: int) -> None:
+    wrap = len(slots) - 1
+    i = tag >> shift
+    while slots[i] != _NONE:
+        i = (i + 1) & wrap
+    slots[i] = (tag << 32) | node
+
+
+def _table_remove(slots: array[int], shift: int, tag: int, node: int) -> None:
+    wrap = len(slots) - 1
+    hole = tag >> shift
+    entry = (tag << 32) | node
+    while slots[hole] != entry:
+        hole = (hole + 1) & wrap
+    i = hole
+    while True:
+        i = (i + 1) & wrap
+        moving = slots[i]
+        if moving == _NONE:
+            break
+        home = (moving >> 32) >> shift
+        if (i - home) & wrap >= (i - hole) & wrap:  # its home is not after the hole: it may move back
+            slots[hole] = moving
+            hole = i
+    slots[hole] = _NONE
+
+
+def _resized(old: array[int], size: int) -> tuple[array[int], int]:
+    """A table of ``size`` slots holding ``old``'s entries, and its shift."""
+    slots = _new_slots(size)
+    shift = _shift_for(size)
+    wrap = size - 1
+    for j in range(len(old)):
+        entry = old[j]
+        if entry != _NONE:
+            i = (entry >> 32) >> shift
+            while slots[i] != _NONE:
+                i = (i + 1) & wrap
+            slots[i] = entry
+    return slots, shift
+
+
+def _child_tag(parent: int, key: int) -> int:
+    """Tag of the child ``(parent node, hash)``: the top 31 bits of a multiplicative hash (same in C)."""
+    golden = 0x9E3779B97F4A7C15
+    mix = 0xBF58476D1CE4E5B9
+    m64 = 0xFFFFFFFFFFFFFFFF
+    return (((key ^ ((parent * golden) & m64)) * mix) & m64) >> 33

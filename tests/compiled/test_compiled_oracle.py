@@ -226,6 +226,32 @@ def test_prefix_trie(ops: list[tuple[str, list[int], float, int]]) -> None:
             live.pop(len(hashes) % len(live))
 
 
+@SETTINGS
+@given(seed=st.integers(0, 2**32), signed=st.booleans())
+def test_prefix_trie_tables(seed: int, signed: bool) -> None:
+    """Long chains of 64-bit hashes (some out of u64 range: both builds key them modulo 2**64): the node table
+    grows, shifts entries back on removal, shrinks and reuses node ids, compiled exactly as in Python."""
+    compiled, pure = pair("kvrouter.actors.core.trie")
+    compiled_trie, pure_trie = compiled.PrefixTrie(), pure.PrefixTrie()
+    rng = random.Random(seed)
+    prefixes = [[rng.getrandbits(64) - (2**63 if signed else 0) for _ in range(24)] for _ in range(4)]
+    live: list[list[int]] = []
+    for i in range(120):
+        hashes = prefixes[i % 4][: rng.randint(0, 24)] + [rng.getrandbits(64) for _ in range(rng.randint(0, 24))]
+        for t in (compiled_trie, pure_trie):
+            t.insert(hashes)
+        live.append(hashes)
+        if len(live) > 12 or rng.random() < 0.2:
+            gone = live.pop(rng.randrange(len(live)))
+            for t in (compiled_trie, pure_trie):
+                t.remove(gone)
+        probe = live[-1] if live else hashes
+        assert trie_step(compiled_trie, "path", probe, 0.5, 8, live) == trie_step(
+            pure_trie, "path", probe, 0.5, 8, live
+        )
+    assert compiled_trie.check() == pure_trie.check() == []
+
+
 # ---------------------------------------------------------------------------------------- KV index
 
 ranks = st.sampled_from([WorkerRank(0, 0), WorkerRank(0, 1), WorkerRank(1, 0)])  # few: ops meet on one rank
@@ -317,6 +343,15 @@ def test_the_index_is_compiled_with_its_types() -> None:
     assert not hasattr(compiled, "_child_tag") and not hasattr(compiled, "_table_remove")
     with pytest.raises(AttributeError):
         compiled.KvIndex()._slots  # noqa: B018 - a C field, invisible from Python
+
+
+def test_the_trie_is_compiled_with_its_types() -> None:
+    """``trie.pxd`` reached the build: the node table is C functions and ``PrefixTrie`` an extension type."""
+    compiled, pure = pair("kvrouter.actors.core.trie")
+    assert hasattr(pure, "_child_tag") and hasattr(pure.PrefixTrie(), "_slots")
+    assert not hasattr(compiled, "_child_tag") and not hasattr(compiled, "_table_remove")
+    with pytest.raises(AttributeError):
+        compiled.PrefixTrie()._slots  # noqa: B018 - a C field, invisible from Python
 
 
 wide_hashes = st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 40))  # mostly distinct, some collide

@@ -1,0 +1,62 @@
+# Types for the Cython build of trie.py (README "Compiled hot paths"). The .py is the whole implementation and
+# runs as it is when nothing is compiled; this file only says which names are C integers, typed arrays and
+# extension classes, so insert, remove and the node table compile to C loops.
+cimport cython
+
+cdef int _NONE
+cdef Py_ssize_t _MIN_SLOTS
+cdef Py_ssize_t _KEEP_SLOTS
+
+
+@cython.final
+cdef class PrefixTrie:
+    cdef list _arrays
+    cdef int[::1] _parent
+    cdef unsigned long long[::1] _hash
+    cdef int[::1] _count
+    cdef int _used
+    cdef int _free_head
+    cdef Py_ssize_t _live
+    cdef long long[::1] _slots
+    cdef int _shift
+    cdef dict _fractions
+
+    @cython.locals(parent=int, node=int)
+    cdef list _path(self, hashes)
+
+    @cython.locals(parent=int, node=int, key="unsigned long long")
+    cpdef void insert(self, hashes)
+
+    @cython.locals(count="int[::1]", parent=int, node=int, remaining=int, dead=bint)
+    cpdef void remove(self, hashes)
+
+    @cython.locals(parent=int, node=int, depth=Py_ssize_t)
+    cpdef Py_ssize_t overlap_depth(self, hashes)
+
+    @cython.locals(node=int, following="long long")
+    cdef int _new_node(self, int parent, unsigned long long key)
+
+    cdef void _free_node(self, int node)
+
+    cdef void _grow_nodes(self)
+
+    @cython.locals(slots="long long[::1]", wrap=Py_ssize_t, i=Py_ssize_t, node=int, tag="long long",
+                   entry="long long")
+    cdef int _child_find(self, int parent, unsigned long long key)
+
+
+@cython.locals(i=Py_ssize_t)
+cdef list _entries(long long[::1] slots)
+
+@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t)
+cdef void _table_add(long long[::1] slots, int shift, long long tag, int node)
+
+@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t, hole=Py_ssize_t, home=Py_ssize_t, entry="long long",
+               moving="long long")
+cdef void _table_remove(long long[::1] slots, int shift, long long tag, int node)
+
+@cython.locals(slots="long long[::1]", shift=int, wrap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, entry="long long")
+cdef tuple _resized(long long[::1] old, Py_ssize_t size)
+
+@cython.locals(golden="unsigned long long", mix="unsigned long long", m64="unsigned long long")
+cdef long long _child_tag(unsigned long long parent, unsigned long long key)
