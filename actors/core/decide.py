@@ -6,7 +6,9 @@ It never mutates ``state``. Rules and messages follow the reference slot tracker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import singledispatch
+from typing import Any
 
 from kvrouter.actors.core import disaggregation, predictions, selection_rules, session_rules
 from kvrouter.actors.core.commands import (
@@ -36,7 +38,15 @@ MAX_DP_SIZE = MAX_RANKS_PER_WORKER  # the reference's cap on one registration's 
 
 
 def decide(state: ScopeState, command: Command) -> Decision:
-    return _decide(command, state)
+    rule = _RULES.get(command.__class__)
+    if rule is None:
+        rule = _RULES[command.__class__] = _decide.dispatch(command.__class__)
+    return rule(command, state)
+
+
+# Each command class's rule, as ``_decide`` dispatches it: a plain dict lookup per command instead of
+# singledispatch's weak-keyed cache and wrapper (~0.5 µs, on every write). Bounded by the command classes.
+_RULES: dict[type, Callable[[Any, ScopeState], Decision]] = {}
 
 
 def describe_rank(rank: WorkerRank) -> str:

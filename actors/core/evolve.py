@@ -6,8 +6,9 @@ rewrite history.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import singledispatch
+from typing import Any
 
 from kvrouter.actors.core.events import (
     ApproxBlocksBooked,
@@ -41,14 +42,23 @@ from kvrouter.actors.core.state import ScopeState
 
 
 def evolve(state: ScopeState, event: Event) -> ScopeState:
-    _evolve(event, state)
-    return state
+    return fold(state, (event,))
 
 
 def fold(state: ScopeState, events: Iterable[Event]) -> ScopeState:
+    appliers = _APPLIERS
     for event in events:
-        _evolve(event, state)
+        apply = appliers.get(event.__class__)
+        if apply is None:
+            apply = appliers[event.__class__] = _evolve.dispatch(event.__class__)
+        apply(event, state)
     return state
+
+
+# Each event class's evolution, as ``_evolve`` dispatches it: a plain dict lookup per event instead of
+# singledispatch's weak-keyed cache and wrapper (on every write, and every replayed record). Bounded by the
+# event classes.
+_APPLIERS: dict[type, Callable[[Any, ScopeState], None]] = {}
 
 
 @singledispatch
