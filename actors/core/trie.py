@@ -172,7 +172,7 @@ class PrefixTrie:
         """The node arrays, the table, the free list and the fractions name the same live nodes."""
         problems = []
         live = [node for node in range(1, self._used) if self._parent[node] != _NONE]
-        free = []
+        free: list[int] = []
         node = self._free_head
         while node != _NONE and len(free) < self._used:
             free.append(node)
