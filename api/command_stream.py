@@ -41,7 +41,7 @@ from kvrouter.actors.core.limits import text_too_long
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Item, Ready, _Running, render
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response
 from kvrouter.api.write_bodies import add_fields, ref_fields
-from kvrouter.client.compact import ADD, FIELDS, PATHS, ROUTE, SUBPROTOCOL, json_body
+from kvrouter.client.compact import ADD, FIELDS, PATHS, ROUTE, SUBPROTOCOL, from_int64s, json_body
 
 STREAM_PATH = "/ws/commands"
 MAX_MESSAGE_BYTES = 1 << 20
@@ -106,11 +106,15 @@ class CompactReader:
 
     def __init__(self, runner: CommandRunner) -> None:
         self.runner = runner
-        self.hot: dict[int, Any] = {}  # the code's ``Batched.apply``; None where the service has no such route
+        # Per hot write the service has (as a batched route): its command's length, the reader of its fields,
+        # the plain item's method name and the route's ``Batched.apply``.
+        self.hot: dict[int, tuple[int, Callable[..., Any], str, Any]] = {}
         for code, path in PATHS.items():
             found = runner.resolve_target("POST", path)
             batched = None if isinstance(found, Response) else found[0].batched
-            self.hot[code] = None if batched is None else batched.apply
+            if batched is not None:
+                read = add_fields if code == ADD else ref_fields
+                self.hot[code] = (2 + len(FIELDS[code]), read, path[1:], batched.apply)
 
     def parse(self, data: bytes | str) -> tuple[list[Any], list[Item], bool]:
         """(ids, items, ordered) of one message; raises Malformed."""
@@ -129,12 +133,21 @@ class CompactReader:
             raise Malformed(CLOSE_INVALID, NOT_A_COMPACT_MESSAGE)
         if len(commands) > MAX_BATCH_COMMANDS:
             raise Malformed(CLOSE_TOO_BIG, f"a message holds at most {MAX_BATCH_COMMANDS} commands")
-        ids = []
-        for command in commands:
+        ids: list[Any] = []
+        items: list[Item] = []
+        hot = self.hot
+        for command in commands:  # one pass (nothing runs before the whole message is read)
             if type(command) is not list or not command or not _valid_id(command[0]):
                 raise Malformed(CLOSE_INVALID, BAD_ID)
             ids.append(command[0])
-        return ids, [self.item(command) for command in commands], ordered
+            fast = hot.get(command[1]) if len(command) > 1 and type(command[1]) is int else None
+            if fast is not None and len(command) == fast[0]:
+                plain = fast[1](*command[2:])
+                if plain is not None:
+                    items.append(Ready(fast[3], [fast[2], *plain]))
+                    continue
+            items.append(self.item(command))
+        return ids, items, ordered
 
     def item(self, command: list[Any]) -> Item:
         code = command[1] if len(command) > 1 else None
@@ -150,12 +163,17 @@ class CompactReader:
         if names is None or len(command) != 2 + len(names):
             return error_response(400, NOT_A_COMPACT_COMMAND)
         fields = command[2:]
-        apply = self.hot[code]
-        if apply is not None:
-            plain = add_fields(*fields) if code == ADD else ref_fields(*fields)
+        hot = self.hot.get(code)
+        if hot is not None:
+            plain = hot[1](*fields)
             if plain is not None:
-                return Ready(apply, [PATHS[code][1:], *plain])
+                return Ready(hot[3], [hot[2], *plain])
         # Not plainly valid (or no such route here): the JSON command it stands for, answered as that is.
+        if code == ADD and type(fields[5]) is bytes:
+            hashes = from_int64s(fields[5], signed=True)
+            if hashes is None:
+                return error_response(400, NOT_A_COMPACT_COMMAND)
+            fields[5] = list(hashes)
         try:
             body = orjson.loads(orjson.dumps(json_body(code, fields)))
         except TypeError:  # a value JSON cannot carry (bytes, an extension type)

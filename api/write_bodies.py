@@ -15,6 +15,7 @@ from typing import Any
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK
 from kvrouter.actors.core.limits import MAX_PROMPT_BLOCKS, text_too_long
 from kvrouter.api.schemas import DEFAULT_TENANT
+from kvrouter.client.compact import from_int64s
 
 _ABSENT: Any = object()
 
@@ -71,13 +72,22 @@ def add_fields(
     model: Any, tenant: Any, request_id: Any, worker_id: Any, dp_rank: Any, hashes: Any, isl_tokens: Any
 ) -> tuple[str, str, str, int, int, tuple[int, ...], int] | None:
     """``add_request`` of the compact format's positional ``/add`` (``client/compact.py``: None for an absent
-    tenant or new_isl_tokens), or None for anything the JSON body it stands for would not pass here."""
+    tenant or new_isl_tokens; the hashes a list, or bytes of 64-bit integers), or None for anything the JSON
+    body it stands for would not pass here."""
     if type(model) is not str or text_too_long(model):
         return None
     if tenant is None:
         tenant = DEFAULT_TENANT
     elif type(tenant) is not str or text_too_long(tenant):
         return None
+    if type(hashes) is bytes:  # every 8 bytes an int64 by construction: only the count to check
+        unsigned = from_int64s(hashes, signed=False) if len(hashes) <= 8 * MAX_PROMPT_BLOCKS else None
+        if unsigned is None:
+            return None
+        values = add_values(request_id, worker_id, dp_rank, [], 0 if isl_tokens is None else isl_tokens)
+        if values is None:
+            return None
+        return model, tenant, values[0], values[1], values[2], unsigned, values[4]
     values = add_values(request_id, worker_id, dp_rank, hashes, 0 if isl_tokens is None else isl_tokens)
     if values is None:
         return None

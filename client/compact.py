@@ -8,13 +8,15 @@ as the route's own JSON bytes, so neither side builds or walks per-command objec
 
 A client message (a binary frame) is ``[ordered, [command, ...]]``; a command is one of::
 
-    [id, ADD, model_name, tenant_id | nil, request_id, worker_id, dp_rank, [hash, ...], new_isl_tokens | nil]
+    [id, ADD, model_name, tenant_id | nil, request_id, worker_id, dp_rank, hashes, new_isl_tokens | nil]
     [id, PREFILL_COMPLETE, model_name, tenant_id | nil, request_id]
     [id, FREE, model_name, tenant_id | nil, request_id]
     [id, ROUTE, method, path]                   any route, no body
     [id, ROUTE, method, path, body]             any route; ``body``: the request's JSON body as bytes (bin)
 
-``nil`` for ``tenant_id`` or ``new_isl_tokens`` means the field is absent (its default). A hot write means
+``nil`` for ``tenant_id`` or ``new_isl_tokens`` means the field is absent (its default). ``hashes``: an array
+of integers, or (what the client sends) bytes: each hash as 8 bytes, a little-endian signed 64-bit
+integer (``int64s``), which the service reads without a check per hash. A hot write means
 exactly the JSON command ``{"method": "POST", "path": PATHS[code], "body": json_body(code, fields)}``,
 and is answered as that command would be. The service answers with binary frames
 ``[[id, status, body], ...]`` (``[id, status, body, {header: value}]`` where the route sends headers),
@@ -23,6 +25,8 @@ and is answered as that command would be. The service answers with binary frames
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from typing import Any
 
 SUBPROTOCOL = "kvrouter.commands.msgpack.v1"
@@ -55,3 +59,24 @@ def array_header(count: int) -> bytes:
     if count < 1 << 16:
         return b"\xdc" + count.to_bytes(2, "big")
     return b"\xdd" + count.to_bytes(4, "big")
+
+
+def int64s(hashes: Sequence[Any]) -> bytes | None:
+    """``hashes`` as the compact format's bytes (8 per hash, little-endian signed), or None when one is not an
+    ``int`` within 64 signed bits (sent as an array then, so that the service answers it as JSON would)."""
+    try:
+        packed = struct.pack(f"<{len(hashes)}q", *hashes)
+    except struct.error:
+        return None
+    if hashes and set(map(type, hashes)) != {int}:
+        return None  # a bool or another integer-like value: struct takes it, JSON would not
+    return packed
+
+
+def from_int64s(packed: bytes, signed: bool) -> tuple[int, ...] | None:
+    """The hashes of ``int64s`` bytes (as unsigned 64-bit integers unless ``signed``), or None for a length that
+    is not a multiple of 8."""
+    count, rest = divmod(len(packed), 8)
+    if rest:
+        return None
+    return struct.unpack(f"<{count}{'q' if signed else 'Q'}", packed)

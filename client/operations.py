@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import attrs
+import orjson
 
 from kvrouter.client.compact import ADD, FREE, PREFILL_COMPLETE, json_body
 
@@ -196,7 +197,7 @@ class Operations(ABC):
         tenant_id: str | None = None,
     ) -> Any:
         """``POST /add`` -> bool: whether the request was created."""
-        hashes = list(sequence_hashes)
+        hashes = sequence_hashes if type(sequence_hashes) in (list, tuple) else list(sequence_hashes)
         command = (ADD, model_name, tenant_id, request_id, worker_id, dp_rank, hashes, new_isl_tokens)
         return self.perform(Op("POST", "/add", None, _created, compact=command))
 
@@ -250,3 +251,13 @@ class Operations(ABC):
 def result_of(op: Op[T], reply: Reply) -> T:
     """The decoded result of ``op``; a failure raises ``CommandError`` unless ``op`` takes every reply."""
     return op.decode(raise_for(reply) if op.raises else reply)
+
+
+def result_of_parts(op: Op[T], status: int, body: Any, headers: dict[str, str] | None) -> T:
+    """``result_of`` from a result's parts, ``body`` as the service sent it (JSON bytes are parsed here): a
+    success whose meaning is its status alone (a slot tracker write) is decoded without a ``Reply``."""
+    if op.decode is _created and status < 400:
+        return status == 201  # type: ignore[return-value]
+    if type(body) is bytes:
+        body = orjson.loads(body)
+    return result_of(op, Reply(status, body, {} if headers is None else headers))

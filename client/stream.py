@@ -25,8 +25,8 @@ import outcome
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
 
-from kvrouter.client.compact import ROUTE, SUBPROTOCOL, array_header
-from kvrouter.client.operations import NO_BODY, Op, Operations, Reply, StreamClosed, result_of
+from kvrouter.client.compact import ADD, ROUTE, SUBPROTOCOL, array_header, int64s
+from kvrouter.client.operations import NO_BODY, Op, Operations, StreamClosed, result_of_parts
 
 T = TypeVar("T")
 STREAM_PATH = "/ws/commands"
@@ -160,8 +160,13 @@ class StreamClient(Operations):
 
     def _encode(self, command_id: int, op: Op[Any]) -> bytes:
         if self.compact:
-            if op.compact is not None:
-                return self._packer.pack((command_id, *op.compact))
+            fields = op.compact
+            if fields is not None:
+                if fields[0] == ADD:
+                    packed = int64s(fields[6])
+                    if packed is not None:
+                        return self._packer.pack((command_id, *fields[:6], packed, fields[7]))
+                return self._packer.pack((command_id, *fields))
             body = op.body
             if body is NO_BODY:
                 return self._packer.pack((command_id, ROUTE, op.method, op.path))
@@ -203,7 +208,8 @@ class StreamClient(Operations):
             self._room.release()
         if isinstance(reply, BaseException):
             raise StreamClosed(str(reply))
-        return result_of(op, reply)
+        # ``reply``: the compact result [id, status, body(, headers)], or the same from a JSON result.
+        return result_of_parts(op, reply[1], reply[2], reply[3] if len(reply) > 3 else None)
 
     async def _send_messages(self) -> None:
         try:
@@ -245,16 +251,13 @@ class StreamClient(Operations):
                     for result in msgpack.unpackb(message):
                         task = waiting.pop(result[0], None)
                         if task is not None:
-                            body = result[2]
-                            shown = orjson.loads(body) if type(body) is bytes else body
-                            headers = result[3] if len(result) > 3 else {}
-                            reschedule(task, outcome.Value(Reply(result[1], shown, headers)))
+                            reschedule(task, outcome.Value(result))  # decoded by its caller (``perform``)
                 else:
                     for result in orjson.loads(message)["results"]:
                         task = waiting.pop(result["id"], None)
                         if task is not None:
-                            reply = Reply(result["status"], result["body"], result.get("headers", {}))
-                            reschedule(task, outcome.Value(reply))
+                            parts = (None, result["status"], result["body"], result.get("headers", {}))
+                            reschedule(task, outcome.Value(parts))
         except ConnectionClosed as closed:
             self._fail(StreamClosed(_closed_reason(closed)))
 

@@ -14,18 +14,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from kvrouter.actors.core.ids import I64_MAX, U64_MASK
+from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES
 from kvrouter.api import routes
 from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, CompactReader, Malformed
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
 from kvrouter.api.http import Response
-from kvrouter.client import StreamClient
-from kvrouter.client.compact import ADD, FIELDS, FREE, PATHS, PREFILL_COMPLETE, ROUTE, SUBPROTOCOL, json_body
+from kvrouter.client import CommandError, StreamClient
+from kvrouter.client.compact import (
+    ADD,
+    FIELDS,
+    FREE,
+    PATHS,
+    PREFILL_COMPLETE,
+    ROUTE,
+    SUBPROTOCOL,
+    from_int64s,
+    int64s,
+    json_body,
+)
 from kvrouter.client.stream import open_websocket
 from tests.api.test_command_stream import results, send, ws_url
 from tests.support.services import running
 
+HASHES = st.lists(st.sampled_from([0, 1, -1, I64_MAX, I64_MIN]), max_size=5)
 ODD = st.sampled_from([None, True, False, 1.5, "7", [], b"raw", -1, U64_MASK + 1 - 1, "x" * (MAX_TEXT_BYTES + 1)])
 GOOD = {
     "model_name": st.sampled_from(["m", "", "é", "x" * MAX_TEXT_BYTES]),
@@ -33,7 +45,7 @@ GOOD = {
     "request_id": st.sampled_from(["r", "", "x" * MAX_TEXT_BYTES]),
     "worker_id": st.sampled_from([0, 1, U64_MASK]),
     "dp_rank": st.sampled_from([0, 1]),
-    "sequence_hashes": st.lists(st.sampled_from([0, 1, -1, I64_MAX]), max_size=5),
+    "sequence_hashes": st.one_of(HASHES, HASHES.map(lambda hashes: int64s(hashes) or b"")),
     "new_isl_tokens": st.sampled_from([None, 0, 48]),
 }
 
@@ -87,6 +99,11 @@ READER = CompactReader(RUNNER)
 def test_a_hot_write_comes_to_what_its_json_command_comes_to(command: tuple[int, list[Any]]) -> None:
     code, fields = command
     compact = outcome_of(READER.item([7, code, *fields]))
+    if code == ADD and type(fields[5]) is bytes:  # the hashes as int64s: the JSON command has them as a list
+        if len(fields[5]) % 8:
+            assert compact[0] == 400
+            return
+        fields = [*fields[:5], list(from_int64s(fields[5], signed=True) or ()), fields[6]]
     try:
         body = orjson.loads(orjson.dumps(json_body(code, fields)))
     except TypeError:  # bytes: JSON cannot carry it, so there is no JSON command to compare with
@@ -98,6 +115,8 @@ def test_a_hot_write_comes_to_what_its_json_command_comes_to(command: tuple[int,
 def test_typical_hot_writes_skip_the_request() -> None:
     add = READER.item([1, ADD, "m", None, "r", 3, 1, [-1, 2], None])
     assert isinstance(add, Ready) and add.prepared == ["add", "m", "default", "r", 3, 1, (U64_MASK, 2), 0]
+    packed = READER.item([1, ADD, "m", None, "r", 3, 1, int64s([-1, 2]), None])
+    assert isinstance(packed, Ready) and packed.prepared == add.prepared
     free = READER.item([2, FREE, "m", "t", "r"])
     assert isinstance(free, Ready) and free.prepared == ["free", "m", "t", "r"]
 
@@ -156,6 +175,8 @@ def as_json_result(result: list[Any]) -> dict[str, Any]:
 
 def json_command(command: list[Any]) -> dict[str, Any]:
     """The JSON command a compact one stands for."""
+    if command[1] == ADD and type(command[7]) is bytes:
+        command = [*command[:7], list(from_int64s(command[7], signed=True) or ()), command[8]]
     if command[1] == ROUTE:
         shown = {"id": command[0], "method": command[2], "path": command[3]}
         if len(command) > 4:
@@ -168,10 +189,10 @@ REGISTER = orjson.dumps({"model_name": "m", "worker_id": 1, "block_size": 16, "d
 SCRIPT = [
     [[0, ROUTE, "POST", "/register", REGISTER]],
     [
-        [1, ADD, "m", None, "r1", 1, 0, [1, 2, 3], 48],
+        [1, ADD, "m", None, "r1", 1, 0, int64s([1, 2, 3]), 48],
         [2, ADD, "m", None, "r1", 1, 0, [1, 2, 3], None],  # a duplicate
         [3, ADD, "m", None, "r2", 1, 9, [4], None],  # no such rank
-        [4, ADD, "m", None, "r3", -1, 0, [4], None],  # refused by the strict parser
+        [4, ADD, "m", None, "r3", -1, 0, int64s([4]), None],  # refused by the strict parser
         [5, ADD, "m", "t", "r4", 1, 0, [4], None],  # no such scope
         [6, PREFILL_COMPLETE, "m", None, "r1"],
         [7, FREE, "m", None, "ghost"],
@@ -235,6 +256,31 @@ async def test_a_malformed_message_closes_the_connection_and_applies_nothing(tmp
         async with StreamClient.connect(service.urls[0]) as client:
             assert client.format == "msgpack"
             assert (await client.call("GET", "/loads?model_name=m")).body[0]["active_decode_blocks"] == 0
+
+
+async def test_hashes_the_client_cannot_pack_are_answered_as_json_would_answer_them(tmp_path: Path) -> None:
+    async with running("slot tracker", tmp_path) as service:
+        for compact in (True, False):
+            async with StreamClient.connect(service.urls[0], compact=compact) as client:
+                await client.register(1, block_size=16)
+                answers = [
+                    await client.call("POST", "/add", body)
+                    for body in (
+                        {"model_name": "default", "request_id": "a", "worker_id": 1, "dp_rank": 0, **fields}
+                        for fields in ({"sequence_hashes": [1, True]}, {"sequence_hashes": [2**63]})
+                    )
+                ]
+                refusals = []
+                for hashes in ([1, True], [2**63], [1.0]):
+                    with pytest.raises(CommandError) as refused:
+                        await client.add("r", 1, hashes)
+                    refusals.append((refused.value.status, refused.value.message))
+                assert await client.add("r", 1, [-1, 2**63 - 1]) is True
+                assert await client.free("r") is False
+                await client.unregister(1)
+            assert [answer.status for answer in answers] == [422, 422]
+            assert refusals == [(answer.status, answer.body["error"]) for answer in answers] + [refusals[2]]
+            assert refusals[2][0] == 422
 
 
 async def test_the_client_speaks_json_when_asked(tmp_path: Path) -> None:
