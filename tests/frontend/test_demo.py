@@ -15,7 +15,9 @@ from kvrouter.api.demo import ModeResult, Outcome, percentile, report, workload
 
 
 def test_the_demo_runs_both_modes_and_prints_them_side_by_side(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "kvrouter.api.cli", "demo", "--workers", "2", "--requests", "24"]
+    # Four workers: round robin then keeps about a quarter of the reuse kv mode finds (two workers and 24
+    # requests left it a coin toss per turn, and under load it once matched kv mode's share).
+    command = [sys.executable, "-m", "kvrouter.api.cli", "demo", "--workers", "4", "--requests", "48"]
     command += ["--plots", str(tmp_path / "plots")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
