@@ -465,6 +465,8 @@ async def test_forged_unknown_ids_change_nothing(caplog: pytest.LogCaptureFixtur
         await xpub.send_multipart(free("control"))
         await eventually(lambda: replicator.stats.received == len(forged) + 2)
         await eventually(lambda: journal.last_lsn == records + 2)  # the control's add and free, nothing else
+        # ``applied`` counts once submit() returns, which can be a scheduling turn after the journal wrote.
+        await eventually(lambda: replicator.stats.applied == 2)
         assert requests(system) == {"victim"}
         assert {rank: (r.prefill_tokens, r.active_decode_blocks) for rank, r in state.ranks.items()} == loads_before
         assert replicator.stats.dropped == {
