@@ -24,6 +24,7 @@ import trio
 
 from kvrouter.actors.core.commands import (
     Command,
+    IngestKvBatch,
     RegisterWorker,
     Reserve,
     ReserveSelection,
@@ -38,6 +39,7 @@ from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.explain import explain_selection, finish
 from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.kv_wire import named_blocks
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.routing_modes import MODE_ROUND_ROBIN
 from kvrouter.actors.core.selection_rules import Selection, no_pending_selection, tracked_output
@@ -52,6 +54,12 @@ from kvrouter.journal.store import Journal
 # Commands taken from the mailbox per scheduling turn (a batch counts its commands, and is never split). Bounds
 # how long one busy scope holds the loop before others (and the journal writer) get a turn.
 MAX_TURN = 256
+# KV-event blocks a turn takes (what its IngestKvBatch commands' batches name; a command is never split) before it
+# yields. Trio runs every runnable task once per scheduling round and an HTTP request needs several rounds, so a
+# KV flood delays every request by its work per round times the rounds: at ~2 us of decide + journal + fold per
+# block, 256 blocks is ~0.5 ms a round (a turn used to take every queued group: 16 of 1,024 blocks, ~30 ms). KV
+# ingest hands runs of at most this many blocks over (actors/kv_ingest.py), so a turn is about one run.
+MAX_TURN_KV_BLOCKS = 256
 
 # Called synchronously right after a decision's events are applied (replica publisher, directory, KV
 # ingest): it must not block or await; whatever it needs to do later goes into its own bounded queue.
@@ -127,21 +135,25 @@ class ScopeActor:
             while True:
                 item = await inbox.receive()
                 budget = MAX_TURN
+                kv_budget = MAX_TURN_KV_BLOCKS
                 while True:
                     if isinstance(item, Batch):
                         self._handle_batch(item)
                         budget -= len(item.commands)
                     else:
+                        command = item.command
+                        if type(command) is IngestKvBatch:
+                            kv_budget -= _ingest_blocks(command)
                         self._handle(item)
                         budget -= 1
-                    if budget <= 0:
+                    if budget <= 0 or kv_budget <= 0:
                         break
                     try:
                         item = inbox.receive_nowait()
                     except trio.WouldBlock:
                         break
                 taken = MAX_TURN - budget  # commands (a batch counts its own)
-                if budget <= 0:
+                if budget <= 0 or kv_budget <= 0:
                     taken += inbox.statistics().current_buffer_used  # a full turn: some are still waiting
                 if taken > self.peak_depth:
                     self.peak_depth = taken
@@ -410,6 +422,11 @@ class ScopeActor:
 
     def mailbox_statistics(self) -> trio.MemoryChannelStatistics:
         return self._inbox.statistics()
+
+
+def _ingest_blocks(command: IngestKvBatch) -> int:
+    """The blocks an ingest command's batches name: its share of a turn's ``MAX_TURN_KV_BLOCKS``."""
+    return named_blocks(command.batch) + sum(named_blocks(batch) for _, batch in command.following)
 
 
 def _isl_tokens(command: SelectWorker) -> int:

@@ -10,14 +10,22 @@ Each listener holds a slot of the process's ``ListenerSlots`` (zmq sockets and f
 finite). ``admit`` reserves the slots a record needs *before* the record is journaled, so a registration
 beyond capacity is refused instead of failing later, and a restart never needs more than was accepted.
 
-Batches enter the actor's mailbox as commands, one command per group the listener hands over (what was
-queued on its socket: ``kv_listener.GROUP_MAX_BATCHES``; split where its stores would pass
-``index_bounds.run_block_limit``), decoded here first (a batch that cannot be read is
-logged and skipped, never journaled). The listener then waits until the actor has applied that command before
-it reads on (policy: block; zmq's high-water mark then pushes back on the publisher, and the gap is replayed
-later), so the mailbox holds at most one group per listener: its memory is bounded by the listeners, not by
-the mailbox's length. KV events do not wait for the journal's fsync: the watermark is journaled with the
-blocks, so a crash loses both together and the restarted listener replays the same batches from the worker.
+Batches enter the actor's mailbox as commands, one command (one decision, one journal record) per run of the
+group the listener hands over (what was queued on its socket: ``kv_listener.GROUP_MAX_BATCHES``): a run's
+batches name at most ``INGEST_RUN_BLOCKS`` blocks between them (a larger batch goes alone) and store at most
+``index_bounds.run_block_limit``. Each batch is decoded here first (a batch that cannot be read is logged and
+skipped, never journaled). The listener then waits until the actor has applied that command before it goes on
+(policy: block; zmq's high-water mark then pushes back on the publisher, and the gap is replayed later), so the
+mailbox holds at most one run per listener: its memory is bounded by the listeners, not by the mailbox's length.
+KV events do not wait for the journal's fsync: the watermark is journaled with the blocks, so a crash loses both
+together and the restarted listener replays the same batches from the worker.
+
+Latency under a flood. Trio runs every runnable task once per scheduling round, and an HTTP request needs
+several rounds, so what every request waits for is the ingest work done per round, across all listeners. It is
+bounded in blocks at both ends: the actor's turn stops after ``actor.MAX_TURN_KV_BLOCKS`` (about one run), and
+the listeners decode one run per round between them (``decoding``: a lock taken per run, so 16 ranks flooding at
+once decode in turn instead of 16 runs in one round). Each run costs a hand-over (an envelope, a wake-up, a
+journal record) of a few percent of its ~0.5 ms of work.
 """
 
 from __future__ import annotations
@@ -28,13 +36,13 @@ from collections.abc import Hashable
 import attrs
 import trio
 
-from kvrouter.actors.actor import Observer
+from kvrouter.actors.actor import MAX_TURN_KV_BLOCKS, Observer
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import Command, IngestKvBatch, ResetKvStream
 from kvrouter.actors.core.events import Event, WorkerRemoved, WorkerUpserted
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.index_bounds import run_block_limit
-from kvrouter.actors.core.kv_wire import KvBatch, WireError, decode_batch, stored_upper_bound
+from kvrouter.actors.core.kv_wire import KvBatch, WireError, decode_batch, named_blocks, stored_upper_bound
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatches, OnRestart
 from kvrouter.actors.mailbox import Envelope
@@ -78,9 +86,17 @@ class Running:
         self.status = status
 
 
+# Blocks (named by the batches' stores and removals) of one ingest command: the actor's per-turn bound, so a
+# turn is one run and a run's decoding one listener's step.
+INGEST_RUN_BLOCKS = MAX_TURN_KV_BLOCKS
+
+
 class KvIngest:
     def __init__(self, system: ActorSystem, slots: ListenerSlots | None = None) -> None:
         self._system = system
+        # Held while one run is decoded: the listeners decode one run per scheduling round between them (FIFO, so
+        # no rank waits behind another's whole flood).
+        self.decoding = trio.Lock()
         self.slots = slots if slots is not None else ListenerSlots.for_this_process()
         self._nursery: trio.Nursery | None = None
         self._running: dict[int, dict[ListenerKey, Running]] = {}  # by worker id
@@ -185,7 +201,7 @@ class KvIngest:
         listener = KvListener(
             key.endpoint,
             key.replay_endpoint,
-            self._on_batches(key),
+            self.consumer(key),
             resume_from=watermark,
             on_restart=self._on_restart(key),
         )
@@ -205,29 +221,39 @@ class KvIngest:
         with cancel_scope:
             await listener.run()
 
-    def _on_batches(self, key: ListenerKey) -> OnBatches:
+    def consumer(self, key: ListenerKey) -> OnBatches:
+        """What the listener of ``key`` hands its groups to: they are decoded and applied run by run, in order."""
         cap = self._system.max_index_blocks_per_scope
-        limit = run_block_limit(cap)
+        stored_limit = run_block_limit(cap)
 
         async def on_batches(group: list[tuple[int, bytes]]) -> None:
-            # One command per run of batches storing at most ``limit`` blocks between them (the whole group, in
-            # practice): the index cap then trims and refuses as if each batch were its own command.
-            run: list[tuple[int, KvBatch]] = []
-            run_blocks = 0
-            for seq, payload in group:
-                try:
-                    batch = decode_batch(payload)
-                except WireError as exc:
-                    log.warning("worker %d dp_rank %d: batch %d skipped: %s", *key.rank, seq, exc)
-                    continue
-                blocks = stored_upper_bound(batch)
-                if run and run_blocks + blocks > limit:
+            position = 0
+            carried: tuple[int, KvBatch] | None = None  # decoded, but over the previous run's bound
+            while position < len(group) or carried is not None:
+                run: list[tuple[int, KvBatch]] = []
+                named = stored = 0
+                async with self.decoding:
+                    if carried is not None:
+                        run.append(carried)
+                        named, stored = named_blocks(carried[1]), stored_upper_bound(carried[1])
+                        carried = None
+                    while position < len(group):
+                        seq, payload = group[position]
+                        position += 1
+                        try:
+                            batch = decode_batch(payload)
+                        except WireError as exc:
+                            log.warning("worker %d dp_rank %d: batch %d skipped: %s", *key.rank, seq, exc)
+                            continue
+                        batch_named, batch_stored = named_blocks(batch), stored_upper_bound(batch)
+                        if run and (named + batch_named > INGEST_RUN_BLOCKS or stored + batch_stored > stored_limit):
+                            carried = (seq, batch)
+                            break
+                        run.append((seq, batch))
+                        named += batch_named
+                        stored += batch_stored
+                if run:
                     await self._apply(key, run, cap)
-                    run, run_blocks = [], 0
-                run.append((seq, batch))
-                run_blocks += blocks
-            if run:
-                await self._apply(key, run, cap)
 
         return on_batches
 

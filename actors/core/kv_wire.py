@@ -393,6 +393,15 @@ def stored_upper_bound(batch: KvBatch) -> int:
     return sum(len(event.block_hashes) for event in batch.events if type(event) is BlockStored)
 
 
+def named_blocks(batch: KvBatch) -> int:
+    """How many blocks the batch's stores and removals name: the measure of the work of applying it (at least 1)."""
+    named = 0
+    for event in batch.events:
+        if isinstance(event, BlockStored | BlockRemoved):
+            named += len(event.block_hashes)
+    return max(1, named)
+
+
 def stored_blocks(
     event: BlockStored, registered_block_size: int, lora_name: str | None = None
 ) -> list[tuple[int, int]]:
