@@ -57,9 +57,10 @@ MAX_TURN = 256
 # KV-event blocks a turn takes (what its IngestKvBatch commands' batches name; a command is never split) before it
 # yields. Trio runs every runnable task once per scheduling round and an HTTP request needs several rounds, so a
 # KV flood delays every request by its work per round times the rounds: at ~2 us of decide + journal + fold per
-# block, 256 blocks is ~0.5 ms a round (a turn used to take every queued group: 16 of 1,024 blocks, ~30 ms). KV
-# ingest hands runs of at most this many blocks over (actors/kv_ingest.py), so a turn is about one run.
-MAX_TURN_KV_BLOCKS = 256
+# block, 1,024 blocks is ~2 ms a round (a turn used to take every queued group: 16 of 1,024 blocks, ~30 ms). KV
+# ingest hands runs of at most this many blocks over (actors/kv_ingest.py), so a turn is about one run. 256 (~0.5 ms)
+# cut /select's flood p99 further but cost 25-45 % of the ingest rate in select_flood_bench.py (README Benchmarks).
+MAX_TURN_KV_BLOCKS = 1024
 
 # Called synchronously right after a decision's events are applied (replica publisher, directory, KV
 # ingest): it must not block or await; whatever it needs to do later goes into its own bounded queue.

@@ -25,7 +25,7 @@ several rounds, so what every request waits for is the ingest work done per roun
 bounded in blocks at both ends: the actor's turn stops after ``actor.MAX_TURN_KV_BLOCKS`` (about one run), and
 the listeners decode one run per round between them (``decoding``: a lock taken per run, so 16 ranks flooding at
 once decode in turn instead of 16 runs in one round). Each run costs a hand-over (an envelope, a wake-up, a
-journal record) of a few percent of its ~0.5 ms of work.
+journal record) of a few percent of its ~2 ms of work.
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ SCOPE = ScopeKey("m", "t")
 BLOCK = 4
 RANKS = 16
 BATCH_BLOCKS = 64
-GROUPS = 3  # per rank, each of GROUP_MAX_BATCHES batches: what a listener reads off a flooded socket
+GROUPS = 8  # per rank, each of GROUP_MAX_BATCHES batches: what a listener reads off a flooded socket
 REQUEST_ROUNDS = 8  # scheduling rounds a request takes from its first step to its answer
 # Blocks of ingest work (decoded by the listeners' consumers plus applied by the actor) a request may wait for per
-# round: ~3 runs of 256 (at ~2 us a block, ~1.5 ms). Before the bound, one actor turn applied every queued group
-# (16 ranks x 1,024 blocks) and 16 listeners decoded a group each in one round.
-ROUND_BLOCKS = 3 * 256
+# round: ~3 runs of 1,024 (at ~2 us a block, ~6 ms). Before the bound, one actor turn applied every queued group
+# (16 ranks x 1,024 blocks) and 16 listeners decoded a group each in one round: ~64k blocks in 8 rounds.
+ROUND_BLOCKS = 3 * 1024
 
 
 def chain(rank: int, batch: int) -> tuple[bytes, list[int]]:
