@@ -28,6 +28,7 @@ from kvrouter.actors.core.commands import (
     RegisterWorker,
     Reserve,
     ReserveSelection,
+    ResetKvStream,
     SelectDisaggregated,
     SelectWorker,
     UpsertWorker,
@@ -62,6 +63,21 @@ MAX_TURN = 256
 # cut /select's flood p99 further but cost 25-45 % of the ingest rate in select_flood_bench.py (README Benchmarks).
 MAX_TURN_KV_BLOCKS = 1024
 
+# Commands carrying a worker's KV events (from its listener): their records are never acknowledged to a client, and
+# a crash that loses them is repaired by the worker's replay (the reference keeps no index across a restart at all).
+# So a read may show their effect before it is durable: the read barrier waits only for the other records
+# (``last_write_lsn``), and a selection during a KV flood does not wait for the flood's fsyncs.
+WORKER_KV_COMMANDS = frozenset({IngestKvBatch, ResetKvStream})
+
+
+@attrs.define
+class LastWrite:
+    """The LSN of the owner's last record that is not a worker's KV events (shared by its actors): the barrier
+    of a read that may see any scope."""
+
+    lsn: int = 0
+
+
 # Called synchronously right after a decision's events are applied (replica publisher, directory, KV
 # ingest): it must not block or await; whatever it needs to do later goes into its own bounded queue.
 Observer = Callable[[ScopeState, Command, tuple[Event, ...]], None]
@@ -84,6 +100,8 @@ class ActorPorts:
     # Told (synchronously, must not block) when the scope's queue of waiting selections grew or shrank: its
     # pending counts changed without any event (the owner's live list, as ``observers``).
     queue_observers: Sequence[Callable[[ScopeKey], None]] = ()
+    # Moved by every actor on each record of a client-facing command (see WORKER_KV_COMMANDS).
+    last_write: LastWrite = attrs.Factory(LastWrite)
 
 
 class ScopeActor:
@@ -93,7 +111,7 @@ class ScopeActor:
         "_journal",
         "_last_at",
         "_ports",
-        "last_lsn",
+        "last_write_lsn",
         "outbox",
         "peak_depth",
         "pending",
@@ -104,7 +122,12 @@ class ScopeActor:
     )
 
     def __init__(
-        self, state: ScopeState, ports: ActorPorts, rng: random.Random, pending: PendingSelections, last_lsn: int = 0
+        self,
+        state: ScopeState,
+        ports: ActorPorts,
+        rng: random.Random,
+        pending: PendingSelections,
+        last_write_lsn: int = 0,
     ) -> None:
         self.state = state
         self._ports = ports
@@ -117,9 +140,10 @@ class ScopeActor:
         # Round-robin selections taken in this scope: the next one's position (not journaled; a restart
         # starts the cycle over, which spreads load just as well).
         self.turns = 0
-        # The LSN of this scope's last appended record: a read of this scope is safe to answer once
-        # it is durable (the per-scope read barrier). Starts at what the owner says may be unseen.
-        self.last_lsn = last_lsn
+        # The LSN of this scope's last record other than a worker's KV events: a read of this scope is safe to
+        # answer once it is durable (the per-scope read barrier; see WORKER_KV_COMMANDS). Starts at what the
+        # owner says may be unseen.
+        self.last_write_lsn = last_write_lsn
         # Selections waiting for a rank to stop being busy (queueing on); asked again after a turn that
         # changed the state, at the latest time a command brought in (the core never reads a clock).
         self.waiting = WaitingRoom()
@@ -348,7 +372,9 @@ class ScopeActor:
         decision = decide(self.state, command)
         lsn = 0
         if isinstance(decision, Accepted) and decision.events:
-            lsn = self.last_lsn = self._journal.append(encode_record(self.state.scope, decision.events))
+            lsn = self._journal.append(encode_record(self.state.scope, decision.events))
+            if type(command) not in WORKER_KV_COMMANDS:
+                self.last_write_lsn = self._ports.last_write.lsn = lsn
             fold(self.state, decision.events)
             self._changed = True
             for observe in self._ports.observers:

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import trio
 
-from kvrouter.actors.actor import JOURNAL_GONE, ActorPorts, Observer, ScopeActor
+from kvrouter.actors.actor import JOURNAL_GONE, ActorPorts, LastWrite, Observer, ScopeActor
 from kvrouter.actors.core.commands import (
     SCOPE_CREATING,
     Command,
@@ -128,6 +128,7 @@ class ActorSystem:
             self.ranks_elsewhere,
             decisions=self.decisions,
             queue_observers=self.queue_observers,
+            last_write=LastWrite(journal.last_lsn),  # what was there before this process started: all of it
         )
         # Production takes snapshots off the loop (a forked child, else a thread encodes); simulations
         # pass encode_snapshots_in_thread=False to take them inline, at a deterministic point of virtual time.
@@ -142,7 +143,7 @@ class ActorSystem:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for state in self._recovered.values():
-                self._start(state, last_lsn=0)  # everything recovered is durable
+                self._start(state, last_write_lsn=0)  # everything recovered is durable
             self._recovered = {}
             nursery.start_soon(self._expire_periodically)
             nursery.start_soon(self._snapshot_when_due)
@@ -253,7 +254,7 @@ class ActorSystem:
                     f"scopes per service; {scope.describe()} is not created",
                 )
             else:
-                actor = self._start(ScopeState(scope), last_lsn=self.journal.last_lsn)
+                actor = self._start(ScopeState(scope), last_write_lsn=self._ports.last_write.lsn)
                 break
             start += 1
         if actor is None:
@@ -325,7 +326,7 @@ class ActorSystem:
                     f"the service holds {len(self.actors)} (model, tenant) scopes, the limit of {MAX_SCOPES} "
                     f"scopes per service; {scope.describe()} is not created",
                 )
-            actor = self._start(ScopeState(scope), last_lsn=self.journal.last_lsn)
+            actor = self._start(ScopeState(scope), last_write_lsn=self._ports.last_write.lsn)
         try:
             actor.outbox.send_nowait(envelope)
         except trio.WouldBlock:
@@ -380,13 +381,15 @@ class ActorSystem:
         return sorted((a.state for a in self.actors.values() if a.state.exists), key=lambda s: s.scope)
 
     async def read_barrier(self, scope: ScopeKey | None = None) -> None:
-        """Wait until everything a read may have seen is durable (reads never show lost writes).
+        """Wait until every write a read may have seen is durable (reads never show lost writes).
 
         With ``scope``, only that scope's last write (a read of one scope sees nothing else); without,
         or for a scope without an actor (its absence may come from a write not yet durable), all of them.
+        A worker's KV events are not writes here (``actor.WORKER_KV_COMMANDS``): a read does not wait for
+        their fsync, so selections during a KV flood wait for no disk at all.
         """
         actor = self.actors.get(scope) if scope is not None else None
-        lsn = actor.last_lsn if actor is not None else self.journal.last_lsn
+        lsn = actor.last_write_lsn if actor is not None else self._ports.last_write.lsn
         if lsn > self.journal.durable_lsn:
             await self.wait_durable(lsn)
 
@@ -399,11 +402,11 @@ class ActorSystem:
 
     # -- actor lifecycle --------------------------------------------------------------------------
 
-    def _start(self, state: ScopeState, *, last_lsn: int) -> ScopeActor:
+    def _start(self, state: ScopeState, *, last_write_lsn: int) -> ScopeActor:
         assert self._nursery is not None, "ActorSystem.run has not started"
         scope = state.scope
         rng = random.Random(f"{self.seed}:{scope.model_name}:{scope.tenant_id}")
-        actor = ScopeActor(state, self._ports, rng, PendingSelections(**self.pending_options), last_lsn)
+        actor = ScopeActor(state, self._ports, rng, PendingSelections(**self.pending_options), last_write_lsn)
         self.actors[scope] = actor  # inserted before any await: starting cannot race
         self._nursery.start_soon(actor.run)
         return actor

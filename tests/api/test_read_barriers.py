@@ -9,7 +9,13 @@ from typing import Any
 import trio
 import trio.testing
 
+from kvrouter.actors.core.commands import IngestKvBatch
+from kvrouter.actors.core.decisions import Accepted
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.kv_wire import BlockStored, KvBatch
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
+from kvrouter.actors.system import ActorSystem
 from kvrouter.api.main import select_service_builder, slot_tracker_app
 from tests.support.asgi import ASGIApp, Reply, call, service_app
 from tests.support.journals import GatedJournal
@@ -80,3 +86,90 @@ async def test_a_selection_waits_only_for_its_own_scope(autojump_clock: trio.abc
     journal.release()
     await trio.testing.wait_all_tasks_blocked()
     assert booking[0].status == 200 and in_b[0].status == 200
+
+
+# -- a worker's KV events are not writes a read must wait for -----------------------------------------------
+
+BLOCK = 4
+PROMPT = list(range(1, 17))  # 4 blocks of 4
+
+
+def kv_worker(worker_id: int, scope: dict[str, str]) -> dict[str, Any]:
+    return {
+        "worker_id": worker_id,
+        **scope,
+        "endpoint": f"http://w{worker_id}",
+        "block_size": BLOCK,
+        "kv_events_endpoint": IN_PROCESS_KV_EVENTS,  # nothing listens: the test hands the batches over
+    }
+
+
+async def kv_events(system: ActorSystem, worker_id: int, scope: dict[str, str], first_hash: int) -> None:
+    """``worker_id`` reports ``PROMPT``'s blocks cached, as its listener would: applied and journaled, not durable."""
+    hashes = tuple(range(first_hash, first_hash + len(PROMPT) // BLOCK))
+    batch = KvBatch(0.0, (BlockStored(hashes, None, PROMPT, BLOCK),))
+    command = IngestKvBatch(worker_id, 0, None, batch, max_index_blocks=system.max_index_blocks_per_scope)
+    decision, lsn = await system.apply(ScopeKey(scope["model_name"], scope["tenant_id"]), command)
+    assert isinstance(decision, Accepted) and lsn > system.journal.durable_lsn
+
+
+async def kv_service(nursery: trio.Nursery, journal: GatedJournal) -> tuple[ASGIApp, ActorSystem]:
+    app, system = await service_app(nursery, select_service_builder(RouterConfig()), journal)
+    for worker_id in (1, 2):
+        assert (await durable_call(app, journal, "POST", "/workers", kv_worker(worker_id, A))).status == 201
+    return app, system
+
+
+async def test_reads_during_kv_ingest_do_not_wait_for_the_kv_events_fsync(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    journal = GatedJournal()
+    app, system = await kv_service(nursery, journal)
+    await kv_events(system, 2, A, 100)  # the scope's last record, and the journal's, is a KV record not yet durable
+    with trio.fail_after(1):  # virtual time: answered at once, no fsync awaited
+        selected = await call(app, "POST", "/select", {**A, "token_ids": PROMPT})
+        scores = await call(app, "POST", "/overlap_scores", {**A, "token_ids": PROMPT})
+        loads = await call(app, "GET", "/loads")
+        in_b = await call(app, "POST", "/select", {**B, "token_ids": PROMPT})  # no such scope: service-wide barrier
+    assert (selected.status, selected.body["worker_id"], selected.body["overlap"]["gpu"]) == (200, 2, 16)
+    assert scores.status == 200 and loads.status == 200 and in_b.status == 503  # (no worker there)
+
+
+async def test_a_selection_still_waits_for_a_write_that_kv_events_followed(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    journal = GatedJournal()
+    app, system = await kv_service(nursery, journal)
+    booking = await pending(
+        app, nursery, "POST", "/select_and_reserve", {**A, "token_ids": PROMPT, "reservation_id": "r"}
+    )
+    assert booking == []  # journaled, not yet durable
+    booked_lsn = system.journal.last_lsn
+    await kv_events(system, 1, A, 100)  # then the workers' KV events: the last records, also not durable
+    await kv_events(system, 2, A, 200)
+    selected = await pending(app, nursery, "POST", "/select", {**A, "token_ids": PROMPT})
+    loads = await pending(app, nursery, "GET", "/loads")
+    assert selected == [] and loads == []  # they would show the booking's load: a crash could still undo it
+    journal.release(upto=booked_lsn)  # the booking is durable; the KV records still are not
+    await trio.testing.wait_all_tasks_blocked()
+    assert booking[0].status == 200 and selected[0].status == 200 and loads[0].status == 200
+    booked = booking[0].body["worker_id"]
+    assert [row["active_requests"] for row in loads[0].body[0]["loads"] if row["worker_id"] == booked] == [1]
+
+
+async def test_a_selection_waits_for_the_registration_of_a_worker_it_could_pick(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    journal = GatedJournal()
+    app, system = await kv_service(nursery, journal)
+    registered = await pending(app, nursery, "POST", "/workers", kv_worker(3, B))
+    assert registered == []
+    created_lsn = system.journal.last_lsn
+    await kv_events(system, 3, B, 300)
+    await kv_events(system, 1, A, 100)
+    selected = await pending(app, nursery, "POST", "/select", {**B, "token_ids": PROMPT})
+    assert selected == []  # worker 3 is not durable yet
+    journal.release(upto=created_lsn)
+    await trio.testing.wait_all_tasks_blocked()
+    assert registered[0].status == 201
+    assert (selected[0].status, selected[0].body["worker_id"], selected[0].body["overlap"]["gpu"]) == (200, 3, 16)
