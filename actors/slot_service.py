@@ -36,11 +36,14 @@ def _write_command(write: Sequence[Any], at: int) -> Command:
     """The command of one ``apply_writes`` item (the same command its own method makes)."""
     method = write[0]
     if method == "add":
-        return AddRequest(write[3], write[4], write[5], tuple(write[6]), write[7], at=at)
+        hashes = write[6]
+        return AddRequest(
+            write[3], write[4], write[5], hashes if type(hashes) is tuple else tuple(hashes), write[7], at
+        )
     if method == "free":
-        return FreeRequest(write[3], at=at)
+        return FreeRequest(write[3], at)
     if method == "prefill_complete":
-        return CompletePrefill(write[3], at=at)
+        return CompletePrefill(write[3], at)
     if method == "register":
         return RegisterWorker(write[3], write[4], write[5], write[6], at=at)
     if method == "unregister":
@@ -112,7 +115,14 @@ class SlotService:
         (``encode_failure``: refused, overloaded, past the reply deadline, journal unavailable).
         A write naming no method above is a bug of the caller: ``ValueError`` for the lot, nothing applied."""
         at = self._now()
-        commands = [(ScopeKey(write[1], write[2]), _write_command(write, at)) for write in writes]
+        scopes: dict[tuple[str, str], ScopeKey] = {}  # one ScopeKey per scope of the call, not one per write
+        commands = []
+        for write in writes:
+            named = (write[1], write[2])
+            scope = scopes.get(named)
+            if scope is None:
+                scope = scopes[named] = ScopeKey(write[1], write[2])
+            commands.append((scope, _write_command(write, at)))
         outcomes: list[Any] = []
         for outcome in await self.system.ask_many(commands):
             if isinstance(outcome, Accepted):

@@ -29,6 +29,7 @@ commands in flight, and closes with 1001. The token is checked at the upgrade, a
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -39,9 +40,11 @@ import trio
 
 from kvrouter.actors.core.limits import text_too_long
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Item, Ready, _Running, render
-from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response
+from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
 from kvrouter.api.write_bodies import add_fields, ref_fields
 from kvrouter.client.compact import ADD, FIELDS, PATHS, ROUTE, SUBPROTOCOL, from_int64s, json_body
+
+log = logging.getLogger("kvrouter.api")
 
 STREAM_PATH = "/ws/commands"
 MAX_MESSAGE_BYTES = 1 << 20
@@ -282,7 +285,22 @@ class CommandStream:
                 await self.runner.run_ordered(items, _by_id(ids, self.deliver), nursery, running)
 
     async def run_unordered(self, ids: list[Any], items: list[Item]) -> None:
-        await self.runner.run(items, _by_id(ids, self.deliver), ordered=False)
+        apply = _one_apply(items)
+        if apply is None:
+            await self.runner.run(items, _by_id(ids, self.deliver), ordered=False)
+            return
+        # Every command a hot write of one batched route (the compact format's common message): the one service
+        # call ``runner.run`` would make for them, its results rendered straight into the outgoing message.
+        try:
+            responses = await apply([item.prepared for item in items])  # type: ignore[union-attr]
+        except Exception as exc:  # a bug below (``Batched.apply`` answers the service's failures itself)
+            log.exception("unhandled error in a batch of %d commands", len(items))
+            release(exc)
+            responses = [error_response(500, "internal error")] * len(items)
+        outgoing = self.outgoing  # (``Ready`` items come only from the compact format)
+        for command_id, response in zip(ids, responses, strict=True):
+            outgoing.append(render_compact(command_id, response))
+        self.ready.set()
 
     async def serve(self, receive: Any) -> None:
         """Read and dispatch messages until the client goes, breaks the protocol, or the service stops (then
@@ -325,6 +343,17 @@ class CommandStream:
                 self.ordered_ready.set()
             else:
                 nursery.start_soon(self.run_unordered, ids, items)
+
+
+def _one_apply(items: list[Item]) -> Any:
+    """The ``Batched.apply`` of every item when all are ``Ready`` for the same one, else None."""
+    if not items or type(items[0]) is not Ready:
+        return None
+    apply = items[0].apply
+    for item in items:
+        if type(item) is not Ready or item.apply is not apply:
+            return None
+    return apply
 
 
 def _by_id(ids: list[Any], deliver: Callable[[Any, Response], None]) -> Deliver:

@@ -65,7 +65,7 @@ def int64s(hashes: Sequence[Any]) -> bytes | None:
     """``hashes`` as the compact format's bytes (8 per hash, little-endian signed), or None when one is not an
     ``int`` within 64 signed bits (sent as an array then, so that the service answers it as JSON would)."""
     try:
-        packed = struct.pack(f"<{len(hashes)}q", *hashes)
+        packed = _layout(len(hashes), "q").pack(*hashes)
     except struct.error:
         return None
     if hashes and set(map(type, hashes)) != {int}:
@@ -79,4 +79,19 @@ def from_int64s(packed: bytes, signed: bool) -> tuple[int, ...] | None:
     count, rest = divmod(len(packed), 8)
     if rest:
         return None
-    return struct.unpack(f"<{count}{'q' if signed else 'Q'}", packed)
+    return _layout(count, "q" if signed else "Q").unpack(packed)
+
+
+# Compiled ``struct`` layouts by (count, code): prompts come in a few lengths, and building the format and
+# looking it up in struct's own cache cost as much as packing. Bounded (policy when full: start over).
+_LAYOUTS: dict[tuple[int, str], struct.Struct] = {}
+_MAX_LAYOUTS = 256
+
+
+def _layout(count: int, code: str) -> struct.Struct:
+    layout = _LAYOUTS.get((count, code))
+    if layout is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[(count, code)] = struct.Struct(f"<{count}{code}")
+    return layout

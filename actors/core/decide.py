@@ -104,12 +104,11 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
     if not state.exists:
         return no_tracker(state)
     slots = state.slots
-    rank = WorkerRank(command.worker_id, command.dp_rank)
-    loads = slots.ranks.get(rank)
+    loads = slots.ranks.get((command.worker_id, command.dp_rank))  # type: ignore[call-overload]  # a WorkerRank is this
     if loads is None:
         return Rejected(
             Reason.NOT_FOUND,
-            f"Worker {describe_rank(rank)} not found",
+            f"Worker {describe_rank(WorkerRank(command.worker_id, command.dp_rank))} not found",
         )
     existing = slots.requests.get(command.request_id)
     if existing is not None:
@@ -121,17 +120,18 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
         # The reference wraps and then panics on this rank; kvrouter refuses the request instead.
         return Rejected(
             Reason.INVALID,
-            f"new_isl_tokens {command.isl_tokens} would overflow the prefill load of {describe_rank(rank)}",
+            f"new_isl_tokens {command.isl_tokens} would overflow the prefill load of {describe_rank(loads.key)}",
         )
+    isl_tokens = command.isl_tokens
     event = RequestAdded(
         command.request_id,
         command.worker_id,
         command.dp_rank,
         command.sequence_hashes,
-        max(command.isl_tokens, 0),
+        isl_tokens if isl_tokens > 0 else 0,
         command.at,
     )
-    return Accepted((event,), created=True)
+    return Accepted((event,), True)
 
 
 @_decide.register
@@ -153,8 +153,10 @@ def _free(command: FreeRequest, state: ScopeState) -> Decision:
         return no_tracker(state)
     if command.request_id not in state.slots.requests:
         return NOTHING_CHANGED  # idempotent; an early free is forgotten, as in the reference
-    ended = session_rules.released(state.selection, (command.request_id,), command.at)
-    return Accepted((RequestFreed(command.request_id), *ended))
+    if command.request_id in state.selection.session_of:  # a selection-service booking bound to a session
+        ended = session_rules.released(state.selection, (command.request_id,), command.at)
+        return Accepted((RequestFreed(command.request_id), *ended))
+    return Accepted((RequestFreed(command.request_id),))
 
 
 @_decide.register

@@ -84,9 +84,10 @@ def _unregistered(event: WorkerUnregistered, state: ScopeState) -> None:
 
 @_evolve.register
 def _added(event: RequestAdded, state: ScopeState) -> None:
-    rank = WorkerRank(event.worker_id, event.dp_rank)
-    request = ActiveRequest(event.request_id, rank, event.sequence_hashes, event.at, event.expected_output_tokens)
-    state.slots.admit(request, event.prefill_tokens)
+    slots = state.slots
+    rank = slots.ranks[(event.worker_id, event.dp_rank)]  # type: ignore[index]  # a WorkerRank is this tuple
+    request = ActiveRequest(event.request_id, rank.key, event.sequence_hashes, event.at, event.expected_output_tokens)
+    slots.admit_on(rank, request, event.prefill_tokens)
 
 
 @_evolve.register

@@ -69,9 +69,11 @@ def add_output_block(blocks: OutputBlocks, decay_fraction: float | None) -> Outp
 class RankState:
     """Loads of one (worker, dp_rank)."""
 
-    __slots__ = ("outputs", "prefill", "prefill_tokens", "requests", "trie")
+    __slots__ = ("key", "outputs", "prefill", "prefill_tokens", "requests", "trie")
 
-    def __init__(self) -> None:
+    def __init__(self, key: WorkerRank) -> None:
+        # Its key in ``SlotTracking.ranks``: what its requests name as their rank (one object, not one per request).
+        self.key = key
         self.requests: dict[str, ActiveRequest] = {}
         self.trie: trie.PrefixTrie | dict_trie.PrefixTrie = PrefixTrie()
         # FIFO of requests still prefilling (insertion order = admission order) and their sum.
@@ -113,7 +115,7 @@ class SlotTracking:
         for dp_rank in range(dp_start, dp_start + dp_size):
             rank = WorkerRank(worker_id, dp_rank)
             if rank not in self.ranks:
-                self.ranks[rank] = RankState()
+                self.ranks[rank] = RankState(rank)
 
     def drop_rank(self, rank_key: WorkerRank) -> None:
         """Forget one rank and every request booked on it (its range entry is the caller's)."""
@@ -122,7 +124,10 @@ class SlotTracking:
             del self.requests[request_id]
 
     def admit(self, request: ActiveRequest, prefill_tokens: int) -> None:
-        rank = self.ranks[request.rank]
+        self.admit_on(self.ranks[request.rank], request, prefill_tokens)
+
+    def admit_on(self, rank: RankState, request: ActiveRequest, prefill_tokens: int) -> None:
+        """``admit`` with the request's rank already looked up (``rank.key == request.rank``)."""
         rank.requests[request.request_id] = request
         rank.trie.insert(request.sequence_hashes)
         if prefill_tokens > 0:

@@ -117,9 +117,78 @@ class JournalRecord:
 
 
 def encode_record(scope: ScopeKey, events: tuple[Event, ...]) -> bytes:
+    if len(events) == 1:
+        encode = _AS_BYTES.get(type(events[0]))
+        if encode is not None:
+            encoded = encode(events[0])
+            if encoded is not None:
+                return _record_head(scope) + encoded + b"]}"
     return orjson.dumps(
         {"v": RECORD_VERSION, "scope": [scope[0], scope[1]], "events": [_unstructure(e) for e in events]}
     )
+
+
+# A record of one hot event, written as bytes: the head (version and scope, the same for every record of a scope)
+# then the event, exactly as orjson writes the converter's dict (``tests/persistence`` compares both). Heads are
+# kept per scope; the cache is bounded (policy when full: start over).
+_HEADS: dict[ScopeKey, bytes] = {}
+_MAX_HEADS = 1024
+
+
+def _record_head(scope: ScopeKey) -> bytes:
+    head = _HEADS.get(scope)
+    if head is None:
+        if len(_HEADS) >= _MAX_HEADS:
+            _HEADS.clear()
+        head = _HEADS[scope] = b'{"v":%d,"scope":%s,"events":[' % (RECORD_VERSION, orjson.dumps([scope[0], scope[1]]))
+    return head
+
+
+def _request_added_bytes(event: RequestAdded) -> bytes | None:
+    """None unless every integer field is exactly an ``int`` (``%d`` would write a bool or an int subclass as a
+    number where orjson writes ``true``, or refuses it): then the generic encoder answers."""
+    expected = event.expected_output_tokens
+    if not (
+        type(event.worker_id) is int
+        and type(event.dp_rank) is int
+        and type(event.prefill_tokens) is int
+        and type(event.at) is int
+        and (expected is None or type(expected) is int)
+        and type(event.request_id) is str
+    ):
+        return None
+    return (
+        b'{"request_id":%s,"worker_id":%d,"dp_rank":%d,"sequence_hashes":%s,"prefill_tokens":%d,"at":%d,'
+        b'"expected_output_tokens":%s,"type":"request_added"}'
+        % (
+            orjson.dumps(event.request_id),
+            event.worker_id,
+            event.dp_rank,
+            orjson.dumps(event.sequence_hashes),
+            event.prefill_tokens,
+            event.at,
+            b"null" if expected is None else b"%d" % expected,
+        )
+    )
+
+
+def _prefill_completed_bytes(event: PrefillCompleted) -> bytes | None:
+    if type(event.request_id) is not str:
+        return None
+    return b'{"request_id":%s,"type":"prefill_completed"}' % orjson.dumps(event.request_id)
+
+
+def _request_freed_bytes(event: RequestFreed) -> bytes | None:
+    if type(event.request_id) is not str:
+        return None
+    return b'{"request_id":%s,"type":"request_freed"}' % orjson.dumps(event.request_id)
+
+
+_AS_BYTES: Final[dict[type, Callable[[Any], bytes | None]]] = {
+    RequestAdded: _request_added_bytes,
+    PrefillCompleted: _prefill_completed_bytes,
+    RequestFreed: _request_freed_bytes,
+}
 
 
 # The slot tracker's every-request events, unstructured by hand: the same dict (same keys, same order, the tag

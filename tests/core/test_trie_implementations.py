@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrouter.actors.core import dict_trie, slots, trie
+from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.compiled import load_pure
 
 TABLE = load_pure("kvrouter.actors.core.trie", "kvrouter_oracle_table.trie")
@@ -132,4 +133,4 @@ def test_removing_a_path_never_inserted_is_a_key_error(module: Any) -> None:
 def test_the_slot_tracker_uses_the_table_trie_only_when_it_runs_compiled() -> None:
     compiled = isinstance(getattr(trie, "__loader__", None), importlib.machinery.ExtensionFileLoader)
     assert slots.PrefixTrie is (trie.PrefixTrie if compiled else dict_trie.PrefixTrie)
-    assert type(slots.RankState().trie) is slots.PrefixTrie
+    assert type(slots.RankState(WorkerRank(0, 0)).trie) is slots.PrefixTrie

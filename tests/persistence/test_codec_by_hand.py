@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from kvrouter.actors.core.events import EVENT_TAGS, Event, PrefillCompleted, RequestAdded, RequestFreed
 from kvrouter.actors.core.ids import U64_MASK, ScopeKey
-from kvrouter.actors.persistence.codec import _BY_HAND, JOURNAL_CONVERTER, decode_record, encode_record
+from kvrouter.actors.persistence.codec import (
+    _BY_HAND,
+    _HEADS,
+    _MAX_HEADS,
+    JOURNAL_CONVERTER,
+    RECORD_VERSION,
+    decode_record,
+    encode_record,
+)
 
 TEXT = st.text(max_size=8)
 U64 = st.integers(0, U64_MASK)
@@ -41,3 +49,45 @@ def test_every_field_and_the_tag_are_written() -> None:
         sample = kind(*[() if field.type == "tuple[int, ...]" else 0 for field in attrs.fields(kind)])
         assert list(encode(sample)) == [field.name for field in attrs.fields(kind)] + ["type"]
         assert encode(sample)["type"] == EVENT_TAGS[kind]
+
+
+def by_the_generic_encoder(scope: ScopeKey, events: tuple[Event, ...]) -> bytes:
+    """A record as orjson writes it from the converter's dicts (what ``encode_record`` wrote before it wrote the
+    records of one hot event as bytes)."""
+    unstructured = [JOURNAL_CONVERTER.unstructure(event, Event) for event in events]
+    return orjson.dumps({"v": RECORD_VERSION, "scope": [scope[0], scope[1]], "events": unstructured})
+
+
+ANY_TEXT = st.text(max_size=12)  # quotes, backslashes, control characters, non-ASCII, surrogates' neighbours
+INT = st.one_of(U64, st.integers(-(2**63), 2**63 - 1), st.booleans())
+
+
+@given(ANY_TEXT, ANY_TEXT, ANY_TEXT, INT, INT, st.lists(U64, max_size=5), INT, INT, st.one_of(st.none(), INT))
+def test_a_record_of_one_hot_event_is_the_generic_encoders_bytes(
+    model: str,
+    tenant: str,
+    request_id: str,
+    worker: int,
+    rank: int,
+    hashes: list[int],
+    tokens: int,
+    at: int,
+    output: int | None,
+) -> None:
+    """Byte for byte (bools where ints belong, as a caller could pass them, take the generic encoder's way)."""
+    scope = ScopeKey(model, tenant)
+    events: list[Event] = [
+        RequestAdded(request_id, worker, rank, tuple(hashes), tokens, at, output),
+        PrefillCompleted(request_id),
+        RequestFreed(request_id),
+    ]
+    for event in events:
+        assert encode_record(scope, (event,)) == by_the_generic_encoder(scope, (event,))
+        assert decode_record(encode_record(scope, (event,))).events == (event,)
+
+
+def test_record_heads_are_kept_for_a_bounded_number_of_scopes() -> None:
+    for index in range(3 * _MAX_HEADS):
+        scope = ScopeKey(f"m{index}", "t")
+        assert encode_record(scope, (RequestFreed("r"),)) == by_the_generic_encoder(scope, (RequestFreed("r"),))
+        assert len(_HEADS) <= _MAX_HEADS
