@@ -56,12 +56,12 @@ from kvrouter.journal.store import Journal
 # how long one busy scope holds the loop before others (and the journal writer) get a turn.
 MAX_TURN = 256
 # KV-event blocks a turn takes (what its IngestKvBatch commands' batches name; a command is never split) before it
-# yields. Trio runs every runnable task once per scheduling round and an HTTP request needs several rounds, so a
-# KV flood delays every request by its work per round times the rounds: at ~2 us of decide + journal + fold per
-# block, 1,024 blocks is ~2 ms a round (a turn used to take every queued group: 16 of 1,024 blocks, ~30 ms). KV
-# ingest hands runs of at most this many blocks over (actors/kv_ingest.py), so a turn is about one run. 256 (~0.5 ms)
-# cut /select's flood p99 further but cost 25-45 % of the ingest rate in select_flood_bench.py (README Benchmarks).
-MAX_TURN_KV_BLOCKS = 1024
+# yields. KV ingest hands runs of at most this many blocks over (actors/kv_ingest.py), so a turn is about one run,
+# and it starts a run's decoding and its hand-over only when the loop is idle (actors/loop_idle.py): a request
+# waits for at most the run being decoded or applied when it arrived, ~2 us of work per block. 512 (~1 ms) halves
+# what 1,024 cost /select's flood p99 for a few percent of CPU per block; 256 cost 25-45 % of the ingest rate
+# (per-run hand-over, record and scheduling) (README Benchmarks, the flood paragraphs).
+MAX_TURN_KV_BLOCKS = 512
 
 # Commands carrying a worker's KV events (from its listener): their records are never acknowledged to a client, and
 # a crash that loses them is repaired by the worker's replay (the reference keeps no index across a restart at all).

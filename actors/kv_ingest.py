@@ -21,11 +21,11 @@ KV events do not wait for the journal's fsync: the watermark is journaled with t
 together and the restarted listener replays the same batches from the worker.
 
 Latency under a flood. Trio runs every runnable task once per scheduling round, and an HTTP request needs
-several rounds, so what every request waits for is the ingest work done per round, across all listeners. It is
-bounded in blocks at both ends: the actor's turn stops after ``actor.MAX_TURN_KV_BLOCKS`` (about one run), and
-the listeners decode one run per round between them (``decoding``: a lock taken per run, so 16 ranks flooding at
-once decode in turn instead of 16 runs in one round). Each run costs a hand-over (an envelope, a wake-up, a
-journal record) of a few percent of its ~2 ms of work.
+several rounds, so a request would wait for all the ingest work done in its rounds. Each piece of ingest work (a
+run's decoding, its hand-over to the actor, who applies it in its next turn) starts only when the loop has nothing
+else to run (``loop_idle.when_loop_idle``, or after ``INGEST_WAITS_AT_MOST``), so a request waits for at most the
+piece running when it arrived: a run of at most ``actor.MAX_TURN_KV_BLOCKS`` blocks. The listeners decode one
+run at a time between them (``decoding``: a lock, FIFO, so no rank waits behind another's whole flood).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from kvrouter.actors.core.index_bounds import run_block_limit
 from kvrouter.actors.core.kv_wire import KvBatch, WireError, decode_batch, named_blocks, stored_upper_bound
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatches, OnRestart
+from kvrouter.actors.loop_idle import when_loop_idle
 from kvrouter.actors.mailbox import Envelope
 from kvrouter.actors.peers.socket_budget import ListenerCapacityError, ListenerSlots
 from kvrouter.actors.system import ActorSystem
@@ -89,6 +90,9 @@ class Running:
 # Blocks (named by the batches' stores and removals) of one ingest command: the actor's per-turn bound, so a
 # turn is one run and a run's decoding one listener's step.
 INGEST_RUN_BLOCKS = MAX_TURN_KV_BLOCKS
+# A run is decoded, and handed to the actor, once the loop has nothing else to run (requests first,
+# actors/loop_idle.py) or after waiting this long: a loop that never idles still ingests a run per 10 ms at least.
+INGEST_WAITS_AT_MOST = 0.005
 
 
 class KvIngest:
@@ -233,6 +237,7 @@ class KvIngest:
                 run: list[tuple[int, KvBatch]] = []
                 named = stored = 0
                 async with self.decoding:
+                    await when_loop_idle(INGEST_WAITS_AT_MOST)
                     if carried is not None:
                         run.append(carried)
                         named, stored = named_blocks(carried[1]), stored_upper_bound(carried[1])
@@ -274,6 +279,7 @@ class KvIngest:
             following=tuple(following),
         )
         applied = trio.Event()
+        await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
         try:
             await actor.outbox.send(Envelope(command, on_settled=applied.set))
         except trio.ClosedResourceError:

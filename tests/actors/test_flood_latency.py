@@ -1,11 +1,18 @@
 """A KV-event flood must not hold selections up: trio runs every runnable task once per scheduling round and a
-request needs several rounds, so what a request waits for is the ingest work done per round, across every
-listener and the actor. That work is bounded in blocks, however much of a flood is queued."""
+request needs several rounds, so a request would wait for all the ingest work done in its rounds. Ingest
+starts each piece of work (decoding a run, handing it to the actor) only when the loop has nothing else to run
+(actors/loop_idle.py), so a request waits for at most the pieces already started when it arrived, however many
+rounds it takes and however much of a flood is queued. Under trio's MockClock, so the bound on how long ingest
+waits for an idle loop never passes unless the test moves the clock."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import attrs
 import pytest
 import trio
+import trio.testing
 
 from kvrouter.actors import kv_ingest
 from kvrouter.actors.core.catalog import WorkerRecord
@@ -16,7 +23,7 @@ from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_wire import BlockStored, KvBatch, encode_batch, named_blocks
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.kv_ingest import KvIngest, ListenerKey
+from kvrouter.actors.kv_ingest import INGEST_RUN_BLOCKS, INGEST_WAITS_AT_MOST, KvIngest, ListenerKey
 from kvrouter.actors.kv_listener import GROUP_MAX_BATCHES
 from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.ports import TrioClock
@@ -27,12 +34,12 @@ SCOPE = ScopeKey("m", "t")
 BLOCK = 4
 RANKS = 16
 BATCH_BLOCKS = 64
-GROUPS = 8  # per rank, each of GROUP_MAX_BATCHES batches: what a listener reads off a flooded socket
-REQUEST_ROUNDS = 8  # scheduling rounds a request takes from its first step to its answer
-# Blocks of ingest work (decoded by the listeners' consumers plus applied by the actor) a request may wait for per
-# round: ~3 runs of 1,024 (at ~2 us a block, ~6 ms). Before the bound, one actor turn applied every queued group
-# (16 ranks x 1,024 blocks) and 16 listeners decoded a group each in one round: ~64k blocks in 8 rounds.
-ROUND_BLOCKS = 3 * 1024
+GROUPS = 4  # per rank, each of GROUP_MAX_BATCHES batches: what a listener reads off a flooded socket
+TOTAL = RANKS * GROUPS * GROUP_MAX_BATCHES * BATCH_BLOCKS
+BUSY_ROUNDS = 64  # scheduling rounds a request stays runnable (a slow one; a /select takes about 8)
+# What may run in a request's rounds: the pieces started before it arrived, one run decoded and one applied (a
+# run's decoding reads one batch past the run when that batch does not fit: it goes with the next run).
+STARTED_BEFORE = 2 * INGEST_RUN_BLOCKS + BATCH_BLOCKS
 
 
 def chain(rank: int, batch: int) -> tuple[bytes, list[int]]:
@@ -43,9 +50,15 @@ def chain(rank: int, batch: int) -> tuple[bytes, list[int]]:
     return encode_batch([store]), tokens
 
 
-async def test_a_selection_waits_for_a_bounded_amount_of_ingest_during_a_flood(
-    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@attrs.define
+class Flood:
+    system: ActorSystem
+    done: trio.Event
+    work: Callable[[], int]  # blocks decoded plus blocks applied so far
+
+
+async def start_flood(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Flood:
+    """16 ranks of one worker, each handing ``GROUPS`` full groups to KV ingest as fast as it takes them."""
     system = ActorSystem(MemoryJournal(), TrioClock(), encode_snapshots_in_thread=False)  # type: ignore[arg-type]
     await nursery.start(system.run)
     endpoints = tuple((rank, f"tcp://127.0.0.1:{5600 + rank}") for rank in range(RANKS))
@@ -54,8 +67,7 @@ async def test_a_selection_waits_for_a_bounded_amount_of_ingest_during_a_flood(
     )
     assert isinstance(await system.ask(SCOPE, UpsertWorker(record)), Accepted)
     ingest = KvIngest(system, ListenerSlots(RANKS, "the test"))
-
-    work = 0  # blocks decoded plus blocks applied
+    work = 0
     decode = kv_ingest.decode_batch
 
     def counted_decode(payload: bytes) -> KvBatch:
@@ -80,32 +92,60 @@ async def test_a_selection_waits_for_a_bounded_amount_of_ingest_during_a_flood(
             await on_batches([(batch, chain(rank, batch)[0]) for batch in batches])
             await trio.lowlevel.checkpoint()
 
-    flooded = trio.Event()
+    done = trio.Event()
 
     async def flood() -> None:
         async with trio.open_nursery() as listeners:
             for rank in range(RANKS):
                 listeners.start_soon(listener, rank)
-        flooded.set()
+        done.set()
 
-    actor = system.actors[SCOPE]
-    waited = []
     nursery.start_soon(flood)
-    while not flooded.is_set():
-        before = work
-        for _ in range(REQUEST_ROUNDS - 1):
-            await trio.lowlevel.checkpoint()
-        decision = actor.query(SelectWorker(Prompt(chain(0, 0)[1]), RouterConfig()))
-        assert isinstance(decision, Accepted)
-        waited.append(work - before)
+    return Flood(system, done, lambda: work)
+
+
+async def busy(rounds: int) -> None:
+    """A request's steps: runnable for ``rounds`` scheduling rounds (a step each), never waiting."""
+    for _ in range(rounds):
         await trio.lowlevel.checkpoint()
-    total = RANKS * GROUPS * GROUP_MAX_BATCHES * BATCH_BLOCKS
-    assert work == 2 * total  # every block decoded once and applied once
-    assert max(waited) <= REQUEST_ROUNDS * ROUND_BLOCKS, waited
-    assert len(waited) > total // (REQUEST_ROUNDS * ROUND_BLOCKS)  # the flood went on while they were answered
-    # The flood is indexed: the last chain of the last rank is found whole on that rank (overlap in tokens).
+
+
+def assert_indexed(flood: Flood) -> None:
+    """The flood is indexed: the last chain of the last rank is found whole on that rank (overlap in tokens)."""
+    assert flood.work() == 2 * TOTAL  # every block decoded once and applied once
     last_rank, last_batch = RANKS - 1, GROUPS * GROUP_MAX_BATCHES - 1
-    decision = actor.query(SelectWorker(Prompt(chain(last_rank, last_batch)[1]), RouterConfig()))
+    decision = flood.system.actors[SCOPE].query(SelectWorker(Prompt(chain(last_rank, last_batch)[1]), RouterConfig()))
     assert isinstance(decision, Accepted)
     assert (decision.reply.worker_id, decision.reply.dp_rank) == (1, last_rank)
     assert decision.reply.overlap["dp"][str(last_rank)] == BATCH_BLOCKS * BLOCK
+
+
+async def test_a_request_waits_only_for_the_ingest_work_started_before_it(
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flood = await start_flood(nursery, monkeypatch)
+    await busy(BUSY_ROUNDS)
+    assert flood.work() == 0  # the loop never idled: no ingest work started
+    waited = []
+    while not flood.done.is_set():
+        await trio.testing.wait_all_tasks_blocked()  # the loop idles between requests: ingest goes on
+        before = flood.work()
+        await busy(BUSY_ROUNDS)  # then a request arrives
+        waited.append(flood.work() - before)
+    assert max(waited) <= STARTED_BEFORE, waited  # before: a run decoded and a run applied in each round
+    assert len(waited) >= TOTAL // STARTED_BEFORE  # and the flood went on between the requests
+    assert_indexed(flood)
+
+
+async def test_a_loop_that_never_idles_still_ingests_a_run_per_bound(
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flood = await start_flood(nursery, monkeypatch)
+    waited = []
+    while not flood.done.is_set():
+        before = flood.work()
+        await busy(BUSY_ROUNDS)
+        waited.append(flood.work() - before)
+        mock_clock.jump(INGEST_WAITS_AT_MOST)  # requests back to back: ingest waited as long as it may
+    assert max(waited) <= STARTED_BEFORE, waited
+    assert_indexed(flood)
