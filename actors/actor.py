@@ -58,10 +58,10 @@ MAX_TURN = 256
 # KV-event blocks a turn takes (what its IngestKvBatch commands' batches name; a command is never split) before it
 # yields. KV ingest hands runs of at most this many blocks over (actors/kv_ingest.py), so a turn is about one run,
 # and it starts a run's decoding and its hand-over only when the loop is idle (actors/loop_idle.py): a request
-# waits for at most the run being decoded or applied when it arrived, ~2 us of work per block. 512 (~1 ms) halves
-# what 1,024 cost /select's flood p99 for a few percent of CPU per block; 256 cost 25-45 % of the ingest rate
-# (per-run hand-over, record and scheduling) (README Benchmarks, the flood paragraphs).
-MAX_TURN_KV_BLOCKS = 512
+# waits for at most the run being decoded or applied when it arrived, ~2 us of work per block. 512 halved that
+# piece but cost ~25 % more CPU per ingested block (per-run hand-over, record, fsync); 256 cost 25-45 % of the
+# ingest rate (README Benchmarks, the flood paragraphs).
+MAX_TURN_KV_BLOCKS = 1024
 
 # Commands carrying a worker's KV events (from its listener): their records are never acknowledged to a client, and
 # a crash that loses them is repaired by the worker's replay (the reference keeps no index across a restart at all).
