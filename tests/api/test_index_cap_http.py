@@ -70,10 +70,18 @@ async def test_a_flooding_worker_is_trimmed_counted_in_workers_and_the_index_rep
                 async def status() -> dict[int, dict[str, Any]]:
                     return {row["worker_id"]: row for row in (await http.get("/workers")).json()}
 
+                async def flooder_accounted() -> bool:
+                    """Its 300 blocks are applied: held or counted as evicted (the listener takes a batch before the
+                    actor applies it, and ingest goes after requests, so its last_seq alone is not enough)."""
+                    evicted = (await status())[1].get("kv_index", {}).get("evicted_blocks", 0)
+                    return dumped_blocks((await http.get("/dump")).json()).get(1, 0) + evicted == 300
+
                 with trio.fail_after(10):
                     while (await status())[1]["kv_listeners"]["0"].get("last_seq") != 29:  # noqa: ASYNC110
                         await trio.sleep(0.02)
                     while dumped_blocks((await http.get("/dump")).json()).get(2) != 6:  # noqa: ASYNC110
+                        await trio.sleep(0.02)
+                    while not await flooder_accounted():  # noqa: ASYNC110
                         await trio.sleep(0.02)
                 workers = await status()
                 dump = (await http.get("/dump")).json()
