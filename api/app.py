@@ -1,7 +1,8 @@
 """The raw ASGI application: route lookup, authentication, body limits, content types, error mapping.
 
 No domain logic lives here; handlers come from a route table (``api/routes.py``). Each response
-goes out as one ``http.response.body`` message with its content-length, and nothing on this path
+goes out as one ``http.response.body`` message with its content-length (head and body in one write
+under kvrouter's server: ``send_whole_response``), and nothing on this path
 starts tasks or opens cancel scopes (each costs 10-30 µs per request here); the per-request log line
 is only formatted when debug logging is on.
 
@@ -23,6 +24,7 @@ import trio
 from kvrouter.actors.mailbox import Overloaded
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
+from kvrouter.api.hypercorn_adapter import send_whole_response
 from kvrouter.api.metrics import UNMATCHED, MetricsEndpoint, method_label
 
 log = logging.getLogger("kvrouter.api")
@@ -181,10 +183,13 @@ def make_app(
                     requests.record(method_label(scope["method"]), template, response.status, perf_counter() - started)
                 if request_log.isEnabledFor(logging.DEBUG):
                     _log_request(scope, response.status, started)
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
             # HEAD: same headers (content-length included), no body.
             body = b"" if scope["method"] == "HEAD" else response.body
-            await send({"type": "http.response.body", "body": body})
+            await send_whole_response(
+                send,
+                {"type": "http.response.start", "status": response.status, "headers": headers},
+                {"type": "http.response.body", "body": body},
+            )
         elif kind == "websocket":
             await _websocket(scope, receive, send)
         elif kind == "lifespan":

@@ -1,15 +1,20 @@
-"""Two per-request costs of hypercorn's trio HTTP/1.1 connection, removed from outside hypercorn.
+"""Per-request costs of hypercorn's trio HTTP/1.1 connection, removed from outside hypercorn.
 
 Hypercorn 0.18's ``TCPServer`` keeps a connection's keep-alive timer as a task it cancels when a request
 head arrives and starts again (``nursery.start``, a task and a handshake) after every response; and it
 hands the socket each response in three sends (head, body, and the empty end of a content-length body),
-each under its send lock. ``AdaptedTCPServer`` keeps one timer task for the connection's whole life and
-moves its deadline instead, and does not send empty data. Nothing else changes: the timer fires in the
-same states, for the same reasons, with hypercorn's own close.
+each under its send lock and each a system call (on loopback ~10 % of a small request's CPU apiece).
+``AdaptedTCPServer`` keeps one timer task for the connection's whole life and moves its deadline instead,
+and does not send empty data. A whole response (``send_whole_response``: the app has its body in hand)
+goes to the socket as one write: its head, as h11 serialised it, waits for its body (``CorkedH11Protocol``).
+A response whose body is still to come (a proxied stream) is sent as before, head first. Nothing else
+changes: the same bytes in the same order, the timer firing in the same states, for the same reasons,
+with hypercorn's own close.
 
 It relies on hypercorn internals (``TCPServer.idle_task`` and how ``run``/``protocol_send`` call it,
-``_initiate_server_close``, ``_read_data``, ``RawData``), so it is pinned: with any hypercorn other than
-``HYPERCORN_VERSION`` it stands aside (``ACTIVE`` is false: hypercorn's own timer and sends, and the
+``_initiate_server_close``, ``_read_data``, ``RawData``, ``H11Protocol.stream_send``/``_send_h11_event``
+and the ``send`` chain from the ASGI ``send`` to the protocol), so it is pinned: with any hypercorn other
+than ``HYPERCORN_VERSION`` it stands aside (``ACTIVE`` is false: hypercorn's own timer and sends, and the
 server logs a warning), and tests/api/test_hypercorn_adapter.py fails loudly on another version and
 checks every internal used here.
 """
@@ -19,11 +24,17 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
+from itertools import chain
 from typing import Any
 
+import h11
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Event, RawData
+from hypercorn.protocol.events import Body, EndBody, Response
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, LifespanState
@@ -106,6 +117,90 @@ class KeepAliveTimer:
             # Otherwise a request arrived just as the deadline passed (or close() was called): carry on.
 
 
+class CorkedH11Protocol(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, writing a whole response's head and body as one send.
+
+    ``cork()`` (by ``send_whole_response``, just before the app's ``http.response.start``) makes the next
+    final response head wait, serialised by h11 exactly as hypercorn does, for the body or end of body
+    that follows it; both go out in one ``RawData``. Anything else sent meanwhile sends the head first.
+    A connection's ``H11Protocol`` becomes one of these when it starts reading (``AdaptedTCPServer``).
+    """
+
+    _corked = False
+    _held = b""
+
+    def cork(self) -> None:
+        self._corked = True
+
+    async def uncork(self) -> None:
+        """Send a held head (the app sent no body after it); stop holding."""
+        self._corked = False
+        if self._held:
+            held, self._held = self._held, b""
+            await self.send(RawData(data=held))
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        kind = type(event)
+        if self._corked:
+            if kind is Response and event.status_code >= 200 and not self._held:  # type: ignore[attr-defined]
+                # As H11Protocol.stream_send builds it, serialised now, sent with what follows.
+                headers = list(chain(event.headers, self.config.response_headers("h11")))  # type: ignore[attr-defined]
+                if self.keep_alive_requests >= self.config.keep_alive_max_requests:
+                    headers.append((b"connection", b"close"))
+                response = h11.Response(headers=headers, status_code=event.status_code)  # type: ignore[attr-defined]
+                try:
+                    self._held = self.connection.send(response)
+                except h11.LocalProtocolError:
+                    if self.connection.their_state != h11.ERROR:
+                        raise
+                return
+            if self._held and (kind is Body or kind is EndBody):
+                self._corked = False
+                held, self._held = self._held, b""
+                following = h11.Data(data=event.data) if kind is Body else h11.EndOfMessage()  # type: ignore[attr-defined]
+                try:
+                    data = self.connection.send(following)
+                except h11.LocalProtocolError:
+                    await self.send(RawData(data=held))
+                    if self.connection.their_state != h11.ERROR:
+                        raise
+                    return
+                await self.send(RawData(data=held + data))
+                return
+            await self.uncork()
+        await super().stream_send(event)
+
+    async def _send_h11_event(self, event: Any) -> None:
+        if self._held:  # (an error response of the reading side: never between a held head and its body)
+            await self.uncork()
+        await super()._send_h11_event(event)
+
+
+def corkable(send: Any) -> CorkedH11Protocol | None:
+    """The protocol behind an ASGI ``send`` of hypercorn's HTTP/1.1 stream, if it can cork (else None)."""
+    stream = getattr(send, "__self__", None)
+    if type(stream) is not HTTPStream:
+        return None
+    protocol = getattr(stream.send, "__self__", None)
+    return protocol if type(protocol) is CorkedH11Protocol else None
+
+
+async def send_whole_response(send: Any, start: dict[str, Any], body: dict[str, Any]) -> None:
+    """Send ``start`` then its final ``body`` message (``more_body`` false), as one write where the
+    connection can (hypercorn's HTTP/1.1 under ``AdaptedTCPServer``), else as two ASGI sends."""
+    protocol = corkable(send) if ACTIVE else None
+    if protocol is None:
+        await send(start)
+        await send(body)
+        return
+    protocol.cork()
+    try:
+        await send(start)
+        await send(body)
+    finally:
+        await protocol.uncork()
+
+
 class AdaptedTCPServer(TCPServer):
     """hypercorn's trio connection with the keep-alive timer above and no empty sends (see the module doc)."""
 
@@ -127,6 +222,10 @@ class AdaptedTCPServer(TCPServer):
         await super().protocol_send(event)
 
     async def _read_data(self) -> None:
+        # ``run`` has made the protocol by now: one that can cork a whole response (same class, one more method).
+        protocol = getattr(self.protocol, "protocol", None)
+        if ACTIVE and type(protocol) is H11Protocol:
+            protocol.__class__ = CorkedH11Protocol
         try:
             await super()._read_data()
         finally:

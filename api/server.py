@@ -133,6 +133,17 @@ class _Stream:
                 raise trio.ClosedResourceError("the connection is closing")
         if self._unsent:
             data, self._unsent = self._unsent + bytes(data), b""
+        elif data:
+            # Most responses fit the socket's buffer: one write now, without trio's send machinery (a
+            # checkpoint, a conflict detector, a timeout scope and an event: ~10 % of a small request's CPU).
+            # A partial write sends the rest the usual way; a failure is left to it to report as trio does.
+            try:
+                written = os.write(self._stream.socket.fileno(), data)
+            except OSError:
+                written = 0
+            if written == len(data):
+                return
+            data = memoryview(data)[written:]
         self._sent = sent = trio.Event()
         try:
             # Hypercorn's send has no timeout and is shielded from cancellation: a client that stops reading

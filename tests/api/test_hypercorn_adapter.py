@@ -2,13 +2,15 @@
 
 The first tests fail loudly when hypercorn is upgraded or its internals move, so the adapter is revisited
 rather than silently wrong. The rest check what it changes, on a real server on 127.0.0.1: one task per
-request instead of two, two sends per response instead of three, and the keep-alive timer still closing
-an idle connection (after a response, and at shutdown) but never one with a request in flight.
+request instead of two, two sends per response instead of three (one for a whole response, with the same
+bytes as hypercorn's), a streamed response's head still sent before its body, and the keep-alive timer
+still closing an idle connection (after a response, and at shutdown) but never one with a request in flight.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version
@@ -17,7 +19,9 @@ from typing import Any
 import pytest
 import trio
 from hypercorn.events import RawData
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 
@@ -57,6 +61,32 @@ def test_the_hypercorn_internals_the_adapter_relies_on_are_unchanged() -> None:
     assert "h11.EndOfMessage()" in source(H11Protocol.stream_send)
 
 
+def test_the_hypercorn_internals_corking_relies_on_are_unchanged() -> None:
+    source = inspect.getsource
+    # The protocol exists before reading starts (the adapter changes its class there) ...
+    run = source(TCPServer.run)
+    assert run.index("self.protocol = ProtocolWrapper(") < run.index("await self._read_data()")
+    assert "self.protocol = H11Protocol(" in source(ProtocolWrapper.__init__)
+    # ... a final response head is built and sent as CorkedH11Protocol builds it, body and end of body
+    # as h11 events, everything through _send_h11_event (which the corked class overrides) ...
+    sends = source(H11Protocol.stream_send)
+    assert 'headers = list(chain(event.headers, self.config.response_headers("h11")))' in sends
+    assert "if self.keep_alive_requests >= self.config.keep_alive_max_requests:" in sends
+    assert 'headers.append((b"connection", b"close"))' in sends
+    assert "h11.Response(" in sends and "status_code=event.status_code," in sends
+    assert "h11.Data(data=event.data)" in sends
+    assert len(re.findall(r"await self\._send_h11_event\(", sends)) == 4
+    send_event = source(H11Protocol._send_h11_event)
+    assert "data = self.connection.send(event)" in send_event and "except h11.LocalProtocolError:" in send_event
+    assert "if self.connection.their_state != h11.ERROR:" in send_event
+    assert "await self.send(RawData(data=data))" in send_event
+    # ... and the ASGI send of an HTTP/1.1 request is its HTTPStream's app_send, whose send is the protocol's.
+    spawn = source(HTTPStream.handle)
+    assert "self.app, self.config, self.scope, self.app_send" in spawn
+    assert "self.stream_send," in source(H11Protocol._create_stream)
+    assert "self.send = send" in source(HTTPStream.__init__)
+
+
 # -- what it changes, on a real server ---------------------------------------------------------------
 
 
@@ -72,15 +102,41 @@ async def hello(scope: dict[str, Any], receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
+async def whole(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    """A whole response, as kvrouter's app sends one (headers h11 would change: a title-cased name, blanks)."""
+    while (await receive()).get("more_body"):
+        pass
+    body = b"" if scope["method"] == "HEAD" else b'{"whole": true}'
+    headers = [(b"content-length", b"15"), (b"X-Kind", b" whole "), (b"content-type", b"application/json")]
+    await hypercorn_adapter.send_whole_response(
+        send,
+        {"type": "http.response.start", "status": 201, "headers": headers},
+        {"type": "http.response.body", "body": body},
+    )
+
+
 @asynccontextmanager
-async def serving(idle_timeout: float = 5.0) -> AsyncIterator[tuple[str, trio.Event]]:
+async def serving(idle_timeout: float = 5.0, app: Any = hello) -> AsyncIterator[tuple[str, trio.Event]]:
     stop = trio.Event()
     config = hypercorn_config("127.0.0.1", 0, HttpSettings(idle_timeout=idle_timeout))
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(serve_http, hello, config, stop.wait)
+            binds = await nursery.start(serve_http, app, config, stop.wait)
             yield binds[0], stop
             stop.set()
+
+
+def counting_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """What each send of the server's connection streams wrote, one item per send."""
+    sent: list[bytes] = []
+    send_all = server_module._Stream.send_all
+
+    async def counting_send_all(self: Any, data: bytes | bytearray | memoryview) -> None:
+        sent.append(bytes(data))
+        await send_all(self, data)
+
+    monkeypatch.setattr(server_module._Stream, "send_all", counting_send_all)
+    return sent
 
 
 class SpawnCounter(trio.abc.Instrument):
@@ -148,3 +204,74 @@ async def test_shutdown_closes_idle_keep_alive_connections() -> None:
         assert (await reader.response()).status == 200
         stop.set()  # the server terminates: the idle connection's timer fires at once
         assert await reader.closed()
+
+
+async def responses_as_sent(requests: list[bytes]) -> list[bytes]:
+    """Each request's response as the wire carried it (a whole response read to its end), from ``whole``."""
+    async with serving(app=whole) as (url, _), await connect(url) as stream:
+        answers = []
+        for raw in requests:
+            await stream.send_all(raw)
+            data = b""
+            while not (b"\r\n\r\n" in data and (data.endswith(b"}") or raw.startswith(b"HEAD"))):
+                data += await stream.receive_some(65536)
+            answers.append(re.sub(rb"date: [^\r]*", b"date: -", data))  # the one header that moves
+        return answers
+
+
+async def test_a_whole_response_is_one_send_with_the_bytes_hypercorn_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    requests = [request_bytes("GET", "/"), request_bytes("POST", "/", b"x" * 5), request_bytes("HEAD", "/")]
+    monkeypatch.setattr(hypercorn_adapter, "ACTIVE", False)  # hypercorn's own path: head and body apart
+    sent = counting_sends(monkeypatch)
+    hypercorns = await responses_as_sent(requests)
+    assert len(sent) == 3 * len(requests) - 1  # head, body and empty end (HEAD: head and empty end)
+    monkeypatch.setattr(hypercorn_adapter, "ACTIVE", True)
+    sent.clear()
+    corked = await responses_as_sent(requests)
+    assert len(sent) == len(requests)
+    assert corked == hypercorns
+    assert corked[0].startswith(b"HTTP/1.1 201 \r\ncontent-length: 15\r\nX-Kind: whole\r\n")
+    assert corked[0].endswith(b'server: hypercorn-h11\r\n\r\n{"whole": true}')
+
+
+async def test_a_streamed_response_sends_its_head_before_its_body() -> None:
+    head_read = trio.Event()
+
+    async def streamed(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await head_read.wait()  # the body only once the client has the head
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+
+    async with serving(app=streamed) as (url, _), await connect(url) as stream:
+        await stream.send_all(request_bytes("GET", "/"))
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"Transfer-Encoding: chunked" in head
+        head_read.set()
+        rest = b""
+        while not rest.endswith(b"0\r\n\r\n"):
+            rest += await stream.receive_some(65536)
+        assert rest == b"4\r\nlate\r\n0\r\n\r\n"
+
+
+async def test_a_whole_response_larger_than_the_socket_takes_at_once_arrives_whole() -> None:
+    big = bytes(range(256)) * 40_000  # 10 MB: written in part at once, the rest as the client reads
+
+    async def large(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        await hypercorn_adapter.send_whole_response(
+            send,
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(big)).encode())]},
+            {"type": "http.response.body", "body": big},
+        )
+
+    async with serving(app=large) as (url, _), await connect(url) as stream:
+        reader = ResponseReader(stream)
+        for _ in range(2):
+            await stream.send_all(request_bytes("GET", "/"))
+            await trio.sleep(0.05)  # the server has filled the socket's buffer before the client reads
+            assert (await reader.response()).body == big
