@@ -22,6 +22,7 @@ checks every internal used here.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
 from itertools import chain
@@ -35,6 +36,7 @@ from hypercorn.protocol.events import Body, EndBody, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.trio.task_group import TaskGroup, _handle
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, LifespanState
@@ -201,6 +203,52 @@ async def send_whole_response(send: Any, start: dict[str, Any], body: dict[str, 
         await protocol.uncork()
 
 
+class Inbox:
+    """What a connection's reading side hands one app task (ASGI ``receive``), as hypercorn's memory channel
+    does, without the scheduler turns: a put with room, or a receive with a message waiting, returns at once.
+
+    Bounded as hypercorn's channel (``max_app_queue_size`` messages): a put waits while it is full (a body
+    arriving faster than the app reads it holds the reading, overflow policy *block the sender*); a receive
+    waits while it is empty. Both waits are cancellable.
+    """
+
+    __slots__ = ("_limit", "_messages", "_waiting_for_message", "_waiting_for_room")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(limit, 1)
+        self._messages: deque[Any] = deque()
+        self._waiting_for_message = trio.lowlevel.ParkingLot()
+        self._waiting_for_room = trio.lowlevel.ParkingLot()
+
+    async def put(self, message: Any) -> None:
+        while len(self._messages) >= self._limit:
+            await self._waiting_for_room.park()
+        self._messages.append(message)
+        if self._waiting_for_message:
+            self._waiting_for_message.unpark()
+
+    async def receive(self) -> Any:
+        while not self._messages:
+            await self._waiting_for_message.park()
+        message = self._messages.popleft()
+        if self._waiting_for_room:
+            self._waiting_for_room.unpark()
+        return message
+
+
+class InboxTaskGroup(TaskGroup):
+    """hypercorn's connection task group, each app task fed through an ``Inbox`` instead of a memory channel
+    (its ``spawn_app`` otherwise as hypercorn's: the app run by hypercorn's ``_handle``, in the connection's
+    nursery). A connection's ``TaskGroup`` becomes one of these when it starts reading."""
+
+    async def spawn_app(
+        self, app: AppWrapper, config: Config, scope: Any, send: Callable[[Any], Awaitable[None]]
+    ) -> Callable[[Any], Awaitable[None]]:
+        inbox = Inbox(config.max_app_queue_size)
+        self.spawn(_handle, app, config, scope, inbox.receive, send, trio.to_thread.run_sync, trio.from_thread.run)
+        return inbox.put
+
+
 class AdaptedTCPServer(TCPServer):
     """hypercorn's trio connection with the keep-alive timer above and no empty sends (see the module doc)."""
 
@@ -217,8 +265,19 @@ class AdaptedTCPServer(TCPServer):
             self.idle_task = KeepAliveTimer(self)  # type: ignore[assignment]
 
     async def protocol_send(self, event: Event) -> None:
-        if ACTIVE and type(event) is RawData and not event.data:
-            return  # the end of a content-length body: h11 has nothing to write, and a send costs a turn
+        if ACTIVE and type(event) is RawData:
+            data = event.data
+            if not data:
+                return  # the end of a content-length body: h11 has nothing to write, and a send costs a turn
+            # A stream that can write without waiting (kvrouter's, ``write_now``) takes what fits now, with no
+            # lock turn, when no send is in progress (hypercorn's lock is free and no earlier write is unfinished):
+            # the same bytes in the same order. What it could not take at once is written under the lock as
+            # before (it goes before anything sent later); a failed write is left to that path to report.
+            write_now = getattr(self.stream, "write_now", None)
+            if write_now is not None and not self.send_lock.locked() and write_now(data):
+                if self.stream.unsent:  # type: ignore[attr-defined]
+                    await super().protocol_send(RawData(data=b""))
+                return
         await super().protocol_send(event)
 
     async def _read_data(self) -> None:
@@ -226,6 +285,8 @@ class AdaptedTCPServer(TCPServer):
         protocol = getattr(self.protocol, "protocol", None)
         if ACTIVE and type(protocol) is H11Protocol:
             protocol.__class__ = CorkedH11Protocol
+        if ACTIVE and type(self._task_group) is TaskGroup:
+            self._task_group.__class__ = InboxTaskGroup
         try:
             await super()._read_data()
         finally:

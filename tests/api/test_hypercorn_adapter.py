@@ -18,10 +18,12 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypercorn.events import RawData
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.trio.task_group import TaskGroup, _handle
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 
@@ -87,6 +89,29 @@ def test_the_hypercorn_internals_corking_relies_on_are_unchanged() -> None:
     assert "self.send = send" in source(HTTPStream.__init__)
 
 
+def test_the_hypercorn_internals_the_inbox_relies_on_are_unchanged() -> None:
+    source = inspect.getsource
+    # The connection's task group is made in run, kept as _task_group and handed to the protocol ...
+    run = source(TCPServer.run)
+    assert "async with TaskGroup() as task_group:" in run and "self._task_group = task_group" in run
+    assert run.index("self._task_group = task_group") < run.index("await self._read_data()")
+    # ... and spawn_app runs the app through _handle fed by a bounded channel, returning its put.
+    spawn = source(TaskGroup.spawn_app)
+    assert "config.max_app_queue_size" in spawn and "return app_send_channel.send" in spawn
+    assert "_handle," in spawn and "app_receive_channel.receive," in spawn
+    assert "trio.to_thread.run_sync," in spawn and "trio.from_thread.run," in spawn
+    assert list(inspect.signature(_handle).parameters) == [
+        "app",
+        "config",
+        "scope",
+        "receive",
+        "send",
+        "sync_spawn",
+        "call_soon",
+    ]
+    assert list(inspect.signature(TaskGroup.spawn_app).parameters) == ["self", "app", "config", "scope", "send"]
+
+
 # -- what it changes, on a real server ---------------------------------------------------------------
 
 
@@ -127,15 +152,24 @@ async def serving(idle_timeout: float = 5.0, app: Any = hello) -> AsyncIterator[
 
 
 def counting_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """What each send of the server's connection streams wrote, one item per send."""
+    """What the server's connection streams were given to write, one item per write (a send, or a write
+    without waiting), empty ones left out."""
     sent: list[bytes] = []
-    send_all = server_module._Stream.send_all
+    send_all, write_now = server_module._Stream.send_all, server_module._Stream.write_now
 
     async def counting_send_all(self: Any, data: bytes | bytearray | memoryview) -> None:
-        sent.append(bytes(data))
+        if data:
+            sent.append(bytes(data))
         await send_all(self, data)
 
+    def counting_write_now(self: Any, data: bytes) -> bool:
+        written = write_now(self, data)
+        if written:
+            sent.append(bytes(data))
+        return written
+
     monkeypatch.setattr(server_module._Stream, "send_all", counting_send_all)
+    monkeypatch.setattr(server_module._Stream, "write_now", counting_write_now)
     return sent
 
 
@@ -147,23 +181,15 @@ class SpawnCounter(trio.abc.Instrument):
         self.spawned += 1
 
 
-async def test_a_keep_alive_request_costs_one_task_and_two_sends(monkeypatch: pytest.MonkeyPatch) -> None:
-    sends = 0
-    send_all = server_module._Stream.send_all
-
-    async def counting_send_all(self: Any, data: bytes | bytearray | memoryview) -> None:
-        nonlocal sends
-        sends += 1
-        await send_all(self, data)
-
-    monkeypatch.setattr(server_module._Stream, "send_all", counting_send_all)
+async def test_a_keep_alive_request_costs_one_task_and_two_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = counting_sends(monkeypatch)
     async with serving() as (url, _):
         stream = await connect(url)
         reader = ResponseReader(stream)
         await stream.send_all(request_bytes("GET", "/"))
         assert (await reader.response()).body == b"ok"  # the connection and its timer are up
         counter = SpawnCounter()
-        sends = 0
+        sent.clear()
         trio.lowlevel.add_instrument(counter)
         try:
             for _ in range(20):
@@ -174,7 +200,7 @@ async def test_a_keep_alive_request_costs_one_task_and_two_sends(monkeypatch: py
         await stream.aclose()
     # hypercorn alone: the app's task and a fresh keep-alive timer task per request, and head, body and an
     # empty end of body as three sends.
-    assert (counter.spawned, sends) == (20, 40)
+    assert (counter.spawned, len(sent)) == (20, 40)
 
 
 async def test_an_idle_keep_alive_connection_is_closed_at_the_idle_timeout_after_each_response() -> None:
@@ -224,7 +250,7 @@ async def test_a_whole_response_is_one_send_with_the_bytes_hypercorn_writes(monk
     monkeypatch.setattr(hypercorn_adapter, "ACTIVE", False)  # hypercorn's own path: head and body apart
     sent = counting_sends(monkeypatch)
     hypercorns = await responses_as_sent(requests)
-    assert len(sent) == 3 * len(requests) - 1  # head, body and empty end (HEAD: head and empty end)
+    assert len(sent) == 2 * len(requests) - 1  # head and body apart (HEAD: the head alone)
     monkeypatch.setattr(hypercorn_adapter, "ACTIVE", True)
     sent.clear()
     corked = await responses_as_sent(requests)
@@ -275,3 +301,59 @@ async def test_a_whole_response_larger_than_the_socket_takes_at_once_arrives_who
             await stream.send_all(request_bytes("GET", "/"))
             await trio.sleep(0.05)  # the server has filled the socket's buffer before the client reads
             assert (await reader.response()).body == big
+
+
+async def test_an_inbox_is_first_in_first_out_and_bounded() -> None:
+    inbox = hypercorn_adapter.Inbox(2)
+    received: list[int] = []
+    async with trio.open_nursery() as nursery:
+
+        async def put_five() -> None:
+            for number in range(5):
+                await inbox.put(number)
+
+        nursery.start_soon(put_five)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(inbox._messages) == 2  # the third put waits for room
+        for _ in range(5):
+            received.append(await inbox.receive())
+        with trio.move_on_after(0.05) as waited:
+            await inbox.receive()  # empty: waits
+        assert waited.cancelled_caught
+    assert received == [0, 1, 2, 3, 4]
+
+
+async def test_a_body_faster_than_the_app_reads_it_arrives_in_order_with_the_reading_held() -> None:
+    chunks = [bytes([n]) * 1000 for n in range(60)]
+    largest_queue = 0
+    put = hypercorn_adapter.Inbox.put
+
+    async def watched_put(self: Any, message: Any) -> None:
+        nonlocal largest_queue
+        await put(self, message)
+        largest_queue = max(largest_queue, len(self._messages))
+
+    async def slow_reader(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            await trio.sleep(0.002)
+            if not message.get("more_body"):
+                break
+        await hypercorn_adapter.send_whole_response(
+            send,
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]},
+            {"type": "http.response.body", "body": body},
+        )
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hypercorn_adapter.Inbox, "put", watched_put)
+        async with serving(app=slow_reader) as (url, _), await connect(url) as stream:
+            head = request_bytes("POST", "/", headers={"transfer-encoding": "chunked"})
+            await stream.send_all(head)
+            for chunk in chunks:  # each its own segment, most of them before the app has read the first
+                await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await stream.send_all(b"0\r\n\r\n")
+            assert (await ResponseReader(stream).response()).body == b"".join(chunks)
+    assert largest_queue <= hypercorn_config("127.0.0.1", 0).max_app_queue_size
