@@ -31,13 +31,13 @@ from typing import Any
 import h11
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Event, RawData
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.events import Body, EndBody, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.task_group import TaskGroup, _handle
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, LifespanState
 
@@ -62,16 +62,18 @@ def inactive_reason() -> str | None:
 class KeepAliveTimer:
     """hypercorn's ``TrioSingleTask`` for the idle timer (same ``restart``/``stop``), as one long-lived task.
 
-    ``restart`` (a response went out: the connection is idle) arms the deadline ``keep_alive_timeout``
-    from now, or now if the server is terminating; ``stop`` (a request head arrived) disarms it. Both only
-    move a cancel scope's deadline: no task is started or cancelled per request. When the deadline passes
-    while idle, or the server terminates while idle, the connection is closed as hypercorn's own timer
-    does. ``close`` ends the task (the connection stopped reading).
+    ``restart`` (a response went out: the connection is idle) sets the deadline ``keep_alive_timeout``
+    from now, or now if the server is terminating; ``stop`` (a request head arrived) clears it. Neither
+    starts or cancels a task, and neither moves the watching cancel scope's deadline later (each move is a
+    heap operation in trio's deadline queue, twice per request): ``restart`` only brings it earlier, and a
+    watcher woken before the connection's real deadline looks again and waits for what is left. When the
+    deadline passes while idle, or the server terminates while idle, the connection is closed as
+    hypercorn's own timer does. ``close`` ends the task (the connection stopped reading).
     """
 
     def __init__(self, server: TCPServer) -> None:
         self._server = server
-        self._deadline = math.inf
+        self._deadline = math.inf  # when an idle connection closes; inf while a request is in flight
         self._idle = False
         self._scope: trio.CancelScope | None = None
         self._started = False
@@ -81,27 +83,26 @@ class KeepAliveTimer:
         # ``action`` is hypercorn's own timer body (TCPServer._idle_timeout); its effect is reproduced in _watch.
         self._idle = True
         if self._server.context.terminated.is_set():
-            self._set_deadline(-math.inf)
+            deadline = -math.inf
         else:
-            self._set_deadline(trio.current_time() + self._server.config.keep_alive_timeout)
+            deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        self._deadline = deadline
+        scope = self._scope
+        if scope is not None and scope.deadline > deadline:
+            scope.deadline = deadline
         if not self._started and not self._closed:
             self._started = True
             task_group.spawn(self._watch)
 
     async def stop(self) -> None:
         self._idle = False
-        self._set_deadline(math.inf)
+        self._deadline = math.inf  # the scope may wake early: it then finds the connection busy and waits on
 
     def close(self) -> None:
         self._closed = True
         self._idle = False
         if self._scope is not None:
             self._scope.cancel()
-
-    def _set_deadline(self, deadline: float) -> None:
-        self._deadline = deadline
-        if self._scope is not None:
-            self._scope.deadline = deadline
 
     async def _watch(self) -> None:
         terminated = self._server.context.terminated
@@ -112,15 +113,17 @@ class KeepAliveTimer:
                 if not self._idle:
                     await trio.sleep_forever()  # terminating while a request is in flight: restart() fires us
             self._scope = None
-            if self._idle:  # the deadline passed, or the server is terminating, while idle
+            # Idle, and the deadline passed or the server is terminating: close. Otherwise a request arrived,
+            # the deadline moved on, or close() was called: look again.
+            if self._idle and (trio.current_time() >= self._deadline or terminated.is_set()):
                 with trio.CancelScope(shield=True):
                     await self._server._initiate_server_close()
                 return
-            # Otherwise a request arrived just as the deadline passed (or close() was called): carry on.
 
 
 class CorkedH11Protocol(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol, writing a whole response's head and body as one send.
+    """hypercorn's HTTP/1.1 protocol, writing a whole response's head and body as one send (and checking a
+    request for a protocol switch only when it could ask for one).
 
     ``cork()`` (by ``send_whole_response``, just before the app's ``http.response.start``) makes the next
     final response head wait, serialised by h11 exactly as hypercorn does, for the body or end of body
@@ -171,6 +174,12 @@ class CorkedH11Protocol(H11Protocol):
                 return
             await self.uncork()
         await super().stream_send(event)
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        # hypercorn switches to HTTP/2 only for an ``Upgrade: h2c`` header or the HTTP/2 preface (method PRI);
+        # h11 gives header names lower-cased.
+        if event.method == b"PRI" or any(name == b"upgrade" for name, _ in event.headers):
+            await super()._check_protocol(event)
 
     async def _send_h11_event(self, event: Any) -> None:
         if self._held:  # (an error response of the reading side: never between a held head and its body)
@@ -288,7 +297,30 @@ class AdaptedTCPServer(TCPServer):
         if ACTIVE and type(self._task_group) is TaskGroup:
             self._task_group.__class__ = InboxTaskGroup
         try:
-            await super()._read_data()
+            if ACTIVE:
+                await self._read_loop()
+            else:
+                await super()._read_data()
         finally:
             if isinstance(self.idle_task, KeepAliveTimer):
                 self.idle_task.close()
+
+    async def _read_loop(self) -> None:
+        """hypercorn's read loop (``TCPServer._read_data``: read, hand the bytes to the protocol, stop at the
+        end of the stream, at a broken or closed stream or after ``read_timeout`` of silence, then tell the
+        protocol it is closed), each read's timeout a cancel scope's deadline instead of ``fail_after``'s
+        generator-based context manager."""
+        timeout = self.config.read_timeout or math.inf
+        receive_some, handle = self.stream.receive_some, self.protocol.handle
+        while True:
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as waited:
+                try:
+                    data = await receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+            if waited.cancelled_caught:
+                break  # silent for read_timeout
+            await handle(RawData(bytes(data)))
+            if data == b"":
+                break
+        await handle(Closed())

@@ -112,6 +112,23 @@ def test_the_hypercorn_internals_the_inbox_relies_on_are_unchanged() -> None:
     assert list(inspect.signature(TaskGroup.spawn_app).parameters) == ["self", "app", "config", "scope", "send"]
 
 
+def test_the_hypercorn_internals_the_read_loop_and_protocol_check_reproduce_are_unchanged() -> None:
+    source = inspect.getsource
+    # AdaptedTCPServer._read_loop is this loop with a plain cancel scope for the read timeout ...
+    reads = source(TCPServer._read_data)
+    assert "with trio.fail_after(self.config.read_timeout or inf):" in reads
+    assert "data = await self.stream.receive_some(MAX_RECV)" in reads
+    assert "trio.ClosedResourceError," in reads and "trio.BrokenResourceError," in reads
+    assert "trio.TooSlowError," in reads
+    assert "await self.protocol.handle(RawData(bytes(data)))" in reads and 'if data == b"":' in reads
+    assert reads.rstrip().endswith("await self.protocol.handle(Closed())")
+    # ... and _check_protocol acts only on an Upgrade header (h2c) or the HTTP/2 preface (PRI).
+    check = source(H11Protocol._check_protocol)
+    assert 'if sanitised_name == "upgrade":' in check
+    assert 'upgrade_value.lower() == "h2c"' in check and 'event.method == b"PRI"' in check
+    assert len(re.findall(r"\braise\b|await self\.", check)) == 3  # the 101 response and two raises
+
+
 # -- what it changes, on a real server ---------------------------------------------------------------
 
 
@@ -301,6 +318,31 @@ async def test_a_whole_response_larger_than_the_socket_takes_at_once_arrives_who
             await stream.send_all(request_bytes("GET", "/"))
             await trio.sleep(0.05)  # the server has filled the socket's buffer before the client reads
             assert (await reader.response()).body == big
+
+
+async def test_a_connection_silent_for_the_read_timeout_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    stop = trio.Event()
+    config = hypercorn_config("127.0.0.1", 0, HttpSettings(body_timeout=0.3))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_http, hello, config, stop.wait)
+            async with await connect(binds[0]) as stream:
+                body = b"x" * 10
+                await stream.send_all(request_bytes("POST", "/", body)[: -len(body)])  # the head; then silence
+                with trio.fail_after(10):  # (the app hears of the disconnect and answers; then the end)
+                    while await stream.receive_some(65536):
+                        pass
+            stop.set()
+
+
+async def test_an_h2c_upgrade_still_switches_to_http2() -> None:
+    async with serving() as (url, _), await connect(url) as stream:
+        upgrade = {"connection": "Upgrade, HTTP2-Settings", "upgrade": "h2c", "http2-settings": "AAMAAABkAAQAAP__"}
+        await stream.send_all(request_bytes("GET", "/", headers=upgrade))
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += await stream.receive_some(65536)
+        assert answer.startswith(b"HTTP/1.1 101 ")
 
 
 async def test_an_inbox_is_first_in_first_out_and_bounded() -> None:
