@@ -284,7 +284,7 @@ class AdaptedTCPServer(TCPServer):
             # before (it goes before anything sent later); a failed write is left to that path to report.
             write_now = getattr(self.stream, "write_now", None)
             if write_now is not None and not self.send_lock.locked() and write_now(data):
-                if self.stream.unsent:  # type: ignore[attr-defined]
+                if self.stream.unsent:
                     await super().protocol_send(RawData(data=b""))
                 return
         await super().protocol_send(event)
