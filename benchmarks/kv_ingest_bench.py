@@ -2,7 +2,7 @@
 completion probes), repeated, with the service's CPU time per block, and the reference's in alternating rounds.
 
     python benchmarks/kv_ingest_bench.py [--blocks 1000000] [--rounds 3] [--reference-python PATH]
-        [--durability always] [--profile-dir DIR]
+        [--durability always] [--profile-dir DIR [--native]]
 
 Each round starts a fresh service, registers the 16 workers, publishes the chains and waits until every
 worker's last chain is indexed (``select_service_bench.ingest``). Printed per round: blocks/s, the
@@ -64,6 +64,7 @@ def one_round(
     workdir: Path,
     blocks: int,
     profile: Path | None,
+    native: bool = False,
 ) -> str:
     publishers = Publishers()
     service = Service(label, argv, port, workdir, env, cwd)
@@ -73,7 +74,19 @@ def one_round(
         trio.run(prepare, service, publishers)
         if profile is not None:
             spy = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(service.pid), "--rate", "250", "--format", "raw", "-o", str(profile)],
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(service.pid),
+                    "--rate",
+                    "250",
+                    "--format",
+                    "raw",
+                    "-o",
+                    str(profile),
+                    *(["--native"] if native else []),
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -103,6 +116,7 @@ def main() -> None:
     parser.add_argument("--reference-python", default=None)
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--profile-dir", type=Path, default=None)
+    parser.add_argument("--native", action="store_true", help="py-spy --native: C frames of compiled modules too")
     args = parser.parse_args()
     python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
     env = dict(os.environ)
@@ -128,6 +142,7 @@ def main() -> None:
                     workdir,
                     args.blocks,
                     profile,
+                    args.native,
                 ),
                 flush=True,
             )

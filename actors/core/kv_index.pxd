@@ -3,6 +3,21 @@
 # extension classes, so the node tables and the store and match loops compile to C.
 cimport cython
 
+cdef extern from "Python.h":
+    # ``value & U64_MASK`` for an int, in C (kv_index._u64)
+    unsigned long long _mask_u64 "PyLong_AsUnsignedLongLongMask" (object value) except? 0xFFFFFFFFFFFFFFFF
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define kvrouter_prefetch(address) __builtin_prefetch((const void *)(address))
+    #else
+    #define kvrouter_prefetch(address) ((void)(address))
+    #endif
+    """
+    void _prefetch "kvrouter_prefetch" (const void *address) noexcept nogil
+
+cdef bint COMPILED
 cdef int _NONE
 cdef Py_ssize_t _MIN_SLOTS
 
@@ -45,7 +60,7 @@ cdef class KvIndex:
     cpdef dict find_matches(self, local_hashes)
 
     @cython.locals(existing=_Rank, r=_Rank, node=int, nxt=int, moved=int, ext="unsigned long long",
-                   local="unsigned long long", cover=list)
+                   local="unsigned long long", cover=list, held=object)
     cdef bint _store_device(self, rank, parent_hash, blocks)
 
     @cython.locals(node=int, head=int)
@@ -103,3 +118,41 @@ cdef long long _child_tag(unsigned long long parent, unsigned long long local)
 
 @cython.locals(mix="unsigned long long", m64="unsigned long long")
 cdef long long _ext_tag(unsigned long long ext)
+
+cdef unsigned long long _u64(object value) except? 0xFFFFFFFFFFFFFFFF
+
+cdef Py_ssize_t _SMALL_DISTINCT
+cdef unsigned long long[::1] _SCRATCH
+
+@cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, held="unsigned long long[::1]", ext="unsigned long long",
+               parent="unsigned long long", seen=set)
+cpdef bint _distinct(parent_hash, blocks, bint pairs=*) except -1
+
+
+cdef inline void _prefetch_store(KvIndex index, _Rank r, object blocks, int node) noexcept:
+    """Prefetch the slots a store of ``blocks`` under ``node`` will probe: the rank's table by external hash, and
+    the child table by (parent, local hash) with the parents the new nodes will get (the free list's last ids,
+    then fresh ones), as when the store extends a chain. Both tables are far larger than the caches: probed one
+    block after another, each block waits for two memory reads; asked for together, the reads overlap. A hint
+    only: a wrong guess (an existing block, a table that grows) costs a wasted read, never a different result."""
+    if type(blocks) is not tuple and type(blocks) is not list:
+        return
+    cdef long long[::1] rank_slots = r.slots
+    cdef long long[::1] child_slots = index._slots
+    cdef list free = index._free_nodes
+    cdef Py_ssize_t n_free = len(free)
+    cdef Py_ssize_t fresh = len(index._cover)
+    cdef Py_ssize_t k = 0
+    cdef long long parent = node
+    cdef object pair
+    for pair in blocks:
+        if type(pair) is not tuple or len(<tuple>pair) != 2:
+            return
+        ext_obj = (<tuple>pair)[0]
+        local_obj = (<tuple>pair)[1]
+        if type(ext_obj) is not int or type(local_obj) is not int:
+            return
+        _prefetch(&rank_slots[_ext_tag(_mask_u64(ext_obj)) >> r.shift])
+        _prefetch(&child_slots[_child_tag(<unsigned long long>parent, _mask_u64(local_obj)) >> index._shift])
+        parent = <int>free[n_free - 1 - k] if k < n_free else fresh + (k - n_free)
+        k += 1

@@ -59,6 +59,7 @@ import attrs
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
 
 SNAPSHOT_VERSION = 1
+COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
 _NONE = -1  # "no node" in the sibling links, and an empty slot of a node table
 _MIN_SLOTS = 8  # smallest node table (a power of two)
 
@@ -217,7 +218,7 @@ class KvIndex:
         removed = 0
         if tier is Tier.DEVICE:
             for ext in block_hashes:
-                node = self._ext_find(r, ext & U64_MASK)
+                node = self._ext_find(r, _u64(ext))
                 if node != _NONE:
                     self._truncate(r, node)
                     removed += 1
@@ -310,12 +311,12 @@ class KvIndex:
         cover = self._cover
         n_query = len(local_hashes)
         if n_query:
-            node = self._child_find(0, local_hashes[0] & U64_MASK)
+            node = self._child_find(0, _u64(local_hashes[0]))
             if node != _NONE:
                 active = cover[node]
                 pos = 1
                 while pos < n_query:
-                    nxt = self._child_find(node, local_hashes[pos] & U64_MASK)
+                    nxt = self._child_find(node, _u64(local_hashes[pos]))
                     if nxt == _NONE:
                         break
                     mask = cover[nxt]
@@ -575,18 +576,21 @@ class KvIndex:
         if parent_hash is None:
             node = 0
         else:
-            node = self._ext_find(existing, parent_hash & U64_MASK) if existing is not None else _NONE
+            node = self._ext_find(existing, _u64(parent_hash)) if existing is not None else _NONE
             if node == _NONE:
                 return False
         if not blocks:
             return True
         r = existing if existing is not None else self._rank(rank)
+        if COMPILED:  # ask for the table slots the loop will probe before it needs them (no effect on results)
+            _prefetch_store(self, r, blocks, node)  # type: ignore[name-defined]  # noqa: F821 - kv_index.pxd
         rank_mask = r.mask
         cover = self._cover
         for pair in blocks:
-            ext = pair[0] & U64_MASK
-            local = pair[1] & U64_MASK
-            nxt = self._child_find(node, local)
+            ext = _u64(pair[0])
+            local = _u64(pair[1])
+            # A node without children (a chain being extended, the common case) has none to find.
+            nxt = _NONE if self._first[node] == _NONE else self._child_find(node, local)
             if nxt != _NONE and cover[nxt] & rank_mask and self._ext_of(r, nxt) == ext:
                 node = nxt  # already held: idempotent
                 continue
@@ -598,7 +602,7 @@ class KvIndex:
             if nxt == _NONE:
                 nxt = self._new_node(node, local, ext)
             held = cover[nxt]
-            if held & rank_mask:  # rename: one external hash per (rank, position)
+            if held and held & rank_mask:  # rename: one external hash per (rank, position)
                 self._ext_remove(r, self._ext_of(r, nxt), nxt)
                 r.renamed.pop(nxt, None)
             else:
@@ -634,8 +638,9 @@ class KvIndex:
         return node
 
     def _grow_nodes(self) -> None:
-        """Room for a quarter more nodes: new arrays (the typed views of the old ones cannot resize them)."""
-        extra = len(self._parent) // 4 + 64
+        """Room for half as many nodes again: new arrays (the typed views of the old ones cannot resize them), so
+        each node is copied about twice over the index's growth (four times when it grew by a quarter)."""
+        extra = len(self._parent) // 2 + 64
         self._arrays = [a + array(a.typecode, [0]) * extra for a in self._arrays]
         self._parent, self._local, self._name, self._first, self._next, self._prev, self._depth = self._arrays
 
@@ -899,11 +904,45 @@ def _record(depth: dict[int, tuple[int, int]], bits: int, pos: int, node: int) -
         bits ^= low
 
 
-def _distinct(parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> bool:
-    seen = {ext & U64_MASK for ext, _ in blocks}
-    if len(seen) != len(blocks):
-        return False
-    return parent_hash is None or (parent_hash & U64_MASK) not in seen
+def _u64(value: int) -> int:
+    """``value`` modulo 2**64: hashes are u64 but may be handed over signed. Compiled: one C call (CPython's
+    ``PyLong_AsUnsignedLongLongMask``, declared in ``kv_index.pxd``), no int object made."""
+    if COMPILED:
+        return _mask_u64(value)  # type: ignore[name-defined,no-any-return]  # noqa: F821 - kv_index.pxd, compiled only
+    return value & U64_MASK
+
+
+_SMALL_DISTINCT = 64  # up to this many hashes, pairwise compares (no set, no int objects when compiled)
+_SCRATCH = array("Q", bytes(8 * _SMALL_DISTINCT))  # their u64 values (one index is used at a time)
+
+
+def _distinct(parent_hash: int | None, blocks: Sequence[Any], pairs: bool = True) -> bool:
+    """No external hash named twice among ``blocks`` (``(external, local)`` pairs, or the external hashes
+    themselves when not ``pairs``) and the parent, all taken as u64."""
+    n = len(blocks)
+    if n > _SMALL_DISTINCT:
+        seen = {_u64(b[0] if pairs else b) for b in blocks}
+        if len(seen) != n:
+            return False
+        return parent_hash is None or _u64(parent_hash) not in seen
+    held = _SCRATCH
+    for i in range(n):
+        ext = _u64(blocks[i][0] if pairs else blocks[i])
+        for j in range(i):
+            if held[j] == ext:
+                return False
+        held[i] = ext
+    if parent_hash is not None:
+        parent = _u64(parent_hash)
+        for j in range(n):
+            if held[j] == parent:
+                return False
+    return True
+
+
+def distinct_hashes(parent_hash: int | None, hashes: Sequence[int]) -> bool:
+    """No hash named twice among ``hashes`` and ``parent_hash`` (u64): what a store needs to be applied."""
+    return _distinct(parent_hash, hashes, False)
 
 
 def _store_lower(lower: _Lower, parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> None:

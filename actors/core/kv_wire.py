@@ -32,7 +32,7 @@ import msgpack
 from kvrouter.actors.core import kv_batch_reader
 from kvrouter.actors.core.hashing import block_hashes as compute_block_hashes
 from kvrouter.actors.core.ids import U32_MAX, U64_MASK
-from kvrouter.actors.core.kv_index import Tier
+from kvrouter.actors.core.kv_index import Tier, distinct_hashes
 
 __all__ = [
     "AllBlocksCleared",
@@ -416,19 +416,20 @@ def stored_blocks(
     hashes = event.block_hashes
     if not hashes or event.block_size != registered_block_size or registered_block_size <= 0:
         return []
-    seen = set(hashes)
-    if len(seen) != len(hashes) or (event.parent_hash is not None and event.parent_hash in seen):
+    if not distinct_hashes(event.parent_hash, hashes):
         return []
-    count = min(len(hashes), len(event.token_ids) // registered_block_size)
+    tokens = event.token_ids
+    count = min(len(hashes), len(tokens) // registered_block_size)
     if count == 0:
         return []
+    if len(tokens) >= (count + 1) * registered_block_size:  # more tokens than hashes: hash only those named
+        tokens = tokens[: count * registered_block_size]
     local = compute_block_hashes(
-        event.token_ids[: count * registered_block_size],
-        registered_block_size,
-        lora_name=event.lora_name or lora_name,
-        mm_hashes_per_block=event.mm_hashes,
+        tokens, registered_block_size, lora_name=event.lora_name or lora_name, mm_hashes_per_block=event.mm_hashes
     )
-    return list(zip(hashes[:count], local, strict=True))
+    if count < len(hashes):
+        hashes = hashes[:count]
+    return list(zip(hashes, local, strict=True))
 
 
 # ------------------------------------------------------------------------------------ encode

@@ -41,7 +41,11 @@ from kvrouter.actors.core.events import (
     EVENT_TAGS,
     KV_OP_TAGS,
     Event,
+    KvClearedOp,
+    KvIndexed,
     KvOp,
+    KvRemovedOp,
+    KvStoredOp,
     PrefillCompleted,
     RequestAdded,
     RequestFreed,
@@ -214,10 +218,34 @@ def _request_freed(event: RequestFreed) -> dict[str, Any]:
     return {"request_id": event.request_id, "type": "request_freed"}
 
 
+# KV ingest's one record per run of batches: its ops' block tuples go to orjson as they are.
+def _kv_indexed(event: KvIndexed) -> dict[str, Any]:
+    return {
+        "worker_id": event.worker_id,
+        "dp_rank": event.dp_rank,
+        "stream_rank": event.stream_rank,
+        "seq": event.seq,
+        "ops": [_kv_op(op) for op in event.ops],
+        "type": "kv_indexed",
+    }
+
+
+def _kv_op(op: KvOp) -> dict[str, Any]:
+    kind = type(op)
+    if kind is KvStoredOp:
+        return {"tier": op.tier, "parent_hash": op.parent_hash, "blocks": op.blocks, "op": "stored"}  # type: ignore[union-attr]
+    if kind is KvRemovedOp:
+        return {"tier": op.tier, "block_hashes": op.block_hashes, "op": "removed"}  # type: ignore[union-attr]
+    if kind is KvClearedOp:
+        return {"op": "cleared"}
+    return JOURNAL_CONVERTER.unstructure(op, KvOp)  # type: ignore[no-any-return]
+
+
 _BY_HAND: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     RequestAdded: _request_added,
     PrefillCompleted: _prefill_completed,
     RequestFreed: _request_freed,
+    KvIndexed: _kv_indexed,
 }
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -95,6 +97,8 @@ def test_block_hashes(
 ) -> None:
     compiled, pure = pair("kvrouter.actors.core.hashing")
     tokens_in: Sequence[Any] = tuple(token_ids) if as_tuple else token_ids
+    if as_tuple and all(type(t) is int and 0 <= t < 2**32 for t in token_ids):
+        tokens_in = array("I", token_ids)  # what KV events carry: hashed in place, not converted
 
     def run(m: ModuleType) -> tuple[str, Any]:
         return outcome(
@@ -102,6 +106,18 @@ def test_block_hashes(
         )
 
     assert run(compiled) == run(pure)
+
+
+def test_the_compiled_hashing_calls_xxh3_in_c() -> None:
+    """``hashing.pxd`` bound XXH3's C function (found in the xxhash package, checked against it at import): a
+    block is one C call, not a Python call per block. Big-endian hosts keep the Python path."""
+    compiled, pure = pair("kvrouter.actors.core.hashing")
+    assert not pure.NATIVE_XXH3
+    assert compiled.NATIVE_XXH3 is (sys.byteorder == "little")
+    tokens_in = array("I", range(4096))
+    assert compiled.block_hashes(tokens_in, 16) == pure.block_hashes(list(tokens_in), 16)
+    assert compiled.block_hashes(tokens_in, 16, eagle=True) == pure.block_hashes(list(tokens_in), 16, eagle=True)
+    assert compiled.block_hashes(tokens_in, 100, lora_name="x") == pure.block_hashes(tokens_in, 100, lora_name="x")
 
 
 @SETTINGS
@@ -411,6 +427,40 @@ def test_kv_index_tables_grow_and_shrink_alike(ops: list[tuple[Any, ...]], query
         assert apply_index_op(compiled, indexes[0], ("match", query)) == apply_index_op(
             pure, indexes[1], ("match", query)
         )
+
+
+long_stores = st.lists(
+    st.tuples(
+        ranks,
+        st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1), st.integers(0, 300)),
+        st.lists(
+            st.tuples(
+                st.one_of(st.integers(0, 300), st.integers(-(2**63), -1), st.integers(2**63, 2**64 - 1)),
+                st.integers(-(2**63), 2**64 - 1),
+            ),
+            max_size=140,
+        ),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@SETTINGS
+@given(stores=long_stores)
+def test_kv_index_long_stores_with_signed_and_repeated_hashes(stores: list[tuple[Any, ...]]) -> None:
+    """Stores longer than the pairwise duplicate check (64 hashes; a set beyond), hashes handed over signed or
+    unsigned (taken as u64 in C, masked in Python), repeats (the store is refused), parents found or not."""
+    compiled, pure = pair("kvrouter.actors.core.kv_index")
+    indexes = compiled.KvIndex(), pure.KvIndex()
+    for rank, parent, blocks in stores:
+        exts = [ext for ext, _ in blocks]
+        assert compiled.distinct_hashes(parent, exts) == pure.distinct_hashes(parent, exts)
+        assert apply_index_op(compiled, indexes[0], ("stored", rank, 0, parent, blocks)) == apply_index_op(
+            pure, indexes[1], ("stored", rank, 0, parent, blocks)
+        )
+        assert index_view(indexes[0]) == index_view(indexes[1])
+        assert indexes[1].check() == []
 
 
 # --------------------------------------------------------------------------------------- selection

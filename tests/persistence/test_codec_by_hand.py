@@ -8,7 +8,17 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrouter.actors.core.events import EVENT_TAGS, Event, PrefillCompleted, RequestAdded, RequestFreed
+from kvrouter.actors.core.events import (
+    EVENT_TAGS,
+    Event,
+    KvClearedOp,
+    KvIndexed,
+    KvRemovedOp,
+    KvStoredOp,
+    PrefillCompleted,
+    RequestAdded,
+    RequestFreed,
+)
 from kvrouter.actors.core.ids import U64_MASK, ScopeKey
 from kvrouter.actors.persistence.codec import (
     _BY_HAND,
@@ -46,7 +56,7 @@ def test_request_references_encode_as_the_converter_encodes_them(request_id: str
 
 def test_every_field_and_the_tag_are_written() -> None:
     for kind, encode in _BY_HAND.items():
-        sample = kind(*[() if field.type == "tuple[int, ...]" else 0 for field in attrs.fields(kind)])
+        sample = kind(*[() if str(field.type).startswith("tuple[") else 0 for field in attrs.fields(kind)])
         assert list(encode(sample)) == [field.name for field in attrs.fields(kind)] + ["type"]
         assert encode(sample)["type"] == EVENT_TAGS[kind]
 
@@ -91,3 +101,27 @@ def test_record_heads_are_kept_for_a_bounded_number_of_scopes() -> None:
         scope = ScopeKey(f"m{index}", "t")
         assert encode_record(scope, (RequestFreed("r"),)) == by_the_generic_encoder(scope, (RequestFreed("r"),))
         assert len(_HEADS) <= _MAX_HEADS
+
+
+KV_OPS = st.lists(
+    st.one_of(
+        st.builds(
+            KvStoredOp,
+            st.integers(0, 3),
+            st.one_of(st.none(), U64),
+            st.lists(st.tuples(U64, U64), max_size=4).map(tuple),
+        ),
+        st.builds(KvRemovedOp, st.integers(0, 3), st.lists(U64, max_size=4).map(tuple)),
+        st.just(KvClearedOp()),
+    ),
+    max_size=5,
+).map(tuple)
+
+
+@given(U64, U64, U64, st.one_of(st.none(), U64), KV_OPS)
+def test_a_kv_run_encodes_as_the_converter_encodes_it(
+    worker: int, rank: int, stream: int, seq: int | None, ops: tuple[object, ...]
+) -> None:
+    event = KvIndexed(worker, rank, stream, seq, ops)  # type: ignore[arg-type]
+    assert orjson.dumps(_BY_HAND[KvIndexed](event)) == by_converter(event)
+    assert decode_record(encode_record(ScopeKey("m", "t"), (event,))).events == (event,)
