@@ -27,12 +27,19 @@ from pathlib import Path
 from types import ModuleType
 
 COMPILED_MODULES = (
+    "kvrouter.actors.core.node_table",
     "kvrouter.actors.core.trie",
     "kvrouter.actors.core.kv_index",
     "kvrouter.actors.core.hashing",
     "kvrouter.actors.core.selection",
     "kvrouter.actors.core.kv_batch_reader",
 )
+# Compiled modules that call another's C functions (cimported through its .pxd): they can run compiled only
+# while it does, and their pure twins import its pure twin (``load_pure``).
+CIMPORTS = {
+    "kvrouter.actors.core.trie": ("kvrouter.actors.core.node_table",),
+    "kvrouter.actors.core.kv_index": ("kvrouter.actors.core.node_table",),
+}
 PURE_ENV = "KVROUTER_PURE_PYTHON"
 MANIFEST = "_compiled_manifest.json"
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -85,6 +92,10 @@ def status() -> dict[str, str]:
             out[module] = "pure: source changed since it was compiled"
         else:
             out[module] = "compiled"
+    for module, needed in CIMPORTS.items():
+        stale = [m for m in needed if out[m] != "compiled"]
+        if out[module] == "compiled" and stale:
+            out[module] = f"pure: {stale[0]}, whose C functions it calls, is not compiled"
     return out
 
 
@@ -94,15 +105,31 @@ def is_compiled(module: ModuleType) -> bool:
 
 
 def load_pure(module: str, alias: str) -> ModuleType:
-    """A fresh instance of ``module`` run from its ``.py`` and registered as ``alias`` (the tests' oracle)."""
+    """A fresh instance of ``module`` run from its ``.py`` and registered as ``alias`` (the tests' oracle). The
+    modules it cimports when compiled are pure too: their pure twins (``<alias's package>.<name>``) stand in for
+    them while it imports."""
     found = sys.modules.get(alias)
     if found is not None:
         return found
+    package = alias.rpartition(".")[0]
+    twins = {
+        dep: load_pure(dep, f"{package}.{dep.rsplit('.', 1)[1]}" if package else f"{alias}_{dep.rsplit('.', 1)[1]}")
+        for dep in CIMPORTS.get(module, ())
+    }
     spec = importlib.util.spec_from_file_location(alias, source_path(module))
     assert spec is not None and spec.loader is not None
     loaded = importlib.util.module_from_spec(spec)
     sys.modules[alias] = loaded
-    spec.loader.exec_module(loaded)
+    saved = {dep: sys.modules.get(dep) for dep in twins}
+    sys.modules.update(twins)
+    try:
+        spec.loader.exec_module(loaded)
+    finally:
+        for dep, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(dep, None)
+            else:
+                sys.modules[dep] = previous
     return loaded
 
 

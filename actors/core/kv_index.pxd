@@ -3,6 +3,9 @@
 # extension classes, so the node tables and the store and match loops compile to C.
 cimport cython
 
+from kvrouter.actors.core.node_table cimport child_tag as _child_tag, entries as _entries, new_slots as _new_slots, \
+    resized as _resized, shift_for as _shift_for, table_add as _table_add, table_remove as _table_remove
+
 cdef extern from "Python.h":
     # ``value & U64_MASK`` for an int, in C (kv_index._u64)
     unsigned long long _mask_u64 "PyLong_AsUnsignedLongLongMask" (object value) except? 0xFFFFFFFFFFFFFFFF
@@ -99,22 +102,6 @@ cdef class KvIndex:
 
     cpdef void _ext_remove(self, _Rank r, unsigned long long ext, int node)
 
-
-@cython.locals(i=Py_ssize_t)
-cdef list _entries(long long[::1] slots)
-
-@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t)
-cdef void _table_add(long long[::1] slots, int shift, long long tag, int node)
-
-@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t, hole=Py_ssize_t, home=Py_ssize_t, entry="long long",
-               moving="long long")
-cdef void _table_remove(long long[::1] slots, int shift, long long tag, int node)
-
-@cython.locals(slots="long long[::1]", shift=int, wrap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, entry="long long")
-cdef tuple _resized(long long[::1] old, Py_ssize_t size)
-
-@cython.locals(golden="unsigned long long", mix="unsigned long long", m64="unsigned long long")
-cdef long long _child_tag(unsigned long long parent, unsigned long long local)
 
 @cython.locals(mix="unsigned long long", m64="unsigned long long")
 cdef long long _ext_tag(unsigned long long ext)

@@ -57,6 +57,13 @@ from typing import Any, NamedTuple
 import attrs
 
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
+from kvrouter.actors.core.node_table import child_tag as _child_tag
+from kvrouter.actors.core.node_table import entries as _entries
+from kvrouter.actors.core.node_table import new_slots as _new_slots
+from kvrouter.actors.core.node_table import resized as _resized
+from kvrouter.actors.core.node_table import shift_for as _shift_for
+from kvrouter.actors.core.node_table import table_add as _table_add
+from kvrouter.actors.core.node_table import table_remove as _table_remove
 
 SNAPSHOT_VERSION = 1
 COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
@@ -698,11 +705,8 @@ class KvIndex:
         return False
 
     # ----------------------------------------------------------------------------- node tables
-    # Open addressing with linear probing over a power-of-two array of entries ``(tag << 32) | node`` (``_NONE`` =
-    # empty), at most three quarters full. The tag is the top 31 bits of the key's 64-bit hash and the home slot
-    # the tag's top bits, so probing compares tags and reads a node's key only when they match, and growing or
-    # removing never reads a key. Removal shifts the following entries back (no tombstones), so a table is a
-    # function of its history, the same compiled and pure.
+    # Open addressing over entries ``(tag << 32) | node`` (``node_table.py``, shared with the prefix trie, says
+    # how); finding is here, since only the index knows where a node's key is.
 
     def _child_find(self, parent: int, local: int) -> int:
         """The node under ``parent`` with local hash ``local`` (u64), or ``_NONE``."""
@@ -816,70 +820,6 @@ class KvIndex:
                 kids.append(c)
             c = self._next[c]
         return kids
-
-
-def _entries(slots: array[int]) -> list[int]:
-    """The node ids in a table, in slot order."""
-    return [slots[i] & 0x7FFFFFFF for i in range(len(slots)) if slots[i] != _NONE]
-
-
-def _new_slots(size: int) -> array[int]:
-    return array("q", [_NONE]) * size
-
-
-def _shift_for(size: int) -> int:
-    """A table of ``size`` = 2**k slots homes a 31-bit tag at its top k bits."""
-    return 31 - (size.bit_length() - 1)
-
-
-def _table_add(slots: array[int], shift: int, tag: int, node: int) -> None:
-    wrap = len(slots) - 1
-    i = tag >> shift
-    while slots[i] != _NONE:
-        i = (i + 1) & wrap
-    slots[i] = (tag << 32) | node
-
-
-def _table_remove(slots: array[int], shift: int, tag: int, node: int) -> None:
-    wrap = len(slots) - 1
-    hole = tag >> shift
-    entry = (tag << 32) | node
-    while slots[hole] != entry:
-        hole = (hole + 1) & wrap
-    i = hole
-    while True:
-        i = (i + 1) & wrap
-        moving = slots[i]
-        if moving == _NONE:
-            break
-        home = (moving >> 32) >> shift
-        if (i - home) & wrap >= (i - hole) & wrap:  # its home is not after the hole: it may move back
-            slots[hole] = moving
-            hole = i
-    slots[hole] = _NONE
-
-
-def _resized(old: array[int], size: int) -> tuple[array[int], int]:
-    """A table of ``size`` slots holding ``old``'s entries, and its shift."""
-    slots = _new_slots(size)
-    shift = _shift_for(size)
-    wrap = size - 1
-    for j in range(len(old)):
-        entry = old[j]
-        if entry != _NONE:
-            i = (entry >> 32) >> shift
-            while slots[i] != _NONE:
-                i = (i + 1) & wrap
-            slots[i] = entry
-    return slots, shift
-
-
-def _child_tag(parent: int, local: int) -> int:
-    """Tag of the child ``(parent node, local hash)``: the top 31 bits of a multiplicative hash (same in C)."""
-    golden = 0x9E3779B97F4A7C15
-    mix = 0xBF58476D1CE4E5B9
-    m64 = 0xFFFFFFFFFFFFFFFF
-    return (((local ^ ((parent * golden) & m64)) * mix) & m64) >> 33
 
 
 def _ext_tag(ext: int) -> int:

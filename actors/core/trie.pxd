@@ -3,6 +3,9 @@
 # extension classes, so insert, remove and the node table compile to C loops.
 cimport cython
 
+from kvrouter.actors.core.node_table cimport child_tag as _child_tag, entries as _entries, new_slots as _new_slots, \
+    resized as _resized, shift_for as _shift_for, table_add as _table_add, table_remove as _table_remove
+
 cdef int _NONE
 cdef Py_ssize_t _MIN_SLOTS
 cdef Py_ssize_t _KEEP_SLOTS
@@ -43,20 +46,3 @@ cdef class PrefixTrie:
     @cython.locals(slots="long long[::1]", wrap=Py_ssize_t, i=Py_ssize_t, node=int, tag="long long",
                    entry="long long")
     cdef int _child_find(self, int parent, unsigned long long key)
-
-
-@cython.locals(i=Py_ssize_t)
-cdef list _entries(long long[::1] slots)
-
-@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t)
-cdef void _table_add(long long[::1] slots, int shift, long long tag, int node)
-
-@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t, hole=Py_ssize_t, home=Py_ssize_t, entry="long long",
-               moving="long long")
-cdef void _table_remove(long long[::1] slots, int shift, long long tag, int node)
-
-@cython.locals(slots="long long[::1]", shift=int, wrap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, entry="long long")
-cdef tuple _resized(long long[::1] old, Py_ssize_t size)
-
-@cython.locals(golden="unsigned long long", mix="unsigned long long", m64="unsigned long long")
-cdef long long _child_tag(unsigned long long parent, unsigned long long key)

@@ -12,7 +12,7 @@ Representation, typed for Cython by ``trie.pxd`` (README "Compiled hot paths"; t
 Python and is the oracle the compiled module is tested against): positions are node ids (ints) in flat typed
 arrays (parent, hash, pass count: how many live requests pass through the node), found through an
 open-addressing table of node ids keyed by ``(parent node, hash)``, as the KV index finds its children
-(``kv_index.py``'s node tables; the table code is the same). Every ``/add`` and ``/free`` walks a rank's trie
+(``node_table.py``: the same table code, shared). Every ``/add`` and ``/free`` walks a rank's trie
 (64 blocks each way): with a dict from ``(parent, hash)`` tuples to node ids each block cost a tuple, an int
 object or two and dict entries; like this, compiled, it costs a few C loads and stores, and no Python object
 per node. A node whose count drops to zero has a dead subtree, so removal frees the rest of the path in one
@@ -28,6 +28,14 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
+
+from kvrouter.actors.core.node_table import child_tag as _child_tag
+from kvrouter.actors.core.node_table import entries as _entries
+from kvrouter.actors.core.node_table import new_slots as _new_slots
+from kvrouter.actors.core.node_table import resized as _resized
+from kvrouter.actors.core.node_table import shift_for as _shift_for
+from kvrouter.actors.core.node_table import table_add as _table_add
+from kvrouter.actors.core.node_table import table_remove as _table_remove
 
 ROOT = 0
 _NONE = -1  # "no node": an empty table slot, the end of the free list, a free node's parent
@@ -236,8 +244,7 @@ class PrefixTrie:
         self._parent, self._hash, self._count = self._arrays
 
     # ----------------------------------------------------------------------------- node table
-    # Open addressing with linear probing over a power-of-two array of entries ``(tag << 32) | node`` (``_NONE`` =
-    # empty), at most three quarters full: the KV index's node tables (``kv_index.py``), which say why.
+    # Open addressing over entries ``(tag << 32) | node``: ``node_table.py``, shared with the KV index, says how.
 
     def _child_find(self, parent: int, key: int) -> int:
         """The live node under ``parent`` with hash ``key`` (u64), or ``_NONE``."""
@@ -254,67 +261,3 @@ class PrefixTrie:
                 if self._hash[node] == key and self._parent[node] == parent:
                     return node
             i = (i + 1) & wrap
-
-
-def _entries(slots: array[int]) -> list[int]:
-    """The node ids in a table, in slot order."""
-    return [slots[i] & 0x7FFFFFFF for i in range(len(slots)) if slots[i] != _NONE]
-
-
-def _new_slots(size: int) -> array[int]:
-    return array("q", [_NONE]) * size
-
-
-def _shift_for(size: int) -> int:
-    """A table of ``size`` = 2**k slots homes a 31-bit tag at its top k bits."""
-    return 31 - (size.bit_length() - 1)
-
-
-def _table_add(slots: array[int], shift: int, tag: int, node: int) -> None:
-    wrap = len(slots) - 1
-    i = tag >> shift
-    while slots[i] != _NONE:
-        i = (i + 1) & wrap
-    slots[i] = (tag << 32) | node
-
-
-def _table_remove(slots: array[int], shift: int, tag: int, node: int) -> None:
-    wrap = len(slots) - 1
-    hole = tag >> shift
-    entry = (tag << 32) | node
-    while slots[hole] != entry:
-        hole = (hole + 1) & wrap
-    i = hole
-    while True:
-        i = (i + 1) & wrap
-        moving = slots[i]
-        if moving == _NONE:
-            break
-        home = (moving >> 32) >> shift
-        if (i - home) & wrap >= (i - hole) & wrap:  # its home is not after the hole: it may move back
-            slots[hole] = moving
-            hole = i
-    slots[hole] = _NONE
-
-
-def _resized(old: array[int], size: int) -> tuple[array[int], int]:
-    """A table of ``size`` slots holding ``old``'s entries, and its shift."""
-    slots = _new_slots(size)
-    shift = _shift_for(size)
-    wrap = size - 1
-    for j in range(len(old)):
-        entry = old[j]
-        if entry != _NONE:
-            i = (entry >> 32) >> shift
-            while slots[i] != _NONE:
-                i = (i + 1) & wrap
-            slots[i] = entry
-    return slots, shift
-
-
-def _child_tag(parent: int, key: int) -> int:
-    """Tag of the child ``(parent node, hash)``: the top 31 bits of a multiplicative hash (same in C)."""
-    golden = 0x9E3779B97F4A7C15
-    mix = 0xBF58476D1CE4E5B9
-    m64 = 0xFFFFFFFFFFFFFFFF
-    return (((key ^ ((parent * golden) & m64)) * mix) & m64) >> 33

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import kvrouter.actors.core.hashing as compiled_hashing
 import kvrouter.actors.core.kv_batch_reader as compiled_kv_batch_reader
 import kvrouter.actors.core.kv_index as compiled_kv_index
+import kvrouter.actors.core.node_table as compiled_node_table
 import kvrouter.actors.core.selection as compiled_selection
 import kvrouter.actors.core.trie as compiled_trie
 from kvrouter.actors.core.ids import WorkerRank
@@ -35,7 +36,14 @@ from kvrouter.compiled import COMPILED_MODULES, is_compiled, load_pure, status
 PURE = {name: load_pure(name, "kvrouter_oracle." + name.rsplit(".", 1)[1]) for name in COMPILED_MODULES}
 COMPILED = {
     m.__name__: m
-    for m in (compiled_trie, compiled_kv_index, compiled_hashing, compiled_selection, compiled_kv_batch_reader)
+    for m in (
+        compiled_node_table,
+        compiled_trie,
+        compiled_kv_index,
+        compiled_hashing,
+        compiled_selection,
+        compiled_kv_batch_reader,
+    )
 }
 
 
@@ -47,6 +55,11 @@ def test_the_oracle_runs_from_source() -> None:
     for module in PURE.values():
         assert not is_compiled(module)
         assert module.__file__ is not None and module.__file__.endswith(".py")
+    # The pure index and trie call the pure node table, not the compiled one their compiled twins cimport.
+    node_table = PURE["kvrouter.actors.core.node_table"]
+    for name in ("kvrouter.actors.core.kv_index", "kvrouter.actors.core.trie"):
+        assert PURE[name]._table_add is node_table.table_add
+        assert PURE[name]._child_tag is node_table.child_tag
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="a build without a compiler is allowed outside CI")
@@ -461,6 +474,39 @@ def test_kv_index_long_stores_with_signed_and_repeated_hashes(stores: list[tuple
         )
         assert index_view(indexes[0]) == index_view(indexes[1])
         assert indexes[1].check() == []
+
+
+# -------------------------------------------------------------------------------------- node table
+
+table_ops = st.lists(st.tuples(st.booleans(), st.integers(0, 2**16), st.integers(0, 2**64 - 1)), max_size=300)
+
+
+def run_table(module: ModuleType, ops: list[tuple[bool, int, int]]) -> list[Any]:
+    """Add and remove nodes (keyed by child tags) growing and shrinking as the index does; every step's table."""
+    slots, shift = module.new_slots(8), module.shift_for(8)
+    live: dict[int, int] = {}
+    seen = []
+    for add, parent, key in ops:
+        if add or not live:
+            node = len(seen)
+            if (len(live) + 1) * 4 > len(slots) * 3:
+                slots, shift = module.resized(slots, len(slots) * 2)
+            live[node] = module.child_tag(parent, key)
+            module.table_add(slots, shift, live[node], node)
+        else:
+            node = sorted(live)[key % len(live)]
+            module.table_remove(slots, shift, live.pop(node), node)
+            if len(live) * 8 < len(slots) and len(slots) > 8:
+                slots, shift = module.resized(slots, len(slots) // 2)
+        seen.append((list(slots), shift, module.entries(slots)))
+    return seen
+
+
+@SETTINGS
+@given(ops=table_ops)
+def test_node_tables(ops: list[tuple[bool, int, int]]) -> None:
+    compiled, pure = pair("kvrouter.actors.core.node_table")
+    assert run_table(compiled, ops) == run_table(pure, ops)
 
 
 # --------------------------------------------------------------------------------------- selection

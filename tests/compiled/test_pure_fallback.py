@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from kvrouter.compiled import COMPILED_MODULES, PURE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,3 +93,20 @@ def test_the_environment_variable_forces_pure_python_at_run_time() -> None:
     assert found["match"] == 2
     for how in found["status"].values():  # type: ignore[union-attr]
         assert how in ("pure: KVROUTER_PURE_PYTHON is set", "pure: not compiled at install")
+
+
+def test_a_module_whose_cimported_module_runs_pure_runs_pure_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV index and the trie call the node table's C functions: with the node table stale (its source edited
+    since the build), they run from their .py too, instead of failing to import the compiled table's C API."""
+    from kvrouter import compiled
+
+    digests = {module: compiled.source_digest(module) for module in COMPILED_MODULES}
+    digests["kvrouter.actors.core.node_table"] = "edited since"
+    monkeypatch.setattr(compiled, "_manifest", lambda: digests)
+    monkeypatch.setattr(compiled, "_extension_path", lambda module: Path(module))
+    monkeypatch.delenv(PURE_ENV, raising=False)
+    status = compiled.status()
+    assert status["kvrouter.actors.core.node_table"] == "pure: source changed since it was compiled"
+    for module in ("kvrouter.actors.core.kv_index", "kvrouter.actors.core.trie"):
+        assert status[module] == "pure: kvrouter.actors.core.node_table, whose C functions it calls, is not compiled"
+    assert status["kvrouter.actors.core.hashing"] == "compiled"

@@ -1,0 +1,26 @@
+# Types for the Cython build of node_table.py (README "Compiled hot paths"). The .py is the whole implementation
+# and runs as it is when nothing is compiled. kv_index.pxd and trie.pxd cimport these, so the compiled index and
+# trie call them as C functions (cpdef: the pure-Python index and trie import the same names).
+cimport cython
+
+cdef int _NONE
+
+cpdef object new_slots(Py_ssize_t size)
+
+cpdef int shift_for(size)
+
+@cython.locals(i=Py_ssize_t)
+cpdef list entries(long long[::1] slots)
+
+@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t)
+cpdef void table_add(long long[::1] slots, int shift, long long tag, int node)
+
+@cython.locals(wrap=Py_ssize_t, i=Py_ssize_t, hole=Py_ssize_t, home=Py_ssize_t, entry="long long",
+               moving="long long")
+cpdef void table_remove(long long[::1] slots, int shift, long long tag, int node)
+
+@cython.locals(slots="long long[::1]", shift=int, wrap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, entry="long long")
+cpdef tuple resized(long long[::1] old, Py_ssize_t size)
+
+@cython.locals(golden="unsigned long long", mix="unsigned long long", m64="unsigned long long")
+cpdef long long child_tag(unsigned long long parent, unsigned long long key)
