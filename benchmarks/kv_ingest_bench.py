@@ -2,12 +2,13 @@
 completion probes), repeated, with the service's CPU time per block, and the reference's in alternating rounds.
 
     python benchmarks/kv_ingest_bench.py [--blocks 1000000] [--rounds 3] [--reference-python PATH]
-        [--durability always] [--profile-dir DIR [--native]]
+        [--durability always] [--profile-dir DIR [--native | --perf]]
 
 Each round starts a fresh service, registers the 16 workers, publishes the chains and waits until every
 worker's last chain is indexed (``select_service_bench.ingest``). Printed per round: blocks/s, the
 service's CPU time (user + system, from /proc) per block during the ingest, and RSS per indexed block.
-``--profile-dir`` records kvrouter's ingest with py-spy (if installed) into DIR/round-N.txt (collapsed stacks).
+``--profile-dir`` records kvrouter's ingest with py-spy (if installed) into DIR/round-N.txt (collapsed stacks; C
+frames too with ``--native``), or with ``perf record`` into DIR/round-N.perf (``--perf``: every thread, the kernel).
 """
 
 from __future__ import annotations
@@ -72,7 +73,25 @@ def one_round(
     try:
         service.start()
         trio.run(prepare, service, publishers)
-        if profile is not None:
+        if profile is not None and profile.suffix == ".perf":
+            spy = subprocess.Popen(
+                [
+                    "perf",
+                    "record",
+                    "-F",
+                    "999",
+                    "--call-graph",
+                    "dwarf,16384",
+                    "-p",
+                    str(service.pid),
+                    "-o",
+                    str(profile),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(1.0)
+        elif profile is not None:
             spy = subprocess.Popen(
                 [
                     "py-spy",
@@ -117,6 +136,7 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames of compiled modules too")
+    parser.add_argument("--perf", action="store_true", help="profile with perf record (DIR/round-N.perf) instead")
     args = parser.parse_args()
     python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
     env = dict(os.environ)
@@ -130,7 +150,8 @@ def main() -> None:
     try:
         for n in range(1, args.rounds + 1):
             data = Path(tempfile.mkdtemp(prefix="data-", dir=workdir))
-            profile = None if args.profile_dir is None else args.profile_dir / f"round-{n}.txt"
+            suffix = ".perf" if args.perf else ".txt"
+            profile = None if args.profile_dir is None else args.profile_dir / f"round-{n}{suffix}"
             port = free_port()
             print(
                 one_round(
