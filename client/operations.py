@@ -160,6 +160,11 @@ class Operations(ABC):
     def perform(self, op: Op[Any]) -> Any:
         """Send ``op`` and return its decoded result (or an awaitable of it)."""
 
+    def perform_write(self, path: str, command: tuple[Any, ...]) -> Any:
+        """A slot tracker write (``/add``, ``/prefill_complete``, ``/free``) given as its compact ``command``
+        -> bool: whether it created something. A flavour may send it without an ``Op`` (the hot path)."""
+        return self.perform(Op("POST", path, None, _created, compact=command))
+
     def call(self, method: str, path: str, body: Any = NO_BODY) -> Any:
         """Any route: ``Reply`` (status, body, headers) without raising for a 4xx/5xx."""
         return self.perform(Op(method, path, body, _reply, raises=False))
@@ -199,16 +204,15 @@ class Operations(ABC):
         """``POST /add`` -> bool: whether the request was created."""
         hashes = sequence_hashes if type(sequence_hashes) in (list, tuple) else list(sequence_hashes)
         command = (ADD, model_name, tenant_id, request_id, worker_id, dp_rank, hashes, new_isl_tokens)
-        return self.perform(Op("POST", "/add", None, _created, compact=command))
+        return self.perform_write("/add", command)
 
     def prefill_complete(self, request_id: str, *, model_name: str = "default", tenant_id: str | None = None) -> Any:
         """``POST /prefill_complete`` -> bool."""
-        command = (PREFILL_COMPLETE, model_name, tenant_id, request_id)
-        return self.perform(Op("POST", "/prefill_complete", None, _created, compact=command))
+        return self.perform_write("/prefill_complete", (PREFILL_COMPLETE, model_name, tenant_id, request_id))
 
     def free(self, request_id: str, *, model_name: str = "default", tenant_id: str | None = None) -> Any:
         """``POST /free`` -> bool."""
-        return self.perform(Op("POST", "/free", None, _created, compact=(FREE, model_name, tenant_id, request_id)))
+        return self.perform_write("/free", (FREE, model_name, tenant_id, request_id))
 
     # -- the selection service ----------------------------------------------------------------------------
 

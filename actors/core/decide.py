@@ -101,9 +101,9 @@ def _unregister(command: UnregisterWorker, state: ScopeState) -> Decision:
 
 @_decide.register
 def _add(command: AddRequest, state: ScopeState) -> Decision:
-    if not state.exists:
-        return no_tracker(state)
     slots = state.slots
+    if not (slots.workers or state.exists):  # (a scope with workers exists: the property only when it has none)
+        return no_tracker(state)
     loads = slots.ranks.get((command.worker_id, command.dp_rank))  # type: ignore[call-overload]  # a WorkerRank is this
     if loads is None:
         return Rejected(
@@ -136,9 +136,9 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
 
 @_decide.register
 def _complete_prefill(command: CompletePrefill, state: ScopeState) -> Decision:
-    if not state.exists:
-        return no_tracker(state)
     slots = state.slots
+    if not (slots.workers or state.exists):
+        return no_tracker(state)
     request = slots.requests.get(command.request_id)
     if request is None:
         return Rejected(Reason.NOT_FOUND, f"Request {command.request_id} not found")
@@ -149,7 +149,7 @@ def _complete_prefill(command: CompletePrefill, state: ScopeState) -> Decision:
 
 @_decide.register
 def _free(command: FreeRequest, state: ScopeState) -> Decision:
-    if not state.exists:
+    if not (state.slots.workers or state.exists):
         return no_tracker(state)
     if command.request_id not in state.slots.requests:
         return NOTHING_CHANGED  # idempotent; an early free is forgotten, as in the reference
