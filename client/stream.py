@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -185,6 +185,23 @@ class StreamClient(Operations):
         """Send ``op`` with the next message and wait for its result (one coroutine per call)."""
         if self._closed is not None:
             raise StreamClosed(str(self._closed))
+        reply = await self._round_trip(self._encode, op)
+        # ``reply``: the compact result [id, status, body(, headers)], or the same from a JSON result.
+        return result_of_parts(op, reply[1], reply[2], reply[3] if len(reply) > 3 else None)
+
+    async def perform_write(self, path: str, command: tuple[Any, ...]) -> Any:
+        """``perform`` of a hot write without an ``Op``: one is built only to read a failure (the hot path)."""
+        if not self.compact or self._closed is not None:
+            return await super().perform_write(path, command)
+        reply = await self._round_trip(self._encode_write, command)
+        status = reply[1]
+        if status < 400:
+            return status == 201
+        op = Op("POST", path, None, _created, compact=command)
+        return result_of_parts(op, status, reply[2], reply[3] if len(reply) > 3 else None)
+
+    async def _round_trip(self, encode: Callable[[int, Any], bytes], what: Any) -> Any:
+        """Take room in the window, queue ``encode(id, what)`` for the next message, wait for its reply."""
         try:
             self._room.acquire_nowait()  # room is the common case: no scheduling round for it
         except trio.WouldBlock:
@@ -192,7 +209,7 @@ class StreamClient(Operations):
         try:
             command_id = self._next_id
             self._next_id += 1
-            encoded = self._encode(command_id, op)
+            encoded = encode(command_id, what)
             if len(encoded) + MESSAGE_OVERHEAD > MAX_MESSAGE_BYTES:
                 raise ValueError(_too_big(len(encoded)))
             waiting = self._waiting
@@ -209,43 +226,7 @@ class StreamClient(Operations):
             self._room.release()
         if isinstance(reply, BaseException):
             raise StreamClosed(str(reply))
-        # ``reply``: the compact result [id, status, body(, headers)], or the same from a JSON result.
-        return result_of_parts(op, reply[1], reply[2], reply[3] if len(reply) > 3 else None)
-
-    async def perform_write(self, path: str, command: tuple[Any, ...]) -> Any:
-        """``perform`` of a hot write without an ``Op`` (built only to read a failure): the hot path, the same
-        steps as ``perform`` (kept in one coroutine: a call per step would cost what this saves)."""
-        if not self.compact or self._closed is not None:
-            return await super().perform_write(path, command)
-        try:
-            self._room.acquire_nowait()
-        except trio.WouldBlock:
-            await self._room.acquire()
-        try:
-            command_id = self._next_id
-            self._next_id += 1
-            encoded = self._encode_write(command_id, command)
-            if len(encoded) + MESSAGE_OVERHEAD > MAX_MESSAGE_BYTES:
-                raise ValueError(_too_big(len(encoded)))
-            waiting = self._waiting
-            waiting[command_id] = trio.lowlevel.current_task()
-            self._outgoing.append(encoded)
-            self._wake.set()
-
-            def abort(_: Any) -> trio.lowlevel.Abort:
-                waiting.pop(command_id, None)
-                return trio.lowlevel.Abort.SUCCEEDED
-
-            reply = await trio.lowlevel.wait_task_rescheduled(abort)
-        finally:
-            self._room.release()
-        if isinstance(reply, BaseException):
-            raise StreamClosed(str(reply))
-        status = reply[1]
-        if status < 400:
-            return status == 201
-        op = Op("POST", path, None, _created, compact=command)
-        return result_of_parts(op, status, reply[2], reply[3] if len(reply) > 3 else None)
+        return reply
 
     async def _send_messages(self) -> None:
         try:
