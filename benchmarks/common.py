@@ -1,4 +1,5 @@
-"""Helpers both benchmark scripts use: ports, process memory, and finding the Dynamo reference."""
+"""Helpers the benchmark scripts share: ports, process memory, starting kvrouter's selection service, and
+finding the Dynamo reference."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,3 +37,23 @@ def reference_python(explicit: str | None, module: str) -> str | None:
         ):
             return python
     return None
+
+
+def repo_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH, so a started service runs this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def select_service_argv(
+    port: int, data: Path, *, durability: str | None = None, log_level: str = "warning", fresh: bool = True
+) -> list[str]:
+    """The command line of kvrouter's selection service on ``port`` with its journal in ``data``."""
+    argv = [sys.executable, "-m", "kvrouter.api.select_service", "--port", str(port), "--data-dir", str(data)]
+    if durability is not None:
+        argv += ["--durability", durability]
+    argv += ["--log-level", log_level]
+    if fresh:
+        argv.append("--fresh")
+    return argv

@@ -26,7 +26,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, reference_python
+from common import free_port, reference_python, repo_env, select_service_argv
 from select_service_bench import CHAIN_BLOCKS, REPO, Publishers, Service, Workload, ingest, prepare
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -40,20 +40,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def kvrouter_argv(port: int, data: Path, durability: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "kvrouter.api.select_service",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data),
-        "--durability",
-        durability,
-        "--log-level",
-        "warning",
-        "--fresh",
-    ]
+    return select_service_argv(port, data, durability=durability)
 
 
 def one_round(
@@ -139,8 +126,7 @@ def main() -> None:
     parser.add_argument("--perf", action="store_true", help="profile with perf record (DIR/round-N.perf) instead")
     args = parser.parse_args()
     python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env = repo_env()
     ref_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DYN_LOG", "RUST_LOG")}
     ref_env["DYN_LOG"] = "warn"
     workdir = Path(tempfile.mkdtemp(prefix="kvrouter-ingest-bench-"))

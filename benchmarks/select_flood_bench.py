@@ -28,7 +28,7 @@ import orjson
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, reference_python
+from common import free_port, reference_python, repo_env, select_service_argv
 from http_client import Connection
 from select_service_bench import (
     BLOCK_SIZE,
@@ -197,26 +197,12 @@ def main() -> None:
         f"{python or 'not installed'}",
         flush=True,
     )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env = repo_env()
     results = {}
     port = free_port()
     data = Path(tempfile.mkdtemp(prefix="kvrouter-flood-data-"))
     try:
-        argv = [
-            sys.executable,
-            "-m",
-            "kvrouter.api.select_service",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data),
-            "--durability",
-            args.durability,
-            "--log-level",
-            "warning",
-            "--fresh",
-        ]
+        argv = select_service_argv(port, data, durability=args.durability)
         results["kvrouter"] = run(f"kvrouter ({args.durability})", argv, env, REPO, port, args)
     finally:
         shutil.rmtree(data, ignore_errors=True)

@@ -39,10 +39,9 @@ import trio
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, reference_python, rss_bytes
+from common import REPO, free_port, reference_python, repo_env, rss_bytes, select_service_argv
 from http_client import Connection
 
-REPO = Path(__file__).resolve().parent.parent
 WORKERS, BLOCK_SIZE, CHAIN_BLOCKS = 16, 16, 64
 CHAIN_TOKENS = CHAIN_BLOCKS * BLOCK_SIZE
 MODEL = "bench"
@@ -821,25 +820,13 @@ def main() -> None:
         flush=True,
     )
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env = repo_env()
     kvrouter = Flavor(
         label=f"kvrouter ({args.durability})" if not args.fronts else f"kvrouter ({args.durability}, {args.fronts}f)",
         argv=lambda port, data, fresh: [
-            sys.executable,
-            "-m",
-            "kvrouter.api.select_service",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data),
-            "--durability",
-            args.durability,
-            "--log-level",
-            "warning",
+            *select_service_argv(port, data, durability=args.durability, fresh=fresh),
             "--fronts",
             str(args.fronts),
-            *(["--fresh"] if fresh else []),
         ],
         env=env,
         cwd=REPO,

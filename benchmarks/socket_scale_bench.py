@@ -53,13 +53,12 @@ import trio
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, rss_bytes
+from common import REPO, free_port, repo_env, rss_bytes, select_service_argv
 from http_client import Connection
 from select_service_bench import Latencies, Service, call, wait_status
 
 from kvrouter.actors.peers.socket_budget import FDS_PER_LISTENER, listener_capacity
 
-REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 MODEL = "scale"
 BLOCK_SIZE = 16
@@ -254,20 +253,8 @@ def process_figures(pid: int) -> dict[str, float]:
 
 def start_service(workdir: Path, label: str, limit_open_files: int | None = None) -> Service:
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "kvrouter.api.select_service",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(workdir / f"data-{port}"),
-        "--log-level",
-        "info",
-        "--fresh",
-    ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    argv = select_service_argv(port, workdir / f"data-{port}", log_level="info")
+    env = repo_env()
     service = Service(label, argv, port, workdir, env, REPO)
     if limit_open_files is None:
         service.start()
