@@ -41,6 +41,8 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, LifespanState
 
+from kvrouter.api.fast_h1 import FastH1Connection
+
 HYPERCORN_VERSION = "0.18.0"  # the version whose internals this module was written and tested against
 
 
@@ -198,7 +200,12 @@ def corkable(send: Any) -> CorkedH11Protocol | None:
 
 async def send_whole_response(send: Any, start: dict[str, Any], body: dict[str, Any]) -> None:
     """Send ``start`` then its final ``body`` message (``more_body`` false), as one write where the
-    connection can (hypercorn's HTTP/1.1 under ``AdaptedTCPServer``), else as two ASGI sends."""
+    connection can (kvrouter's plain HTTP/1.1 path, or hypercorn's HTTP/1.1 under ``AdaptedTCPServer``),
+    else as two ASGI sends."""
+    plain = getattr(send, "__self__", None)
+    if type(plain) is FastH1Connection:
+        await plain.send_whole(start, body)
+        return
     protocol = corkable(send) if ACTIVE else None
     if protocol is None:
         await send(start)

@@ -37,6 +37,7 @@ ASGI lifespan.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -55,6 +56,8 @@ from hypercorn.config import Config
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr
 
+from kvrouter.api import hypercorn_adapter
+from kvrouter.api.fast_h1 import FastH1Connection, ResponseHeaders
 from kvrouter.api.hypercorn_adapter import AdaptedTCPServer, inactive_reason
 
 log = logging.getLogger("kvrouter.http")
@@ -118,6 +121,7 @@ class _Stream:
         self._closing = False  # hypercorn has started to close: no more sends
         self._sent: trio.Event | None = None  # set while a send is in progress, fired when it ends
         self._unsent = b""  # what ``write_now`` could not write at once: the next send starts with it
+        self.replay = b""  # read by the plain HTTP/1.1 path and handed back: hypercorn reads it first
         self.socket = stream.socket  # hypercorn reads the peer and local addresses from it
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -189,6 +193,9 @@ class _Stream:
             await self.send_all(b"")
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self.replay:
+            data, self.replay = self.replay, b""
+            return data
         return await self._stream.receive_some(max_bytes)
 
     async def send_eof(self) -> None:
@@ -235,6 +242,14 @@ class _Connection(AdaptedTCPServer):
         await self.idle_task.stop()
 
 
+async def _close(stream: _Stream) -> None:
+    """End a connection as hypercorn's ``TCPServer`` does: our end of the stream, then close (lingering over
+    what the client still sends)."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError, OSError):
+        await stream.send_eof()
+    await stream.aclose()
+
+
 def _unread_bytes(stream: trio.SocketStream) -> int:
     """Bytes the client sent that nobody has read yet (FIONREAD)."""
     try:
@@ -245,9 +260,17 @@ def _unread_bytes(stream: trio.SocketStream) -> int:
 
 
 class _Server:
-    def __init__(self, app: Any, config: Config, max_connections: int, write_timeout: float = inf) -> None:
+    def __init__(
+        self, app: Any, config: Config, max_connections: int, write_timeout: float = inf, plain_fast_path: bool = True
+    ) -> None:
+        self.raw_app = app
         self.app = ASGIWrapper(app)
         self.config = config
+        # Plain HTTP/1.1 requests without hypercorn's machinery (api/fast_h1.py), with the hypercorn version
+        # whose behaviour it reproduces; hypercorn serves the rest of a connection from its first other request.
+        self.plain_fast_path = plain_fast_path and hypercorn_adapter.ACTIVE
+        self.response_headers = ResponseHeaders(config)
+        self.plain: set[FastH1Connection] = set()  # connections on the plain path (closed when idle at shutdown)
         self.write_timeout = write_timeout
         self.context = WorkerContext(None)
         self.all_closed = trio.Event()  # set once draining and the last connection has ended
@@ -289,6 +312,17 @@ class _Server:
         try:
             with trio.CancelScope() as connection:
                 wrapped = _Stream(stream, connection, self.write_timeout)
+                if self.plain_fast_path:
+                    plain = FastH1Connection(wrapped, self.raw_app, self.config, self.context, self.response_headers)
+                    self.plain.add(plain)
+                    try:
+                        replay = await plain.serve()
+                    finally:
+                        self.plain.discard(plain)
+                    if replay is None:
+                        await _close(wrapped)
+                        return
+                    wrapped.replay = replay
                 await _Connection(self.app, self.config, self.context, {}, wrapped)  # type: ignore[arg-type]
         finally:
             self.open -= 1
@@ -333,6 +367,8 @@ class _Server:
         with trio.move_on_after(IDLE_DRAIN_SECONDS):
             await self.all_closed.wait()
         await self.context.terminated.set()
+        for connection in list(self.plain):
+            connection.close_if_idle()
 
 
 async def serve_http(
@@ -342,9 +378,12 @@ async def serve_http(
     *,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     write_timeout: float = inf,
+    plain_fast_path: bool = True,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` until ``shutdown_trigger`` returns, then drain (see the module doc) and return."""
+    """Serve ``app`` until ``shutdown_trigger`` returns, then drain (see the module doc) and return.
+
+    ``plain_fast_path``: serve plain HTTP/1.1 requests on api/fast_h1.py (False: hypercorn serves all)."""
     sockets = config.create_sockets()
     listeners = []
     binds = []
@@ -352,7 +391,7 @@ async def serve_http(
         sock.listen(config.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-    server = _Server(app, config, max_connections, write_timeout)
+    server = _Server(app, config, max_connections, write_timeout, plain_fast_path)
     if (reason := inactive_reason()) is not None:
         log.warning("%s", reason)
     try:

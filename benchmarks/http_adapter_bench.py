@@ -1,4 +1,5 @@
-"""What the hypercorn adapter (api/hypercorn_adapter.py) saves per request: CPU time, with it and without.
+"""What kvrouter's HTTP layers save per request: CPU time under hypercorn alone, with the hypercorn adapter
+(api/hypercorn_adapter.py), and on the plain HTTP/1.1 path (api/fast_h1.py, the default).
 
 Server (kvrouter's ``serve_http`` with a minimal ASGI app answering 2 bytes) and keep-alive clients run in
 this one process and thread, so the CPU time per request counts both sides; the clients are the same in
@@ -16,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,19 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     )
 
 
-async def one_round(requests: int, connections: int) -> tuple[float, float]:
+VARIANTS = (  # label, adapter active, plain path
+    ("hypercorn alone", False, False),
+    ("with the adapter", True, False),
+    ("plain HTTP/1.1 path", True, True),
+)
+
+
+async def one_round(requests: int, connections: int, plain: bool) -> tuple[float, float]:
     """(CPU microseconds per request, requests per second of wall time)."""
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve_http, app, hypercorn_config("127.0.0.1", 0), stop.wait)
+        serve = partial(serve_http, plain_fast_path=plain)
+        binds = await nursery.start(serve, app, hypercorn_config("127.0.0.1", 0), stop.wait)
         port = int(binds[0].rsplit(":", 1)[1])
         clients = [await Connection.open("127.0.0.1", port) for _ in range(connections)]
         raw = clients[0].encode("GET", "/health")
@@ -80,21 +90,24 @@ def main() -> None:
         f"{args.requests} GETs per round, {args.rounds} rounds, load average "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
     )
-    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    results: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in VARIANTS}
     for _ in range(args.rounds):
-        for active in (False, True):
+        for label, active, plain in VARIANTS:
             hypercorn_adapter.ACTIVE = active  # read per connection and per send
-            results[active].append(trio.run(one_round, args.requests, args.connections))
+            results[label].append(trio.run(one_round, args.requests, args.connections, plain))
     hypercorn_adapter.ACTIVE = True
-    for active, label in ((False, "hypercorn alone"), (True, "with the adapter")):
-        cpus = [cpu for cpu, _ in results[active]]
-        rates = [rate for _, rate in results[active]]
+    medians = {}
+    for label, _, _ in VARIANTS:
+        cpus = [cpu for cpu, _ in results[label]]
+        rates = [rate for _, rate in results[label]]
+        medians[label] = statistics.median(cpus)
         print(
-            f"{label:<18} CPU per request (server + client) median {statistics.median(cpus):6.1f} us "
+            f"{label:<20} CPU per request (server + client) median {medians[label]:6.1f} us "
             f"(min {min(cpus):6.1f})   wall rate median {statistics.median(rates):7.0f} req/s"
         )
-    saved = statistics.median(c for c, _ in results[False]) - statistics.median(c for c, _ in results[True])
-    print(f"saved per request: {saved:.1f} us of CPU")
+    alone = medians["hypercorn alone"]
+    for label, _, _ in VARIANTS[1:]:
+        print(f"{label}: saves {alone - medians[label]:.1f} us of CPU per request against hypercorn alone")
 
 
 if __name__ == "__main__":

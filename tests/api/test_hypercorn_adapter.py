@@ -5,6 +5,7 @@ rather than silently wrong. The rest check what it changes, on a real server on 
 request instead of two, two sends per response instead of three (one for a whole response, with the same
 bytes as hypercorn's), a streamed response's head still sent before its body, and the keep-alive timer
 still closing an idle connection (after a response, and at shutdown) but never one with a request in flight.
+These servers run without the plain HTTP/1.1 path (api/fast_h1.py), so every request goes through hypercorn.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from importlib.metadata import version
 from typing import Any
 
@@ -163,7 +165,7 @@ async def serving(idle_timeout: float = 5.0, app: Any = hello) -> AsyncIterator[
     config = hypercorn_config("127.0.0.1", 0, HttpSettings(idle_timeout=idle_timeout))
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(serve_http, app, config, stop.wait)
+            binds = await nursery.start(partial(serve_http, plain_fast_path=False), app, config, stop.wait)
             yield binds[0], stop
             stop.set()
 
@@ -325,7 +327,7 @@ async def test_a_connection_silent_for_the_read_timeout_is_closed(monkeypatch: p
     config = hypercorn_config("127.0.0.1", 0, HttpSettings(body_timeout=0.3))
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(serve_http, hello, config, stop.wait)
+            binds = await nursery.start(partial(serve_http, plain_fast_path=False), hello, config, stop.wait)
             async with await connect(binds[0]) as stream:
                 body = b"x" * 10
                 await stream.send_all(request_bytes("POST", "/", body)[: -len(body)])  # the head; then silence

@@ -1,0 +1,287 @@
+"""The plain HTTP/1.1 path (api/fast_h1.py): what a client receives is what hypercorn sends, byte for byte.
+
+Each case sends the same bytes to a real server on 127.0.0.1 twice, once with the plain path (the default)
+and once with hypercorn serving every request, and reads everything until the server closes the connection
+(a short keep-alive timeout ends the kept ones); only the ``date`` header's value is masked. The cases
+cover what the plain path serves itself (GET, HEAD, POST bodies in pieces, pipelining, answers without
+reading the body, app failures, streamed and chunked responses, refused headers and lengths) and what it
+hands to hypercorn from the first byte of the request (chunked bodies, ``Expect``, ``Connection: close``,
+HTTP/1.0, a missing ``Host``, an oversized head, garbage), after plain requests on the same connection.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+
+import kvrouter.api.server as server_module
+from kvrouter.api import hypercorn_adapter
+from kvrouter.api.server import HttpSettings, hypercorn_config, serve_http
+from tests.support.raw_http import connect, request_bytes
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+EOF = b""  # (as a piece: the client ends its side of the stream)
+IDLE = 0.4  # seconds a kept connection stays open after its last response, so each exchange ends
+
+
+async def read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"<disconnect>"
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    """Paths choose a behaviour; the answer shows what the app was given."""
+    path = scope["path"]
+    method = scope["method"]
+    if path == "/early":  # answers without reading the body
+        await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"no"})
+        return
+    body = await read_body(receive)
+    if path == "/fail":
+        raise RuntimeError("the app fails before answering")
+    if path == "/fail-after-head":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"9")]})
+        raise RuntimeError("the app fails after its head")
+    if path == "/stream":  # no length: chunked
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for piece in (b"one ", b"", b"two "):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"three"})
+        return
+    if path == "/bad-header":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-bad", b"a\r\nb: c")]})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    if path == "/too-long":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"three"})
+        return
+    if path == "/no-content":
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    if path == "/close":
+        headers = [(b"content-length", b"6"), (b"Connection", b"close")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"closed"})
+        return
+    answer = b"%s %s %s q=%s body=%s h=%s" % (
+        method.encode(),
+        scope["raw_path"],
+        path.encode(),
+        scope["query_string"],
+        body,
+        b";".join(b"%s=%s" % pair for pair in scope["headers"] if pair[0] != b"host"),
+    )
+    headers = [
+        (b"content-length", str(len(answer)).encode()),
+        (b"X-Kind", b" whole "),
+        (b"content-type", b"text/plain"),
+    ]
+    await hypercorn_adapter.send_whole_response(
+        send,
+        {"type": "http.response.start", "status": 201, "headers": headers},
+        {"type": "http.response.body", "body": b"" if method == "HEAD" else answer},
+    )
+
+
+@asynccontextmanager
+async def serving(plain: bool, **settings: Any) -> AsyncIterator[str]:
+    stop = trio.Event()
+    config = hypercorn_config("127.0.0.1", 0, HttpSettings(idle_timeout=IDLE, **settings))
+    config.h11_max_incomplete_size = 4096
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(serve_http, plain_fast_path=plain), app, config, stop.wait)
+            yield binds[0]
+            stop.set()
+
+
+DATE = re.compile(rb"date: [^\r]*\r\n")
+
+
+async def wire(plain: bool, pieces: list[bytes], **settings: Any) -> bytes:
+    """Everything the server sends for ``pieces`` (sent a moment apart) until it closes the connection."""
+    async with serving(plain, **settings) as url, await connect(url) as stream:
+        for index, piece in enumerate(pieces):
+            if index:
+                await trio.sleep(0.05)
+            if piece is EOF:
+                await stream.send_eof()
+            else:
+                await stream.send_all(piece)
+        received = b""
+        try:
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+        except trio.BrokenResourceError:
+            received += b"<reset>"
+    return DATE.sub(b"date: <masked>\r\n", received)
+
+
+def post(path: str, body: bytes, **headers: str) -> bytes:
+    return request_bytes("POST", path, body, headers)
+
+
+PLAIN_CASES = {
+    "get": [request_bytes("GET", "/a%2Fb/c?x=1&y=%20")],
+    "head": [request_bytes("HEAD", "/h")],
+    "post": [post("/p", b'{"a": 1}', **{"Content-Type": "application/json", "X-Pad": "  spaced  "})],
+    "pipelined": [request_bytes("GET", "/1") + post("/2", b"body") + request_bytes("HEAD", "/3")],
+    "body in pieces": [post("/p", b"0123456789")[:-10], b"01234", b"56789"],
+    "head in pieces": [b"GET /slow HTTP/1.1\r\nho", b"st: x\r\n", b"\r\n"],
+    "empty body": [post("/p", b"", **{"content-length": "0"})],
+    "answered before the body": [post("/early", b"unread body")],
+    "app fails": [request_bytes("GET", "/fail") + request_bytes("GET", "/after")],
+    "app fails after its head": [request_bytes("GET", "/fail-after-head")],
+    "streamed": [request_bytes("GET", "/stream") + request_bytes("HEAD", "/stream")],
+    "header refused": [request_bytes("GET", "/bad-header")],
+    "body over its length": [request_bytes("GET", "/too-long")],
+    "no content": [request_bytes("GET", "/no-content") + request_bytes("GET", "/after")],
+    "app closes": [request_bytes("GET", "/close") + request_bytes("GET", "/after")],
+    "keep-alive header": [request_bytes("GET", "/k", headers={"Connection": "keep-alive"})],
+    "partial head, then silence": [b"GET /x HTTP/1.1\r\nHost: a\r\n"],
+    "partial head, then the end of the stream": [b"GET /x HTTP/1.1\r\nHost: a\r\n", EOF],
+}
+
+HANDED_TO_HYPERCORN = {
+    "chunked body": [
+        request_bytes("GET", "/1") + post("/c", b"", **{"Transfer-Encoding": "chunked"}) + b"3\r\nabc\r\n0\r\n\r\n"
+    ],
+    "expect 100-continue": [request_bytes("GET", "/1") + post("/e", b"ab", Expect="100-continue")],
+    "connection close": [request_bytes("GET", "/1") + request_bytes("GET", "/2", headers={"Connection": "close"})],
+    "http/1.0": [request_bytes("GET", "/1") + b"GET /old HTTP/1.0\r\n\r\n"],
+    "no host": [request_bytes("GET", "/1") + b"GET /nohost HTTP/1.1\r\n\r\n"],
+    "two hosts": [request_bytes("GET", "/1") + b"GET /2 HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n"],
+    "oversized head": [request_bytes("GET", "/1") + request_bytes("GET", "/big", headers={"x-big": "y" * 5000})],
+    "garbage": [request_bytes("GET", "/1") + b"\x16\x03\x01 not http\r\n\r\n"],
+    "lower-case method": [request_bytes("GET", "/1") + b"get /x HTTP/1.1\r\nhost: a\r\n\r\n"],
+    "absolute form": [request_bytes("GET", "/1") + b"GET http://a/x HTTP/1.1\r\nhost: a\r\n\r\n"],
+    "bad content-length": [
+        request_bytes("GET", "/1") + b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: +3\r\n\r\nabc"
+    ],
+    "two content-lengths": [
+        request_bytes("GET", "/1") + b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\nabc"
+    ],
+    "h2c upgrade": [
+        request_bytes("GET", "/1")
+        + request_bytes(
+            "GET",
+            "/u",
+            headers={"Upgrade": "h2c", "Connection": "Upgrade, HTTP2-Settings", "HTTP2-Settings": "AAMAAABkAAQAAP__"},
+        )
+    ],
+}
+
+
+async def counting_hypercorn_connections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    made: list[int] = []
+    original = server_module._Connection.__init__
+
+    def counted(self: Any, *args: Any) -> None:
+        made.append(1)
+        original(self, *args)
+
+    monkeypatch.setattr(server_module._Connection, "__init__", counted)
+    return made
+
+
+@pytest.mark.parametrize("case", sorted(PLAIN_CASES))
+async def test_the_plain_path_sends_what_hypercorn_sends(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = await counting_hypercorn_connections(monkeypatch)
+    plain = await wire(True, PLAIN_CASES[case])
+    # Served without hypercorn (a partial head and then the end of the stream is hypercorn's to answer).
+    assert made == ([1] if case == "partial head, then the end of the stream" else [])
+    assert plain == await wire(False, PLAIN_CASES[case])
+
+
+@pytest.mark.parametrize("case", sorted(HANDED_TO_HYPERCORN))
+async def test_a_request_that_is_not_plain_is_served_by_hypercorn_from_its_first_byte(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = await counting_hypercorn_connections(monkeypatch)
+    plain = await wire(True, HANDED_TO_HYPERCORN[case])
+    assert made == [1]
+    alone = await wire(False, HANDED_TO_HYPERCORN[case])
+    if case == "h2c upgrade":  # HTTP/2 after the 101: frames the same size (their dates, HPACK-coded, differ)
+        switched = b"upgrade: h2c\r\n\r\n"
+        assert switched in plain
+        plain, alone = (
+            plain.partition(switched)[0] + b"%d" % len(plain),
+            alone.partition(switched)[0] + b"%d" % len(alone),
+        )
+    assert plain == alone
+    assert plain.startswith(b"HTTP/1.1 201 \r\n") and plain.count(b"HTTP/1.1 ") >= 2  # the plain request, then more
+
+
+async def test_plain_requests_make_no_hypercorn_connection_and_others_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = await counting_hypercorn_connections(monkeypatch)
+    await wire(True, PLAIN_CASES["pipelined"] + PLAIN_CASES["body in pieces"])
+    assert made == []
+    await wire(True, HANDED_TO_HYPERCORN["chunked body"])
+    assert made == [1]
+
+
+async def test_a_head_must_arrive_within_the_idle_timeout() -> None:
+    async with serving(True) as url, await connect(url) as stream:
+        await stream.send_all(b"GET /slow HTTP/1.1\r\nhost: a\r\n")  # and never the blank line
+        with trio.fail_after(10):
+            assert await stream.receive_some(65536) == b""  # closed, unanswered
+
+
+async def test_a_body_that_stops_coming_ends_the_connection_after_the_read_timeout() -> None:
+    async with serving(True, body_timeout=0.3) as url, await connect(url) as stream:
+        await stream.send_all(post("/p", b"0123456789")[:-5])
+        received = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+        # The app heard of the disconnect (its answer may or may not get out before the close).
+        assert received in (b"",) or b"body=<disconnect>" in received
+
+
+async def test_an_idle_plain_connection_is_closed_when_the_server_stops() -> None:
+    stop = trio.Event()
+    config = hypercorn_config("127.0.0.1", 0, HttpSettings(idle_timeout=60))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_http, app, config, stop.wait)
+            async with await connect(binds[0]) as stream:
+                await stream.send_all(request_bytes("GET", "/1"))
+                first = await stream.receive_some(65536)
+                assert first.startswith(b"HTTP/1.1 201 ") and b"connection: close" not in first
+                stop.set()
+                # Told nothing more, the idle connection is closed by the drain (not after 60 s).
+                assert await stream.receive_some(65536) == b""
+
+
+async def test_a_request_during_the_drain_is_answered_and_told_to_close() -> None:
+    stop = trio.Event()
+    config = hypercorn_config("127.0.0.1", 0, HttpSettings(idle_timeout=60))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_http, app, config, stop.wait)
+            async with await connect(binds[0]) as stream:
+                await stream.send_all(request_bytes("GET", "/1"))
+                await stream.receive_some(65536)
+                stop.set()
+                await trio.sleep(0.1)  # draining: listeners closed, kept connections may still send
+                await stream.send_all(request_bytes("GET", "/2"))
+                answer = b""
+                while chunk := await stream.receive_some(65536):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 201 ") and b"connection: close\r\n" in answer
