@@ -124,7 +124,8 @@ class FastH1Connection:
         self._config = config
         self._context = context
         self._response_headers = response_headers
-        self._buffer = b""  # read, not yet served
+        self._buffer = b""  # read; served up to ``_at`` (an offset: pipelined requests are not copied one by one)
+        self._at = 0
         self._eof = False
         self._idle = True  # between requests (a terminating server may close the connection now)
         self._wait: trio.CancelScope | None = None  # the read in progress, while idle
@@ -167,7 +168,8 @@ class FastH1Connection:
                 if not data:
                     self._eof = True
                     return False
-                self._buffer = self._buffer + data if self._buffer else data
+                self._buffer = self._buffer[self._at :] + data if self._at < len(self._buffer) else data
+                self._at = 0
                 return True
             read_timeout = self._config.read_timeout
             if read_timeout:
@@ -183,6 +185,9 @@ class FastH1Connection:
                     self._wait = None
             if wait.cancelled_caught:
                 return False
+
+    def _unserved(self) -> bytes:
+        return self._buffer[self._at :]
 
     def close_if_idle(self) -> None:
         """The server is terminating: stop waiting for a next request (a request being read or answered
@@ -200,22 +205,22 @@ class FastH1Connection:
             if terminated.is_set():
                 return None
             idle_deadline = trio.current_time() + self._config.keep_alive_timeout
-            while (end := self._buffer.find(HEAD_END)) < 0:
-                if len(self._buffer) > self._config.h11_max_incomplete_size:
-                    return self._buffer  # hypercorn refuses an oversized head (431)
+            while (end := self._buffer.find(HEAD_END, self._at)) < 0:
+                if len(self._buffer) - self._at > self._config.h11_max_incomplete_size:
+                    return self._unserved()  # hypercorn refuses an oversized head (431)
                 if not await self._read(idle_deadline):
-                    if self._eof and self._buffer:
-                        return self._buffer  # a partial request, then the end: hypercorn answers it
+                    if self._eof and self._at < len(self._buffer):
+                        return self._unserved()  # a partial request, then the end: hypercorn answers it
                     return None
                 served_without_waiting = 0
             self._idle = False
-            head_size = end + len(HEAD_END)
-            if head_size > self._config.h11_max_incomplete_size:
-                return self._buffer
-            scope = self._parse(self._buffer[:head_size])
+            head_end = end + len(HEAD_END)
+            if head_end - self._at > self._config.h11_max_incomplete_size:
+                return self._unserved()
+            scope = self._parse(self._buffer[self._at : head_end])
             if scope is None:
-                return self._buffer  # not plain: hypercorn serves it, and the rest of the connection
-            self._buffer = self._buffer[head_size:]
+                return self._unserved()  # not plain: hypercorn serves it, and the rest of the connection
+            self._at = head_end
             if not await self._answer(scope):
                 return None
             served_without_waiting += 1
@@ -306,16 +311,16 @@ class FastH1Connection:
             if self._finished or self._broken:
                 return {"type": "http.disconnect"}
             # The app waits for the client to go away: read (and keep, up to the head limit) what it sends.
-            while len(self._buffer) <= self._config.h11_max_incomplete_size:
+            while len(self._buffer) - self._at <= self._config.h11_max_incomplete_size:
                 if not await self._read(math.inf):
                     self._broken = True  # gone, or silent for the read timeout: hypercorn closes it too
                     return {"type": "http.disconnect"}
             await trio.sleep_forever()
-        if self._body_left and not self._buffer and not await self._read(math.inf):
+        if self._body_left and self._at >= len(self._buffer) and not await self._read(math.inf):
             self._broken = True
             return {"type": "http.disconnect"}
-        piece = self._buffer[: self._body_left]
-        self._buffer = self._buffer[len(piece) :]
+        piece = self._buffer[self._at : self._at + self._body_left]
+        self._at += len(piece)
         self._body_left -= len(piece)
         self._body_delivered = self._body_left == 0
         return {"type": "http.request", "body": piece, "more_body": not self._body_delivered}

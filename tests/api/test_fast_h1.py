@@ -285,3 +285,16 @@ async def test_a_request_during_the_drain_is_answered_and_told_to_close() -> Non
                 while chunk := await stream.receive_some(65536):
                     answer += chunk
                 assert answer.startswith(b"HTTP/1.1 201 ") and b"connection: close\r\n" in answer
+
+
+async def test_two_thousand_pipelined_requests_are_answered_in_order() -> None:
+    requests = b"".join(request_bytes("GET", f"/{index}") for index in range(2000))
+    async with serving(True) as url, await connect(url) as stream:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream.send_all, requests)
+                received = b""
+                while received.count(b"HTTP/1.1 201 ") < 2000 or not received.endswith(b"h="):
+                    received += await stream.receive_some(65536)
+    paths = re.findall(rb"GET (/\d+) ", received)
+    assert paths == [f"/{index}".encode() for index in range(2000)]
