@@ -2,6 +2,16 @@
 # implementation and runs as it is when nothing is compiled; compiled, a block's local hash is one C call to
 # XXH3 (the xxhash package's own C function, found at import and checked against xxh3_64_intdigest) over the
 # packed token ids, instead of a Python call on a memoryview slice.
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object item, int *overflow) except? -1
+    unsigned long long PyLong_AsUnsignedLongLongMask(object item) except? <unsigned long long>-1
+    int _PyLong_Sign(object item)
+    size_t _PyLong_NumBits(object item) except? <size_t>-1
+
+
 cdef extern from *:
     """
     typedef unsigned long long (*kvrouter_xxh3_fn)(const void *, size_t, unsigned long long);
@@ -33,3 +43,92 @@ cdef inline list _native_hashes(const unsigned int[::1] tokens, Py_ssize_t count
     for i in range(count):
         out[i] = _xxh3(&tokens[i * block_size], width, seed)
     return out
+
+
+cdef inline list _native_hashes_of(object token_ids, Py_ssize_t count, Py_ssize_t block_size,
+                                   Py_ssize_t extra_token, unsigned long long seed):
+    """``_native_hashes`` straight from a tuple or list of token ids (no array built first), or None when one
+    of the ids it covers is not an int in [0, 2**32): the caller then converts them as before (and fails as
+    before)."""
+    cdef Py_ssize_t n = count * block_size + extra_token
+    cdef unsigned int *packed
+    if n > len(token_ids):
+        return None
+    packed = <unsigned int *>PyMem_Malloc(<size_t>n * sizeof(unsigned int))
+    if packed == NULL:
+        raise MemoryError()
+    try:
+        if not (_pack_tuple(token_ids, n, packed) if type(token_ids) is tuple else _pack_list(token_ids, n, packed)):
+            return None
+        return _hash_windows(packed, count, block_size, extra_token, seed)
+    finally:
+        PyMem_Free(packed)
+
+
+cdef inline bint _pack_tuple(tuple token_ids, Py_ssize_t n, unsigned int *packed):
+    cdef Py_ssize_t i
+    for i in range(n):
+        if not _pack_one(token_ids[i], &packed[i]):
+            return False
+    return True
+
+
+cdef inline bint _pack_list(list token_ids, Py_ssize_t n, unsigned int *packed):
+    cdef Py_ssize_t i
+    for i in range(n):
+        if not _pack_one(token_ids[i], &packed[i]):
+            return False
+    return True
+
+
+cdef inline bint _pack_one(object item, unsigned int *slot):
+    """Store ``item`` if it is an int in [0, 2**32) (no exception raised or caught on this path: each costs)."""
+    cdef int overflow = 0
+    cdef long long value
+    if type(item) is not int:
+        return False
+    value = PyLong_AsLongLongAndOverflow(item, &overflow)
+    if overflow or value < 0 or value >= (<long long>1) << 32:  # (a literal 0xFFFFFFFF compares as a Python int)
+        return False
+    slot[0] = <unsigned int>value
+    return True
+
+
+cdef inline list _hash_windows(const unsigned int *tokens, Py_ssize_t count, Py_ssize_t block_size,
+                               Py_ssize_t extra_token, unsigned long long seed):
+    cdef list out = [None] * count
+    cdef size_t width = <size_t>(block_size + extra_token) * 4
+    cdef Py_ssize_t i
+    for i in range(count):
+        out[i] = _xxh3(&tokens[i * block_size], width, seed)
+    return out
+
+
+cdef inline list _native_chain(object block_hashes, unsigned long long seed):
+    """``sequence_hashes`` with one C call to XXH3 per link, or None when a hash is not an int in [0, 2**64)
+    (the caller then takes the Python path, which masks such values)."""
+    cdef Py_ssize_t n = len(block_hashes)
+    cdef Py_ssize_t i
+    cdef unsigned long long pair[2]
+    cdef list out = [None] * n
+    cdef object item
+    cdef tuple as_tuple = block_hashes if type(block_hashes) is tuple else tuple(block_hashes)
+    for i in range(n):
+        item = as_tuple[i]
+        if type(item) is not int or not _u64_of(item, &pair[1]):
+            return None
+        if i == 0:
+            pair[0] = pair[1]
+        else:
+            pair[0] = _xxh3(pair, 16, seed)
+        out[i] = pair[0]
+    return out
+
+
+cdef inline bint _u64_of(object item, unsigned long long *slot):
+    """Store the int ``item`` if it is in [0, 2**64), raising nothing: a 64-bit hash is often past 2**63, so
+    it is read as a mask once ``_PyLong_Sign`` and the bit length say it fits."""
+    if _PyLong_Sign(item) < 0 or _PyLong_NumBits(item) > 64:
+        return False
+    slot[0] = PyLong_AsUnsignedLongLongMask(item)
+    return True

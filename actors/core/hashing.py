@@ -128,6 +128,10 @@ def block_hashes(
     if NATIVE_XXH3 and not mm_hashes_per_block:
         packed = token_ids if type(token_ids) is array and token_ids.typecode == "I" else None
         if packed is None:
+            if type(token_ids) is tuple or type(token_ids) is list:  # a prompt's: packed in C as they are read
+                hashed = _native_hashes_of(token_ids, count, block_size, extra_token, seed)  # type: ignore[name-defined]  # noqa: F821
+                if hashed is not None:
+                    return hashed  # type: ignore[no-any-return]
             packed = _u32_array(token_ids[: count * block_size + extra_token])
         return _native_hashes(packed, count, block_size, extra_token, seed)  # type: ignore[name-defined,no-any-return]  # noqa: F821
     data = memoryview(_u32_bytes(token_ids[: count * block_size + extra_token]))
@@ -150,6 +154,10 @@ def sequence_hashes(block_hashes: Sequence[int]) -> list[int]:
     out: list[int] = []
     if not block_hashes:
         return out
+    if NATIVE_XXH3 and (type(block_hashes) is tuple or type(block_hashes) is list):
+        chained = _native_chain(block_hashes, SEED)  # type: ignore[name-defined]  # noqa: F821
+        if chained is not None:  # None: a value to mask (not in [0, 2**64)), done below
+            return chained  # type: ignore[no-any-return]
     prev = block_hashes[0] & U64_MASK
     out.append(prev)
     pack = _PAIR.pack

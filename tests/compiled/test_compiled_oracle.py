@@ -90,7 +90,9 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 tokens = st.lists(st.integers(0, 2**32 - 1), max_size=80)
 bad_tokens = st.lists(
-    st.one_of(st.integers(0, 2**32 - 1), st.integers(-(2**40), -1), st.integers(2**32, 2**70), st.floats()),
+    st.one_of(
+        st.integers(0, 2**32 - 1), st.integers(-(2**40), -1), st.integers(2**32, 2**70), st.floats(), st.booleans()
+    ),
     max_size=20,
 )
 u64s = st.integers(0, 2**64 - 1)
@@ -563,7 +565,8 @@ class _Record:
     loads=st.lists(
         st.tuples(st.integers(0, 900), st.integers(0, 50), st.integers(0, 3), st.integers(0, 9)), min_size=15
     ),
-    matched=st.lists(st.tuples(*(st.integers(0, 9) for _ in range(5))), min_size=15),
+    # The KV index's overlaps have four tiers (``kv_index.Overlap``), a TierOverlap five.
+    matched=st.lists(st.lists(st.integers(0, 9), min_size=4, max_size=5).map(tuple), min_size=15),
     hashes=st.lists(u64s, max_size=12),
 )
 def test_rank_candidates(workers: list[Any], loads: list[Any], matched: list[Any], hashes: list[int]) -> None:
@@ -574,7 +577,9 @@ def test_rank_candidates(workers: list[Any], loads: list[Any], matched: list[Any
     matches = {rank: matched[i] for i, rank in enumerate(ranks) if i % 2}
 
     def build(m: ModuleType) -> list[tuple[Any, ...]]:
-        return [tuple(c) for c in m.rank_candidates(records, by_rank, matches, tuple(hashes))]
+        built = m.rank_candidates(records, by_rank, matches, tuple(hashes))
+        assert all(type(c) is m.RankCandidate and type(c.overlap) is m.TierOverlap for c in built)
+        return [tuple(c) for c in built]
 
     assert build(compiled) == build(pure)
 
