@@ -260,7 +260,7 @@ class SelectService:
         (``actors/core/disaggregation.py``); ``<id>`` is ``reservation_id``, else ``selection_id``, else
         generated. Either both parts are booked or neither."""
         config = self._config(request)
-        self._require_any_schedulable()
+        self._require_any_schedulable(request.scope)
         booking = request.reservation_id if request.reservation_id is not None else request.selection_id
         now = self._now()
         predicted = self._predicted_ranks(request.scope, now)
@@ -298,7 +298,7 @@ class SelectService:
 
     def _selection(self, request: SelectionRequest, *, reserve: bool) -> SelectWorker:
         config = self._config(request)
-        self._require_any_schedulable()
+        self._require_any_schedulable(request.scope)
         now = self._now()
         return SelectWorker(
             request.prompt,
@@ -319,9 +319,13 @@ class SelectService:
             return frozenset()
         return self.health.predicted_ranks(state, schedulable(state, True, self.config.queueing), now)
 
-    def _require_any_schedulable(self) -> None:
-        """1.6.1 answers differently when the whole service has no schedulable worker."""
+    def _require_any_schedulable(self, scope: ScopeKey | None = None) -> None:
+        """1.6.1 answers differently when the whole service has no schedulable worker. ``scope``: the
+        request's own, looked at first (a selection usually finds one there, without a pass over every scope)."""
         use_kv_events, queueing = self.config.use_kv_events, self.config.queueing
+        own = self.system.state(scope) if scope is not None else None
+        if own is not None and schedulable(own, use_kv_events, queueing):
+            return
         if not any(schedulable(state, use_kv_events, queueing) for state in self.system.states()):
             raise Refused(Reason.UNAVAILABLE, NO_SCHEDULABLE_WORKERS_ANYWHERE)
 
@@ -464,7 +468,7 @@ class SelectService:
         return scores
 
     def _prompt_read(self, scope: ScopeKey, prompt: Prompt) -> tuple[SelectionInput, list[Any]]:
-        self._require_any_schedulable()
+        self._require_any_schedulable(scope)
         state = self.system.state(scope) or ScopeState(scope)
         prepared = selection_input(state, prompt, self.config.use_kv_events, queueing=self.config.queueing)
         if not isinstance(prepared, SelectionInput):

@@ -257,6 +257,17 @@ class SelectBody(PromptBody):
         return override
 
     def options(self) -> SelectionOptions:
+        if (
+            self.allowed_worker_ids is None
+            and self.routing_constraints is None
+            and self.pinned_worker is None
+            and self.expected_output_tokens is None
+            and self.session_id is None
+            and self.session_context is None
+            and self.affinity_target is None
+            and self.priority_jump is None
+        ):
+            return NO_OPTIONS  # the common body: what the code below builds from nothing, built once
         constraints = self.routing_constraints or RoutingConstraints()
         return SelectionOptions(
             allowed_worker_ids=None if self.allowed_worker_ids is None else frozenset(self.allowed_worker_ids),
@@ -280,6 +291,9 @@ class SelectBody(PromptBody):
         if not math.isfinite(jump):
             raise HttpError(422, _deserialize_failed("priority_jump must be a finite number"))
         return jump
+
+
+NO_OPTIONS = SelectionOptions()  # a body without any option field (SelectBody.options)
 
 
 # The fields of a /select body that ``fast_select_body`` reads itself: plain strings (null allowed or not) and
