@@ -104,6 +104,9 @@ class KvIngest:
         self.slots = slots if slots is not None else ListenerSlots.for_this_process()
         self._nursery: trio.Nursery | None = None
         self._running: dict[int, dict[ListenerKey, Running]] = {}  # by worker id
+        # Derived from _running (dropped by _start and _stop, which change it): each (worker id, dp rank)'s
+        # listener status, for ``connected``, which every selection asks of every rank.
+        self._statuses: dict[tuple[int, int], ListenerStatus] | None = None
         self.observe: Observer = self._observe
 
     async def run(self, *, task_status: trio.TaskStatus[KvIngest] = trio.TASK_STATUS_IGNORED) -> None:
@@ -148,10 +151,19 @@ class KvIngest:
 
     def connected(self, worker_id: int, dp_rank: int) -> bool | None:
         """Whether the rank's listener is connected now; None when the rank has no listener."""
-        for key, running in self._running.get(worker_id, {}).items():
-            if key.rank.dp_rank == dp_rank:
-                return running.status.state == "active"
-        return None
+        statuses = self._statuses
+        if statuses is None:
+            statuses = self._statuses = self._statuses_by_rank()
+        status = statuses.get((worker_id, dp_rank))
+        return None if status is None else status.state == "active"
+
+    def _statuses_by_rank(self) -> dict[tuple[int, int], ListenerStatus]:
+        """The status of each rank's listener (its first, should a rank have two for a moment)."""
+        found: dict[tuple[int, int], ListenerStatus] = {}
+        for worker_id, listeners in self._running.items():
+            for key, running in listeners.items():
+                found.setdefault((worker_id, key.rank.dp_rank), running.status)
+        return found
 
     def listener_statuses(self) -> list[tuple[WorkerRank, ListenerStatus]]:
         """Every listener's rank and status (for metrics), sorted by rank."""
@@ -194,6 +206,7 @@ class KvIngest:
 
     def _start(self, key: ListenerKey, watermark: int | None) -> None:
         assert self._nursery is not None, "KvIngest.run has not started"
+        self._statuses = None
         listeners = self._running.setdefault(key.rank.worker_id, {})
         try:
             self.slots.reserve([key.rank])  # a no-op when admitted; at startup the limit may have shrunk
@@ -214,6 +227,7 @@ class KvIngest:
         self._nursery.start_soon(self._run_listener, listener, cancel_scope)
 
     def _stop(self, worker_id: int, key: ListenerKey) -> None:
+        self._statuses = None
         running = self._running[worker_id].pop(key)
         if running.cancel_scope is None:
             return  # never started: it held no slot
