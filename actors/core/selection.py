@@ -280,7 +280,21 @@ def cheapest(
             min_prefill = c.active_prefill_tokens
     memo: dict[tuple[object, ...], float] = {}
     costs = []
+    idle_cost = None  # the cost of an idle rank with nothing cached (most ranks, often): its taints do not count
     for c in kept:
+        if c[1] is NO_OVERLAP and not c[2] and not c[3] and not c[4] and not c[5] and not preferred_taints:
+            if idle_cost is None:
+                idle_cost = cost(
+                    c,
+                    isl=isl,
+                    num_seq_hashes=num_seq_hashes,
+                    block_size=block_size,
+                    config=config,
+                    min_active_prefill=min_prefill,
+                    preferred_taints=preferred_taints,
+                )
+            costs.append((c.rank, idle_cost))
+            continue
         key = c[1:]  # everything but the rank
         value = memo.get(key)
         if value is None:

@@ -29,7 +29,7 @@ from kvrouter.actors.core.commands import (
     SelectWorker,
     UpsertWorker,
 )
-from kvrouter.actors.core.constraints import RoutingConstraints, can_decode, catalog_problem
+from kvrouter.actors.core.constraints import RoutingConstraints, catalog_problem
 from kvrouter.actors.core.decisions import NOTHING_CHANGED, Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import (
     Event,
@@ -265,7 +265,7 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     pinned = WorkerRank(*options.pinned_worker) if options.pinned_worker is not None else None
     if config.router_mode == MODE_DIRECT and pinned is None:
         return Rejected(Reason.INVALID, DIRECT_NEEDS_PIN)
-    serving = with_workers(request, can_decode)
+    serving = decoding(state, request, config)
     if serving is None:
         return Rejected(Reason.UNAVAILABLE, ONLY_PREFILL_WORKERS)
     found = candidates(state, serving, predicted_ranks=command.predicted_ranks, all_predicted=not config.use_kv_events)
@@ -278,7 +278,9 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         found,
         serving,
         options,
-        RoutingConstraints(options.required_taints, options.preferred_taints),
+        RoutingConstraints(options.required_taints, options.preferred_taints)
+        if options.required_taints or options.preferred_taints
+        else NO_CONSTRAINTS,
         pinned=pinned,
         config=config,
         draw=command.draw,
@@ -324,6 +326,18 @@ def tracked_output(config: RouterConfig, expected_output_tokens: int | None) -> 
 ONLY_PREFILL_WORKERS = (
     f"{NO_ENDPOINTS}: every schedulable worker has worker_role prefill (use POST /select_disaggregated)"
 )
+
+
+NO_CONSTRAINTS = RoutingConstraints()
+
+
+def decoding(state: ScopeState, request: SelectionInput, config: RouterConfig) -> SelectionInput | None:
+    """``with_workers(request, can_decode)`` for ``request`` from ``selection_input`` (whose workers are the
+    partition's schedulable ones), from the partition's cached list of them."""
+    decoders = state.selection.schedulable_decoders(config.use_kv_events, config.queueing)
+    if decoders is request.workers:
+        return request
+    return attrs.evolve(request, workers=decoders) if decoders else None
 
 
 def with_workers(request: SelectionInput, usable: Callable[[WorkerRecord], bool]) -> SelectionInput | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
+from kvrouter.actors.core.constraints import can_decode
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_index import KvIndex, Tier
 from kvrouter.actors.core.sessions import SessionBinding
@@ -21,6 +22,7 @@ class SelectionState:
         "approx_count",
         "approx_expiry",
         "catalog",
+        "decoders_cache",
         "index",
         "kv_watermarks",
         "partition_block_size",
@@ -50,6 +52,8 @@ class SelectionState:
         # Derived: schedulable records per (use_kv_events, queueing), dropped by evolve whenever the catalog
         # or the partition's block size changes.
         self.schedulable_cache: dict[tuple[bool, bool], tuple[WorkerRecord, ...]] = {}
+        # Derived as schedulable_cache is (dropped with it): those of them that can decode.
+        self.decoders_cache: dict[tuple[bool, bool], tuple[WorkerRecord, ...]] = {}
 
     @property
     def exists(self) -> bool:
@@ -75,6 +79,17 @@ class SelectionState:
             cached = self.schedulable_cache[key] = self._schedulable(use_kv_events, queueing)
         return cached
 
+    def schedulable_decoders(self, use_kv_events: bool, queueing: bool = False) -> tuple[WorkerRecord, ...]:
+        """The schedulable records that can decode (all but prefill-only workers), in catalog order; cached as
+        ``schedulable`` is (every aggregated selection asks)."""
+        key = (use_kv_events, queueing)
+        cached = self.decoders_cache.get(key)
+        if cached is None:
+            workers = self.schedulable(use_kv_events, queueing)
+            decoders = tuple(record for record in workers if can_decode(record))
+            cached = self.decoders_cache[key] = workers if len(decoders) == len(workers) else decoders
+        return cached
+
     def _schedulable(self, use_kv_events: bool, queueing: bool = False) -> tuple[WorkerRecord, ...]:
         block_size = self.partition_block_size
         return tuple(
@@ -89,11 +104,13 @@ class SelectionState:
 
     def put_record(self, record: WorkerRecord, partition_block_size: int | None) -> None:
         self.schedulable_cache.clear()
+        self.decoders_cache.clear()
         self.catalog[record.worker_id] = record
         self.partition_block_size = partition_block_size
 
     def remove_record(self, worker_id: int) -> None:
         self.schedulable_cache.clear()
+        self.decoders_cache.clear()
         del self.catalog[worker_id]
 
     def forget_stream(self, rank: WorkerRank) -> None:
@@ -185,6 +202,10 @@ class SelectionState:
             if cached != self._schedulable(use_kv_events, queueing):
                 with_queue = ", queueing=True" if queueing else ""
                 problems.append(f"stale schedulable cache (use_kv_events={use_kv_events}{with_queue})")
+        for (use_kv_events, queueing), cached in self.decoders_cache.items():
+            if cached != tuple(r for r in self._schedulable(use_kv_events, queueing) if can_decode(r)):
+                with_queue = ", queueing=True" if queueing else ""
+                problems.append(f"stale schedulable decoders cache (use_kv_events={use_kv_events}{with_queue})")
         for rank, expiry in self.approx_expiry.items():
             if not expiry:
                 problems.append(f"{rank}: empty approximate-mode expiry kept")

@@ -587,7 +587,12 @@ def test_rank_candidates(workers: list[Any], loads: list[Any], matched: list[Any
 @SETTINGS
 @given(
     config=configs,
-    fields=st.lists(candidate_fields, min_size=1, max_size=6),
+    # Idle ranks with nothing cached (None: NO_OVERLAP) are scored once between them (``cheapest``).
+    fields=st.lists(
+        st.one_of(candidate_fields, st.tuples(st.none(), *(st.just(0),) * 4, candidate_fields.map(lambda f: f[5]))),
+        min_size=1,
+        max_size=6,
+    ),
     isl=st.integers(0, 5000),
     num_seq_hashes=st.integers(0, 300),
     block_size=st.integers(1, 64),
@@ -609,7 +614,15 @@ def test_scoring(
 
     def score(m: ModuleType) -> tuple[Any, ...]:
         candidates = [
-            m.RankCandidate(WorkerRank(i, 0), m.TierOverlap(*overlap), prefill, decode, requests, depth, taints)
+            m.RankCandidate(
+                WorkerRank(i, 0),
+                m.NO_OVERLAP if overlap is None else m.TierOverlap(*overlap),
+                prefill,
+                decode,
+                requests,
+                depth,
+                taints,
+            )
             for i, (overlap, prefill, decode, requests, depth, taints) in enumerate(fields)
         ]
         least = min(c.active_prefill_tokens for c in candidates)
@@ -641,6 +654,8 @@ def test_scoring(
             preferred_taints=preferred,
             draw=draw,
         )
+        if chosen[0] == "ok" and not decode_pool:  # the pick over each rank's own cost (cheapest aggregates)
+            assert cheapest.rank == chosen[1]
         return costs, cached, summary, chosen, tuple(cheapest)
 
     compiled_result, pure_result = score(compiled), score(pure)

@@ -4,6 +4,7 @@ shared by ``decide_select`` and the inspection routes, reservation commands, out
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons
@@ -279,6 +280,26 @@ def test_a_stale_schedulable_cache_is_an_invariant_violation(warm: Scope) -> Non
     warm.state.selection.schedulable(True)
     warm.state.selection.catalog[1] = record(1, endpoint=None)  # bypassing evolve leaves the cache stale
     assert "stale schedulable cache (use_kv_events=True)" in check(warm.state)
+
+
+def test_a_stale_decoders_cache_is_an_invariant_violation(warm: Scope) -> None:
+    warm.state.selection.schedulable_decoders(True)
+    warm.state.selection.catalog[1] = record(1, worker_role="prefill")  # bypassing evolve: stale
+    warm.state.selection.schedulable_cache.clear()
+    assert "stale schedulable decoders cache (use_kv_events=True)" in check(warm.state)
+
+
+def test_a_worker_that_becomes_prefill_only_is_no_longer_selected(warm: Scope) -> None:
+    """Selections read the partition's cached decoding workers: a role change (an upsert) must reach them."""
+    select = SelectWorker(Prompt(TOKENS), RouterConfig(), draw=0.0)
+    assert warm.run(select).reply.worker_id == 2  # worker 1 carries a booking
+    warm.ok(UpsertWorker(record(2, worker_role="prefill", kv_events_endpoint="tcp://w2:1")))
+    assert {warm.run(attrs.evolve(select, draw=d / 10)).reply.worker_id for d in range(10)} == {1}
+    warm.ok(UpsertWorker(record(1, worker_role="prefill")))
+    refused = warm.run(select)
+    assert isinstance(refused, Rejected) and refused.reason is Reason.UNAVAILABLE
+    warm.ok(UpsertWorker(record(2, kv_events_endpoint="tcp://w2:1")))
+    assert warm.run(select).reply.worker_id == 2
 
 
 def indexed() -> KvIndex:
