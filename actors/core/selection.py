@@ -282,7 +282,14 @@ def cheapest(
     costs = []
     idle_cost = None  # the cost of an idle rank with nothing cached (most ranks, often): its taints do not count
     for c in kept:
-        if c[1] is NO_OVERLAP and not c[2] and not c[3] and not c[4] and not c[5] and not preferred_taints:
+        if (
+            c.overlap is NO_OVERLAP
+            and not c.active_prefill_tokens
+            and not c.active_decode_blocks
+            and not c.active_requests
+            and not c.prompt_overlap_depth
+            and not preferred_taints
+        ):
             if idle_cost is None:
                 idle_cost = cost(
                     c,
