@@ -7,11 +7,15 @@ A client message (text or binary) is a JSON object::
 Each command is a command of ``api/commands.py`` with an ``id`` (an integer or a string, echoed back).
 The service answers with messages ``{"results": [{"id": 1, "status": 201, "body": {...}}, ...]}``: each
 result as soon as its command is durable, results that finish together in one message, in any order
-(match them by id). ``"ordered"`` (default true): the message's commands are applied in order with
-the connection's earlier ordered commands, by the rules of ``POST /batch`` (a slot tracker write
-lets the next command start once it is submitted; any other command waits for every earlier one);
+(match them by id). ``"ordered"`` (default true): the message's commands are
+applied in order with the connection's earlier ordered commands, by the rules of ``POST /batch`` (a slot
+tracker write lets the next command start once it is submitted; any other command waits for every earlier one);
 false: they start at once, unordered among themselves and with the rest (independent commands, e.g.
-from concurrent callers: a client that needs one before another waits for its result).
+from concurrent callers: a client that needs one before another waits for its result). Except that the
+slot tracker's writes (the compact format's hot writes) of unordered messages go in groups, one at a time
+per connection: a group is applied once the one before it is durable and answered, and takes the messages
+that came meanwhile; a message that is all its connection has in flight is split in two groups, so that
+its client works on the first group's results while the service applies the second (``run_hot``).
 
 Bounds (per connection): at most MAX_IN_FLIGHT commands received and not yet answered. Policy when
 full: the service stops reading the socket (the next message is read once its commands fit), so a
@@ -49,6 +53,12 @@ log = logging.getLogger("kvrouter.api")
 STREAM_PATH = "/ws/commands"
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_IN_FLIGHT = 4096
+# An unordered message of at least twice this many hot writes, when it is all its connection has in flight, is
+# applied (and answered) in two halves (see ``CommandStream.run_hot``).
+SPLIT_MIN_COMMANDS = 64
+# The most hot writes of one connection applied as one group (messages that arrived while the group before
+# was applied are taken together, up to this).
+MAX_HOT_GROUP = 2048
 CLOSE_TOO_BIG = 1009
 CLOSE_INVALID = 1007
 CLOSE_GOING_AWAY = 1001
@@ -251,6 +261,10 @@ class CommandStream:
         self.ready = trio.Event()
         self.ordered_work: deque[tuple[list[Any], list[Item]]] = deque()
         self.ordered_ready = trio.Event()
+        # Unordered messages of hot writes, waiting for the group before them to be durable (see run_hot).
+        # (ids, items, apply, whether it takes the messages after it into its group)
+        self.hot_work: deque[tuple[list[Any], list[Item], Any, bool]] = deque()
+        self.hot_ready = trio.Event()
 
     def deliver(self, command_id: Any, response: Response) -> None:
         if self.compact is not None:
@@ -285,12 +299,37 @@ class CommandStream:
                 await self.runner.run_ordered(items, _by_id(ids, self.deliver), nursery, running)
 
     async def run_unordered(self, ids: list[Any], items: list[Item]) -> None:
-        apply = _one_apply(items)
-        if apply is None:
-            await self.runner.run(items, _by_id(ids, self.deliver), ordered=False)
-            return
-        # Every command a hot write of one batched route (the compact format's common message): the one service
-        # call ``runner.run`` would make for them, its results rendered straight into the outgoing message.
+        await self.runner.run(items, _by_id(ids, self.deliver), ordered=False)
+
+    async def run_hot(self) -> None:
+        """The connection's unordered hot writes, one group at a time: a group is applied once the group before
+        it is durable and answered, and takes every message that arrived meanwhile.
+
+        So the service never applies writes whose answers would then wait for their turn to end: a group's
+        answers go back the moment its fsync is done, and its client works on them (and sends the next
+        commands) while the service applies the next group. A message that is all its connection has in
+        flight (its client waits for the whole of it) is split in two groups (``_read``), so there is always
+        a next group: client and service overlap instead of taking turns. Applying groups as they arrived
+        instead let a group's answers wait for the next group's actor turn (a message's writes are applied
+        in one turn), and two messages read back to back shared one turn, one fsync and one reply: the
+        client's callers then moved in one lockstep convoy, and each side waited while the other worked."""
+        work = self.hot_work
+        while True:
+            while not work:
+                self.hot_ready = trio.Event()
+                await self.hot_ready.wait()
+            ids, items, apply, takes_more = work.popleft()
+            while takes_more and work and work[0][2] is apply and len(items) + len(work[0][1]) <= MAX_HOT_GROUP:
+                more_ids, more_items, _, takes_more = work.popleft()
+                ids, items = ids + more_ids, items + more_items
+            await self._apply_hot(ids, items, apply)
+            # The answers out before the next group's actor turn: ``send_results`` runs in the next scheduling
+            # batch, and the next group's writes reach their actor (posted below) a batch after that.
+            await trio.lowlevel.checkpoint()
+
+    async def _apply_hot(self, ids: list[Any], items: list[Item], apply: Any) -> None:
+        """One ``Batched.apply`` call for hot writes of one route table (what ``runner.run`` would make for
+        them), the results rendered straight into the outgoing message."""
         try:
             responses = await apply([item.prepared for item in items])  # type: ignore[union-attr]
         except Exception as exc:  # a bug below (``Batched.apply`` answers the service's failures itself)
@@ -308,6 +347,7 @@ class CommandStream:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.send_results)
             nursery.start_soon(self.run_ordered)
+            nursery.start_soon(self.run_hot)
             with trio.CancelScope() as reading:
                 if self.stopping is not None:
                     nursery.start_soon(_cancel_when_set, self.stopping, reading)
@@ -341,8 +381,18 @@ class CommandStream:
             if ordered:
                 self.ordered_work.append((ids, items))
                 self.ordered_ready.set()
-            else:
+            elif (apply := _one_apply(items)) is None:
                 nursery.start_soon(self.run_unordered, ids, items)
+            else:
+                if len(items) >= 2 * SPLIT_MIN_COMMANDS and self.window.used == len(items):
+                    # Everything this connection has in flight: its client waits for all of it, and answering
+                    # it in one piece would leave the client idle while the service works and the other way
+                    # round. In two groups, the first one's answers are worked on while the second is applied.
+                    half = len(items) // 2
+                    self.hot_work.append((ids[:half], items[:half], apply, False))
+                    ids, items = ids[half:], items[half:]
+                self.hot_work.append((ids, items, apply, True))
+                self.hot_ready.set()
 
 
 def _one_apply(items: list[Item]) -> Any:

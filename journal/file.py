@@ -61,6 +61,8 @@ DEFAULT_BATCH_INTERVAL: Final = 0.005  # seconds between fsyncs under Durability
 
 # ALWAYS: the longest the writer waits for the loop to run out of work before it fsyncs anyway (see _gather).
 GATHER_MAX_SECONDS: Final = 0.001
+# ALWAYS: a backlog of at least this many records is written at once, without the gather (see _write_loop).
+GATHER_ENOUGH_RECORDS: Final = 64
 # BATCH and OFF write batches up to this size from the loop itself (see _write_pending).
 INLINE_WRITE_BYTES = 256 * 1024
 
@@ -427,9 +429,17 @@ class FileJournal:
 
     async def _write_loop(self) -> None:
         batch_mode = self._durability is Durability.BATCH
+        commit = self._commit
         while not self._closing:
             if self._pending:
-                if self._durability is Durability.ALWAYS:
+                # A backlog that already fills a batch (a streamed message's writes, applied in one actor turn)
+                # is taken in this very step, before the loop runs anything else: its fsync then runs in the
+                # thread while the loop decides what comes next (the next message's writes get the next fsync
+                # instead of waiting for this one's gather to end). Under the bound, gather as before.
+                if (
+                    self._durability is Durability.ALWAYS
+                    and commit.last_lsn - commit.durable_lsn < GATHER_ENOUGH_RECORDS
+                ):
                     await self._gather()
                 await self._write_pending()
             elif batch_mode and self._synced_lsn < self._commit.durable_lsn:
@@ -467,32 +477,46 @@ class FileJournal:
             self._writer_idle = False
 
     async def _write_pending(self) -> None:
-        always = self._durability is Durability.ALWAYS
-        async with self._io_lock:
-            if self._closing:
-                return  # aclose took (or will take) the pending bytes
-            chunks, batch = self._take_batch()
-            writer = self._segment_writer
-            started = time.perf_counter()
-            try:
-                inline = not always and batch.nbytes <= INLINE_WRITE_BYTES
-                if not inline or any(chunk.new_segment is not None for chunk in chunks):
-                    created, fsyncs = await self._io_thread().run(writer.write, chunks, always)
-                else:
-                    # A small write(2) into the page cache takes microseconds; a thread round trip
-                    # costs ~80 µs of this loop's time. Segment creation and fsync stay in threads.
-                    created, fsyncs = writer.write(chunks, False)
-                    await trio.lowlevel.checkpoint()
-            except OSError as exc:
-                self._fail(exc)
-                raise
-            if always:
-                self._synced_lsn = batch.last_lsn
-                self._last_sync = trio.current_time()
-            self.batch_write_seconds.observe(time.perf_counter() - started)
-            self._batch_written(batch, created, fsyncs)
+        # The lock is taken without a scheduling turn when it is free (it is, unless a snapshot or aclose
+        # holds it): ``async with`` would let other tasks append to the batch before it is taken. A cancelled
+        # writer still stops here (the thread call below is shielded, and a full backlog skips the gather).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._io_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._io_lock.acquire()
+        try:
+            await self._write_batch()
+        finally:
+            self._io_lock.release()
         if self._durability is Durability.BATCH and trio.current_time() - self._last_sync >= self._batch_interval:
             await self._sync_pending_writes()
+
+    async def _write_batch(self) -> None:
+        """Under ``_io_lock``: take the pending frames and write them (and fsync them, under ALWAYS)."""
+        if self._closing:
+            return  # aclose took (or will take) the pending bytes
+        always = self._durability is Durability.ALWAYS
+        chunks, batch = self._take_batch()
+        writer = self._segment_writer
+        started = time.perf_counter()
+        try:
+            inline = not always and batch.nbytes <= INLINE_WRITE_BYTES
+            if not inline or any(chunk.new_segment is not None for chunk in chunks):
+                created, fsyncs = await self._io_thread().run(writer.write, chunks, always)
+            else:
+                # A small write(2) into the page cache takes microseconds; a thread round trip
+                # costs ~80 µs of this loop's time. Segment creation and fsync stay in threads.
+                created, fsyncs = writer.write(chunks, False)
+                await trio.lowlevel.checkpoint()
+        except OSError as exc:
+            self._fail(exc)
+            raise
+        if always:
+            self._synced_lsn = batch.last_lsn
+            self._last_sync = trio.current_time()
+        self.batch_write_seconds.observe(time.perf_counter() - started)
+        self._batch_written(batch, created, fsyncs)
 
     async def _sync_pending_writes(self) -> None:
         """BATCH only: fsync what was written and acknowledged without one."""

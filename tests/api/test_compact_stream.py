@@ -4,12 +4,15 @@ code and nothing applied, hot writes read exactly as their JSON bodies are (gene
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import orjson
 import pytest
+import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, WebSocketConnection
@@ -17,7 +20,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES
 from kvrouter.api import routes
-from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, CompactReader, Malformed
+from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, SPLIT_MIN_COMMANDS, CommandStream, CompactReader, Malformed
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
 from kvrouter.api.http import Response
 from kvrouter.client import CommandError, StreamClient
@@ -294,3 +297,83 @@ async def test_the_client_speaks_json_when_asked(tmp_path: Path) -> None:
             assert client.format == "msgpack"
             assert await client.free("r") is False
             assert (await client.call("GET", "/loads")).body[0]["active_decode_blocks"] == 0
+
+
+async def test_a_large_message_that_is_all_in_flight_is_journaled_in_two_halves(tmp_path: Path) -> None:
+    """A client waiting for a whole message is answered half by half: each half gets its own actor turn and its
+    own fsync, so the first half's answers can go back while the second is applied (two group commits, where a
+    message used to be one). An ordered message is never split; a small one neither."""
+    count = 2 * SPLIT_MIN_COMMANDS
+    async with (
+        running("slot tracker", tmp_path) as service,
+        open_websocket(ws_url(service.urls[0]), subprotocols=[SUBPROTOCOL]) as ws,
+    ):
+        journal = service.system.journal
+        await ws.send_message(msgpack.packb([True, [[0, ROUTE, "POST", "/register", REGISTER]]]))
+        assert (await compact_results(ws, 1))[0][1] == 201
+
+        async def batches_for(ordered: bool, commands: list[list[Any]]) -> int:
+            before = journal.statistics().batches_written
+            await ws.send_message(msgpack.packb([ordered, commands]))
+            found = await compact_results(ws, len(commands))
+            assert sorted(result[1] for result in found.values()) == [201] * len(commands)
+            assert journal.durable_lsn == journal.last_lsn
+            return journal.statistics().batches_written - before
+
+        def adds(prefix: str, n: int) -> list[list[Any]]:
+            return [[i, ADD, "m", None, f"{prefix}{i}", 1, i % 2, int64s([i, i + 1]), 16] for i in range(n)]
+
+        assert await batches_for(False, adds("a", count)) == 2
+        assert await batches_for(True, adds("b", count)) == 1
+        assert await batches_for(False, adds("c", count - 1)) == 1
+
+
+class _HeldWrites:
+    """A slot tracker whose ``apply_writes`` calls are held until the test lets each one finish."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []  # request ids of each call, in call order
+        self.finished = 0
+        self.release = trio.Semaphore(0)
+
+    async def apply_writes(self, writes: list[Any]) -> list[Any]:
+        self.calls.append([write[3] for write in writes])
+        await self.release.acquire()
+        self.finished += 1
+        return [True] * len(writes)
+
+
+async def test_hot_writes_that_arrive_while_a_group_is_applied_wait_for_its_answers() -> None:
+    """In process: the writes of a message that arrives while the connection's previous group is being applied
+    are applied only once that group is answered, together (one call for the messages that came meanwhile),
+    so a group's answers never wait for the next group's actor turn."""
+    service = _HeldWrites()
+    batches = routes.write_batches(service)  # type: ignore[arg-type]
+    runner = CommandRunner()
+    runner.serve([routes.write_route(service, "/add", routes.prepare_add, batches)])  # type: ignore[arg-type]
+    inbox_send, inbox = trio.open_memory_channel[dict[str, Any]](math.inf)
+    sent: list[list[Any]] = []
+
+    async def send_out(message: dict[str, Any]) -> None:
+        sent.append([result[0] for result in msgpack.unpackb(message["bytes"])])
+
+    def message(*names: str) -> dict[str, Any]:
+        commands = [[name, ADD, "m", None, name, 1, 0, [1, 2], None] for name in names]
+        return {"type": "websocket.receive", "bytes": msgpack.packb([False, commands])}
+
+    stream = CommandStream(runner, send_out, compact=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.serve, inbox.receive)
+        inbox_send.send_nowait(message("a1", "a2"))
+        await trio.testing.wait_all_tasks_blocked()
+        inbox_send.send_nowait(message("b1"))
+        inbox_send.send_nowait(message("c1", "c2"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert service.calls == [["a1", "a2"]]  # b and c read, held back
+        service.release.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert sent == [["a1", "a2"]] and service.calls == [["a1", "a2"], ["b1", "c1", "c2"]]
+        service.release.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert sent == [["a1", "a2"], ["b1", "c1", "c2"]] and stream.window.used == 0
+        nursery.cancel_scope.cancel()

@@ -65,6 +65,30 @@ async def test_a_loop_that_never_idles_still_gets_its_fsync(tmp_path: Path) -> N
             nursery.cancel_scope.cancel()
 
 
+async def test_a_backlog_that_fills_a_batch_is_written_without_waiting_for_the_loop(
+    tmp_path: Path, mock_clock: object
+) -> None:
+    # Like a streamed message's writes, appended in one actor turn: the batch is full already, so the writer
+    # takes it in the turn it wakes, and what is appended a couple of turns later (the next message's turn)
+    # gets the next fsync, written while the loop was busy. Gathering until the loop idles merged the two.
+    journal = await trio.to_thread.run_sync(FileJournal.open, tmp_path, Durability.ALWAYS)
+    enough = file_module.GATHER_ENOUGH_RECORDS
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        before = journal.statistics()
+        for n in range(enough):
+            journal.append(b"first turn %d" % n)
+        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint()
+        for n in range(enough):
+            last = journal.append(b"second turn %d" % n)
+        await journal.wait_durable(last)
+        after = journal.statistics()
+        await journal.aclose()
+    assert after.synced_lsn == 2 * enough
+    assert (after.batches_written - before.batches_written, after.fsyncs - before.fsyncs) == (2, 2)
+
+
 def test_the_trio_idle_detector_the_writer_uses_is_trios_own() -> None:
     # FileJournal imports it from trio._core (trio.testing would load pytest into the service). If a trio
     # upgrade moves or changes it, this fails instead of the group commit silently degrading.
