@@ -102,7 +102,7 @@ def streamed(args: argparse.Namespace) -> Result:
         trio.run(setup, url)
         compact = args.format == "msgpack"
         trio.run(drive, url, args.callers, args.connections, 0.5, 1, compact)  # warm-up
-        service_cpu = client_cpu = 0.0
+        service_cpu = client_cpu = wall = 0.0
         for round_index in range(args.rounds):
             service_before, client_before = cpu_seconds(server.process.pid), own_cpu_seconds()
             result, messages = trio.run(
@@ -110,6 +110,7 @@ def streamed(args: argparse.Namespace) -> Result:
             )
             service_cpu += cpu_seconds(server.process.pid) - service_before
             client_cpu += own_cpu_seconds() - client_before
+            wall += result.seconds
             rounds.append(result)
             print(
                 f"  round {round_index + 1}: {result.rate:8.0f} commands/s, {result.requests / max(messages, 1):6.1f} "
@@ -131,7 +132,9 @@ def streamed(args: argparse.Namespace) -> Result:
     commands = sum(r.requests for r in rounds)
     print(
         f"{'':<26}CPU per command: service {1e6 * service_cpu / commands:5.1f} us, "
-        f"client library (this process) {1e6 * client_cpu / commands:5.1f} us",
+        f"client library (this process) {1e6 * client_cpu / commands:5.1f} us; busy: service "
+        f"{100 * service_cpu / wall:3.0f} %, client {100 * client_cpu / wall:3.0f} % of the run (of a core each; "
+        "over 100 % together: they overlap)",
         flush=True,
     )
     return result
