@@ -1,0 +1,43 @@
+"""``actors.actor.drawn``: the actor's copy of a selection with its draw, reservation id and round-robin turn is
+``attrs.evolve`` spelled out, so it must copy every other field of ``SelectWorker``, including one added later."""
+
+from __future__ import annotations
+
+import attrs
+
+from kvrouter.actors.actor import drawn
+from kvrouter.actors.core.commands import Prompt, SelectionOptions, SelectWorker
+from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.router_config import RouterConfig
+
+# Every field, none at its default: a field SelectWorker gains must be added here (and to ``drawn``).
+NOT_DEFAULT = {
+    "prompt": Prompt((1, 2, 3), lora_name="l"),
+    "config": RouterConfig(router_temperature=0.5),
+    "options": SelectionOptions(expected_output_tokens=7, session_id="s"),
+    "reserve": True,
+    "reservation_id": "r",
+    "selection_id": "s",
+    "draw": 0.25,
+    "at": 99,
+    "predicted_ranks": frozenset({WorkerRank(1, 0)}),
+    "writer_id": 3,
+    "turn": 4,
+    "explain": True,
+}
+
+
+def test_every_field_of_a_selection_is_listed_here() -> None:
+    assert [field.name for field in attrs.fields(SelectWorker)] == list(NOT_DEFAULT)
+    assert all(
+        getattr(SelectWorker(NOT_DEFAULT["prompt"], NOT_DEFAULT["config"]), name) != value
+        for name, value in NOT_DEFAULT.items()
+        if name not in ("prompt", "config")
+    )
+
+
+def test_drawn_is_evolve_of_the_draw_reservation_id_and_turn() -> None:
+    command = SelectWorker(**NOT_DEFAULT)  # type: ignore[arg-type]
+    for reservation_id in ("other", None):
+        expected = attrs.evolve(command, draw=0.75, reservation_id=reservation_id, turn=9)
+        assert drawn(command, 0.75, reservation_id, 9) == expected
