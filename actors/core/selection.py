@@ -364,11 +364,14 @@ def eligible(
     if pinned is not None and allowed is not None and pinned.worker_id not in allowed:
         return Ineligible(Refusal.INVALID, f"pinned worker {pinned.worker_id} is not in allowed worker set")
     required = frozenset(required_taints)
-    reachable = [
-        c
-        for c in candidates
-        if (allowed is None or c.rank.worker_id in allowed) and (pinned is None or c.rank == pinned)
-    ]
+    if allowed is None and pinned is None:
+        reachable = list(candidates)  # (the common request names none of them: no test per candidate)
+    else:
+        reachable = [
+            c
+            for c in candidates
+            if (allowed is None or c.rank.worker_id in allowed) and (pinned is None or c.rank == pinned)
+        ]
     kept = [c for c in reachable if required <= c.taints] if required else reachable
     if not kept:
         if reachable:  # the required taints alone left nothing: say which (1.6.1 says only the first part)

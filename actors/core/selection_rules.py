@@ -373,9 +373,10 @@ def choose_rank(
     if isinstance(free, Rejected):
         return free
     preferred = preferred_rank(state.selection, session_id, at, state.slots.requests)
-    chosen = next((c for c in free if c.rank == preferred), None)  # a pinned session's rank, while eligible
-    if chosen is not None:
-        return chosen
+    if preferred is not None:
+        chosen = next((c for c in free if c.rank == preferred), None)  # a pinned session's rank, while eligible
+        if chosen is not None:
+            return chosen
     if config.router_mode != MODE_KV:
         chosen_rank = choose_without_cost(config.router_mode, free, draw=draw, turn=turn)
         return next(c for c in free if c.rank == chosen_rank)
