@@ -24,8 +24,13 @@ ListenerConnected = Callable[[int, int], bool | None]
 
 
 class KvHealth:
-    def __init__(self, connected: ListenerConnected, stale_after_secs: float) -> None:
+    def __init__(
+        self, connected: ListenerConnected, stale_after_secs: float, all_connected: Callable[[], bool] | None = None
+    ) -> None:
         self._connected = connected
+        # Whether every listener (of every rank) is connected now, when the caller can tell at once: then a
+        # selection with nothing unanswered and nothing seen down asks no rank.
+        self._all_connected = all_connected
         self.stale_after_secs = stale_after_secs
         self._unanswered: dict[tuple[ScopeKey, WorkerRank], int] = {}  # first booking since the last batch
         self._down_since: dict[tuple[ScopeKey, WorkerRank], int] = {}  # first seen not connected
@@ -69,6 +74,8 @@ class KvHealth:
         if self.stale_after_secs <= 0:
             return NO_RANKS
         scope, connected_now, unanswered, down_since = state.scope, self._connected, self._unanswered, self._down_since
+        if not unanswered and not down_since and self._all_connected is not None and self._all_connected():
+            return NO_RANKS  # each rank is connected or has no listener: exact (below), nothing to forget
         predicted = []
         for record in workers:
             for rank in record.ranks:

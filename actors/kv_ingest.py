@@ -157,6 +157,16 @@ class KvIngest:
         status = statuses.get((worker_id, dp_rank))
         return None if status is None else status.state == "active"
 
+    def all_connected(self) -> bool:
+        """Whether every rank's listener is connected now (``connected`` is True for each rank that has one)."""
+        statuses = self._statuses
+        if statuses is None:
+            statuses = self._statuses = self._statuses_by_rank()
+        for status in statuses.values():  # noqa: SIM110 - a plain loop: all() over a generator costs twice as much
+            if status.state != "active":
+                return False
+        return True
+
     def _statuses_by_rank(self) -> dict[tuple[int, int], ListenerStatus]:
         """The status of each rank's listener (its first, should a rank have two for a moment)."""
         found: dict[tuple[int, int], ListenerStatus] = {}

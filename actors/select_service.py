@@ -143,7 +143,7 @@ class SelectService:
         self.writer_id = writer_id
         # Per-rank fallback to predicted blocks while a rank's KV events are absent or stale (KV-event mode).
         self.health = (
-            KvHealth(ingest.connected, config.kv_events_stale_secs)
+            KvHealth(ingest.connected, config.kv_events_stale_secs, ingest.all_connected)
             if ingest is not None and config.use_kv_events and config.kv_events_stale_secs > 0
             else None
         )

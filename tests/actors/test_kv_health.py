@@ -52,7 +52,10 @@ def test_predicted_ranks_are_the_ranks_whose_mode_is_predicted(steps: list[tuple
     def connected(worker_id: int, dp_rank: int) -> bool | None:
         return listeners[WorkerRank(worker_id, dp_rank)]
 
-    fast, defined = KvHealth(connected, stale_secs), KvHealth(connected, stale_secs)
+    def all_connected() -> bool:
+        return all(listener is not False for listener in listeners.values())
+
+    fast, defined = KvHealth(connected, stale_secs, all_connected), KvHealth(connected, stale_secs)
     state = ScopeState(SCOPE)
     now = 0
     for step in steps:

@@ -1,5 +1,5 @@
-"""``KvIngest.connected``: what every selection asks of every rank (is its KV stream's listener connected?)
-follows the listeners as the catalog starts and stops them, and each listener's state as it changes.
+"""``KvIngest.connected`` (what every selection asks of every rank: is its KV stream's listener connected?) and
+``all_connected`` follow the listeners as the catalog starts and stops them, and each listener's state.
 
 Real ZMQ SUB sockets; the publisher of one endpoint is bound here, the others are absent (their listeners
 stay "connecting").
@@ -53,11 +53,14 @@ async def test_connected_follows_the_listeners_and_their_state(nursery: trio.Nur
     live = f"tcp://127.0.0.1:{publisher.bind_to_random_port('tcp://127.0.0.1')}"
     try:
         assert ingest.connected(1, 0) is None  # no worker, no listener
+        assert ingest.all_connected()  # (no listener is not connected)
 
         assert isinstance(await system.ask(SCOPE, UpsertWorker(record(2, {0: live, 1: "tcp://127.0.0.1:9"}))), Accepted)
         assert ingest.connected(1, 1) is False  # its publisher is absent: connecting
+        assert not ingest.all_connected()
         await active(ingest)  # the publisher is there: the listener becomes active
         assert ingest.connected(1, 2) is None and ingest.connected(2, 0) is None
+        assert not ingest.all_connected()  # rank 1 is still connecting
 
         # One rank fewer: rank 1's listener stops; rank 0's moves to the absent endpoint.
         assert isinstance(await system.ask(SCOPE, UpsertWorker(record(1, {0: "tcp://127.0.0.1:9"}))), Accepted)
@@ -71,6 +74,7 @@ async def test_connected_follows_the_listeners_and_their_state(nursery: trio.Nur
         assert isinstance(await system.ask(other, UpsertWorker(record(1, {0: live}, other))), Accepted)
         assert ingest.connected(1, 0) is False
         await active(ingest)
+        assert ingest.all_connected()
 
         assert isinstance(await system.ask(other, RemoveWorker(1)), Accepted)
         assert ingest.connected(1, 0) is None
