@@ -430,8 +430,12 @@ def selection_of(
     prompt = request.prompt
     cached = effective_cached_tokens(chosen.overlap, config, block_size)
     record = state.selection.catalog[chosen.rank.worker_id]
-    # Every rank of the chosen worker is a candidate (the worker is schedulable), filtered out or not.
-    per_rank = {c.rank.dp_rank: c.overlap for c in found if c.rank.worker_id == chosen.rank.worker_id}
+    # Every rank of the chosen worker is a candidate (the worker is schedulable), filtered out or not; a worker
+    # with one rank: the chosen candidate is that one.
+    if len(record.ranks) == 1:
+        per_rank = {chosen.rank.dp_rank: chosen.overlap}
+    else:
+        per_rank = {c.rank.dp_rank: c.overlap for c in found if c.rank.worker_id == chosen.rank.worker_id}
     predicted = not config.use_kv_events or chosen.rank in predicted_ranks
     tracks_blocks = config.router_track_active_blocks
     return Selection(
