@@ -14,8 +14,8 @@ false: they start at once, unordered among themselves and with the rest (indepen
 from concurrent callers: a client that needs one before another waits for its result). Except that the
 slot tracker's writes (the compact format's hot writes) of unordered messages go in groups, one at a time
 per connection: a group is applied once the one before it is durable and answered, and takes the messages
-that came meanwhile; a message that is all its connection has in flight is split in two groups, so that
-its client works on the first group's results while the service applies the second (``run_hot``).
+that came meanwhile; a message that is all the service has in flight is split in two groups, so that its
+client works on the first group's results while the service applies the second (``run_hot``).
 
 Bounds (per connection): at most MAX_IN_FLIGHT commands received and not yet answered. Policy when
 full: the service stops reading the socket (the next message is read once its commands fit), so a
@@ -53,8 +53,8 @@ log = logging.getLogger("kvrouter.api")
 STREAM_PATH = "/ws/commands"
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_IN_FLIGHT = 4096
-# An unordered message of at least twice this many hot writes, when it is all its connection has in flight, is
-# applied (and answered) in two halves (see ``CommandStream.run_hot``).
+# An unordered message of at least twice this many hot writes, when it is all the service's streams have in
+# flight, is applied (and answered) in two halves (see ``CommandStream.run_hot``).
 SPLIT_MIN_COMMANDS = 64
 # The most hot writes of one connection applied as one group (messages that arrived while the group before
 # was applied are taken together, up to this).
@@ -206,12 +206,22 @@ def render_compact(command_id: Any, response: Response) -> list[Any]:
     return [command_id, response.status, shown]
 
 
+class InFlight:
+    """Commands received and not yet answered by every stream of one service (the streams' windows add to it)."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used = 0
+
+
 class _Window:
     """Commands received and not yet answered; a message is read only once its commands fit."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, everywhere: InFlight | None = None) -> None:
         self.limit = limit
         self.used = 0
+        self.everywhere = InFlight() if everywhere is None else everywhere
         self._freed = trio.Event()
 
     def fits(self, count: int) -> bool:
@@ -228,6 +238,7 @@ class _Window:
             self._freed = trio.Event()
             await self._freed.wait()
         self.used += count
+        self.everywhere.used += count
 
     async def drained(self) -> None:
         """Until every command taken has been answered."""
@@ -237,6 +248,7 @@ class _Window:
 
     def give_back(self, count: int) -> None:
         self.used -= count
+        self.everywhere.used -= count
         self._freed.set()
 
 
@@ -251,11 +263,12 @@ class CommandStream:
         stopping: trio.Event | None = None,
         *,
         compact: bool = False,
+        everywhere: InFlight | None = None,
     ) -> None:
         self.runner = runner
         self.send = send
         self.stopping = stopping
-        self.window = _Window(limit)
+        self.window = _Window(limit, everywhere)
         self.compact = CompactReader(runner) if compact else None
         self.outgoing: list[Any] = []  # rendered results: JSON bytes, or compact results (lists)
         self.ready = trio.Event()
@@ -307,7 +320,7 @@ class CommandStream:
 
         So the service never applies writes whose answers would then wait for their turn to end: a group's
         answers go back the moment its fsync is done, and its client works on them (and sends the next
-        commands) while the service applies the next group. A message that is all its connection has in
+        commands) while the service applies the next group. A message that is all the service has in
         flight (its client waits for the whole of it) is split in two groups (``_read``), so there is always
         a next group: client and service overlap instead of taking turns. Applying groups as they arrived
         instead let a group's answers wait for the next group's actor turn (a message's writes are applied
@@ -384,10 +397,11 @@ class CommandStream:
             elif (apply := _one_apply(items)) is None:
                 nursery.start_soon(self.run_unordered, ids, items)
             else:
-                if len(items) >= 2 * SPLIT_MIN_COMMANDS and self.window.used == len(items):
-                    # Everything this connection has in flight: its client waits for all of it, and answering
-                    # it in one piece would leave the client idle while the service works and the other way
-                    # round. In two groups, the first one's answers are worked on while the second is applied.
+                if len(items) >= 2 * SPLIT_MIN_COMMANDS and self.window.everywhere.used == len(items):
+                    # Everything the service has in flight: its client waits for all of it, and answering it in
+                    # one piece would leave the client idle while the service works and the other way round. In
+                    # two groups, the first one's answers are worked on while the second is applied. (While other
+                    # connections have commands in flight, the service has their work to overlap with.)
                     half = len(items) // 2
                     self.hot_work.append((ids[:half], items[:half], apply, False))
                     ids, items = ids[half:], items[half:]
@@ -418,6 +432,7 @@ async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
 
 def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
     """``GET /ws/commands``: the stream behind a WebSocket upgrade; a plain GET answers 426."""
+    everywhere = InFlight()
 
     async def plain(request: Request) -> Response:
         raise HttpError(426, PLAIN_GET, ((b"upgrade", b"websocket"),))
@@ -430,6 +445,6 @@ def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
         if compact:
             accept["subprotocol"] = SUBPROTOCOL
         await send(accept)
-        await CommandStream(runner, send, limit, stopping, compact=compact).serve(receive)
+        await CommandStream(runner, send, limit, stopping, compact=compact, everywhere=everywhere).serve(receive)
 
     return Route("GET", STREAM_PATH, plain, websocket=websocket)

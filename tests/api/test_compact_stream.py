@@ -20,7 +20,14 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES
 from kvrouter.api import routes
-from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, SPLIT_MIN_COMMANDS, CommandStream, CompactReader, Malformed
+from kvrouter.api.command_stream import (
+    MAX_MESSAGE_BYTES,
+    SPLIT_MIN_COMMANDS,
+    CommandStream,
+    CompactReader,
+    InFlight,
+    Malformed,
+)
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
 from kvrouter.api.http import Response
 from kvrouter.client import CommandError, StreamClient
@@ -376,4 +383,43 @@ async def test_hot_writes_that_arrive_while_a_group_is_applied_wait_for_its_answ
         service.release.release()
         await trio.testing.wait_all_tasks_blocked()
         assert sent == [["a1", "a2"], ["b1", "c1", "c2"]] and stream.window.used == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_large_message_is_split_only_when_it_is_all_the_service_has_in_flight() -> None:
+    """In process, two connections: a message that is everything in flight is applied in two halves; while
+    another connection has a command in flight, the service has that to overlap with, and it goes whole."""
+    service = _HeldWrites()
+    batches = routes.write_batches(service)  # type: ignore[arg-type]
+    runner = CommandRunner()
+    runner.serve([routes.write_route(service, "/add", routes.prepare_add, batches)])  # type: ignore[arg-type]
+    everywhere = InFlight()
+
+    def message(prefix: str, count: int) -> dict[str, Any]:
+        commands = [[f"{prefix}{i}", ADD, "m", None, f"{prefix}{i}", 1, 0, [1, 2], None] for i in range(count)]
+        return {"type": "websocket.receive", "bytes": msgpack.packb([False, commands])}
+
+    async def ignore(message: dict[str, Any]) -> None:
+        pass
+
+    count = 2 * SPLIT_MIN_COMMANDS
+    one_send, one = trio.open_memory_channel[dict[str, Any]](math.inf)
+    other_send, other = trio.open_memory_channel[dict[str, Any]](math.inf)
+    async with trio.open_nursery() as nursery:
+        for inbox in (one, other):
+            stream = CommandStream(runner, ignore, compact=True, everywhere=everywhere)
+            nursery.start_soon(stream.serve, inbox.receive)
+        one_send.send_nowait(message("a", count))
+        await trio.testing.wait_all_tasks_blocked()
+        assert [len(call) for call in service.calls] == [count // 2]  # the first half, alone
+        service.release.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [len(call) for call in service.calls] == [count // 2] * 2
+        other_send.send_nowait(message("b", count))  # while the second half of "a" is in flight
+        await trio.testing.wait_all_tasks_blocked()
+        assert [len(call) for call in service.calls] == [count // 2] * 2 + [count]
+        service.release.release()
+        service.release.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert everywhere.used == 0
         nursery.cancel_scope.cancel()
