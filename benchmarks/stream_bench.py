@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import trio
@@ -103,6 +104,7 @@ def streamed(args: argparse.Namespace) -> Result:
         compact = args.format == "msgpack"
         trio.run(drive, url, args.callers, args.connections, 0.5, 1, compact)  # warm-up
         service_cpu = client_cpu = wall = 0.0
+        fsyncs_before = journal_fsyncs(url)
         for round_index in range(args.rounds):
             service_before, client_before = cpu_seconds(server.process.pid), own_cpu_seconds()
             result, messages = trio.run(
@@ -117,6 +119,7 @@ def streamed(args: argparse.Namespace) -> Result:
                 f"commands per message ({load()})",
                 flush=True,
             )
+        fsyncs = journal_fsyncs(url) - fsyncs_before
         rss = rss_bytes(server.process.pid) // 1024
     finally:
         server.stop()
@@ -137,7 +140,17 @@ def streamed(args: argparse.Namespace) -> Result:
         "over 100 % together: they overlap)",
         flush=True,
     )
+    print(f"{'':<26}{commands / max(fsyncs, 1):.0f} commands per journal fsync", flush=True)
     return result
+
+
+def journal_fsyncs(url: str) -> float:
+    """The service's journal fsyncs so far (its ``kvrouter_journal_fsyncs`` counter on ``GET /metrics``)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("kvrouter_journal_fsyncs_total "):
+                return float(line.split()[1])
+    raise RuntimeError("the service's /metrics has no kvrouter_journal_fsyncs_total")
 
 
 def own_cpu_seconds() -> float:
