@@ -46,12 +46,16 @@ MAX_RECV = 64 * 1024  # bytes per read, as hypercorn's
 YIELD_EVERY = 16  # requests answered from bytes already read before the task yields to the scheduler
 PLAIN_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS"})
 HEAD_END = b"\r\n\r\n"
+# Where h11 ends a head (the first blank line, CRLF or bare LF), and the request line of a plain request.
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+_REQUEST_LINE = re.compile(rb"[A-Z]+ /[\x21-\x7e]* HTTP/1\.1\r\n")
 # Request headers that hypercorn acts on (framing, upgrades, 100-continue): such a request is not plain.
 NOT_PLAIN_HEADERS = frozenset({b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"})
 CONNECTION_CLOSE = (b"connection", b"close")
 # h11's grammar for what it will send (RFC 9110 token; a field value without CR, LF, NUL or other controls
 # and without surrounding whitespace): a header h11 would refuse to send is refused here too.
 _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+_DIGITS = re.compile(rb"[0-9]+")
 _FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
 
 Replay = bytes  # what a connection hands to hypercorn: the unserved bytes, from a request's first byte
@@ -145,7 +149,9 @@ class FastH1Connection:
         self._head = b""  # the response head, held for its body (``send_whole``)
         self._holding_head = False
         self._length_left = 0  # body bytes the response's content-length still announces
-        self._broken = False  # the connection failed or timed out while the app ran
+        self._broken = False  # a write failed (or hypercorn would have refused the request): send nothing more
+        self._read_over = False  # the client's side ended, or fell silent, during this request: close after it
+        self._waited = False  # the last reads waited for the socket (a scheduling point)
 
     # -- reading --
 
@@ -174,6 +180,7 @@ class FastH1Connection:
             read_timeout = self._config.read_timeout
             if read_timeout:
                 deadline = min(deadline, trio.current_time() + read_timeout)
+            self._waited = True
             with trio.CancelScope(deadline=deadline) as wait:
                 self._wait = wait
                 try:
@@ -186,8 +193,29 @@ class FastH1Connection:
             if wait.cancelled_caught:
                 return False
 
+    def _read_ready(self) -> None:
+        """Append what the socket has now, without waiting."""
+        if self._eof:
+            return
+        try:
+            data = os.read(self._fd, MAX_RECV)
+        except OSError:
+            return  # nothing yet (or broken: the next read or write finds out)
+        if not data:
+            self._eof = True
+        else:
+            self._buffer = self._buffer[self._at :] + data if self._at < len(self._buffer) else data
+            self._at = 0
+
     def _unserved(self) -> bytes:
         return self._buffer[self._at :]
+
+    def _could_be_plain(self) -> bool:
+        """Whether the unserved bytes can still become a plain request (else hypercorn answers them now)."""
+        line_end = self._buffer.find(b"\n", self._at)
+        if line_end < 0:
+            return self._at == len(self._buffer) or 65 <= self._buffer[self._at] <= 90  # an upper-case method
+        return _REQUEST_LINE.match(self._buffer, self._at) is not None
 
     def close_if_idle(self) -> None:
         """The server is terminating: stop waiting for a next request (a request being read or answered
@@ -198,24 +226,32 @@ class FastH1Connection:
     # -- the connection --
 
     async def serve(self) -> Replay | None:
-        served_without_waiting = 0
+        answered_without_waiting = 0
         terminated = self._context.terminated
+        limit = self._config.h11_max_incomplete_size
         while True:
             self._idle = True
             if terminated.is_set():
                 return None
             idle_deadline = trio.current_time() + self._config.keep_alive_timeout
-            while (end := self._buffer.find(HEAD_END, self._at)) < 0:
-                if len(self._buffer) - self._at > self._config.h11_max_incomplete_size:
-                    return self._unserved()  # hypercorn refuses an oversized head (431)
+            while (blank_line := _BLANK_LINE.search(self._buffer, self._at)) is None:
+                if len(self._buffer) - self._at > limit or not self._could_be_plain():
+                    return self._unserved()  # hypercorn refuses an oversized head (431), or a bad request line
+                self._waited = False
                 if not await self._read(idle_deadline):
                     if self._eof and self._at < len(self._buffer):
                         return self._unserved()  # a partial request, then the end: hypercorn answers it
                     return None
-                served_without_waiting = 0
+                if self._waited:
+                    answered_without_waiting = 0
             self._idle = False
-            head_end = end + len(HEAD_END)
-            if head_end - self._at > self._config.h11_max_incomplete_size:
+            head_end = blank_line.end()
+            if (
+                head_end - self._at > limit
+                or self._buffer[head_end - 4 : head_end] != HEAD_END
+                or head_end - 4 < self._at
+                or _REQUEST_LINE.match(self._buffer, self._at) is None
+            ):
                 return self._unserved()
             scope = self._parse(self._buffer[self._at : head_end])
             if scope is None:
@@ -223,9 +259,11 @@ class FastH1Connection:
             self._at = head_end
             if not await self._answer(scope):
                 return None
-            served_without_waiting += 1
-            if served_without_waiting >= YIELD_EVERY:
-                served_without_waiting = 0
+            # Requests answered from bytes already read, by an app that need not wait either, would keep every
+            # other task waiting: give way every few (a real wait for the socket counts as one).
+            answered_without_waiting += 1
+            if answered_without_waiting >= YIELD_EVERY:
+                answered_without_waiting = 0
                 await trio.lowlevel.checkpoint()
 
     def _parse(self, head: bytes) -> dict[str, Any] | None:
@@ -286,7 +324,7 @@ class FastH1Connection:
     async def _answer(self, scope: dict[str, Any]) -> bool:
         """Run the app on one request. True: the connection stays open for the next."""
         self._started = self._finished = self._must_close = self._chunked = self._broken = False
-        self._body_delivered = False
+        self._body_delivered = self._read_over = False
         self._requests += 1
         self._head = b""
         self._length_left = 0
@@ -298,26 +336,39 @@ class FastH1Connection:
         if self._broken:
             return False
         if not self._started:
-            await self._write(self._error_response(500))
+            await self._write(self._error_response(500, from_the_app=True))
             return False
-        if not self._finished:
-            return False  # the app stopped in the middle of a response: the client cannot tell where it ends
-        return not self._must_close and self._body_left == 0
+        if not self._finished or self._must_close or self._read_over:
+            return False  # (a response cut short: the client cannot tell where it ends)
+        if self._body_left:
+            # Answered without reading the body: as under hypercorn (whose reader takes it meanwhile), the
+            # connection goes on if the body has arrived, and skips it.
+            self._read_ready()
+            if len(self._buffer) - self._at < self._body_left:
+                return False
+            self._at += self._body_left
+            self._body_left = 0
+        return True
 
     async def _receive(self) -> dict[str, Any]:
         """The next piece of the request body (ASGI ``http.request``; one, empty, if it has none), then
-        ``http.disconnect`` once the response has gone out or the connection ends."""
+        ``http.disconnect`` once the response has gone out or the client's side ends (as hypercorn: a client
+        that ends its side within a body gets h11's 400, silence for the read timeout ends the reading; the
+        app's answer then still goes out, and the connection closes after it)."""
         if self._body_delivered:
-            if self._finished or self._broken:
+            if self._finished or self._broken or self._read_over:
                 return {"type": "http.disconnect"}
             # The app waits for the client to go away: read (and keep, up to the head limit) what it sends.
             while len(self._buffer) - self._at <= self._config.h11_max_incomplete_size:
                 if not await self._read(math.inf):
-                    self._broken = True  # gone, or silent for the read timeout: hypercorn closes it too
+                    self._read_over = True
                     return {"type": "http.disconnect"}
             await trio.sleep_forever()
         if self._body_left and self._at >= len(self._buffer) and not await self._read(math.inf):
-            self._broken = True
+            self._read_over = True
+            if self._eof and not self._started:
+                await self._write(self._error_response(400, from_the_app=False))
+                self._broken = True  # (hypercorn sends nothing of the app's after h11's refusal)
             return {"type": "http.disconnect"}
         piece = self._buffer[self._at : self._at + self._body_left]
         self._at += len(piece)
@@ -365,8 +416,13 @@ class FastH1Connection:
             else:
                 self._length_left -= len(body)
                 if self._length_left < 0 or (not more and self._length_left > 0):
-                    self._finished = True  # (the connection closes: the client cannot tell where the body ends)
-                    self._must_close = True
+                    # As h11: bytes beyond the length are refused unsent, a body that ends short is sent and
+                    # then refused; either way the connection closes (the client cannot tell where it ends).
+                    self._finished = self._must_close = True
+                    sent = self._head + (body if self._length_left >= 0 else b"")
+                    self._head = b""
+                    if sent:
+                        await self._write(sent)
                     raise ValueError(
                         f"a response body {'over' if self._length_left < 0 else 'under'}ran its content-length"
                     )
@@ -379,47 +435,63 @@ class FastH1Connection:
                 await self._write(body)
 
     def _response_head(self, status: int, app_headers: Any) -> bytes:
-        """h11's bytes for hypercorn's response head: the status line, the app's headers (stripped, in order),
-        ``date`` and ``server``, ``Connection: close`` when this connection has had its requests (while
-        draining: every response), and chunked framing when no length is given."""
-        lines = [b"HTTP/1.1 %d \r\n" % status]
-        has_length = asks_chunked = False
+        """h11's bytes for hypercorn's response head, refused (ValueError) where h11 refuses it: the status line,
+        ``Host`` first, the app's headers (stripped, in order; repeated equal lengths merged), ``date`` and
+        ``server``, ``Connection: close`` once this connection has had its requests (while draining: every
+        response), and chunked framing when no length is given or chunked is asked for."""
+        if not 200 <= status < 1000:
+            raise ValueError(f"cannot send status {status}: a response's status is 200-999")
+        host: list[bytes] = []
+        lines: list[bytes] = []
+        length: bytes | None = None
+        chunked_asked = False
         for raw_name, raw_value in app_headers:
             name, value = bytes(raw_name).strip(), bytes(raw_value).strip()
             if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
                 raise ValueError(f"cannot send the response header {name!r}: {value!r}")
             lowered = name.lower()
             if lowered == b"content-length":
-                if not value.isdigit() or (has_length and int(value) != self._length_left):
-                    raise ValueError(f"cannot send the response header content-length: {value!r}")
-                has_length = True
-                self._length_left = int(value)
+                lengths = {part.strip() for part in value.split(b",")}
+                value = lengths.pop()
+                if lengths or not _DIGITS.fullmatch(value) or (length is not None and value != length):
+                    raise ValueError(f"cannot send conflicting or bad content-length headers ({value!r})")
+                if length is not None:
+                    continue
+                length = value
             elif lowered == b"transfer-encoding":
-                asks_chunked = True  # h11 sets the framing itself (below)
-                continue
+                value = value.lower()
+                if chunked_asked or value != b"chunked":
+                    raise ValueError("a response's only transfer-encoding is one chunked")
+                chunked_asked = True
             elif lowered == b"connection" and b"close" in (token.strip() for token in value.lower().split(b",")):
                 self._must_close = True
-            lines.append(b"%s: %s\r\n" % (name, value))
+            (host if lowered == b"host" else lines).append(b"%s: %s\r\n" % (name, value))
         lines.append(self._response_headers.lines())
         if self._requests >= self._config.keep_alive_max_requests:
             lines.append(b"connection: close\r\n")
             self._must_close = True
-        if status in (204, 304) or status < 200:
+        if status in (204, 304):
             self._suppress_body = True
-        elif asks_chunked or not has_length:
+        elif chunked_asked or length is None:
             # h11 frames a body of unknown length in chunks (a HEAD's headers say so too, with no body).
-            if has_length:
-                lines = [line for line in lines if not line.lower().startswith(b"content-length:")]
+            if length is not None or chunked_asked:
+                lines = [
+                    line for line in lines if not line.lower().startswith((b"content-length:", b"transfer-encoding:"))
+                ]
             lines.append(b"Transfer-Encoding: chunked\r\n")
             self._chunked = not self._suppress_body
-        lines.append(b"\r\n")
-        return b"".join(lines)
+        else:
+            self._length_left = int(length)
+        return b"".join([b"HTTP/1.1 %d \r\n" % status, *host, *lines, b"\r\n"])
 
-    def _error_response(self, status: int) -> bytes:
-        """hypercorn's answer when the app fails before starting its response."""
-        return b"HTTP/1.1 %d \r\ncontent-length: 0\r\nconnection: close\r\n%s\r\n" % (
+    def _error_response(self, status: int, *, from_the_app: bool) -> bytes:
+        """hypercorn's answer when the app fails before answering (``from_the_app``: through the response path,
+        so ``Connection: close`` is added again while draining) or when h11 refuses the request."""
+        draining = from_the_app and self._requests >= self._config.keep_alive_max_requests
+        return b"HTTP/1.1 %d \r\ncontent-length: 0\r\nconnection: close\r\n%s%s\r\n" % (
             status,
             self._response_headers.lines(),
+            b"connection: close\r\n" if draining else b"",
         )
 
     async def _write(self, data: bytes) -> None:
