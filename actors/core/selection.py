@@ -242,11 +242,13 @@ def rank_candidates(
             rank_loads = loads[rank]
             found = matches.get(rank)
             requests = rank_loads.requests
+            # A rank without live requests holds no decode blocks (its trie is its requests' blocks, its output
+            # blocks are theirs: the slots invariants), so the property's call is spared for idle ranks.
             fields = (
                 rank,
                 _tier_overlap(found) if found else NO_OVERLAP,
                 rank_loads.prefill_tokens,
-                rank_loads.active_decode_blocks,
+                rank_loads.active_decode_blocks if requests else 0,
                 len(requests),
                 rank_loads.trie.overlap_depth(sequence_hashes) if requests else 0,
                 taints,

@@ -546,7 +546,8 @@ class _Trie:
 
 class _Loads:
     def __init__(self, prefill: int, decode: int, requests: int, depth: int) -> None:
-        self.prefill_tokens, self.active_decode_blocks = prefill, decode
+        # As the slots invariants have it: no live request, no decode blocks.
+        self.prefill_tokens, self.active_decode_blocks = prefill, decode if requests else 0
         self.requests = {f"r{i}": None for i in range(requests)}
         self.trie = _Trie(depth)
 

@@ -237,6 +237,43 @@ def test_candidates_rows_and_the_selection_agree(warm: Scope) -> None:
     assert chosen.potential_decode_blocks == row.potential_decode_blocks
 
 
+def test_candidates_carry_each_ranks_loads_through_bookings_outputs_and_releases() -> None:
+    """A candidate's loads are its rank's (an idle rank's decode blocks are taken as 0 without asking)."""
+    s = Scope()
+    s.ok(
+        UpsertWorker(
+            record(
+                1,
+                data_parallel_size=2,
+                kv_events_endpoint=None,
+                kv_events_endpoints=((0, "tcp://w1:1"), (1, "tcp://w1:2")),
+            )
+        )
+    )
+    s.ok(UpsertWorker(record(2)))
+    steps = [
+        Reserve("a", 1, 0, (1, 2, 3), isl_tokens=12),
+        Reserve("b", 1, 1, (1, 2), isl_tokens=8),
+        AddOutputBlock("a", 0.5),
+        AddOutputBlock("b", None),
+        ReleaseReservation("b"),
+        AddOutputBlock("a", 0.0),
+        ReleaseReservation("a"),
+    ]
+    for step in [None, *steps]:
+        if step is not None:
+            s.ok(step)
+        prepared = selection_input(s.state, Prompt(token_ids=TOKENS), True)
+        assert not isinstance(prepared, Rejected)
+        for c in candidates(s.state, prepared):
+            loads = s.state.slots.ranks[c.rank]
+            assert (c.active_prefill_tokens, c.active_decode_blocks, c.active_requests) == (
+                loads.prefill_tokens,
+                loads.active_decode_blocks,
+                len(loads.requests),
+            ), step
+
+
 # -- each part's snapshot and invariants -------------------------------------------------------------
 
 
