@@ -132,3 +132,32 @@ cdef inline bint _u64_of(object item, unsigned long long *slot):
         return False
     slot[0] = PyLong_AsUnsignedLongLongMask(item)
     return True
+
+
+cdef inline tuple _native_prompt_hashes(object token_ids, Py_ssize_t count, Py_ssize_t block_size,
+                                        unsigned long long seed, unsigned long long chain_seed):
+    """(block hashes, sequence hashes) of the first ``count`` full blocks of a tuple or list of token ids, as
+    tuples, in one pass: each block's XXH3 and the chain's link as it goes. None when a token id is not an int in
+    [0, 2**32) (the caller takes the general path, which fails as before)."""
+    cdef Py_ssize_t n = count * block_size
+    cdef Py_ssize_t i
+    cdef unsigned int *packed
+    cdef unsigned long long pair[2]
+    cdef list local = [None] * count
+    cdef list chained = [None] * count
+    if n > len(token_ids):
+        return None
+    packed = <unsigned int *>PyMem_Malloc(<size_t>max(n, 1) * sizeof(unsigned int))
+    if packed == NULL:
+        raise MemoryError()
+    try:
+        if not (_pack_tuple(token_ids, n, packed) if type(token_ids) is tuple else _pack_list(token_ids, n, packed)):
+            return None
+        for i in range(count):
+            pair[1] = _xxh3(&packed[i * block_size], <size_t>block_size * 4, seed)
+            local[i] = pair[1]
+            pair[0] = pair[1] if i == 0 else _xxh3(pair, 16, chain_seed)
+            chained[i] = pair[0]
+    finally:
+        PyMem_Free(packed)
+    return (tuple(local), tuple(chained))

@@ -15,8 +15,7 @@ import attrs
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import Prompt
 from kvrouter.actors.core.decisions import Reason, Rejected
-from kvrouter.actors.core.hashing import block_hashes as hash_blocks
-from kvrouter.actors.core.hashing import sequence_hashes as chain_hashes
+from kvrouter.actors.core.hashing import prompt_hashes
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.limits import MAX_PROMPT_BLOCKS
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad, rank_load
@@ -70,8 +69,8 @@ def normalize(prompt: Prompt, block_size: int) -> NormalizedPrompt | str:
         blocks = len(prompt.token_ids) // block_size
         if blocks > MAX_PROMPT_BLOCKS:
             return f"token_ids make {blocks} blocks of {block_size} tokens, beyond the maximum of {MAX_PROMPT_BLOCKS}"
-        local = hash_blocks(prompt.token_ids, block_size, lora_name=prompt.lora_name)
-        return NormalizedPrompt(tuple(local), tuple(chain_hashes(local)), len(prompt.token_ids))
+        local, chained = prompt_hashes(prompt.token_ids, block_size, lora_name=prompt.lora_name)
+        return NormalizedPrompt(local, chained, len(prompt.token_ids))
     if prompt.block_hashes is None:
         return "block_hashes is required without token_ids"
     if prompt.sequence_hashes is None:

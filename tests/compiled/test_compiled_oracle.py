@@ -123,6 +123,30 @@ def test_block_hashes(
     assert run(compiled) == run(pure)
 
 
+@SETTINGS
+@given(
+    token_ids=st.one_of(tokens, bad_tokens),
+    block_size=st.integers(-1, 9),
+    lora=st.one_of(st.none(), st.text(max_size=6)),
+    as_tuple=st.booleans(),
+)
+def test_prompt_hashes(token_ids: list[Any], block_size: int, lora: str | None, as_tuple: bool) -> None:
+    """A prompt's block and sequence hashes in one call: what the two calls give, compiled and pure alike."""
+    compiled, pure = pair("kvrouter.actors.core.hashing")
+    tokens_in: Sequence[Any] = tuple(token_ids) if as_tuple else token_ids
+
+    def run(m: ModuleType) -> tuple[str, Any]:
+        return outcome(lambda: m.prompt_hashes(tokens_in, block_size, lora_name=lora))
+
+    def separately(m: ModuleType) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        local = m.block_hashes(tokens_in, block_size, lora_name=lora)
+        return tuple(local), tuple(m.sequence_hashes(local))
+
+    assert run(compiled) == run(pure)
+    if run(pure)[0] == "ok":
+        assert run(compiled)[1] == separately(pure) == separately(compiled)
+
+
 def test_the_compiled_hashing_calls_xxh3_in_c() -> None:
     """``hashing.pxd`` bound XXH3's C function (found in the xxhash package, checked against it at import): a
     block is one C call, not a Python call per block. Big-endian hosts keep the Python path."""
