@@ -268,7 +268,9 @@ async def wait_status(service: Service, path: str, limit: float) -> float:
     deadline = time.perf_counter() + limit
     while time.perf_counter() < deadline:
         service.check_alive()
-        with suppress(OSError, ConnectionError):
+        # Each probe at most 1 s: if the service died at start (its port taken), something else may hold the
+        # port and never answer; the next check_alive then reports the service's own error.
+        with suppress(OSError, ConnectionError), trio.move_on_after(1.0):
             status, _ = await call(service.port, "GET", path)
             if status == 200:
                 return time.perf_counter() - service.started_at
