@@ -36,13 +36,9 @@ cdef inline unsigned long long _native_digest(const unsigned char[::1] data, uns
 
 cdef inline list _native_hashes(const unsigned int[::1] tokens, Py_ssize_t count, Py_ssize_t block_size,
                                 Py_ssize_t extra_token, unsigned long long seed):
-    """XXH3 of each of ``count`` windows of ``block_size + extra_token`` tokens, stride ``block_size``."""
-    cdef list out = [None] * count
-    cdef size_t width = <size_t>(block_size + extra_token) * 4
-    cdef Py_ssize_t i
-    for i in range(count):
-        out[i] = _xxh3(&tokens[i * block_size], width, seed)
-    return out
+    """XXH3 of each of ``count`` windows of ``block_size + extra_token`` tokens, stride ``block_size`` (``count``
+    is at least 1: the caller returns early for none)."""
+    return _hash_windows(&tokens[0], count, block_size, extra_token, seed)
 
 
 cdef inline list _native_hashes_of(object token_ids, Py_ssize_t count, Py_ssize_t block_size,
