@@ -379,21 +379,9 @@ async def test_an_idle_plain_connection_is_closed_when_the_server_stops() -> Non
 
 
 async def test_a_request_during_the_drain_is_answered_and_told_to_close() -> None:
-    stop = trio.Event()
-    config = hypercorn_config("127.0.0.1", 0, HttpSettings(idle_timeout=60))
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(serve_http, app, config, stop.wait)
-            async with await connect(binds[0]) as stream:
-                await stream.send_all(request_bytes("GET", "/1"))
-                await stream.receive_some(65536)
-                stop.set()
-                await trio.sleep(0.1)  # draining: listeners closed, kept connections may still send
-                await stream.send_all(request_bytes("GET", "/2"))
-                answer = b""
-                while chunk := await stream.receive_some(65536):
-                    answer += chunk
-                assert answer.startswith(b"HTTP/1.1 201 ") and b"connection: close\r\n" in answer
+    received = await wire_across_a_stop(True, request_bytes("GET", "/1"), request_bytes("GET", "/2"))
+    answer = received[received.index(b"HTTP/1.1 ", 1) :]  # the answer to the request sent while draining
+    assert answer.startswith(b"HTTP/1.1 201 ") and b"connection: close\r\n" in answer
 
 
 async def test_two_thousand_pipelined_requests_are_answered_in_order() -> None:
