@@ -22,10 +22,13 @@ together and the restarted listener replays the same batches from the worker.
 
 Latency under a flood. Trio runs every runnable task once per scheduling round, and an HTTP request needs
 several rounds, so a request would wait for all the ingest work done in its rounds. Each piece of ingest work (a
-run's decoding, its hand-over to the actor, who applies it in its next turn) starts only when the loop has nothing
-else to run (``loop_idle.when_loop_idle``, or after ``INGEST_WAITS_AT_MOST``), so a request waits for at most the
-piece running when it arrived: a run of at most ``actor.MAX_TURN_KV_BLOCKS`` blocks. The listeners decode one
-run at a time between them (``decoding``: a lock, FIFO, so no rank waits behind another's whole flood).
+run's decoding; its hand-over to the actor and the actor's turn that applies it) starts only when the loop has
+nothing else to run (``loop_idle.when_loop_idle``, or after ``INGEST_WAITS_AT_MOST``), and the listeners take
+turns at one piece at a time between them (``pieces``: a lock, FIFO, so no rank waits behind another's whole
+flood), held through the hand-over until the actor has applied the run. So a request waits for at most the ONE
+piece running when it arrived: a run of at most ``INGEST_RUN_BLOCKS`` blocks decoded, or applied. (Without the
+lock, one idle moment woke every listener waiting for it: a run decoded and runs handed over in the same round,
+then applied together in the actor's next turn, up to ``actor.MAX_TURN_KV_BLOCKS`` and more.)
 """
 
 from __future__ import annotations
@@ -98,9 +101,10 @@ INGEST_WAITS_AT_MOST = 0.005
 class KvIngest:
     def __init__(self, system: ActorSystem, slots: ListenerSlots | None = None) -> None:
         self._system = system
-        # Held while one run is decoded: the listeners decode one run per scheduling round between them (FIFO, so
-        # no rank waits behind another's whole flood).
-        self.decoding = trio.Lock()
+        # Held through one piece of ingest work: a run's decoding, or its hand-over until the actor has applied it.
+        # One piece at a time between the listeners (FIFO, so no rank waits behind another's whole flood), so a
+        # request never waits for two (see the module doc).
+        self.pieces = trio.Lock()
         self.slots = slots if slots is not None else ListenerSlots.for_this_process()
         self._nursery: trio.Nursery | None = None
         self._running: dict[int, dict[ListenerKey, Running]] = {}  # by worker id
@@ -260,7 +264,7 @@ class KvIngest:
             while position < len(group) or carried is not None:
                 run: list[tuple[int, KvBatch]] = []
                 named = stored = 0
-                async with self.decoding:
+                async with self.pieces:
                     await when_loop_idle(INGEST_WAITS_AT_MOST)
                     if carried is not None:
                         run.append(carried)
@@ -303,12 +307,13 @@ class KvIngest:
             following=tuple(following),
         )
         applied = trio.Event()
-        await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
-        try:
-            await actor.outbox.send(Envelope(command, on_settled=applied.set))
-        except trio.ClosedResourceError:
-            return  # retired while we waited
-        await applied.wait()
+        async with self.pieces:  # held until applied: the actor's turn is this piece (no decoding beside it)
+            await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
+            try:
+                await actor.outbox.send(Envelope(command, on_settled=applied.set))
+            except trio.ClosedResourceError:
+                return  # retired while we waited
+            await applied.wait()
 
     def _on_restart(self, key: ListenerKey) -> OnRestart:
         system = self._system
