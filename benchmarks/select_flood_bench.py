@@ -11,17 +11,26 @@ publishing ``--flood-blocks`` new blocks from a thread as fast as the publishers
 from its first publish until every worker's last flood chain is indexed (polled as the ingest measurement
 polls it, one probe at a time on its own connection). Printed: p50/p99/max and the count of ``/select``
 answers without and during the floods, and the blocks/s each flood was ingested at.
+
+``--breakdown`` runs kvrouter under ``loop_trace.py`` (a record of every task step over 0.3 ms and every GC pass
+in the service) and prints what the slow answers during the floods waited behind: the time each kind of task step
+overlapped their windows, GC inside those steps, and what no long step covers. The record costs the service a
+little per step: take latency figures from runs without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import os
 import random
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -46,6 +55,13 @@ from select_service_bench import (
     device_blocks,
     prepare,
 )
+
+
+@dataclass
+class Timed(Latencies):
+    """Latencies with each request's start (``time.perf_counter``), to line them up with the service's record."""
+
+    starts: list[float] = field(default_factory=list)
 
 
 async def indexed(connection: Connection, chain: int) -> bool:
@@ -91,7 +107,7 @@ async def publish_and_wait(service: Service, publishers: Publishers, flood: Floo
     return time.perf_counter() - started
 
 
-async def select_loop(port: int, requests: list[bytes], result: Latencies, stop: trio.Event) -> None:
+async def select_loop(port: int, requests: list[bytes], result: Timed, stop: trio.Event) -> None:
     """One client, one /select at a time, until ``stop``."""
     connection = await Connection.open(HOST, port)
     try:
@@ -100,6 +116,7 @@ async def select_loop(port: int, requests: list[bytes], result: Latencies, stop:
             t0 = time.perf_counter()
             status, body = await connection.send(requests[n % len(requests)])
             result.samples.append(time.perf_counter() - t0)
+            result.starts.append(t0)
             if status != 200:
                 raise RuntimeError(f"/select answered {status}: {body[:300]!r}")
             n += 1
@@ -117,8 +134,8 @@ async def measure(service: Service, publishers: Publishers, args: argparse.Names
         encoder.encode("POST", "/select", {"model_name": MODEL, "token_ids": base.prompt(rng)[0]}) for _ in range(256)
     ]
 
-    async def selecting(seconds: float | None, flood: Flood | None) -> tuple[Latencies, float | None]:
-        result, stop = Latencies(), trio.Event()
+    async def selecting(seconds: float | None, flood: Flood | None) -> tuple[Timed, float | None]:
+        result, stop = Timed(), trio.Event()
         took = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(select_loop, service.port, selects, result, stop)
@@ -131,13 +148,14 @@ async def measure(service: Service, publishers: Publishers, args: argparse.Names
 
     await selecting(0.5, None)  # warm-up
     quiet, _ = await selecting(args.seconds, None)
-    flooded = Latencies()
+    flooded = Timed()
     rates = []
     per_flood = args.flood_blocks // CHAIN_BLOCKS
     for round_ in range(args.rounds):
         first = base.chains + round_ * per_flood
         during, took = await selecting(None, Flood(range(first, first + per_flood)))
         flooded.samples.extend(during.samples)
+        flooded.starts.extend(during.starts)
         rates.append(per_flood * CHAIN_BLOCKS / took if took else 0.0)
         print(
             f"  flood {round_ + 1}: {per_flood * CHAIN_BLOCKS:,} blocks indexed in {took:.2f} s; /select p50 "
@@ -153,20 +171,101 @@ async def measure(service: Service, publishers: Publishers, args: argparse.Names
     }
 
 
+# What each kind of service task does in a step, by the end of its task name.
+STEP_KINDS = {
+    "ScopeActor.run": "actor turns (KV runs applied, commands)",
+    "KvIngest._run_listener": "KV listeners (reading, decoding runs)",
+    "_Server._serve": "HTTP connections (requests, probes)",
+    "run_journal": "journal writer",
+}
+LONGEST_STEP = 1.0  # seconds: a step that started this long before a request cannot overlap it (none is near)
+
+
+def step_kind(task_name: str) -> str:
+    for suffix, kind in STEP_KINDS.items():
+        if task_name.endswith(suffix):
+            return kind
+    return task_name.rsplit(".", 2)[-1] if "." in task_name else task_name
+
+
+def print_breakdown(trace_path: Path, flooded: Timed, over_us: float) -> None:
+    """What the flood's answers slower than ``over_us`` waited behind, from the service's loop record."""
+    try:
+        trace = json.loads(trace_path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"  breakdown: no loop record ({exc})", flush=True)
+        return
+    steps = sorted(trace["steps"])
+    starts = [step[0] for step in steps]
+    slow = [(t0, took) for t0, took in zip(flooded.starts, flooded.samples, strict=True) if took * 1e6 > over_us]
+    overlap: Counter[str] = Counter()
+    on_cpu: Counter[str] = Counter()  # the overlap scaled by the step's CPU / wall (the rest: the OS ran others)
+    count: Counter[str] = Counter()
+    longest: dict[str, float] = {}
+    in_gc = uncovered = 0.0
+    for t0, took in slow:
+        covered = 0.0
+        i = bisect.bisect_left(starts, t0 - LONGEST_STEP)
+        while i < len(steps) and steps[i][0] < t0 + took:
+            start, wall, cpu, name, gc_inside = steps[i]
+            shared = min(start + wall, t0 + took) - max(start, t0)
+            if shared > 0:
+                kind = step_kind(name)
+                overlap[kind] += shared
+                on_cpu[kind] += shared * min(1.0, cpu / wall)
+                count[kind] += 1
+                longest[kind] = max(longest.get(kind, 0.0), wall)
+                in_gc += min(gc_inside, shared)
+                covered += shared
+            i += 1
+        uncovered += max(0.0, took - covered)
+    total = sum(took for _, took in slow)
+    print(
+        f"  breakdown: {len(slow)} of {len(flooded.samples)} answers during the floods took over {over_us:,.0f} us "
+        f"({total * 1e3:,.1f} ms in all); in their windows ran (task steps over 0.3 ms, service's loop record; "
+        "wall ms, of which on the service's CPU):",
+        flush=True,
+    )
+    for kind, seconds in overlap.most_common():
+        print(
+            f"    {kind:44} {seconds * 1e3:9,.1f} ms ({on_cpu[kind] * 1e3:,.1f} on CPU) in {count[kind]:5} steps "
+            f"(longest {longest[kind] * 1e3:,.2f} ms)"
+        )
+    print(f"    {'of which cyclic GC inside those steps':44} {in_gc * 1e3:9,.1f} ms")
+    print(f"    {'no step over 0.3 ms (own work, scheduling, OS)':44} {uncovered * 1e3:9,.1f} ms")
+    if flooded.starts:
+        first, last = min(flooded.starts), max(t + d for t, d in zip(flooded.starts, flooded.samples, strict=True))
+        passes = [(took, gen) for start, took, gen in trace["gcs"] if first <= start <= last]
+        by_gen = Counter(gen for _, gen in passes)
+        worst = max((took for took, _ in passes), default=0.0)
+        shown = ", ".join(f"gen{gen}: {n}" for gen, n in sorted(by_gen.items())) or "none"
+        print(
+            f"    cyclic GC passes from the first flood's start to the last's end: {shown} "
+            f"(longest {worst * 1e3:.2f} ms; thresholds {tuple(trace['gc_threshold'])})",
+            flush=True,
+        )
+
+
 def run(label: str, argv: list[str], env: dict[str, str], cwd: Path, port: int, args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvrouter-flood-bench-"))
+    trace_path = workdir / "loop-trace.json"
+    if args.breakdown and label.startswith("kvrouter"):
+        argv = [argv[0], str(Path(__file__).resolve().parent / "loop_trace.py"), str(trace_path), *argv[1:]]
     publishers = Publishers()
     service = Service(label, argv, port, workdir, env, cwd)
     print(f"{label}:", flush=True)
     try:
         service.start()
         result = trio.run(measure, service, publishers, args)
+        service.stop()
+        flooded: Timed = result["flooded"]
+        if args.breakdown and label.startswith("kvrouter"):
+            print_breakdown(trace_path, flooded, args.breakdown_over_us)
     finally:
         service.stop()
         publishers.close()
         shutil.rmtree(workdir, ignore_errors=True)
     quiet: Latencies = result["quiet"]
-    flooded: Latencies = result["flooded"]
     print(
         f"  without a flood: /select p50 {quiet.percentile(0.5):,.0f} us p99 {quiet.percentile(0.99):,.0f} us "
         f"({len(quiet.samples)} answers); during the floods: p50 {flooded.percentile(0.5):,.0f} us p99 "
@@ -185,6 +284,8 @@ def main() -> None:
     parser.add_argument("--flood-blocks", type=int, default=320_000, help="blocks published per flood")
     parser.add_argument("--rounds", type=int, default=3, help="floods per service")
     parser.add_argument("--seconds", type=float, default=5.0, help="the measurement without a flood")
+    parser.add_argument("--breakdown", action="store_true", help="what slow answers waited behind (loop_trace.py)")
+    parser.add_argument("--breakdown-over-us", type=float, default=1000.0, help="slow, for --breakdown")
     args = parser.parse_args()
     for name in ("base_blocks", "flood_blocks"):
         if getattr(args, name) < WORKERS * CHAIN_BLOCKS:
