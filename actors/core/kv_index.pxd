@@ -1,6 +1,8 @@
 # Types for the Cython build of kv_index.py (README "Compiled hot paths"). The .py is the whole implementation and
 # runs as it is when nothing is compiled; this file only says which names are C integers, typed arrays and
-# extension classes, so the node tables and the store and match loops compile to C.
+# extension classes, so the node tables and the store and match loops compile to C. Functions that return nothing
+# return an int and say ``except -1``, and the finds (``_NONE``, -1, when absent) ``except -2``: the caller then
+# tests the value it got instead of asking CPython whether an exception is pending after every call.
 cimport cython
 
 from kvrouter.actors.core.node_table cimport child_tag as _child_tag, entries as _entries, new_slots as _new_slots, \
@@ -70,21 +72,21 @@ cdef class KvIndex:
     cdef int _new_node(self, int parent, unsigned long long local, unsigned long long name)
 
     @cython.locals(parent=int, prev=int, nxt=int)
-    cdef void _free(self, int node)
+    cdef int _free(self, int node) except -1
 
     @cython.locals(first="int[::1]", nxt="int[::1]", order=list, stack=list, node=int, c=int, cover=list)
-    cdef void _truncate(self, _Rank r, int top)
+    cdef int _truncate(self, _Rank r, int top) except -1
 
     @cython.locals(parent="int[::1]")
     cdef bint _is_ancestor_or_self(self, int candidate, int node)
 
     @cython.locals(slots="long long[::1]", wrap=Py_ssize_t, i=Py_ssize_t, node=int, tag="long long",
                    entry="long long")
-    cpdef int _child_find(self, int parent, unsigned long long local)
+    cpdef int _child_find(self, int parent, unsigned long long local) except -2
 
-    cdef void _child_add(self, int node)
+    cdef int _child_add(self, int node) except -1
 
-    cdef void _child_remove(self, int node)
+    cdef int _child_remove(self, int node) except -1
 
     cdef unsigned long long _ext_of(self, _Rank r, int node)
 
@@ -96,11 +98,11 @@ cdef class KvIndex:
 
     @cython.locals(slots="long long[::1]", wrap=Py_ssize_t, i=Py_ssize_t, node=int, tag="long long",
                    entry="long long")
-    cpdef int _ext_find(self, _Rank r, unsigned long long ext)
+    cpdef int _ext_find(self, _Rank r, unsigned long long ext) except -2
 
-    cpdef void _ext_add(self, _Rank r, unsigned long long ext, int node)
+    cpdef int _ext_add(self, _Rank r, unsigned long long ext, int node) except -1
 
-    cpdef void _ext_remove(self, _Rank r, unsigned long long ext, int node)
+    cpdef int _ext_remove(self, _Rank r, unsigned long long ext, int node) except -1
 
 
 @cython.locals(mix="unsigned long long", m64="unsigned long long")

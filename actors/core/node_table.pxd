@@ -1,6 +1,8 @@
 # Types for the Cython build of node_table.py (README "Compiled hot paths"). The .py is the whole implementation
 # and runs as it is when nothing is compiled. kv_index.pxd and trie.pxd cimport these, so the compiled index and
-# trie call them as C functions (cpdef: the pure-Python index and trie import the same names).
+# trie call them as C functions (cpdef: the pure-Python index and trie import the same names). ``table_add`` and
+# ``table_remove`` return an int (0) and say ``except -1`` so their C callers test it instead of asking CPython
+# whether an exception is pending after every call.
 cimport cython
 
 cdef int _NONE
@@ -13,11 +15,11 @@ cpdef int shift_for(size)
 cpdef list entries(long long[::1] slots)
 
 @cython.locals(wrap=Py_ssize_t, i=Py_ssize_t)
-cpdef void table_add(long long[::1] slots, int shift, long long tag, int node)
+cpdef int table_add(long long[::1] slots, int shift, long long tag, int node) except -1
 
 @cython.locals(wrap=Py_ssize_t, i=Py_ssize_t, hole=Py_ssize_t, home=Py_ssize_t, entry="long long",
                moving="long long")
-cpdef void table_remove(long long[::1] slots, int shift, long long tag, int node)
+cpdef int table_remove(long long[::1] slots, int shift, long long tag, int node) except -1
 
 @cython.locals(slots="long long[::1]", shift=int, wrap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, entry="long long")
 cpdef tuple resized(long long[::1] old, Py_ssize_t size)

@@ -44,6 +44,7 @@ _MIN_SLOTS = 8  # smallest node table (a power of two)
 # (as busy ranks do, many times a second) would otherwise be resized all the way down and up each time.
 _KEEP_SLOTS = 4096
 _U64 = 0xFFFFFFFFFFFFFFFF
+COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
 
 
 class PrefixTrie:
@@ -100,7 +101,7 @@ class PrefixTrie:
         nodes = []
         parent = ROOT
         for h in hashes:
-            node = self._child_find(parent, h & _U64)
+            node = self._child_find(parent, _u64(h))
             if node == _NONE:
                 break
             nodes.append(node)
@@ -134,14 +135,17 @@ class PrefixTrie:
 
     def insert(self, hashes: Sequence[int]) -> None:
         parent = ROOT
+        fresh = False  # below a node made by this insert: it has no children, nothing to look for
         for h in hashes:
-            key = h & _U64
-            node = self._child_find(parent, key)
-            if node == _NONE:
-                node = self._new_node(parent, key)
-            else:
-                self._count[node] += 1
-            parent = node
+            key = _u64(h)
+            if not fresh:
+                node = self._child_find(parent, key)
+                if node != _NONE:
+                    self._count[node] += 1
+                    parent = node
+                    continue
+                fresh = True
+            parent = self._new_node(parent, key)
 
     def remove(self, hashes: Sequence[int]) -> None:
         """Undo one ``insert`` of the same ``hashes`` (``KeyError`` if no live path has them)."""
@@ -149,7 +153,7 @@ class PrefixTrie:
         parent = ROOT
         dead = False
         for h in hashes:
-            node = self._child_find(parent, h & _U64)
+            node = self._child_find(parent, _u64(h))
             if node == _NONE:
                 raise KeyError(f"no live trie path through block hash {h} (remove of a path never inserted)")
             if dead:
@@ -169,7 +173,7 @@ class PrefixTrie:
         parent = ROOT
         depth = 0
         for h in hashes:
-            node = self._child_find(parent, h & _U64)
+            node = self._child_find(parent, _u64(h))
             if node == _NONE:
                 break
             depth += 1
@@ -261,3 +265,11 @@ class PrefixTrie:
                 if self._hash[node] == key and self._parent[node] == parent:
                     return node
             i = (i + 1) & wrap
+
+
+def _u64(value: int) -> int:
+    """``value`` modulo 2**64 (hashes are u64 but may be handed over signed or too wide). Compiled: one C call
+    (CPython's ``PyLong_AsUnsignedLongLongMask``, declared in ``trie.pxd``), no int object made per block."""
+    if COMPILED:
+        return _mask_u64(value)  # type: ignore[name-defined,no-any-return]  # noqa: F821 - trie.pxd, compiled only
+    return value & _U64
