@@ -25,10 +25,11 @@ several rounds, so a request would wait for all the ingest work done in its roun
 run's decoding; its hand-over to the actor and the actor's turn that applies it) starts only when the loop has
 nothing else to run (``loop_idle.when_loop_idle``, or after ``INGEST_WAITS_AT_MOST``), and the listeners take
 turns at one piece at a time between them (``pieces``: a lock, FIFO, so no rank waits behind another's whole
-flood), held through the hand-over until the actor has applied the run. So a request waits for at most the ONE
-piece running when it arrived: a run of at most ``INGEST_RUN_BLOCKS`` blocks decoded, or applied. (Without the
-lock, one idle moment woke every listener waiting for it: a run decoded and runs handed over in the same round,
-then applied together in the actor's next turn, up to ``actor.MAX_TURN_KV_BLOCKS`` and more.)
+flood), held from a run's decoding through its hand-over until the actor has applied it. So a request waits for at
+most the ONE piece running when it arrived: a run of at most ``INGEST_RUN_BLOCKS`` blocks decoded, or applied, and
+at most one decoded run waits for the actor. (Without the lock, one idle moment woke every listener waiting for it:
+a run decoded and runs handed over in the same round, then applied together in the actor's next turn, up to
+``actor.MAX_TURN_KV_BLOCKS`` and more.)
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ INGEST_WAITS_AT_MOST = 0.005
 class KvIngest:
     def __init__(self, system: ActorSystem, slots: ListenerSlots | None = None) -> None:
         self._system = system
-        # Held through one piece of ingest work: a run's decoding, or its hand-over until the actor has applied it.
-        # One piece at a time between the listeners (FIFO, so no rank waits behind another's whole flood), so a
-        # request never waits for two (see the module doc).
+        # Held while a run is decoded and then handed over, until the actor has applied it: two pieces of ingest
+        # work, each started when the loop is idle. One piece at a time between the listeners (FIFO, so no rank
+        # waits behind another's whole flood), so a request never waits for two (see the module doc).
         self.pieces = trio.Lock()
         self.slots = slots if slots is not None else ListenerSlots.for_this_process()
         self._nursery: trio.Nursery | None = None
@@ -285,14 +286,16 @@ class KvIngest:
                         run.append((seq, batch))
                         named += batch_named
                         stored += batch_stored
-                if run:
-                    await self._apply(key, run, cap)
+                    if run:
+                        await self._apply(key, run, cap)
 
         return on_batches
 
     async def _apply(self, key: ListenerKey, run: list[tuple[int, KvBatch]], cap: int) -> None:
         """Queue the run as one command and wait until the actor has applied it (not until it is durable: see
-        the module doc). Returns at once if the scope is gone (its worker left)."""
+        the module doc). Returns at once if the scope is gone (its worker left). Called holding ``pieces``, so the
+        actor's turn that applies the run is the one piece of ingest work running, and at most one decoded run
+        waits between all the listeners."""
         actor = self._system.actors.get(key.scope)
         if actor is None:
             return
@@ -307,13 +310,12 @@ class KvIngest:
             following=tuple(following),
         )
         applied = trio.Event()
-        async with self.pieces:  # held until applied: the actor's turn is this piece (no decoding beside it)
-            await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
-            try:
-                await actor.outbox.send(Envelope(command, on_settled=applied.set))
-            except trio.ClosedResourceError:
-                return  # retired while we waited
-            await applied.wait()
+        await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
+        try:
+            await actor.outbox.send(Envelope(command, on_settled=applied.set))
+        except trio.ClosedResourceError:
+            return  # retired while we waited
+        await applied.wait()
 
     def _on_restart(self, key: ListenerKey) -> OnRestart:
         system = self._system

@@ -55,6 +55,7 @@ class Flood:
     system: ActorSystem
     done: trio.Event
     work: Callable[[], int]  # blocks decoded plus blocks applied so far
+    most_waiting: Callable[[], int]  # the most blocks decoded and not yet applied at any time
 
 
 async def start_flood(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Flood:
@@ -67,19 +68,20 @@ async def start_flood(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) ->
     )
     assert isinstance(await system.ask(SCOPE, UpsertWorker(record)), Accepted)
     ingest = KvIngest(system, ListenerSlots(RANKS, "the test"))
-    work = 0
+    decoded = applied = most_waiting = 0
     decode = kv_ingest.decode_batch
 
     def counted_decode(payload: bytes) -> KvBatch:
-        nonlocal work
+        nonlocal decoded, most_waiting
         batch = decode(payload)
-        work += named_blocks(batch)
+        decoded += named_blocks(batch)
+        most_waiting = max(most_waiting, decoded - applied)
         return batch
 
     def count_applied(state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
-        nonlocal work
+        nonlocal applied
         if isinstance(command, IngestKvBatch):
-            work += named_blocks(command.batch) + sum(named_blocks(batch) for _, batch in command.following)
+            applied += named_blocks(command.batch) + sum(named_blocks(batch) for _, batch in command.following)
 
     monkeypatch.setattr(kv_ingest, "decode_batch", counted_decode)
     system.observers.append(count_applied)
@@ -101,7 +103,7 @@ async def start_flood(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) ->
         done.set()
 
     nursery.start_soon(flood)
-    return Flood(system, done, lambda: work)
+    return Flood(system, done, lambda: decoded + applied, lambda: most_waiting)
 
 
 async def busy(rounds: int) -> None:
@@ -150,4 +152,18 @@ async def test_a_loop_that_never_idles_still_ingests_a_run_per_bound(
         waited.append(flood.work() - before)
         mock_clock.jump(INGEST_WAITS_AT_MOST)  # requests back to back: ingest waited as long as it may
     assert max(waited) <= STARTED_BEFORE, waited
+    assert_indexed(flood)
+
+
+async def test_at_most_one_decoded_run_waits_for_the_actor(
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listener decodes its run only once the previous run (any rank's) is applied: the memory a flood holds
+    decoded is one run, plus the batch each rank read past its last run, however many ranks flood at once."""
+    flood = await start_flood(nursery, monkeypatch)
+    while not flood.done.is_set():
+        await trio.testing.wait_all_tasks_blocked()
+        await busy(BUSY_ROUNDS)
+    # before: each rank decoded a run and then queued for the hand-over, 16 runs decoded at once
+    assert flood.most_waiting() <= INGEST_RUN_BLOCKS + RANKS * BATCH_BLOCKS, flood.most_waiting()
     assert_indexed(flood)
