@@ -6,21 +6,12 @@
 cimport cython
 
 from kvrouter.actors.core.node_table cimport child_tag as _child_tag, entries as _entries, new_slots as _new_slots, \
-    resized as _resized, shift_for as _shift_for, table_add as _table_add, table_remove as _table_remove
+    prefetch as _prefetch, resized as _resized, shift_for as _shift_for, table_add as _table_add, \
+    table_remove as _table_remove
 
 cdef extern from "Python.h":
     # ``value & U64_MASK`` for an int, in C (kv_index._u64)
     unsigned long long _mask_u64 "PyLong_AsUnsignedLongLongMask" (object value) except? 0xFFFFFFFFFFFFFFFF
-
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define kvrouter_prefetch(address) __builtin_prefetch((const void *)(address))
-    #else
-    #define kvrouter_prefetch(address) ((void)(address))
-    #endif
-    """
-    void _prefetch "kvrouter_prefetch" (const void *address) noexcept nogil
 
 cdef bint COMPILED
 cdef int _NONE

@@ -5,6 +5,17 @@
 # whether an exception is pending after every call.
 cimport cython
 
+cdef extern from *:
+    # Ask for the cache line at ``address`` ahead of its use (no effect on results); the index and the trie call it.
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define kvrouter_prefetch(address) __builtin_prefetch((const void *)(address))
+    #else
+    #define kvrouter_prefetch(address) ((void)(address))
+    #endif
+    """
+    void prefetch "kvrouter_prefetch" (const void *address) noexcept nogil
+
 cdef int _NONE
 
 cpdef object new_slots(Py_ssize_t size)

@@ -11,13 +11,17 @@ module hand over unsigned ones, and the journal holds only those); a position is
 Representation, typed for Cython by ``trie.pxd`` (README "Compiled hot paths"; the same source runs as pure
 Python and is the oracle the compiled module is tested against): positions are node ids (ints) in flat typed
 arrays (parent, hash, pass count: how many live requests pass through the node), found through an
-open-addressing table of node ids keyed by ``(parent node, hash)``, as the KV index finds its children
-(``node_table.py``: the same table code, shared). Every ``/add`` and ``/free`` walks a rank's trie
-(64 blocks each way): with a dict from ``(parent, hash)`` tuples to node ids each block cost a tuple, an int
-object or two and dict entries; like this, compiled, it costs a few C loads and stores, and no Python object
-per node. A node whose count drops to zero has a dead subtree, so removal frees the rest of the path in one
-step. Freed node ids are reused last-freed first (a list threaded through the hash array), so ids are a
-function of the operations only, the same compiled and pure.
+open-addressing table of node ids (``node_table.py``: the same table code as the KV index's), verified by
+``(parent node, hash)``. A node's table slot comes from its *path hash*, a u64 mix of the hashes on its path
+from the root (``_link``), not from its parent's node id: so every slot a walk will probe is known from the
+hashes alone before any node is found, and the compiled build asks for them all at once (``_prefetch_slots`` in
+``trie.pxd``) instead of waiting on one cache miss per block in turn. The path hash is only a hint where to look:
+a node is the one under that parent with that hash, so two paths whose path hashes collide stay two nodes.
+Every ``/add`` and ``/free`` walks a rank's trie (64 blocks each way): with a dict from ``(parent, hash)``
+tuples to node ids each block cost a tuple, an int object or two and dict entries; like this, compiled, it costs
+a few C loads and stores, and no Python object per node. A node whose count drops to zero has a dead subtree, so
+removal frees the rest of the path in one step. Freed node ids are reused last-freed first (a list threaded through
+the hash array), so ids are a function of the operations only, the same compiled and pure.
 
 Run as Python this is ~15x slower than dicts, so without the compiled module the slot tracker uses
 ``dict_trie.PrefixTrie`` instead (same behaviour; ``slots.PrefixTrie`` chooses).
@@ -29,7 +33,6 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvrouter.actors.core.node_table import child_tag as _child_tag
 from kvrouter.actors.core.node_table import entries as _entries
 from kvrouter.actors.core.node_table import new_slots as _new_slots
 from kvrouter.actors.core.node_table import resized as _resized
@@ -45,6 +48,8 @@ _MIN_SLOTS = 8  # smallest node table (a power of two)
 _KEEP_SLOTS = 4096
 _U64 = 0xFFFFFFFFFFFFFFFF
 COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
+_GOLDEN = 0x9E3779B97F4A7C15  # path hash mixing constants (odd: multiplying by one is a bijection of u64)
+_MIX = 0xBF58476D1CE4E5B9
 
 
 class PrefixTrie:
@@ -100,8 +105,11 @@ class PrefixTrie:
     def _path(self, hashes: Sequence[int]) -> list[int]:
         nodes = []
         parent = ROOT
+        path = 0
         for h in hashes:
-            node = self._child_find(parent, _u64(h))
+            key = _u64(h)
+            path = _link(path, key)
+            node = self._child_find(parent, key, path)
             if node == _NONE:
                 break
             nodes.append(node)
@@ -134,46 +142,58 @@ class PrefixTrie:
         self._fractions[node] = fraction
 
     def insert(self, hashes: Sequence[int]) -> None:
+        if COMPILED:
+            _prefetch_slots(self, hashes)  # type: ignore[name-defined]  # noqa: F821 - trie.pxd, compiled only
         parent = ROOT
+        path = 0
         fresh = False  # below a node made by this insert: it has no children, nothing to look for
         for h in hashes:
             key = _u64(h)
+            path = _link(path, key)
             if not fresh:
-                node = self._child_find(parent, key)
+                node = self._child_find(parent, key, path)
                 if node != _NONE:
                     self._count[node] += 1
                     parent = node
                     continue
                 fresh = True
-            parent = self._new_node(parent, key)
+            parent = self._new_node(parent, key, path)
 
     def remove(self, hashes: Sequence[int]) -> None:
         """Undo one ``insert`` of the same ``hashes`` (``KeyError`` if no live path has them)."""
+        if COMPILED:
+            _prefetch_slots(self, hashes)  # type: ignore[name-defined]  # noqa: F821 - trie.pxd, compiled only
         count = self._count
         parent = ROOT
+        path = 0
         dead = False
         for h in hashes:
-            node = self._child_find(parent, _u64(h))
+            key = _u64(h)
+            path = _link(path, key)
+            node = self._child_find(parent, key, path)
             if node == _NONE:
                 raise KeyError(f"no live trie path through block hash {h} (remove of a path never inserted)")
             if dead:
                 # Below a node that only this request held: the rest of the path was ours alone.
-                self._free_node(node)
+                self._free_node(node, path)
             else:
                 remaining = count[node] - 1
                 if remaining:
                     count[node] = remaining
                 else:
-                    self._free_node(node)
+                    self._free_node(node, path)
                     dead = True
             parent = node
 
     def overlap_depth(self, hashes: Sequence[int]) -> int:
         """Length of the longest prefix of ``hashes`` that is a live root-anchored path."""
         parent = ROOT
+        path = 0
         depth = 0
         for h in hashes:
-            node = self._child_find(parent, _u64(h))
+            key = _u64(h)
+            path = _link(path, key)
+            node = self._child_find(parent, key, path)
             if node == _NONE:
                 break
             depth += 1
@@ -194,8 +214,12 @@ class PrefixTrie:
         entries = _entries(self._slots)
         if sorted(entries) != live:
             problems.append("trie node table and live nodes disagree")
-        elif any(self._child_find(self._parent[n], self._hash[n]) != n for n in live):
-            problems.append("trie node not found under its parent and hash")
+        else:
+            paths = self._path_hashes(live)
+            if paths is None:
+                problems.append("trie parent links do not lead every live node to the root")
+            elif any(self._child_find(self._parent[n], self._hash[n], paths[n]) != n for n in live):
+                problems.append("trie node not found under its parent and hash")
         if any(self._count[n] <= 0 for n in live):
             problems.append("trie node kept with no request passing through it")
         if any(self._parent[n] != ROOT and self._count[n] > self._count[self._parent[n]] for n in live):
@@ -206,10 +230,28 @@ class PrefixTrie:
             problems.append("decay fraction outside [0, 1]")
         return problems
 
+    def _path_hashes(self, live: list[int]) -> dict[int, int] | None:
+        """Each live node's path hash, from its parent links (None when a link leads elsewhere than the root)."""
+        known = {ROOT: 0}
+        for n in live:
+            chain: list[int] = []
+            m = n
+            while m not in known:
+                if m == _NONE or m >= self._used or len(chain) >= self._used:
+                    return None
+                chain.append(m)
+                m = self._parent[m]
+            path = known[m]
+            for c in reversed(chain):
+                path = _link(path, self._hash[c])
+                known[c] = path
+        return known
+
     # ----------------------------------------------------------------------------------- nodes
 
-    def _new_node(self, parent: int, key: int) -> int:
-        """A live node under ``parent`` with hash ``key`` (u64) and one request passing through it."""
+    def _new_node(self, parent: int, key: int, path: int) -> int:
+        """A live node under ``parent`` with hash ``key`` (u64), path hash ``path`` and one request passing through
+        it."""
         node = self._free_head
         if node != _NONE:
             following = self._hash[node]
@@ -224,13 +266,14 @@ class PrefixTrie:
         self._count[node] = 1
         if (self._live + 1) * 4 > len(self._slots) * 3:
             self._slots, self._shift = _resized(self._slots, len(self._slots) * 2)
-        _table_add(self._slots, self._shift, _child_tag(parent, key), node)
+        _table_add(self._slots, self._shift, path >> 33, node)
         self._live += 1
         return node
 
-    def _free_node(self, node: int) -> None:
-        """Take a live node out of the table and onto the free list (its children are the caller's)."""
-        _table_remove(self._slots, self._shift, _child_tag(self._parent[node], self._hash[node]), node)
+    def _free_node(self, node: int, path: int) -> None:
+        """Take a live node (path hash ``path``) out of the table and onto the free list (its children are the
+        caller's)."""
+        _table_remove(self._slots, self._shift, path >> 33, node)
         self._live -= 1
         if self._live * 16 < len(self._slots) and len(self._slots) > _KEEP_SLOTS:
             self._slots, self._shift = _resized(self._slots, len(self._slots) // 2)
@@ -249,10 +292,11 @@ class PrefixTrie:
 
     # ----------------------------------------------------------------------------- node table
     # Open addressing over entries ``(tag << 32) | node``: ``node_table.py``, shared with the KV index, says how.
+    # A node's tag is the top 31 bits of its path hash.
 
-    def _child_find(self, parent: int, key: int) -> int:
-        """The live node under ``parent`` with hash ``key`` (u64), or ``_NONE``."""
-        tag = _child_tag(parent, key)
+    def _child_find(self, parent: int, key: int, path: int) -> int:
+        """The live node under ``parent`` with hash ``key`` (u64), whose path hash is ``path``, or ``_NONE``."""
+        tag = path >> 33
         slots = self._slots
         wrap = len(slots) - 1
         i = tag >> self._shift
@@ -265,6 +309,11 @@ class PrefixTrie:
                 if self._hash[node] == key and self._parent[node] == parent:
                     return node
             i = (i + 1) & wrap
+
+
+def _link(path: int, key: int) -> int:
+    """The path hash of the child with hash ``key`` (u64) of a node whose path hash is ``path`` (the root's: 0)."""
+    return ((((path * _GOLDEN) & _U64) ^ key) * _MIX) & _U64
 
 
 def _u64(value: int) -> int:

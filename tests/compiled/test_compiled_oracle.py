@@ -59,7 +59,7 @@ def test_the_oracle_runs_from_source() -> None:
     node_table = PURE["kvrouter.actors.core.node_table"]
     for name in ("kvrouter.actors.core.kv_index", "kvrouter.actors.core.trie"):
         assert PURE[name]._table_add is node_table.table_add
-        assert PURE[name]._child_tag is node_table.child_tag
+    assert PURE["kvrouter.actors.core.kv_index"]._child_tag is node_table.child_tag
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="a build without a compiler is allowed outside CI")
@@ -403,8 +403,8 @@ def test_the_index_is_compiled_with_its_types() -> None:
 def test_the_trie_is_compiled_with_its_types() -> None:
     """``trie.pxd`` reached the build: the node table is C functions and ``PrefixTrie`` an extension type."""
     compiled, pure = pair("kvrouter.actors.core.trie")
-    assert hasattr(pure, "_child_tag") and hasattr(pure.PrefixTrie(), "_slots")
-    assert not hasattr(compiled, "_child_tag") and not hasattr(compiled, "_table_remove")
+    assert hasattr(pure, "_link") and hasattr(pure.PrefixTrie(), "_slots")
+    assert not hasattr(compiled, "_link") and not hasattr(compiled, "_table_remove")
     with pytest.raises(AttributeError):
         compiled.PrefixTrie()._slots  # noqa: B018 - a C field, invisible from Python
 

@@ -120,6 +120,30 @@ def test_long_chains_grow_and_shrink_the_table_and_reuse_node_ids() -> None:
     assert table.size == 64 and table.check() == []
 
 
+def colliding_key(parent_path: int, target: int) -> int:
+    """The hash whose child under a node of path hash ``parent_path`` has path hash ``target`` (``_link`` inverted:
+    its multiplier is odd, so it has an inverse modulo 2**64)."""
+    return ((target * pow(TABLE._MIX, -1, 2**64)) % 2**64) ^ ((parent_path * TABLE._GOLDEN) % 2**64)
+
+
+@pytest.mark.parametrize("module", [TABLE, trie], ids=["pure", "as imported"])
+def test_paths_whose_path_hashes_collide_stay_two_positions(module: Any) -> None:
+    """The path hash only says where to look: ``[7]`` and ``[8, x]`` built to share one (so one tag and one home
+    slot) are two positions, each found, counted and removed on its own, as the dict trie counts them."""
+    x = colliding_key(TABLE._link(0, 8), TABLE._link(0, 7))
+    assert TABLE._link(TABLE._link(0, 8), x) == TABLE._link(0, 7)
+    for t in (module.PrefixTrie(), dict_trie.PrefixTrie()):
+        t.insert([7])
+        t.insert([8, x])
+        assert t.size == 3 and t.check() == []
+        assert t.overlap_depth([7, x]) == 1 and t.overlap_depth([8, x]) == 2 and t.overlap_depth([x]) == 0
+        t.remove([7])
+        assert t.size == 2 and t.overlap_depth([7]) == 0 and t.overlap_depth([8, x]) == 2 and t.check() == []
+        t.insert([8, x, 7])
+        t.remove([8, x])
+        assert t.size == 3 and t.overlap_depth([8, x, 7]) == 3 and t.check() == []
+
+
 @pytest.mark.parametrize("module", [TABLE, dict_trie], ids=["table", "dict"])
 def test_removing_a_path_never_inserted_is_a_key_error(module: Any) -> None:
     t = module.PrefixTrie()
