@@ -1,4 +1,5 @@
-"""A live stream's message written straight to a subscriber's socket: framed once, the same bytes for all.
+"""A live stream's message written straight to a subscriber's socket: framed once, the same bytes for all
+(and the command stream's results, written by its sending task without hypercorn's WebSocket stream).
 
 Sent the ASGI way, each message to each subscriber wakes the subscriber's task and goes through
 hypercorn's WebSocket stream, wsproto's framing, its connection's send lock and two trio checkpoints:
@@ -31,18 +32,27 @@ from wsproto.connection import ConnectionState
 from kvrouter.api.hypercorn_adapter import ACTIVE
 
 _TEXT_FIN = 0x81  # FIN + opcode 1 (text); a server's frames are not masked (RFC 6455, 5.1-5.2)
+_BINARY_FIN = 0x82  # FIN + opcode 2 (binary)
 
 
 def text_frame(message: str) -> bytes:
     """One final, unmasked WebSocket text frame carrying ``message``."""
-    payload = message.encode()
+    return _frame(_TEXT_FIN, message.encode())
+
+
+def binary_frame(payload: bytes) -> bytes:
+    """One final, unmasked WebSocket binary frame carrying ``payload`` (the command stream's compact results)."""
+    return _frame(_BINARY_FIN, payload)
+
+
+def _frame(first: int, payload: bytes) -> bytes:
     size = len(payload)
     if size < 126:
-        head = bytes((_TEXT_FIN, size))
+        head = bytes((first, size))
     elif size < 1 << 16:
-        head = struct.pack("!BBH", _TEXT_FIN, 126, size)
+        head = struct.pack("!BBH", first, 126, size)
     else:
-        head = struct.pack("!BBQ", _TEXT_FIN, 127, size)
+        head = struct.pack("!BBQ", first, 127, size)
     return head + payload
 
 

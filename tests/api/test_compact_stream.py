@@ -30,6 +30,7 @@ from kvrouter.api.command_stream import (
 )
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
 from kvrouter.api.http import Response
+from kvrouter.api.ws_direct import DirectSocket
 from kvrouter.client import CommandError, StreamClient
 from kvrouter.client.compact import (
     ADD,
@@ -423,3 +424,61 @@ async def test_a_large_message_is_split_only_when_it_is_all_the_service_has_in_f
         await trio.testing.wait_all_tasks_blocked()
         assert everywhere.used == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_results_are_written_to_the_socket_directly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the real server, each message of results goes to the socket as one frame written by the stream's own
+    task (``api/ws_direct.py``), not through hypercorn's WebSocket stream; the client reads them as usual."""
+    written: list[bool] = []
+    write = DirectSocket.write
+
+    def counted(self: DirectSocket, frame: bytes) -> bool:
+        written.append(write(self, frame))
+        return written[-1]
+
+    monkeypatch.setattr(DirectSocket, "write", counted)
+    async with (
+        running("slot tracker", tmp_path) as service,
+        open_websocket(ws_url(service.urls[0]), subprotocols=[SUBPROTOCOL]) as ws,
+    ):
+        for message in SCRIPT:
+            await ws.send_message(msgpack.packb([True, message]))
+            found = await compact_results(ws, len(message))
+            assert set(found) == {command[0] for command in message}
+    assert written and all(written)
+
+
+class _PartWriter:
+    """A socket that takes the first frame only in part: the rest is flushed before anything else is sent."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.left = 0
+
+    def write(self, frame: bytes) -> bool:
+        if self.left:
+            return False  # the server's stream writes nothing while a frame is unfinished
+        self.log.append("write")
+        self.left = 1
+        return True
+
+    @property
+    def unsent(self) -> bool:
+        return self.left > 0
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.log.append("flush")
+        self.left = 0
+
+
+async def test_a_frame_written_in_part_is_finished_before_the_next_message() -> None:
+    log: list[str] = []
+
+    async def asgi_send(message: dict[str, Any]) -> None:
+        log.append("asgi")
+
+    stream = CommandStream(CommandRunner(), asgi_send, compact=True, direct=_PartWriter(log))  # type: ignore[arg-type]
+    await stream._send_compact(b"\x90")
+    await stream._send_compact(b"\x90")
+    assert log == ["write", "flush", "write", "flush"] and stream.written_directly == 2

@@ -31,7 +31,7 @@ from kvrouter.api.live_loads import LoadHub
 from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.server import hypercorn_config, serve_http
 from kvrouter.api.stream_client import open_stream
-from kvrouter.api.ws_direct import text_frame
+from kvrouter.api.ws_direct import binary_frame, text_frame
 
 FAST = StreamSettings(interval_seconds=0.001, fan_out_per_second=1e9)
 
@@ -91,6 +91,12 @@ def test_a_text_frame_is_what_wsproto_frames(size: int) -> None:
     protocol.receive_bytes(text_frame(message))
     [frame] = list(protocol.received_frames())
     assert frame.opcode is Opcode.TEXT and frame.payload == message and frame.frame_finished
+
+
+@pytest.mark.parametrize("size", [0, 125, 126, 65535, 65536, 70000])
+def test_a_binary_frame_is_what_wsproto_frames(size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    assert binary_frame(payload) == FrameProtocol(client=False, extensions=[]).send_data(payload, fin=True)
 
 
 async def test_updates_go_straight_to_every_waiting_subscriber_in_order() -> None:
