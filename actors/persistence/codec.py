@@ -124,17 +124,18 @@ def encode_record(scope: ScopeKey, events: tuple[Event, ...]) -> bytes:
     if len(events) == 1:
         encode = _AS_BYTES.get(type(events[0]))
         if encode is not None:
-            encoded = encode(events[0])
+            encoded = encode(_record_head(scope), events[0])
             if encoded is not None:
-                return _record_head(scope) + encoded + b"]}"
+                return encoded
     return orjson.dumps(
         {"v": RECORD_VERSION, "scope": [scope[0], scope[1]], "events": [_unstructure(e) for e in events]}
     )
 
 
-# A record of one hot event, written as bytes: the head (version and scope, the same for every record of a scope)
-# then the event, exactly as orjson writes the converter's dict (``tests/persistence`` compares both). Heads are
-# kept per scope; the cache is bounded (policy when full: start over).
+# A record of one hot event, written as bytes in one formatting step: the head (version and scope, the same for
+# every record of a scope), the event exactly as orjson writes the converter's dict, and the record's end
+# (``tests/persistence`` compares both). Heads are kept per scope; the cache is bounded (policy when full: start
+# over).
 _HEADS: dict[ScopeKey, bytes] = {}
 _MAX_HEADS = 1024
 
@@ -148,7 +149,7 @@ def _record_head(scope: ScopeKey) -> bytes:
     return head
 
 
-def _request_added_bytes(event: RequestAdded) -> bytes | None:
+def _request_added_bytes(head: bytes, event: RequestAdded) -> bytes | None:
     """None unless every integer field is exactly an ``int`` (``%d`` would write a bool or an int subclass as a
     number where orjson writes ``true``, or refuses it): then the generic encoder answers."""
     expected = event.expected_output_tokens
@@ -162,9 +163,10 @@ def _request_added_bytes(event: RequestAdded) -> bytes | None:
     ):
         return None
     return (
-        b'{"request_id":%s,"worker_id":%d,"dp_rank":%d,"sequence_hashes":%s,"prefill_tokens":%d,"at":%d,'
-        b'"expected_output_tokens":%s,"type":"request_added"}'
+        b'%s{"request_id":%s,"worker_id":%d,"dp_rank":%d,"sequence_hashes":%s,"prefill_tokens":%d,"at":%d,'
+        b'"expected_output_tokens":%s,"type":"request_added"}]}'
         % (
+            head,
             orjson.dumps(event.request_id),
             event.worker_id,
             event.dp_rank,
@@ -176,19 +178,19 @@ def _request_added_bytes(event: RequestAdded) -> bytes | None:
     )
 
 
-def _prefill_completed_bytes(event: PrefillCompleted) -> bytes | None:
+def _prefill_completed_bytes(head: bytes, event: PrefillCompleted) -> bytes | None:
     if type(event.request_id) is not str:
         return None
-    return b'{"request_id":%s,"type":"prefill_completed"}' % orjson.dumps(event.request_id)
+    return b'%s{"request_id":%s,"type":"prefill_completed"}]}' % (head, orjson.dumps(event.request_id))
 
 
-def _request_freed_bytes(event: RequestFreed) -> bytes | None:
+def _request_freed_bytes(head: bytes, event: RequestFreed) -> bytes | None:
     if type(event.request_id) is not str:
         return None
-    return b'{"request_id":%s,"type":"request_freed"}' % orjson.dumps(event.request_id)
+    return b'%s{"request_id":%s,"type":"request_freed"}]}' % (head, orjson.dumps(event.request_id))
 
 
-_AS_BYTES: Final[dict[type, Callable[[Any], bytes | None]]] = {
+_AS_BYTES: Final[dict[type, Callable[[bytes, Any], bytes | None]]] = {
     RequestAdded: _request_added_bytes,
     PrefillCompleted: _prefill_completed_bytes,
     RequestFreed: _request_freed_bytes,
