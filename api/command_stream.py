@@ -109,10 +109,6 @@ def parse_message(data: bytes | str) -> tuple[list[Any], list[Any], bool]:
     return ids, commands, ordered
 
 
-def _valid_id(found: Any) -> bool:
-    return type(found) is int or (type(found) is str and not text_too_long(found))
-
-
 class CompactReader:
     """Reads the compact format's messages into the runner's items: a well-formed hot write straight into its
     route's plain item (``Ready``: the checks of ``api/write_bodies.py``, no request, no lookup); anything else
@@ -151,11 +147,16 @@ class CompactReader:
         items: list[Item] = []
         hot = self.hot
         for command in commands:  # one pass (nothing runs before the whole message is read)
-            if type(command) is not list or not command or not _valid_id(command[0]):
+            if type(command) is not list or not command:
                 raise Malformed(CLOSE_INVALID, BAD_ID)
-            ids.append(command[0])
-            fast = hot.get(command[1]) if len(command) > 1 and type(command[1]) is int else None
-            if fast is not None and len(command) == fast[0]:
+            command_id = command[0]
+            if type(command_id) is not int and not (type(command_id) is str and not text_too_long(command_id)):
+                raise Malformed(CLOSE_INVALID, BAD_ID)
+            ids.append(command_id)
+            size = len(command)
+            code = command[1] if size > 1 else None
+            fast = hot.get(code) if type(code) is int else None
+            if fast is not None and size == fast[0]:
                 plain = fast[1](*command[2:])
                 if plain is not None:
                     items.append(Ready(fast[3], [fast[2], *plain]))
@@ -369,8 +370,16 @@ class CommandStream:
             release(exc)
             responses = [error_response(500, "internal error")] * len(items)
         outgoing = self.outgoing  # (``Ready`` items come only from the compact format)
+        # Most answers are the same few responses (a write's 201 or 200): each rendered once per group.
+        # (Keyed by identity: every response is alive in ``responses`` meanwhile.)
+        rendered: dict[int, list[Any]] = {}
         for command_id, response in zip(ids, responses, strict=True):
-            outgoing.append(render_compact(command_id, response))
+            result = rendered.get(id(response))
+            if result is None:
+                result = rendered[id(response)] = render_compact(None, response)
+            result = result.copy()
+            result[0] = command_id
+            outgoing.append(result)
         self.ready.set()
 
     async def serve(self, receive: Any) -> None:

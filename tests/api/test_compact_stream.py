@@ -27,9 +27,10 @@ from kvrouter.api.command_stream import (
     CompactReader,
     InFlight,
     Malformed,
+    render_compact,
 )
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
-from kvrouter.api.http import Response
+from kvrouter.api.http import CREATED, OK, Response, error_response, json_response
 from kvrouter.api.ws_direct import DirectSocket
 from kvrouter.client import CommandError, StreamClient
 from kvrouter.client.compact import (
@@ -482,3 +483,31 @@ async def test_a_frame_written_in_part_is_finished_before_the_next_message() -> 
     await stream._send_compact(b"\x90")
     await stream._send_compact(b"\x90")
     assert log == ["write", "flush", "write", "flush"] and stream.written_directly == 2
+
+
+async def test_a_group_s_results_are_each_response_rendered_with_its_own_id() -> None:
+    """Responses repeated in a group (a write's 201 or 200) are rendered once: every result is still exactly
+    ``render_compact`` of its own id and response, headers and bodies included, whatever the mix."""
+    responses = [
+        CREATED,
+        OK,
+        CREATED,
+        error_response(404, "Request r not found"),
+        error_response(405, "no", ((b"allow", b"GET"),)),
+        OK,
+        Response(204, b""),
+        json_response(200, [{"a": 1}]),
+        CREATED,
+    ]
+    ids: list[Any] = [7, "x", 0, -3, "é", 8, 9, "ten", 11]
+
+    async def apply(prepared: list[Any]) -> list[Response]:
+        assert prepared == list(range(len(responses)))
+        return responses
+
+    stream = CommandStream(CommandRunner(), None, compact=True)
+    await stream._apply_hot(ids, [Ready(apply, index) for index in range(len(responses))], apply)
+    assert stream.outgoing == [render_compact(i, r) for i, r in zip(ids, responses, strict=True)]
+    assert msgpack.unpackb(msgpack.packb(stream.outgoing)) == [
+        render_compact(i, r) for i, r in zip(ids, responses, strict=True)
+    ]
