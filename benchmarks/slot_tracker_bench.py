@@ -227,50 +227,82 @@ def merged(results: list[Result]) -> Result:
     return Result(middle.requests, middle.seconds, latencies)
 
 
+class Measurement:
+    """One service under the lifecycle workload, round by round, so that another measurement can take turns
+    with it (``stream_bench.py`` alternates its rounds with the reference's: the machine's speed drifts over
+    tens of seconds, and rounds taken in turn see the same drift)."""
+
+    def __init__(self, argv: list[str], port: int, seconds: float, clients: int, label: str, fronts: int = 0) -> None:
+        self.server = Server(argv, port, fronts=fronts)
+        self.port, self.seconds, self.clients, self.label = port, seconds, clients, label
+        self.cycles: list[Result] = []
+        self.ceilings: list[Result] = []
+        self.cpu: dict[str, float] = {}
+        self.lifecycle_requests = 0
+
+    def start(self) -> None:
+        self.server.wait_ready()
+        trio.run(setup, self.port)
+        trio.run(drive, self.port, self.clients, 0.5, lifecycle(1))  # warm-up: hooks, caches, page cache
+
+    def round(self) -> Result:
+        """A lifecycle round of ``seconds`` (its CPU counted), then a ``/health`` round as long."""
+        before = self.server.cpu()
+        cycle = trio.run(drive, self.port, self.clients, self.seconds, lifecycle(2 + len(self.cycles)))
+        after = self.server.cpu()
+        self.cycles.append(cycle)
+        self.lifecycle_requests += cycle.requests
+        for role, spent in after.items():
+            self.cpu[role] = self.cpu.get(role, 0.0) + spent - before.get(role, 0.0)
+        self.ceilings.append(trio.run(drive, self.port, self.clients, self.seconds, health))
+        return cycle
+
+    def finish(self) -> dict[str, Any]:
+        """Stop the service and print what the rounds measured."""
+        try:
+            rss = sum(rss_bytes(pid) for pids in self.server.roles().values() for pid in pids) // 1024
+        finally:
+            self.server.stop()
+        stats = self.server.journal_statistics()  # (its closing line: after the stop)
+        cycle, ceiling = merged(self.cycles), merged(self.ceilings)
+        print(
+            f"{self.label:<24} lifecycle {cycle.rate:8.0f} req/s (p50 {cycle.percentile(0.5):6.0f} us, "
+            f"p99 {cycle.percentile(0.99):6.0f} us)   /health {ceiling.rate:8.0f} req/s   "
+            f"ratio {cycle.rate / ceiling.rate:5.2f}   rss {rss / 1024:6.1f} MiB   load {load_average()}",
+            flush=True,
+        )
+        per_request = {role: spent / max(self.lifecycle_requests, 1) for role, spent in self.cpu.items()}
+        print(
+            f"{'':<24} CPU per lifecycle request: "
+            + ", ".join(f"{role} {seconds * 1e6:.0f} us" for role, seconds in sorted(per_request.items())),
+            flush=True,
+        )
+        if stats.get("fsyncs"):
+            batches = stats.get("batches_written") or 1
+            print(
+                f"{'':<24} journal: {stats['last_lsn']} records, "
+                f"records/fsync {stats['last_lsn'] / stats['fsyncs']:.2f}, "
+                f"records/write {stats['last_lsn'] / batches:.2f}",
+                flush=True,
+            )
+        return {"lifecycle": cycle, "health": ceiling, "rss": rss, "cpu": per_request}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 def measure(
     argv: list[str], port: int, seconds: float, clients: int, label: str, rounds: int, fronts: int = 0
 ) -> dict[str, Any]:
-    server = Server(argv, port, fronts=fronts)
-    cycles, ceilings = [], []
-    cpu: dict[str, float] = {}
-    lifecycle_requests = 0
+    measurement = Measurement(argv, port, seconds / rounds, clients, label, fronts)
     try:
-        server.wait_ready()
-        trio.run(setup, port)
-        trio.run(drive, port, clients, 0.5, lifecycle(1))  # warm-up: hooks, caches, page cache
-        for round_index in range(rounds):
-            before = server.cpu()
-            cycles.append(trio.run(drive, port, clients, seconds / rounds, lifecycle(2 + round_index)))
-            after = server.cpu()
-            lifecycle_requests += cycles[-1].requests
-            for role, spent in after.items():
-                cpu[role] = cpu.get(role, 0.0) + spent - before.get(role, 0.0)
-            ceilings.append(trio.run(drive, port, clients, seconds / rounds, health))
-        rss = sum(rss_bytes(pid) for pids in server.roles().values() for pid in pids) // 1024
-    finally:
-        server.stop()
-    cycle, ceiling = merged(cycles), merged(ceilings)
-    print(
-        f"{label:<24} lifecycle {cycle.rate:8.0f} req/s (p50 {cycle.percentile(0.5):6.0f} us, "
-        f"p99 {cycle.percentile(0.99):6.0f} us)   /health {ceiling.rate:8.0f} req/s   "
-        f"ratio {cycle.rate / ceiling.rate:5.2f}   rss {rss / 1024:6.1f} MiB   load {load_average()}",
-        flush=True,
-    )
-    per_request = {role: spent / max(lifecycle_requests, 1) for role, spent in cpu.items()}
-    print(
-        f"{'':<24} CPU per lifecycle request: "
-        + ", ".join(f"{role} {seconds * 1e6:.0f} us" for role, seconds in sorted(per_request.items())),
-        flush=True,
-    )
-    stats = server.journal_statistics()
-    if stats.get("fsyncs"):
-        batches = stats.get("batches_written") or 1
-        print(
-            f"{'':<24} journal: {stats['last_lsn']} records, records/fsync {stats['last_lsn'] / stats['fsyncs']:.2f}, "
-            f"records/write {stats['last_lsn'] / batches:.2f}",
-            flush=True,
-        )
-    return {"lifecycle": cycle, "health": ceiling, "rss": rss, "cpu": per_request}
+        measurement.start()
+        for _ in range(rounds):
+            measurement.round()
+    except BaseException:
+        measurement.stop()
+        raise
+    return measurement.finish()
 
 
 def load_average() -> str:
