@@ -5,13 +5,9 @@
 # tests the value it got instead of asking CPython whether an exception is pending after every call.
 cimport cython
 
-from kvrouter.actors.core.node_table cimport child_tag as _child_tag, entries as _entries, new_slots as _new_slots, \
-    prefetch as _prefetch, resized as _resized, shift_for as _shift_for, table_add as _table_add, \
-    table_remove as _table_remove
-
-cdef extern from "Python.h":
-    # ``value & U64_MASK`` for an int, in C (kv_index._u64)
-    unsigned long long _mask_u64 "PyLong_AsUnsignedLongLongMask" (object value) except? 0xFFFFFFFFFFFFFFFF
+from kvrouter.actors.core.node_table cimport child_tag as _child_tag, entries as _entries, mask_u64 as _mask_u64, \
+    new_slots as _new_slots, prefetch as _prefetch, resized as _resized, shift_for as _shift_for, \
+    table_add as _table_add, table_remove as _table_remove, u64 as _u64
 
 cdef bint COMPILED
 cdef int _NONE
@@ -98,8 +94,6 @@ cdef class KvIndex:
 
 @cython.locals(mix="unsigned long long", m64="unsigned long long")
 cdef long long _ext_tag(unsigned long long ext)
-
-cdef unsigned long long _u64(object value) except? 0xFFFFFFFFFFFFFFFF
 
 cdef Py_ssize_t _SMALL_DISTINCT
 cdef unsigned long long[::1] _SCRATCH

@@ -64,6 +64,7 @@ from kvrouter.actors.core.node_table import resized as _resized
 from kvrouter.actors.core.node_table import shift_for as _shift_for
 from kvrouter.actors.core.node_table import table_add as _table_add
 from kvrouter.actors.core.node_table import table_remove as _table_remove
+from kvrouter.actors.core.node_table import u64 as _u64
 
 SNAPSHOT_VERSION = 1
 COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
@@ -845,14 +846,6 @@ def _record(depth: dict[int, tuple[int, int]], bits: int, pos: int, node: int) -
         low = bits & -bits
         depth[low.bit_length() - 1] = (pos, node)
         bits ^= low
-
-
-def _u64(value: int) -> int:
-    """``value`` modulo 2**64: hashes are u64 but may be handed over signed. Compiled: one C call (CPython's
-    ``PyLong_AsUnsignedLongLongMask``, declared in ``kv_index.pxd``), no int object made."""
-    if COMPILED:
-        return _mask_u64(value)  # type: ignore[name-defined,no-any-return]  # noqa: F821 - kv_index.pxd, compiled only
-    return value & U64_MASK
 
 
 _SMALL_DISTINCT = 64  # up to this many hashes, pairwise compares (no set, no int objects when compiled)

@@ -16,6 +16,11 @@ cdef extern from *:
     """
     void prefetch "kvrouter_prefetch" (const void *address) noexcept nogil
 
+cdef extern from "Python.h":
+    # ``value & (2**64 - 1)`` for an int, in C (``u64``; the index and the trie ask for slots with it too)
+    unsigned long long mask_u64 "PyLong_AsUnsignedLongLongMask" (object value) except? 0xFFFFFFFFFFFFFFFF
+
+cdef bint COMPILED
 cdef int _NONE
 
 cpdef object new_slots(Py_ssize_t size)
@@ -34,6 +39,8 @@ cpdef int table_remove(long long[::1] slots, int shift, long long tag, int node)
 
 @cython.locals(slots="long long[::1]", shift=int, wrap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, entry="long long")
 cpdef tuple resized(long long[::1] old, Py_ssize_t size)
+
+cpdef unsigned long long u64(object value) except? 0xFFFFFFFFFFFFFFFF
 
 @cython.locals(golden="unsigned long long", mix="unsigned long long", m64="unsigned long long")
 cpdef long long child_tag(unsigned long long parent, unsigned long long key)

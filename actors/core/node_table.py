@@ -18,6 +18,7 @@ from __future__ import annotations
 from array import array
 
 _NONE = -1  # an empty slot
+COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
 
 
 def new_slots(size: int) -> array[int]:
@@ -78,6 +79,15 @@ def resized(old: array[int], size: int) -> tuple[array[int], int]:
                 i = (i + 1) & wrap
             slots[i] = entry
     return table, shift
+
+
+def u64(value: int) -> int:
+    """``value`` modulo 2**64: hashes are u64 but may be handed over signed or too wide. Compiled: one C call
+    (CPython's ``PyLong_AsUnsignedLongLongMask``, declared in ``node_table.pxd``), no int object made. The KV index
+    and the trie key their nodes by it."""
+    if COMPILED:
+        return mask_u64(value)  # type: ignore[name-defined,no-any-return]  # noqa: F821 - node_table.pxd, compiled only
+    return value & 0xFFFFFFFFFFFFFFFF
 
 
 def child_tag(parent: int, key: int) -> int:

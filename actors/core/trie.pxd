@@ -5,12 +5,9 @@
 # of asking CPython whether an exception is pending after every call. ``_link`` and ``_prefetch_slots`` are C only.
 cimport cython
 
-from kvrouter.actors.core.node_table cimport entries as _entries, new_slots as _new_slots, prefetch as _prefetch, \
-    resized as _resized, shift_for as _shift_for, table_add as _table_add, table_remove as _table_remove
-
-cdef extern from "Python.h":
-    # ``value & _U64`` for an int, in C (trie._u64)
-    unsigned long long _mask_u64 "PyLong_AsUnsignedLongLongMask" (object value) except? 0xFFFFFFFFFFFFFFFF
+from kvrouter.actors.core.node_table cimport entries as _entries, mask_u64 as _mask_u64, new_slots as _new_slots, \
+    prefetch as _prefetch, resized as _resized, shift_for as _shift_for, table_add as _table_add, \
+    table_remove as _table_remove, u64 as _u64
 
 cdef bint COMPILED
 cdef unsigned long long _U64
@@ -84,4 +81,3 @@ cdef inline void _prefetch_slots(PrefixTrie trie, object hashes) noexcept:
         n += 1
 
 
-cdef unsigned long long _u64(object value) except? 0xFFFFFFFFFFFFFFFF

@@ -39,6 +39,7 @@ from kvrouter.actors.core.node_table import resized as _resized
 from kvrouter.actors.core.node_table import shift_for as _shift_for
 from kvrouter.actors.core.node_table import table_add as _table_add
 from kvrouter.actors.core.node_table import table_remove as _table_remove
+from kvrouter.actors.core.node_table import u64 as _u64
 
 ROOT = 0
 _NONE = -1  # "no node": an empty table slot, the end of the free list, a free node's parent
@@ -314,11 +315,3 @@ class PrefixTrie:
 def _link(path: int, key: int) -> int:
     """The path hash of the child with hash ``key`` (u64) of a node whose path hash is ``path`` (the root's: 0)."""
     return ((((path * _GOLDEN) & _U64) ^ key) * _MIX) & _U64
-
-
-def _u64(value: int) -> int:
-    """``value`` modulo 2**64 (hashes are u64 but may be handed over signed or too wide). Compiled: one C call
-    (CPython's ``PyLong_AsUnsignedLongLongMask``, declared in ``trie.pxd``), no int object made per block."""
-    if COMPILED:
-        return _mask_u64(value)  # type: ignore[name-defined,no-any-return]  # noqa: F821 - trie.pxd, compiled only
-    return value & _U64
