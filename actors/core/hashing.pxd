@@ -100,6 +100,18 @@ cdef inline list _hash_windows(const unsigned int *tokens, Py_ssize_t count, Py_
     return out
 
 
+cdef inline tuple _native_pairs(tuple external, const unsigned int[::1] tokens, Py_ssize_t count,
+                                Py_ssize_t block_size, unsigned long long seed):
+    """``(external[i], XXH3 of block i)`` for the first ``count`` blocks, as one tuple of pairs (the caller checked
+    that ``external`` and ``tokens`` hold that many)."""
+    cdef list out = [None] * count
+    cdef size_t width = <size_t>block_size * 4
+    cdef Py_ssize_t i
+    for i in range(count):
+        out[i] = (external[i], _xxh3(&tokens[i * block_size], width, seed))
+    return tuple(out)
+
+
 cdef inline list _native_chain(object block_hashes, unsigned long long seed):
     """``sequence_hashes`` with one C call to XXH3 per link, or None when a hash is not an int in [0, 2**64)
     (the caller then takes the Python path, which masks such values)."""

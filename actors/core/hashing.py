@@ -146,6 +146,25 @@ def block_hashes(
     return out
 
 
+def stored_pairs(
+    external_hashes: Sequence[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    count: int,
+    *,
+    lora_name: str | None = None,
+) -> tuple[tuple[int, int], ...]:
+    """``(external_hashes[i], local hash of block i)`` for the first ``count`` blocks of ``token_ids``, as a KV store
+    keeps them: the caller has checked that both hold at least ``count`` (full blocks). Compiled, for the token array a
+    decoded batch carries, each pair is made as its block is hashed (no list of local hashes, no zip)."""
+    if count <= 0:
+        return ()
+    if NATIVE_XXH3 and type(token_ids) is array and token_ids.typecode == "I" and type(external_hashes) is tuple:
+        return _native_pairs(external_hashes, token_ids, count, block_size, lora_seed(lora_name))  # type: ignore[name-defined,no-any-return]  # noqa: F821
+    local = block_hashes(token_ids[: count * block_size], block_size, lora_name=lora_name)
+    return tuple(zip(external_hashes[:count], local, strict=True))
+
+
 def prompt_hashes(
     token_ids: Sequence[int], block_size: int, *, lora_name: str | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:

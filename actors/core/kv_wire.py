@@ -31,6 +31,7 @@ import msgpack
 
 from kvrouter.actors.core import kv_batch_reader
 from kvrouter.actors.core.hashing import block_hashes as compute_block_hashes
+from kvrouter.actors.core.hashing import stored_pairs
 from kvrouter.actors.core.ids import U32_MAX, U64_MASK
 from kvrouter.actors.core.kv_index import Tier, distinct_hashes
 
@@ -404,32 +405,34 @@ def named_blocks(batch: KvBatch) -> int:
 
 def stored_blocks(
     event: BlockStored, registered_block_size: int, lora_name: str | None = None
-) -> list[tuple[int, int]]:
+) -> tuple[tuple[int, int], ...]:
     """``(external_hash, local_hash)`` pairs of a store, as the index takes them (spec §4 "Conversion").
 
     Block ``i`` takes the next ``block_size`` tokens and is re-hashed locally (§0). Nothing is kept
     from the first block the registered block size cannot describe: an event ``block_size`` other
     than the registered one stops at block 0, too few tokens stops at the first short block.
-    Any external hash named twice (including the parent) makes the whole event a no-op (``[]``),
+    Any external hash named twice (including the parent) makes the whole event a no-op (``()``),
     as in the reference. ``lora_name`` is used only when the event names no adapter.
     """
     hashes = event.block_hashes
     if not hashes or event.block_size != registered_block_size or registered_block_size <= 0:
-        return []
+        return ()
     if not distinct_hashes(event.parent_hash, hashes):
-        return []
+        return ()
     tokens = event.token_ids
     count = min(len(hashes), len(tokens) // registered_block_size)
     if count == 0:
-        return []
-    if len(tokens) >= (count + 1) * registered_block_size:  # more tokens than hashes: hash only those named
-        tokens = tokens[: count * registered_block_size]
+        return ()
+    name = event.lora_name or lora_name
+    if not event.mm_hashes:
+        return stored_pairs(hashes, tokens, registered_block_size, count, lora_name=name)
     local = compute_block_hashes(
-        tokens, registered_block_size, lora_name=event.lora_name or lora_name, mm_hashes_per_block=event.mm_hashes
+        tokens[: count * registered_block_size],
+        registered_block_size,
+        lora_name=name,
+        mm_hashes_per_block=event.mm_hashes,
     )
-    if count < len(hashes):
-        hashes = hashes[:count]
-    return list(zip(hashes, local, strict=True))
+    return tuple(zip(hashes[:count], local, strict=True))
 
 
 # ------------------------------------------------------------------------------------ encode

@@ -202,7 +202,7 @@ def decide_ingest(command: IngestKvBatch, state: ScopeState) -> Decision:
             if isinstance(event, BlockStored):
                 blocks = stored_blocks(event, block_size)
                 if blocks:
-                    ops.append(KvStoredOp(int(event.tier), event.parent_hash, tuple(blocks)))
+                    ops.append(KvStoredOp(int(event.tier), event.parent_hash, blocks))
                     incoming += len(blocks)
             elif isinstance(event, BlockRemoved):
                 if event.block_hashes:

@@ -147,6 +147,29 @@ def test_prompt_hashes(token_ids: list[Any], block_size: int, lora: str | None, 
         assert run(compiled)[1] == separately(pure) == separately(compiled)
 
 
+@SETTINGS
+@given(
+    token_ids=tokens,
+    external=st.lists(u64s, max_size=12),
+    block_size=st.integers(1, 9),
+    lora=st.one_of(st.none(), st.text(max_size=6)),
+    as_array=st.booleans(),
+)
+def test_stored_pairs(
+    token_ids: list[int], external: list[int], block_size: int, lora: str | None, as_array: bool
+) -> None:
+    """A KV store's (external, local) pairs, made as each block is hashed when compiled: what the pure module's
+    block hashes zipped with the external hashes give, for the token array a decoded batch carries or a tuple."""
+    compiled, pure = pair("kvrouter.actors.core.hashing")
+    count = min(len(external), len(token_ids) // block_size)
+    tokens_in: Sequence[int] = array("I", token_ids) if as_array else tuple(token_ids)
+    got = compiled.stored_pairs(tuple(external), tokens_in, block_size, count, lora_name=lora)
+    assert got == pure.stored_pairs(tuple(external), tokens_in, block_size, count, lora_name=lora)
+    local = pure.block_hashes(token_ids[: count * block_size], block_size, lora_name=lora)
+    assert got == tuple(zip(external[:count], local, strict=True))
+    assert type(got) is tuple and all(type(p) is tuple for p in got)
+
+
 def test_the_compiled_hashing_calls_xxh3_in_c() -> None:
     """``hashing.pxd`` bound XXH3's C function (found in the xxhash package, checked against it at import): a
     block is one C call, not a Python call per block. Big-endian hosts keep the Python path."""

@@ -98,7 +98,7 @@ def test_block_size_mismatch_stores_nothing_end_to_end() -> None:
     index = KvIndex()
     event = WireStored((1, 2), None, tuple(range(16)), 8)
     blocks = stored_blocks(event, 4)
-    assert blocks == []
+    assert blocks == ()
     index.apply_stored(R0, DEV, event.parent_hash, blocks)
     assert index.block_count() == 0
 

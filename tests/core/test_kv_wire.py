@@ -357,7 +357,7 @@ def test_raw_events_pass_through_for_tests() -> None:
 
 def test_stored_blocks_recomputes_local_hashes() -> None:
     event = BlockStored((11, 12), None, tuple(TOKENS), 4)
-    assert stored_blocks(event, 4) == list(zip((11, 12), block_hashes(TOKENS, 4), strict=True))
+    assert stored_blocks(event, 4) == tuple(zip((11, 12), block_hashes(TOKENS, 4), strict=True))
 
 
 def test_stored_blocks_uses_the_lora_name() -> None:
@@ -375,23 +375,23 @@ def test_stored_blocks_uses_multimodal_hashes() -> None:
 
 def test_block_size_mismatch_stores_nothing() -> None:
     """Edge case 52: the first block already mismatches."""
-    assert stored_blocks(BlockStored((11,), None, tuple(TOKENS), 8), 4) == []
-    assert stored_blocks(BlockStored((11, 12), None, tuple(TOKENS), 4), 8) == []
+    assert stored_blocks(BlockStored((11,), None, tuple(TOKENS), 8), 4) == ()
+    assert stored_blocks(BlockStored((11, 12), None, tuple(TOKENS), 4), 8) == ()
 
 
 def test_short_tokens_keep_the_earlier_blocks() -> None:
     event = BlockStored((11, 12, 13), None, (*TOKENS, 1), 4)
     assert [ext for ext, _ in stored_blocks(event, 4)] == [11, 12]
-    assert stored_blocks(BlockStored((11,), None, (1, 2, 3), 4), 4) == []
+    assert stored_blocks(BlockStored((11,), None, (1, 2, 3), 4), 4) == ()
 
 
 def test_extra_tokens_beyond_the_listed_blocks_are_ignored() -> None:
     event = BlockStored((11,), None, tuple(TOKENS), 4)
-    assert stored_blocks(event, 4) == [(11, block_hashes(TOKENS[:4], 4)[0])]
+    assert stored_blocks(event, 4) == ((11, block_hashes(TOKENS[:4], 4)[0]),)
 
 
 @pytest.mark.parametrize(("hashes", "parent"), [((11, 11), None), ((11, 12, 11), None), ((11, 12), 12), ((11,), 11)])
 def test_duplicate_hashes_make_the_store_a_no_op(hashes: tuple[int, ...], parent: int | None) -> None:
     """Edge case 51: a repeated hash, or the parent inside the block list."""
     tokens = tuple(range(4 * len(hashes)))
-    assert stored_blocks(BlockStored(hashes, parent, tokens, 4), 4) == []
+    assert stored_blocks(BlockStored(hashes, parent, tokens, 4), 4) == ()
