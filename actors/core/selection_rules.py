@@ -188,10 +188,13 @@ def decide_ingest(command: IngestKvBatch, state: ScopeState) -> Decision:
     block_size = record.block_size or selection.partition_block_size or 0
     runs: list[tuple[int, int | None, list[KvOp]]] = []  # (dp rank, last seq, ops)
     incoming = 0
+    known_rank = command.dp_rank  # a dp rank checked above: most batches name their listener's, or none
     for seq, batch in ((command.seq, command.batch), *command.following):
         dp_rank = batch.dp_rank if batch.dp_rank is not None else command.dp_rank
-        if WorkerRank(command.worker_id, dp_rank) not in ranks:
-            continue
+        if dp_rank != known_rank:
+            if WorkerRank(command.worker_id, dp_rank) not in ranks:
+                continue
+            known_rank = dp_rank
         if runs and runs[-1][0] == dp_rank:
             ops = runs[-1][2]
             runs[-1] = (dp_rank, seq, ops)
