@@ -154,7 +154,10 @@ def _kv_indexed(event: KvIndexed, state: ScopeState) -> None:
     index = selection.index
     for op in event.ops:
         if isinstance(op, KvStoredOp):
-            index.apply_stored(rank, _tier(op.tier), op.parent_hash, op.blocks)
+            # A run KV ingest decided (it has a seq) names distinct hashes: ``stored_blocks`` checked them, in every
+            # version that wrote such records, so the index need not compare them again. A peer's recovered run is
+            # checked by the index as always (a record of one naming a hash twice replays as it applied).
+            index.apply_stored(rank, _tier(op.tier), op.parent_hash, op.blocks, event.seq is not None)
         elif isinstance(op, KvRemovedOp):
             index.apply_removed(rank, _tier(op.tier), op.block_hashes)
         elif isinstance(op, KvClearedOp):

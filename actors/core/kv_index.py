@@ -196,14 +196,21 @@ class KvIndex:
     # ----------------------------------------------------------------------------------- writes
 
     def apply_stored(
-        self, rank: WorkerRank, tier: Tier, parent_hash: int | None, blocks: Sequence[tuple[int, int]]
+        self,
+        rank: WorkerRank,
+        tier: Tier,
+        parent_hash: int | None,
+        blocks: Sequence[tuple[int, int]],
+        distinct: bool = False,
     ) -> bool:
         """Store ``blocks`` (``(external_hash, local_hash)`` pairs, parent first) for ``rank`` in ``tier``.
 
         Returns False, storing nothing, when the device parent is unknown for the rank or the event
         names one external hash twice (including the parent). Re-storing held blocks is a no-op.
+        ``distinct=True`` says the caller has checked the hashes are distinct already (a store KV ingest decided
+        on: ``kv_wire.stored_blocks`` checked them), so they are not compared again.
         """
-        if blocks and not _distinct(parent_hash, blocks):
+        if blocks and not distinct and not _distinct(parent_hash, blocks):
             return False
         if tier is Tier.DEVICE:
             return self._store_device(rank, parent_hash, blocks)

@@ -129,3 +129,17 @@ def test_under_the_cap_nothing_is_trimmed() -> None:
     state, journal = scope_with(1)
     decision = apply(state, journal, chain(1, 100, 10, cap=10))
     assert [type(e) for e in decision.events] == [KvIndexed]
+
+
+def test_a_peer_run_naming_a_hash_twice_is_not_seeded_and_the_others_are() -> None:
+    """The index refuses a store naming one external hash twice (or its parent among its blocks): a peer's
+    recovered run that does stores nothing, live and replayed (KV ingest's runs skip that check at fold: their
+    hashes were checked when decided)."""
+    state, journal = scope_with(1, 2)
+    repeated = RecoveredRun(1, 0, 0, None, ((11, 1), (12, 2), (11, 3)))
+    parent_inside = RecoveredRun(1, 0, 0, 12, ((12, 4), (13, 5)))
+    clean = RecoveredRun(2, 0, 0, None, ((21, 6), (22, 7)))
+    apply(state, journal, RecoverKv((repeated, parent_inside, clean), max_index_blocks=100))
+    assert state.selection.index.block_count(WorkerRank(1, 0)) == 0
+    assert state.selection.index.block_count(WorkerRank(2, 0)) == 2
+    assert check(replayed(journal)) == [] and replayed(journal).selection.index.block_count() == 2
