@@ -245,7 +245,8 @@ def test_kv_batch_reader(events: list[Any], ts: Any, dp_rank: Any, damage: tuple
     elif how == 2:  # one byte changed
         payload[where % len(payload)] = value
     data = bytes(payload)
-    assert outcome(lambda: compiled.read_batch(data)) == outcome(lambda: pure.read_batch(data))
+    # Compared as text: a changed byte can make the timestamp NaN, which equals nothing, itself included.
+    assert repr(outcome(lambda: compiled.read_batch(data))) == repr(outcome(lambda: pure.read_batch(data)))
 
 
 # -------------------------------------------------------------------------------------------- trie
