@@ -8,6 +8,7 @@ cdef bytes _STORED
 cdef bytes _REMOVED
 cdef bytes _CLEARED
 cdef int _NIL
+cdef object _ZERO_TOKEN
 
 
 @cython.final
@@ -33,7 +34,7 @@ cdef class _Reader:
     @cython.locals(b="long long", v="long long")
     cdef long long u32(self) noexcept
 
-    @cython.locals(b="long long", v="long long", start=Py_ssize_t)
+    @cython.locals(b="long long", v="long long", wide="unsigned long long", i=Py_ssize_t)
     cdef object hash64(self)
 
     @cython.locals(count="long long", out=list, _i="long long")

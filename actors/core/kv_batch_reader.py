@@ -26,6 +26,7 @@ _STORED = b"BlockStored"
 _REMOVED = b"BlockRemoved"
 _CLEARED = b"AllBlocksCleared"
 _NIL = 0xC0
+_ZERO_TOKEN = array("I", [0])
 # Event tuples handed to kv_wire: (STORED, hashes, parent, tokens, block_size, lora_id, medium, lora_name),
 # (REMOVED, hashes, medium), (CLEARED,).
 STORED = 0
@@ -136,12 +137,14 @@ class _Reader:
             v = self.be(2)
         elif b == 0xCE:
             v = self.be(4)
-        elif b == 0xCF or b == 0xD3:
+        elif b == 0xCF or b == 0xD3:  # u64 or i64: the same 8 bytes either way once a negative one wraps to u64
             if self.pos + 8 > self.end:
                 return None
-            start = self.pos
+            wide = 0  # compiled: a C u64 (an engine's block hashes are 64-bit: this runs for most of them)
+            for i in range(self.pos, self.pos + 8):
+                wide = (wide << 8) | self.buf[i]
             self.pos += 8
-            return int.from_bytes(bytes(self.buf[start : self.pos]), "big", signed=b == 0xD3) & U64_MASK
+            return wide
         elif b == 0xD0:
             v = self.be(1)
             return None if v < 0 else ((v - 0x100) if v >= 0x80 else v) & U64_MASK
@@ -171,7 +174,7 @@ class _Reader:
         count = self.array_header()
         if count < 0 or count > self.end - self.pos:  # at least one byte a token
             return None
-        packed = array("I", bytes(4 * count))
+        packed = _ZERO_TOKEN * count  # one allocation, zeroed (not a bytes object copied into an array)
         view = packed  # compiled: a typed view, written at C speed
         buf, pos, end = self.buf, self.pos, self.end  # every index below is checked against end first
         for i in range(count):
