@@ -16,6 +16,7 @@ cdef class _Reader:
     cdef const unsigned char[::1] buf
     cdef Py_ssize_t pos
     cdef Py_ssize_t end
+    cdef Py_ssize_t last_start
 
     @cython.locals(b="long long")
     cdef long long byte(self) noexcept
@@ -25,6 +26,15 @@ cdef class _Reader:
 
     @cython.locals(b="long long")
     cdef long long array_header(self) noexcept
+
+    @cython.locals(b="long long")
+    cdef long long map_header(self) noexcept
+
+    @cython.locals(b="long long", size="long long", count="long long", key="long long", is_map=bint,
+                   _i="long long")
+    cdef bint skip(self, int depth) except -1
+
+    cdef bint utf8_ok(self) except -1
 
     cdef bint nil(self) noexcept
 
@@ -58,3 +68,23 @@ cdef object _number(_Reader reader)
 
 @cython.locals(size="long long", block_size="long long")
 cdef object _event(_Reader reader)
+
+cdef bytes _K_TYPE
+cdef bytes _K_HASHES
+cdef bytes _K_PARENT
+cdef bytes _K_PARENT_OLD
+cdef bytes _K_TOKENS
+cdef bytes _K_BLOCK_SIZE
+cdef bytes _K_LORA_ID
+cdef bytes _K_MEDIUM
+cdef bytes _K_LORA_NAME
+cdef bytes _K_CACHE_SALT
+cdef bytes _K_LOCALITY
+cdef bytes _K_MM_INFOS
+cdef int _MAX_SKIP_DEPTH
+
+@cython.locals(pairs="long long", block_size="long long", seen="long long", bit="long long", _i="long long",
+               ok=bint)
+cdef object _map_event(_Reader reader)
+
+cdef tuple _optional_hash(_Reader reader)

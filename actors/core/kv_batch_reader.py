@@ -1,13 +1,16 @@
 # cython: annotation_typing=False, boundscheck=False, wraparound=False
 """A direct reader for the common shape of a KV-event batch, compiled (README "Compiled hot paths").
 
-vLLM publishes ``[ts, [["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name],
-["BlockRemoved", hashes, medium], ["AllBlocksCleared"], ...], dp_rank]``. Read through ``msgpack.unpackb``, each
-token id becomes a Python int (~36 bytes) only to be packed into 4 again; this reader walks the msgpack bytes
-once and writes token ids straight into an ``array("I")``. It takes only that shape, with every value of the
-type the wire contract names: anything else (maps, newer vLLM's extra slots, an out-of-range value, trailing
-bytes, a truncated payload) returns None, and ``kv_wire.decode_batch`` decodes the payload the general way,
-which also words the errors. So it never decides what is valid; the tests hold it to the general decoder.
+Older vLLM publishes ``[ts, [["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name],
+["BlockRemoved", hashes, medium], ["AllBlocksCleared"], ...], dp_rank]``; vLLM 0.33 and SGLang 0.5 send the same
+batch array with each event a map (``{"type": "BlockStored", "block_hashes": ..., ...}``, fields in any order, some
+the decoders do not use). Read through ``msgpack.unpackb``, each token id becomes a Python int (~36 bytes) only to
+be packed into 4 again; this reader walks the msgpack bytes once and writes token ids straight into an
+``array("I")``. It takes only those shapes, with every value of the type the wire contract names: anything else (a
+batch map, newer vLLM's extra array slots, multimodal infos, a remote locality, an out-of-range value, a key
+named twice, trailing bytes, a truncated payload) returns None, and ``kv_wire.decode_batch`` decodes the payload
+the general way, which also words the errors. So it never decides what is valid; the tests hold it to the
+general decoder.
 
 Compiled, it runs in C (``kv_batch_reader.pxd``); as plain Python it is correct but slower than msgpack, so
 ``kv_wire`` uses it only when compiled (``COMPILED``).
@@ -27,8 +30,8 @@ _REMOVED = b"BlockRemoved"
 _CLEARED = b"AllBlocksCleared"
 _NIL = 0xC0
 _ZERO_TOKEN = array("I", [0])
-# Event tuples handed to kv_wire: (STORED, hashes, parent, tokens, block_size, lora_id, medium, lora_name),
-# (REMOVED, hashes, medium), (CLEARED,).
+# Event tuples handed to kv_wire: (STORED, hashes, parent, tokens, block_size, lora_id, medium, lora_name,
+# cache_salt), (REMOVED, hashes, medium), (CLEARED,).
 STORED = 0
 REMOVED = 1
 CLEARED = 2
@@ -42,6 +45,7 @@ class _Reader:
         self.buf = data
         self.pos = 0
         self.end = len(data)
+        self.last_start = 0  # where the last string read began
 
     def byte(self) -> int:
         """The next byte (consumed), or -1 at the end."""
@@ -72,6 +76,77 @@ class _Reader:
             return self.be(4)
         return -1
 
+    def map_header(self) -> int:
+        """The pair count of a map, or -1 if the next value is not one."""
+        b = self.byte()
+        if 0x80 <= b <= 0x8F:
+            return b - 0x80
+        if b == 0xDE:
+            return self.be(2)
+        if b == 0xDF:
+            return self.be(4)
+        return -1
+
+    def skip(self, depth: int) -> bool:
+        """Step over the next value, whatever it is, checking it as ``msgpack.unpackb`` would; False where it might
+        not accept it (truncated, invalid UTF-8, a map key other than a string or bytes, an extension type, nesting
+        deeper than ``_MAX_SKIP_DEPTH``): the caller then leaves the payload to the general decoder."""
+        b = self.byte()
+        if b < 0:
+            return False
+        if b <= 0x7F or b >= 0xE0 or b == 0xC0 or b == 0xC2 or b == 0xC3:
+            return True
+        size = -1
+        if 0xA0 <= b <= 0xBF or 0xD9 <= b <= 0xDB:  # a string: it must decode as UTF-8
+            self.pos -= 1
+            return self.string() is not None and self.utf8_ok()
+        if 0x90 <= b <= 0x9F or b == 0xDC or b == 0xDD or 0x80 <= b <= 0x8F or b == 0xDE or b == 0xDF:
+            if depth >= _MAX_SKIP_DEPTH:
+                return False
+            is_map = 0x80 <= b <= 0x8F or b == 0xDE or b == 0xDF
+            self.pos -= 1
+            count = self.map_header() if is_map else self.array_header()
+            if count < 0:
+                return False
+            for _i in range(count):
+                if is_map:
+                    if self.pos >= self.end:
+                        return False
+                    key = self.buf[self.pos]
+                    if not (0xA0 <= key <= 0xBF or 0xD9 <= key <= 0xDB or 0xC4 <= key <= 0xC6):
+                        return False  # msgpack takes only string or bytes keys
+                    if not self.skip(depth + 1):
+                        return False
+                if not self.skip(depth + 1):
+                    return False
+            return True
+        if b == 0xC4:
+            size = self.be(1)
+        elif b == 0xC5:
+            size = self.be(2)
+        elif b == 0xC6:
+            size = self.be(4)
+        elif b == 0xCC or b == 0xD0:
+            size = 1
+        elif b == 0xCD or b == 0xD1:
+            size = 2
+        elif b == 0xCA or b == 0xCE or b == 0xD2:
+            size = 4
+        elif b == 0xCB or b == 0xCF or b == 0xD3:
+            size = 8
+        if size < 0 or self.pos + size > self.end:
+            return False  # an extension type (0xC7-0xC9, 0xD4-0xD8), 0xC1, or cut short
+        self.pos += size
+        return True
+
+    def utf8_ok(self) -> bool:
+        """Whether the string just read (``last_start`` to ``pos``) is valid UTF-8."""
+        try:
+            bytes(self.buf[self.last_start : self.pos]).decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
+
     def nil(self) -> bool:
         """Consume a nil if it is next."""
         if self.pos < self.end and self.buf[self.pos] == _NIL:
@@ -94,7 +169,7 @@ class _Reader:
             return None
         if size < 0 or self.pos + size > self.end:
             return None
-        start = self.pos
+        start = self.last_start = self.pos
         self.pos += size
         return bytes(self.buf[start : self.pos])
 
@@ -275,6 +350,8 @@ def _number(reader: _Reader) -> float | None:
 
 
 def _event(reader: _Reader) -> tuple[Any, ...] | None:
+    if reader.pos < reader.end and (0x80 <= reader.buf[reader.pos] <= 0x8F or 0xDE <= reader.buf[reader.pos] <= 0xDF):
+        return _map_event(reader)
     size = reader.array_header()
     if size < 1:
         return None
@@ -309,7 +386,7 @@ def _event(reader: _Reader) -> tuple[Any, ...] | None:
             ok, lora_name = reader.optional_str()
             if not ok:
                 return None
-        return (STORED, hashes, parent, tokens, block_size, lora_id, medium, lora_name)
+        return (STORED, hashes, parent, tokens, block_size, lora_id, medium, lora_name, None)
     if tag == _REMOVED:
         if size < 2 or size > 3:
             return None
@@ -323,5 +400,104 @@ def _event(reader: _Reader) -> tuple[Any, ...] | None:
                 return None
         return (REMOVED, hashes, medium)
     if tag == _CLEARED and size == 1:
+        return (CLEARED,)
+    return None
+
+
+# The keys of a map event (vLLM 0.33, SGLang 0.5) the reader takes; any other key's value is stepped over (the
+# general decoder ignores it too).
+_K_TYPE = b"type"
+_K_HASHES = b"block_hashes"
+_K_PARENT = b"parent_block_hash"
+_K_PARENT_OLD = b"parent_hash"
+_K_TOKENS = b"token_ids"
+_K_BLOCK_SIZE = b"block_size"
+_K_LORA_ID = b"lora_id"
+_K_MEDIUM = b"medium"
+_K_LORA_NAME = b"lora_name"
+_K_CACHE_SALT = b"cache_salt"
+_K_LOCALITY = b"locality"
+_K_MM_INFOS = b"block_mm_infos"
+_MAX_SKIP_DEPTH = 32
+
+
+def _optional_hash(reader: _Reader) -> tuple[bool, Any]:
+    """(ok, hash): nil or a 64-bit hash (as u64)."""
+    if reader.nil():
+        return True, None
+    value = reader.hash64()
+    return value is not None, value
+
+
+def _map_event(reader: _Reader) -> tuple[Any, ...] | None:
+    """A map event in the common shape: a tag, its fields in any order, no multimodal infos, no locality (nil
+    only), each known key once. Else None, and the general decoder decides (it also words the errors)."""
+    pairs = reader.map_header()
+    if pairs < 0:
+        return None
+    tag = hashes = parent = parent_old = tokens = lora_id = medium = lora_name = cache_salt = None
+    block_size = -1
+    seen = 0  # a bit per known key: one named twice is left to the general decoder (whose dict keeps the last)
+    for _i in range(pairs):
+        key = reader.string()
+        if key is None:
+            return None
+        ok = True
+        if key == _K_TYPE:
+            bit = 1
+            tag = reader.string()
+            ok = tag is not None
+        elif key == _K_HASHES:
+            bit = 2
+            hashes = reader.hashes()
+            ok = hashes is not None
+        elif key == _K_PARENT:
+            bit = 4
+            ok, parent = _optional_hash(reader)
+        elif key == _K_PARENT_OLD:
+            bit = 8
+            ok, parent_old = _optional_hash(reader)
+        elif key == _K_TOKENS:
+            bit = 16
+            tokens = reader.tokens()
+            ok = tokens is not None
+        elif key == _K_BLOCK_SIZE:
+            bit = 32
+            block_size = reader.u32()
+            ok = block_size >= 0
+        elif key == _K_LORA_ID:
+            bit = 64
+            ok, lora_id = reader.optional_int()
+        elif key == _K_MEDIUM:
+            bit = 128
+            ok, medium = reader.optional_str()
+        elif key == _K_LORA_NAME:
+            bit = 256
+            ok, lora_name = reader.optional_str()
+        elif key == _K_CACHE_SALT:
+            bit = 512
+            ok, cache_salt = reader.optional_str()
+        elif key == _K_LOCALITY:
+            bit = 1024
+            ok = reader.nil()  # a remote block's locality is the general decoder's case
+        elif key == _K_MM_INFOS:
+            bit = 2048
+            ok = reader.nil()  # multimodal hashes too
+        else:
+            bit = 0  # a field the decoders do not use: stepped over, checked as msgpack would
+            ok = reader.utf8_ok() and reader.skip(0)
+        if not ok or seen & bit:
+            return None
+        seen |= bit
+    if tag == _STORED:
+        if hashes is None or tokens is None or block_size < 0:
+            return None
+        chosen = parent if seen & 4 else parent_old  # parent_block_hash wins when both are named
+        return (STORED, hashes, chosen, tokens, block_size, lora_id, medium, lora_name, cache_salt)
+    if tag == _REMOVED:
+        if hashes is None:
+            return None
+        return (REMOVED, hashes, medium)
+    if tag == _CLEARED:
         return (CLEARED,)
     return None

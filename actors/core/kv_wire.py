@@ -151,9 +151,18 @@ def batch_from_read(read: tuple[float, Any, list[tuple[Any, ...]]]) -> KvBatch:
     for raw in raw_events:
         kind = raw[0]
         if kind == kv_batch_reader.STORED:
-            _, hashes, parent, tokens, block_size, lora_id, medium, lora_name = raw
+            _, hashes, parent, tokens, block_size, lora_id, medium, lora_name, cache_salt = raw
             events.append(
-                BlockStored(hashes, parent, tokens, block_size, lora_name or None, tier_from_medium(medium), lora_id)
+                BlockStored(
+                    hashes,
+                    parent,
+                    tokens,
+                    block_size,
+                    lora_name or None,
+                    tier_from_medium(medium),
+                    lora_id,
+                    cache_salt or None,
+                )
             )
         elif kind == kv_batch_reader.REMOVED:
             events.append(BlockRemoved(raw[1], tier_from_medium(raw[2])))

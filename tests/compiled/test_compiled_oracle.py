@@ -249,6 +249,57 @@ def test_kv_batch_reader(events: list[Any], ts: Any, dp_rank: Any, damage: tuple
     assert repr(outcome(lambda: compiled.read_batch(data))) == repr(outcome(lambda: pure.read_batch(data)))
 
 
+MAP_EVENT_KEYS = [
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "parent_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "cache_salt",
+    "locality",
+    "block_mm_infos",
+    "group_idx",
+    "extra",
+]
+
+
+@SETTINGS
+@given(
+    events=st.lists(
+        st.dictionaries(
+            st.sampled_from(MAP_EVENT_KEYS),
+            st.one_of(
+                st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "LOCAL"]),
+                st.none(),
+                st.integers(-(2**63), 2**64 - 1),
+                st.lists(st.integers(0, 2**64 - 1), max_size=6),
+                st.lists(st.integers(0, 2**32 - 1), max_size=20),
+                st.dictionaries(st.text(max_size=3), st.integers(-(2**63), 2**64 - 1), max_size=2),
+                st.text(max_size=4),
+            ),
+            max_size=9,
+        ),
+        max_size=3,
+    ),
+    damage=st.tuples(st.integers(0, 2), st.integers(0, 10_000), st.integers(0, 255)),
+)
+def test_kv_batch_reader_map_events(events: list[dict[str, Any]], damage: tuple[int, int, int]) -> None:
+    """Map events (vLLM 0.33, SGLang 0.5): any keys in any order, values of any kind, damaged or not."""
+    compiled, pure = pair("kvrouter.actors.core.kv_batch_reader")
+    payload = bytearray(msgpack.packb([1.5, events, None]))
+    how, where, value = damage
+    if how == 1:
+        payload = payload[: where % len(payload)]
+    elif how == 2:
+        payload[where % len(payload)] = value
+    data = bytes(payload)
+    assert repr(outcome(lambda: compiled.read_batch(data))) == repr(outcome(lambda: pure.read_batch(data)))
+
+
 # -------------------------------------------------------------------------------------------- trie
 
 small_hashes = st.lists(st.integers(0, 5), max_size=8)  # few values: paths share prefixes and diverge

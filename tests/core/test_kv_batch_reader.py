@@ -64,6 +64,14 @@ def general(payload: bytes) -> Any:
         return WireError, str(exc)
 
 
+def decoded(payload: bytes) -> Any:
+    """``decode_batch``'s outcome, as ``general`` gives it."""
+    try:
+        return decode_batch(payload)
+    except WireError as exc:
+        return WireError, str(exc)
+
+
 def read(payload: bytes) -> Any:
     found = read_batch(payload)
     return None if found is None else batch_from_read(found)
@@ -115,11 +123,112 @@ def same(a: KvBatch, b: KvBatch) -> bool:
     return a == b
 
 
+# Map events as vLLM 0.33 / SGLang 0.5 send them: the fields in any order, with fields neither decoder uses.
+EXTRA_VALUES = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(1 << 63), (1 << 64) - 1),
+        st.floats(allow_nan=False),
+        st.text(max_size=5),
+        st.binary(max_size=5),
+    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    max_leaves=8,
+)
+EXTRA_FIELDS = st.dictionaries(
+    st.sampled_from(["group_idx", "kv_cache_spec_kind", "extra_keys", "sliding_window", "ts", "x"]),
+    EXTRA_VALUES,
+    max_size=3,
+)
+
+
+@st.composite
+def map_events(draw: st.DrawFn) -> dict[str, Any]:
+    event = draw(events())
+    fields = encode_events_as_maps(event)
+    if isinstance(event, BlockStored):
+        if draw(st.booleans()):
+            fields["cache_salt"] = draw(st.text(max_size=4))
+        if draw(st.booleans()):
+            fields["parent_hash"] = fields.pop("parent_block_hash")  # the older key
+        if draw(st.booleans()):
+            fields["locality"] = None
+    fields.update(draw(EXTRA_FIELDS))
+    order = draw(st.permutations(list(fields)))
+    return {key: fields[key] for key in order}
+
+
+def encode_events_as_maps(event: Any) -> dict[str, Any]:
+    (encoded,) = msgpack.unpackb(encode_batch([event], events_as_maps=True), raw=False)[1]
+    return dict(encoded)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(map_events(), max_size=4),
+    st.one_of(st.floats(allow_nan=False), st.integers(0, 10**12)),
+    st.one_of(st.none(), st.integers(0, (1 << 32) - 1)),
+)
+def test_map_events_are_read_directly_and_equal_the_general_decode(
+    items: list[dict[str, Any]], ts: Any, dp_rank: Any
+) -> None:
+    """vLLM 0.33 and SGLang 0.5 send each event as a map: read directly (not through msgpack.unpackb and a Python
+    int per token), to what the general decoder gives, whatever the fields' order and whatever else they carry."""
+    payload = encode_batch(items, ts=ts, dp_rank=dp_rank)
+    direct = read(payload)
+    assert direct is not None
+    assert direct == general(payload) == decode_batch(payload)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(map_events(), min_size=1, max_size=3), st.data())
+def test_damaged_map_events_are_left_to_the_general_decoder(items: list[dict[str, Any]], data: st.DataObject) -> None:
+    payload = bytearray(encode_batch(items))
+    how = data.draw(st.sampled_from(["cut", "flip"]))
+    if how == "cut":
+        payload = payload[: data.draw(st.integers(0, len(payload) - 1))]
+    else:
+        payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+    damaged = bytes(payload)
+    direct = read(damaged)
+    if direct is not None:
+        assert same(direct, general(damaged))
+        assert same(decode_batch(damaged), direct)
+
+
+def test_map_events_the_reader_leaves_to_the_general_decoder() -> None:
+    """A remote locality or multimodal infos (the general decoder's cases), a key named twice, an extension type or
+    invalid UTF-8 in a field neither uses, a missing required field: not read directly, decoded as before."""
+    stored = encode_events_as_maps(BlockStored((1, 2), None, list(range(8)), 4))
+    mm = {"mm_objects": [{"mm_hash": 7, "offsets": []}]}
+    for event in (
+        {**stored, "locality": "REMOTE"},
+        {**stored, "locality": "LOCAL"},
+        {**stored, "block_mm_infos": [mm, None]},
+        {**stored, "x": msgpack.ExtType(5, b"ab")},
+        {**stored, "block_size": -1},
+        {key: value for key, value in stored.items() if key != "token_ids"},
+        {"type": "Ignored"},
+    ):
+        payload = encode_batch([event])
+        assert read_batch(payload) is None, event
+        assert decoded(payload) == general(payload)
+    # "type" named twice (a dict cannot hold it; written by hand): the general decoder's dict keeps the last.
+    twice_payload = (
+        msgpack.packb([0.0, [], None])[:-2] + b"\x91\x82\xa4type\xacBlockRemoved\xa4type\xb0AllBlocksCleared\xc0"
+    )
+    bad_utf8 = msgpack.packb([0.0, [], None])[:-2] + b"\x91\x82\xa4type\xb0AllBlocksCleared\xa1x\xa2\xff\xfe\xc0"
+    for payload in (twice_payload, bad_utf8):
+        assert read_batch(payload) is None
+    assert decode_batch(twice_payload) == KvBatch(0.0, (AllBlocksCleared(),), None)
+    assert general(bad_utf8)[0] is WireError
+
+
 def test_other_shapes_are_left_to_the_general_decoder() -> None:
     store = BlockStored((1, 2), None, list(range(8)), 4)
     for payload in (
         encode_batch([store], batch_as_map=True),
-        encode_batch([store], events_as_maps=True),
         encode_batch([["BlockStored", [1], None, list(range(4)), 4, None, None, None, None, 0, None, None, "LOCAL"]]),
         encode_batch([["BlockStored", [1], None, [[1, 2], [3, 4]], 4]]),  # Eagle bigrams
         encode_batch([["Ignored"]]),
