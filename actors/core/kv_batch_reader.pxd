@@ -69,18 +69,7 @@ cdef object _number(_Reader reader)
 @cython.locals(size="long long", block_size="long long")
 cdef object _event(_Reader reader)
 
-cdef bytes _K_TYPE
-cdef bytes _K_HASHES
-cdef bytes _K_PARENT
-cdef bytes _K_PARENT_OLD
-cdef bytes _K_TOKENS
-cdef bytes _K_BLOCK_SIZE
-cdef bytes _K_LORA_ID
-cdef bytes _K_MEDIUM
-cdef bytes _K_LORA_NAME
-cdef bytes _K_CACHE_SALT
-cdef bytes _K_LOCALITY
-cdef bytes _K_MM_INFOS
+cdef dict _KEY_BITS
 cdef int _MAX_SKIP_DEPTH
 
 @cython.locals(pairs="long long", block_size="long long", seen="long long", bit="long long", _i="long long",

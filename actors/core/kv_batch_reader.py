@@ -404,20 +404,28 @@ def _event(reader: _Reader) -> tuple[Any, ...] | None:
     return None
 
 
-# The keys of a map event (vLLM 0.33, SGLang 0.5) the reader takes; any other key's value is stepped over (the
-# general decoder ignores it too).
-_K_TYPE = b"type"
-_K_HASHES = b"block_hashes"
-_K_PARENT = b"parent_block_hash"
-_K_PARENT_OLD = b"parent_hash"
-_K_TOKENS = b"token_ids"
-_K_BLOCK_SIZE = b"block_size"
-_K_LORA_ID = b"lora_id"
-_K_MEDIUM = b"medium"
-_K_LORA_NAME = b"lora_name"
-_K_CACHE_SALT = b"cache_salt"
-_K_LOCALITY = b"locality"
-_K_MM_INFOS = b"block_mm_infos"
+# The keys of a map event (vLLM 0.33, SGLang 0.5) the reader takes, each with its bit (``_map_event`` dispatches on
+# it, and one named twice is left to the general decoder); any other key's value is stepped over (the general
+# decoder ignores it too).
+_KEY_BITS = {
+    key: 1 << position
+    for position, key in enumerate(
+        [
+            b"type",
+            b"block_hashes",
+            b"parent_block_hash",
+            b"parent_hash",
+            b"token_ids",
+            b"block_size",
+            b"lora_id",
+            b"medium",
+            b"lora_name",
+            b"cache_salt",
+            b"locality",
+            b"block_mm_infos",
+        ]
+    )
+}
 _MAX_SKIP_DEPTH = 32
 
 
@@ -442,49 +450,34 @@ def _map_event(reader: _Reader) -> tuple[Any, ...] | None:
         key = reader.string()
         if key is None:
             return None
-        ok = True
-        if key == _K_TYPE:
-            bit = 1
+        bit = _KEY_BITS.get(key, 0)
+        if bit == 1:
             tag = reader.string()
             ok = tag is not None
-        elif key == _K_HASHES:
-            bit = 2
+        elif bit == 2:
             hashes = reader.hashes()
             ok = hashes is not None
-        elif key == _K_PARENT:
-            bit = 4
+        elif bit == 4:
             ok, parent = _optional_hash(reader)
-        elif key == _K_PARENT_OLD:
-            bit = 8
+        elif bit == 8:
             ok, parent_old = _optional_hash(reader)
-        elif key == _K_TOKENS:
-            bit = 16
+        elif bit == 16:
             tokens = reader.tokens()
             ok = tokens is not None
-        elif key == _K_BLOCK_SIZE:
-            bit = 32
+        elif bit == 32:
             block_size = reader.u32()
             ok = block_size >= 0
-        elif key == _K_LORA_ID:
-            bit = 64
+        elif bit == 64:
             ok, lora_id = reader.optional_int()
-        elif key == _K_MEDIUM:
-            bit = 128
+        elif bit == 128:
             ok, medium = reader.optional_str()
-        elif key == _K_LORA_NAME:
-            bit = 256
+        elif bit == 256:
             ok, lora_name = reader.optional_str()
-        elif key == _K_CACHE_SALT:
-            bit = 512
+        elif bit == 512:
             ok, cache_salt = reader.optional_str()
-        elif key == _K_LOCALITY:
-            bit = 1024
-            ok = reader.nil()  # a remote block's locality is the general decoder's case
-        elif key == _K_MM_INFOS:
-            bit = 2048
-            ok = reader.nil()  # multimodal hashes too
-        else:
-            bit = 0  # a field the decoders do not use: stepped over, checked as msgpack would
+        elif bit == 1024 or bit == 2048:
+            ok = reader.nil()  # a remote block's locality, or multimodal hashes: the general decoder's cases
+        else:  # a field the decoders do not use: stepped over, checked as msgpack would
             ok = reader.utf8_ok() and reader.skip(0)
         if not ok or seen & bit:
             return None
