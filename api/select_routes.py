@@ -24,7 +24,7 @@ from kvrouter.api.select_schemas import (
     SelectBody,
     WorkerBody,
     cached_tokens_of,
-    select_body,
+    request_select_body,
     worker_patch,
 )
 from kvrouter.api.wire import json_kind
@@ -236,17 +236,17 @@ async def health(service: SelectService, request: Request) -> Response:
 
 
 async def select(service: SelectService, request: Request) -> Response:
-    body = select_body(request.json())
+    body = request_select_body(request)
     return json_response(200, selection_view(await service.select(selection_request(body)), body, False))
 
 
 async def select_and_reserve(service: SelectService, request: Request) -> Response:
-    body = select_body(request.json())
+    body = request_select_body(request)
     return json_response(200, selection_view(await service.select_and_reserve(selection_request(body)), body, True))
 
 
 async def select_disaggregated(service: SelectService, request: Request) -> Response:
-    body = select_body(request.json())
+    body = request_select_body(request)
     return json_response(200, await disaggregated_answer(service, body))
 
 
@@ -326,13 +326,13 @@ async def loads(service: SelectService, request: Request) -> Response:
 
 
 async def potential_loads(service: SelectService, request: Request) -> Response:
-    body = select_body(request.json())
+    body = request_select_body(request)
     rows = await service.potential_loads(body.scope(), body.prompt(), body.override())
     return json_response(200, [potential_load_view(row) for row in rows])
 
 
 async def overlap_scores(service: SelectService, request: Request) -> Response:
-    body = select_body(request.json())
+    body = request_select_body(request)
     body.override()  # validated as /select validates it
     scores = await service.overlap_scores(body.scope(), body.prompt())
     rows = [

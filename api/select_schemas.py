@@ -7,6 +7,7 @@ As in ``api/schemas.py``: strict JSON types, serde-like 422 messages, unknown fi
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Any, NewType, cast
 
 import attrs
@@ -25,7 +26,8 @@ from kvrouter.actors.core.limits import (
     text_too_long,
 )
 from kvrouter.actors.core.router_config import ROUTER_MODES, RouterConfigOverride, parse_router_mode
-from kvrouter.api.http import HttpError
+from kvrouter.api import select_body_reader as body_reader
+from kvrouter.api.http import UNPARSED, HttpError, Request
 from kvrouter.api.schemas import (
     API_CONVERTER,
     DEFAULT_TENANT,
@@ -206,7 +208,7 @@ class PromptBody:
     model_name: str = "default"
     tenant_id: str = attrs.field(default=None)
     routing_group: str = attrs.field(default=None)
-    token_ids: TokenIds | None = None
+    token_ids: TokenIds | None = None  # a tuple, or read_select_body's array("I") (hashing takes either)
     lora_name: str | None = None
     block_hashes: SequenceHashes | None = None
     sequence_hashes: SequenceHashes | None = None
@@ -321,9 +323,14 @@ def fast_select_body(value: Any) -> SelectBody | None:
             return None
     tokens = get("token_ids")
     if tokens is not None:
-        if type(tokens) is not list or len(tokens) > MAX_PROMPT_TOKENS or not u32_token_ids(tokens):
+        if type(tokens) is array:  # ``read_select_body``'s: u32s already, kept packed for hashing
+            if len(tokens) > MAX_PROMPT_TOKENS:
+                return None
+            tokens = cast(TokenIds, tokens)
+        elif type(tokens) is not list or len(tokens) > MAX_PROMPT_TOKENS or not u32_token_ids(tokens):
             return None
-        tokens = TokenIds(tuple(tokens))
+        else:
+            tokens = TokenIds(tuple(tokens))
     expected = get("expected_output_tokens")
     if expected is not None and (type(expected) is not int or not 0 <= expected <= U32_MAX):
         return None
@@ -349,6 +356,19 @@ def select_body(value: Any) -> SelectBody:
     """A ``/select`` (``/select_and_reserve``, ...) body: the fast reader's, else the converter's (or its 4xx)."""
     body = fast_select_body(value)
     return body if body is not None else parse(SelectBody, value)
+
+
+def request_select_body(request: Request) -> SelectBody:
+    """A route's ``/select`` body, read from its bytes by ``read_select_body`` when compiled (token ids straight
+    into an ``array("I")``: no Python int per token), else, or for any other shape, as ``select_body`` of its
+    JSON. Either way the same body, or the same 4xx (``tests/api/test_select_body_reader.py``)."""
+    if body_reader.COMPILED and request.parsed is UNPARSED:
+        fields = body_reader.read_select_body(request.body)
+        if fields is not None:
+            body = fast_select_body(fields)
+            if body is not None:
+                return body
+    return select_body(request.json())
 
 
 @attrs.frozen

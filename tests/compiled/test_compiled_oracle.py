@@ -29,9 +29,11 @@ import kvrouter.actors.core.kv_index as compiled_kv_index
 import kvrouter.actors.core.node_table as compiled_node_table
 import kvrouter.actors.core.selection as compiled_selection
 import kvrouter.actors.core.trie as compiled_trie
+import kvrouter.api.select_body_reader as compiled_select_body_reader
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.compiled import COMPILED_MODULES, is_compiled, load_pure, status
+from tests.support.select_body_bytes import body_bytes
 
 PURE = {name: load_pure(name, "kvrouter_oracle." + name.rsplit(".", 1)[1]) for name in COMPILED_MODULES}
 COMPILED = {
@@ -43,6 +45,7 @@ COMPILED = {
         compiled_hashing,
         compiled_selection,
         compiled_kv_batch_reader,
+        compiled_select_body_reader,
     )
 }
 
@@ -298,6 +301,16 @@ def test_kv_batch_reader_map_events(events: list[dict[str, Any]], damage: tuple[
         payload[where % len(payload)] = value
     data = bytes(payload)
     assert repr(outcome(lambda: compiled.read_batch(data))) == repr(outcome(lambda: pure.read_batch(data)))
+
+
+# -------------------------------------------------------------------------------- select body reader
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=body_bytes())
+def test_select_body_reader(data: bytes) -> None:
+    compiled, pure = pair("kvrouter.api.select_body_reader")
+    assert outcome(lambda: compiled.read_select_body(data)) == outcome(lambda: pure.read_select_body(data))
 
 
 # -------------------------------------------------------------------------------------------- trie

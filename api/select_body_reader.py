@@ -1,0 +1,217 @@
+# cython: annotation_typing=False, boundscheck=False, wraparound=False
+"""A direct reader for the common shape of a ``/select`` body, compiled (README "Compiled hot paths").
+
+A prompt's ``token_ids`` are most of a ``/select`` body (1,024 tokens: ~11 KB of digits). Read through
+``orjson.loads``, each becomes a Python int only to be checked as a u32, copied into a tuple and packed into
+4 bytes again for hashing: ~60 us of the service's CPU per selection. This reader walks the body's bytes once
+and writes the token ids straight into an ``array("I")``, which ``hashing`` packs without a conversion.
+
+It takes only a JSON object whose values are strings without escapes, ``null``, ``true``, ``false``, integers
+from 0 to 10**18 - 1 and, as ``token_ids`` only, one array of integers from 0 to 2**32 - 1. Anything else (an
+escape, a float, a negative or larger number, a nested object, another array, invalid UTF-8, invalid JSON)
+returns None, and the route parses the body the general way, which also words the errors. So it never decides
+what is valid: when it answers, the fields are exactly what ``orjson.loads`` gives (a repeated key: the last
+one wins, as there), ``token_ids`` as an ``array("I")`` instead of a list; the tests hold it to orjson.
+
+Compiled, it runs in C (``select_body_reader.pxd``); as plain Python it is correct but much slower than
+orjson, so the routes use it only when compiled (``COMPILED``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
+
+_U32_END = 1 << 32
+_FAILED = object()  # a value the reader does not take
+_TOKEN_IDS = "token_ids"
+
+
+class _Scanner:
+    """A cursor over one body. Methods return a sentinel (-1 / None / ``_FAILED``) where the bytes are not what
+    the common shape has; the caller then gives up on the whole body."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.buf = data
+        self.pos = 0
+        self.end = len(data)
+
+    def skip_ws(self) -> None:
+        """Past JSON whitespace (space, tab, line feed, carriage return)."""
+        buf, pos, end = self.buf, self.pos, self.end
+        while pos < end:
+            b = buf[pos]
+            if b != 32 and b != 10 and b != 13 and b != 9:
+                break
+            pos += 1
+        self.pos = pos
+
+    def peek(self) -> int:
+        """The next byte (not consumed), or -1 at the end."""
+        if self.pos >= self.end:
+            return -1
+        return self.buf[self.pos]
+
+    def string(self) -> str | None:
+        """The string starting at the opening quote, if it has no escape and no control character and is UTF-8."""
+        buf, end = self.buf, self.end
+        start = self.pos + 1
+        pos = start
+        while pos < end:
+            b = buf[pos]
+            if b == 34:  # the closing quote
+                self.pos = pos + 1
+                try:
+                    return self.data[start:pos].decode("utf-8")
+                except UnicodeDecodeError:
+                    return None
+            if b == 92 or b < 32:  # an escape (orjson decodes it), or a control character (invalid JSON)
+                return None
+            pos += 1
+        return None
+
+    def literal(self, word: bytes) -> bool:
+        """Consume ``word`` (``null``, ``true``, ``false``) if it is next and not the start of a longer word."""
+        size = len(word)
+        if self.pos + size > self.end or self.data[self.pos : self.pos + size] != word:
+            return False
+        self.pos += size
+        return self.pos >= self.end or not _word_byte(self.buf[self.pos])
+
+    def number(self) -> int:
+        """A non-negative integer below 10**18 in JSON's form (no leading zero, no fraction or exponent), or -1."""
+        buf, pos, end = self.buf, self.pos, self.end
+        value = 0
+        digits = 0
+        while pos < end:
+            b = buf[pos]
+            if b < 48 or b > 57:
+                break
+            if digits == 18:
+                return -1
+            value = value * 10 + (b - 48)
+            digits += 1
+            pos += 1
+        if digits == 0 or (digits > 1 and buf[self.pos] == 48):
+            return -1
+        if pos < end and _number_tail(buf[pos]):
+            return -1
+        self.pos = pos
+        return value
+
+    def tokens(self) -> array[int] | None:
+        """The array starting at ``[`` as u32s, if every element is an integer in [0, 2**32) in JSON's form."""
+        data = self.data
+        p = data  # compiled: a C pointer to the bytes, read at C speed
+        end = self.end
+        pos = self.pos + 1
+        # Allocated once: as many elements as commas before the first ``]`` (C searches, not a byte loop here).
+        close = data.find(b"]", pos)
+        if close < 0:
+            return None
+        count = data.count(b",", pos, close) + 1
+        packed = array("I", bytes(4 * count))
+        view = packed  # compiled: a typed view, written at C speed
+        for i in range(count):
+            while pos < close and (p[pos] == 32 or p[pos] == 10 or p[pos] == 13 or p[pos] == 9):
+                pos += 1
+            if i == 0 and pos == close:  # [] (with blanks or not): no element
+                self.pos = close + 1
+                return array("I")
+            start = pos
+            value = 0
+            while pos < close:
+                b = p[pos]
+                if b < 48 or b > 57:
+                    break
+                value = value * 10 + (b - 48)
+                pos += 1
+            if pos == start or pos - start > 10 or value >= _U32_END or (pos - start > 1 and p[start] == 48):
+                return None
+            view[i] = value
+            while pos < close and (p[pos] == 32 or p[pos] == 10 or p[pos] == 13 or p[pos] == 9):
+                pos += 1
+            if pos >= end or p[pos] != (93 if i == count - 1 else 44):  # a comma after each element, ] the last
+                return None
+            pos += 1
+        self.pos = pos
+        return packed
+
+    def value(self, key: str) -> Any:
+        """The value at the cursor, or ``_FAILED``."""
+        b = self.peek()
+        if b == 34:  # "
+            text = self.string()
+            return _FAILED if text is None else text
+        if b == 91:  # [
+            if key != _TOKEN_IDS:
+                return _FAILED
+            tokens = self.tokens()
+            return _FAILED if tokens is None else tokens
+        if b == 110:  # n
+            return None if self.literal(b"null") else _FAILED
+        if b == 116:  # t
+            return True if self.literal(b"true") else _FAILED
+        if b == 102:  # f
+            return False if self.literal(b"false") else _FAILED
+        if 48 <= b <= 57:
+            number = self.number()
+            return _FAILED if number < 0 else number
+        return _FAILED
+
+
+def _word_byte(b: int) -> bool:
+    """Whether ``b`` may continue a bare word or number (so ``nullx`` or ``1a`` is not ``null`` or ``1``)."""
+    return 48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122 or b == 95 or b == 46 or b == 45 or b == 43 or b >= 128
+
+
+def _number_tail(b: int) -> bool:
+    """Whether ``b`` after an integer's digits makes it something this reader does not take (a fraction, an
+    exponent, or a malformed number)."""
+    return b == 46 or b == 101 or b == 69 or _word_byte(b)
+
+
+def read_select_body(data: bytes) -> dict[str, Any] | None:
+    """The fields of a body of the common shape (see the module's docstring), or None."""
+    if type(data) is not bytes:
+        return None
+    scanner = _Scanner(data)
+    scanner.skip_ws()
+    if scanner.peek() != 123:  # {
+        return None
+    scanner.pos += 1
+    fields: dict[str, Any] = {}
+    scanner.skip_ws()
+    if scanner.peek() == 125:  # }
+        scanner.pos += 1
+    else:
+        while True:
+            if scanner.peek() != 34:
+                return None
+            key = scanner.string()
+            if key is None:
+                return None
+            scanner.skip_ws()
+            if scanner.peek() != 58:  # :
+                return None
+            scanner.pos += 1
+            scanner.skip_ws()
+            value = scanner.value(key)
+            if value is _FAILED:
+                return None
+            fields[key] = value
+            scanner.skip_ws()
+            b = scanner.peek()
+            scanner.pos += 1
+            if b == 125:
+                break
+            if b != 44:
+                return None
+            scanner.skip_ws()
+    scanner.skip_ws()
+    if scanner.pos != scanner.end:
+        return None
+    return fields
