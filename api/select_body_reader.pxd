@@ -2,6 +2,51 @@
 # implementation; this file only says which names are C integers and typed views, so the byte walk and the
 # token loop compile to C.
 cimport cython
+from cpython cimport array as carray
+
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    /* How many ASCII digits start at p[pos] (stopping at close): eight bytes at a time where they are there,
+       without a branch per byte (the run's end would be a mispredicted branch once per number). A byte is a
+       digit when its high nibble is 3 and adding 6 keeps it so (0x3A-0x3F become 0x40-0x45); the first other
+       byte is the lowest set bit (little-endian: the lowest address). A carry out of a byte only comes from a
+       non-digit byte, so no byte before the first non-digit is disturbed. */
+    static inline Py_ssize_t kvrouter_digit_run(const unsigned char *p, Py_ssize_t pos, Py_ssize_t close) {
+        Py_ssize_t start = pos;
+    #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        while (close - pos >= 8) {
+            uint64_t word, bad;
+            memcpy(&word, p + pos, 8);
+            bad = ((word & 0xF0F0F0F0F0F0F0F0ULL) ^ 0x3030303030303030ULL)
+                | (((word + 0x0606060606060606ULL) & 0xF0F0F0F0F0F0F0F0ULL) ^ 0x3030303030303030ULL);
+            if (bad) {
+                return pos - start + (Py_ssize_t)(__builtin_ctzll(bad) >> 3);
+            }
+            pos += 8;
+        }
+    #endif
+        while (pos < close && (unsigned)(p[pos] - 48) <= 9) {
+            pos++;
+        }
+        return pos - start;
+    }
+    """
+    Py_ssize_t kvrouter_digit_run(const unsigned char *p, Py_ssize_t pos, Py_ssize_t close) noexcept nogil
+
+
+cdef carray.array _U32
+
+
+cdef inline Py_ssize_t _digit_run(const unsigned char *p, Py_ssize_t pos, Py_ssize_t close) noexcept:
+    return kvrouter_digit_run(p, pos, close)
+
+
+cdef inline carray.array _new_u32(Py_ssize_t size):
+    """An array("I") of ``size`` elements, not zeroed (every one the reader keeps is written)."""
+    return carray.clone(_U32, size, False)
 
 cdef long long _U32_END
 cdef object _FAILED
@@ -30,10 +75,12 @@ cdef class _Scanner:
                    digits="long long", b="long long")
     cdef long long number(self) noexcept
 
-    @cython.locals(data=bytes, p="const unsigned char *", pos=Py_ssize_t, end=Py_ssize_t, close=Py_ssize_t,
-                   start=Py_ssize_t, count=Py_ssize_t, i=Py_ssize_t, value="long long", b="long long",
-                   view="unsigned int[::1]")
+    @cython.locals(close=Py_ssize_t, room=Py_ssize_t, count=Py_ssize_t)
     cdef object tokens(self)
+
+    @cython.locals(p="const unsigned char *", pos=Py_ssize_t, start=Py_ssize_t, count=Py_ssize_t, size=Py_ssize_t,
+                   k=Py_ssize_t, value="long long")
+    cdef Py_ssize_t fill(self, unsigned int[::1] view, Py_ssize_t close) noexcept
 
     @cython.locals(b="long long", number="long long")
     cdef object value(self, str key)

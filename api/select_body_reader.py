@@ -25,6 +25,7 @@ from typing import Any
 COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
 
 _U32_END = 1 << 32
+_U32 = array("I")  # compiled: the template of new arrays (``_new_u32``)
 _FAILED = object()  # a value the reader does not take
 _TOKEN_IDS = "token_ids"
 
@@ -104,41 +105,52 @@ class _Scanner:
 
     def tokens(self) -> array[int] | None:
         """The array starting at ``[`` as u32s, if every element is an integer in [0, 2**32) in JSON's form."""
-        data = self.data
-        p = data  # compiled: a C pointer to the bytes, read at C speed
-        end = self.end
-        pos = self.pos + 1
-        # Allocated once: as many elements as commas before the first ``]`` (C searches, not a byte loop here).
-        close = data.find(b"]", pos)
+        close = self.data.find(b"]", self.pos + 1)
         if close < 0:
             return None
-        count = data.count(b",", pos, close) + 1
-        packed = array("I", bytes(4 * count))
-        view = packed  # compiled: a typed view, written at C speed
-        for i in range(count):
-            while pos < close and (p[pos] == 32 or p[pos] == 10 or p[pos] == 13 or p[pos] == 9):
-                pos += 1
-            if i == 0 and pos == close:  # [] (with blanks or not): no element
-                self.pos = close + 1
-                return array("I")
-            start = pos
-            value = 0
-            while pos < close:
-                b = p[pos]
-                if b < 48 or b > 57:
-                    break
-                value = value * 10 + (b - 48)
-                pos += 1
-            if pos == start or pos - start > 10 or value >= _U32_END or (pos - start > 1 and p[start] == 48):
-                return None
-            view[i] = value
-            while pos < close and (p[pos] == 32 or p[pos] == 10 or p[pos] == 13 or p[pos] == 9):
-                pos += 1
-            if pos >= end or p[pos] != (93 if i == count - 1 else 44):  # a comma after each element, ] the last
-                return None
-            pos += 1
-        self.pos = pos
+        # Room for as many elements as there can be (each takes two bytes, but the last); cut to size after.
+        room = (close - self.pos) // 2 + 1
+        packed = _new_u32(room) if COMPILED else array("I", bytes(4 * room))  # type: ignore[name-defined]  # noqa: F821
+        count = self.fill(packed, close)
+        if count < 0:
+            return None
+        del packed[count:]  # (``fill``'s typed view of it is released: it may change size)
+        self.pos = close + 1
         return packed
+
+    def fill(self, view: array[int], close: int) -> int:
+        """Write the elements before ``close`` (the array's ``]``) into ``view``; how many, or -1."""
+        p = self.data  # compiled: a C pointer to the bytes, read at C speed
+        pos = self.pos + 1
+        count = 0
+        while True:
+            while pos < close and (p[pos] == 32 or p[pos] == 10 or p[pos] == 13 or p[pos] == 9):
+                pos += 1
+            if pos == close and count == 0:  # [] (with blanks or not): no element
+                return 0
+            start = pos
+            if COMPILED:
+                pos += _digit_run(p, pos, close)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                while pos < close and 48 <= p[pos] <= 57:
+                    pos += 1
+            size = pos - start
+            if size == 0 or size > 10 or (size > 1 and p[start] == 48):
+                return -1
+            value = 0
+            for k in range(start, pos):
+                value = value * 10 + (p[k] - 48)
+            if value >= _U32_END:
+                return -1
+            view[count] = value
+            count += 1
+            while pos < close and (p[pos] == 32 or p[pos] == 10 or p[pos] == 13 or p[pos] == 9):
+                pos += 1
+            if pos == close:
+                return count
+            if p[pos] != 44:  # a comma after each element but the last
+                return -1
+            pos += 1
 
     def value(self, key: str) -> Any:
         """The value at the cursor, or ``_FAILED``."""
