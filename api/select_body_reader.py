@@ -137,9 +137,12 @@ class _Scanner:
             size = pos - start
             if size == 0 or size > 10 or (size > 1 and p[start] == 48):
                 return -1
-            value = 0
-            for k in range(start, pos):
-                value = value * 10 + (p[k] - 48)
+            if COMPILED:
+                value = _digits_value(p, start, size, self.end)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                value = 0
+                for k in range(start, pos):
+                    value = value * 10 + (p[k] - 48)
             if value >= _U32_END:
                 return -1
             view[count] = value

@@ -4,6 +4,7 @@ reads every body, of the common shape or not, exactly as before: the same ``Sele
 
 from __future__ import annotations
 
+import random
 from array import array
 from typing import Any
 
@@ -12,6 +13,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from kvrouter.actors.core.ids import U32_MAX
 from kvrouter.api import select_body_reader
 from kvrouter.api.http import HttpError, Request
 from kvrouter.api.select_schemas import SelectBody, request_select_body, select_body
@@ -110,3 +112,23 @@ def test_a_typical_prompt_is_read_into_packed_tokens(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("reader", READERS)
 def test_other_shapes_are_left_to_orjson(reader: Any, data: bytes) -> None:
     assert reader.read_select_body(data) is None
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_token_ids_of_every_length_anywhere_in_the_body(reader: Any) -> None:
+    """Token ids of 1 to 11 digits (eight read at a time where eight bytes follow, one at a time near the end of
+    the body), after every spacing and at every offset: read as orjson reads them, refused past u32."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        tokens = [
+            rng.choice([rng.randint(0, 9), rng.randint(0, 10 ** rng.randint(1, 11)), U32_MAX, 10**8, 99_999_999])
+            for _ in range(rng.randint(0, 9))
+        ]
+        spaced = rng.choice([",", ", ", " ,", "\n,\t"]).join(map(str, tokens))
+        first = rng.choice(["", '"model_name":"m",', '"model_name":"' + "x" * rng.randint(0, 9) + '",'])
+        data = ("{" + first + '"token_ids":[' + spaced + "]}").encode()
+        fields = reader.read_select_body(data)
+        if all(token <= U32_MAX for token in tokens):
+            assert fields is not None and fields["token_ids"].tolist() == tokens
+        else:
+            assert fields is None
