@@ -167,3 +167,27 @@ async def test_try_variants_do_not_wait(pair_factory: list[TrioZmqSocket]) -> No
     assert dealer.try_recv_multipart() is None
     assert dealer.try_send_multipart([b"x"]) is False  # no peer: DEALER would block
     await trio.lowlevel.checkpoint()
+
+
+async def test_queued_messages_keep_their_frame_counts(pair_factory: list[TrioZmqSocket]) -> None:
+    """Messages of 1, 4 and 3 frames queued back to back come out exactly as sent: the read stops at each
+    message's last frame (a reader that assumed 3 frames would splice the next message's frames in)."""
+    pub = _open(pair_factory, zmq.XPUB)
+    sub = _open(pair_factory, zmq.SUB)
+    sub.socket.setsockopt(zmq.SUBSCRIBE, b"")
+    sent = [[b"lone"], [b"", b"\x00" * 8, b"payload", b"extra"], [b"", b"\x00" * 7 + b"\x01", b"p" * 5000], [b""]]
+    with trio.fail_after(5):
+        sub.socket.connect(_bind(pub))
+        assert await pub.recv_multipart() == [b"\x01"]
+        for message in sent:
+            await pub.send_multipart(message)
+        received = [await sub.recv_multipart()]  # waits for the first; the rest are queued behind it
+        while len(received) < len(sent):
+            frames = sub.try_recv_multipart()
+            if frames is None:
+                await trio.sleep(0.01)
+                continue
+            received.append(frames)
+    assert received == sent
+    assert all(type(frame) is bytes for message in received for frame in message)
+    assert sub.try_recv_multipart() is None
