@@ -160,6 +160,8 @@ _HANDSHAKE_PROBLEM: Final = (
 )
 _HANDSHAKE_AUTH_PROBLEM: Final = "handshake failed: the publisher requires authentication (CURVE/PLAIN), unsupported"
 _REPLAYED: Final = {False: "", True: ", replayed"}
+# What ``_take_in_order`` returns when the group is full (compared by identity: no message is this list).
+_GROUP_FULL: Final[list[bytes]] = []
 
 ListenerState = Literal["connecting", "active", "failed"]
 OnBatch = Callable[[int, bytes], Awaitable[None]]
@@ -444,7 +446,10 @@ class KvListener:
                 self._catch_up_due = False
                 last = -1 if self.status.last_seq is None else self.status.last_seq
                 await self._fill_gap(last + 1, None)
-            frames = sub.try_recv_multipart()
+            frames = self._take_in_order(sub)
+            if frames is _GROUP_FULL:
+                await self._hand_on()
+                continue
             if frames is None:
                 if self._group:
                     # Nothing queued: hand on what was taken before waiting for more, then look at the
@@ -461,6 +466,44 @@ class KvListener:
                 log.debug("kv listener %s: ignored a %d-frame message", self.status.endpoint, len(frames))
                 continue
             await self._accept_live(int.from_bytes(frames[1], "big"), frames[2])
+
+    def _take_in_order(self, sub: TrioZmqSocket) -> list[bytes] | None:
+        """Take the queued live batches that continue the watermark into the group, without awaiting.
+
+        The common case of ``_accept_live`` and ``_deliver`` in one loop (a flood is read here): a batch
+        that is ``last + 1`` is taken as ``_deliver`` would take it. Returns ``_GROUP_FULL`` once the group
+        is full (the caller hands it on), None once nothing is queued, else the first message that needs
+        the general path (malformed, out of order), unread by this loop.
+        """
+        status = self.status
+        group = self._group
+        last = -1 if status.last_seq is None else status.last_seq
+        taken = 0
+        group_bytes = self._group_bytes
+        debug = log.isEnabledFor(logging.DEBUG)
+        frames = None
+        try:
+            while len(group) < GROUP_MAX_BATCHES and group_bytes < GROUP_MAX_BYTES:
+                frames = sub.try_recv_multipart()
+                if frames is None or len(frames) != 3:
+                    return frames
+                _topic, seq_bytes, payload = frames
+                if len(seq_bytes) != 8 or int.from_bytes(seq_bytes, "big") != last + 1:
+                    return frames  # (the end marker is never last + 1: it would be a 2**64 gap)
+                last += 1
+                if debug:
+                    log.debug("kv listener %s: batch %d, %d bytes", status.endpoint, last, len(payload))
+                group.append((last, payload))
+                group_bytes += len(payload)
+                taken += 1
+            return _GROUP_FULL
+        finally:
+            if taken:
+                if self._restart_check == "start":
+                    self._restart_check = None
+                status.last_seq = last
+                status.batches += taken
+                self._group_bytes = group_bytes
 
     async def _accept_live(self, seq: int, payload: bytes) -> None:
         status = self.status

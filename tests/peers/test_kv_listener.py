@@ -820,3 +820,47 @@ async def test_a_flood_is_handed_on_in_bounded_groups_in_order(nursery: trio.Nur
     assert max(map(len, groups)) <= GROUP_MAX_BATCHES
     assert len(groups) < count // 2  # taken in groups, not one by one
     assert listener.status.batches == count and listener.status.last_seq == count - 1
+
+
+async def test_malformed_messages_inside_a_queued_flood_are_skipped_in_place(nursery: trio.Nursery) -> None:
+    """A flood read without waiting takes in-order batches in one go: a malformed message in the middle of
+    what is queued (a 1-frame and a 4-frame message, an end marker) is counted and skipped, and the batches
+    around it still go on in order, in groups, without a replay."""
+    groups: list[list[int]] = []
+    release = trio.Event()
+    changed = trio.Event()
+
+    async def on_batches(group: list[tuple[int, bytes]]) -> None:
+        nonlocal changed
+        groups.append([seq for seq, _ in group])
+        changed.set()
+        changed = trio.Event()
+        if len(groups) == 1:
+            await release.wait()  # what follows queues on the socket meanwhile
+
+    def handed_on() -> int:
+        return sum(map(len, groups))
+
+    with trio.fail_after(20):
+        async with open_kv_publisher(replay=False) as pub:
+            listener = KvListener(pub.endpoint, None, on_batches)
+            await nursery.start(listener.run)
+            await pub.wait_for_subscribers()
+            pub.publish(payload(0))
+            while handed_on() < 1:
+                await changed.wait()
+            for seq in range(1, 20):
+                pub.publish(payload(seq))
+            pub.send_live_raw([b"lone"])
+            pub.send_live_raw([b"", (20).to_bytes(8, "big"), payload(20), b"extra"])
+            pub.send_live_raw([b"", b"\xff" * 8, b""])
+            for seq in range(20, 40):
+                pub.publish(payload(seq))
+            await trio.sleep(0.2)  # let libzmq's I/O thread queue it all in the SUB pipe
+            release.set()
+            while handed_on() < 40:
+                await changed.wait()
+    assert [seq for group in groups for seq in group] == list(range(40))
+    assert max(map(len, groups)) <= GROUP_MAX_BATCHES
+    status = listener.status
+    assert (status.malformed, status.gaps, status.lost_batches, status.batches, status.last_seq) == (3, 0, 0, 40, 39)
