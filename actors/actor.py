@@ -168,7 +168,7 @@ class ScopeActor:
                     else:
                         command = item.command
                         if type(command) is IngestKvBatch:
-                            kv_budget -= _ingest_blocks(command)
+                            kv_budget -= item.kv_blocks or _ingest_blocks(command)
                         self._handle(item)
                         budget -= 1
                     if budget <= 0 or kv_budget <= 0:

@@ -29,14 +29,18 @@ class Envelope:
         "decision",
         "done",
         "failure",
+        "kv_blocks",
         "lsn",
         "on_settled",
         "queued",
         "timed_out",
     )
 
-    def __init__(self, command: Command, on_settled: Callable[[], None] | None = None) -> None:
+    def __init__(self, command: Command, on_settled: Callable[[], None] | None = None, kv_blocks: int = 0) -> None:
         self.command = command
+        # The blocks a KV-ingest command's batches name (its share of the actor's turn), when the sender has
+        # counted them already (KV ingest does, to bound its runs); 0: the actor counts them itself.
+        self.kv_blocks = kv_blocks
         self.decision: Decision | None = None
         self.lsn = 0  # journal position of the decision's events; 0 when nothing was written
         self.done = trio.Event()  # set once the decision is durable (or the ask has failed)
