@@ -2,13 +2,15 @@
 completion probes), repeated, with the service's CPU time per block, and the reference's in alternating rounds.
 
     python benchmarks/kv_ingest_bench.py [--blocks 1000000] [--rounds 3] [--reference-python PATH]
-        [--durability always] [--profile-dir DIR [--native | --perf]]
+        [--durability always] [--profile-dir DIR [--native | --nonblocking | --perf]]
 
 Each round starts a fresh service, registers the 16 workers, publishes the chains and waits until every
 worker's last chain is indexed (``select_service_bench.ingest``). Printed per round: blocks/s, the
-service's CPU time (user + system, from /proc) per block during the ingest, and RSS per indexed block.
-``--profile-dir`` records kvrouter's ingest with py-spy (if installed) into DIR/round-N.txt (collapsed stacks; C
-frames too with ``--native``), or with ``perf record`` into DIR/round-N.perf (``--perf``: every thread, the kernel).
+service's CPU time (user + system, from /proc) per block during the ingest (all threads, and its main thread alone:
+the event loop, which bounds the rate), and RSS per indexed block.
+``--profile-dir`` records kvrouter's ingest with py-spy (if installed) into DIR/round-N.txt (collapsed stacks;
+C frames too with ``--native``; ``--nonblocking`` samples at 997 Hz without stopping the service), or with
+``perf record`` into DIR/round-N.perf (``--perf``: every thread, the kernel).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICKS  # utime stime cutime cstime
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid``'s main thread alone (the event loop: where ingest is bound)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return sum(int(fields[i]) for i in (11, 12)) / TICKS  # utime stime
+
+
 def kvrouter_argv(port: int, data: Path, durability: str) -> list[str]:
     return select_service_argv(port, data, durability=durability)
 
@@ -53,6 +62,7 @@ def one_round(
     blocks: int,
     profile: Path | None,
     native: bool = False,
+    nonblocking: bool = False,
 ) -> str:
     publishers = Publishers()
     service = Service(label, argv, port, workdir, env, cwd)
@@ -86,20 +96,22 @@ def one_round(
                     "--pid",
                     str(service.pid),
                     "--rate",
-                    "250",
+                    "997" if nonblocking else "250",
                     "--format",
                     "raw",
                     "-o",
                     str(profile),
                     *(["--native"] if native else []),
+                    *(["--nonblocking"] if nonblocking else []),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(1.0)  # py-spy attaches
-        before = cpu_seconds(service.pid)
+        before, main_before = cpu_seconds(service.pid), main_thread_cpu_seconds(service.pid)
         result = trio.run(ingest, service, publishers, Workload(blocks // CHAIN_BLOCKS), max(30.0, blocks / 20_000))
         cpu = cpu_seconds(service.pid) - before
+        main_cpu = main_thread_cpu_seconds(service.pid) - main_before
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
@@ -110,7 +122,8 @@ def one_round(
         return f"{label}: TIMED OUT ({result.workers_done}/16 workers complete)"
     return (
         f"{label}: {result.blocks:,} blocks in {result.seconds:.2f} s = {result.rate:,.0f} blocks/s; "
-        f"service CPU {cpu / result.blocks * 1e6:.2f} us/block; RSS {result.bytes_per_block:.0f} B/block"
+        f"service CPU {cpu / result.blocks * 1e6:.2f} us/block (main thread {main_cpu / result.blocks * 1e6:.2f}); "
+        f"RSS {result.bytes_per_block:.0f} B/block"
     )
 
 
@@ -123,6 +136,11 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames of compiled modules too")
+    parser.add_argument(
+        "--nonblocking",
+        action="store_true",
+        help="py-spy --nonblocking at 997 Hz: samples without stopping the service (its rate stays what it was)",
+    )
     parser.add_argument("--perf", action="store_true", help="profile with perf record (DIR/round-N.perf) instead")
     args = parser.parse_args()
     python = None if args.no_reference else reference_python(args.reference_python, "dynamo.select_service")
@@ -150,6 +168,7 @@ def main() -> None:
                     args.blocks,
                     profile,
                     args.native,
+                    args.nonblocking,
                 ),
                 flush=True,
             )
