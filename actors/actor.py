@@ -374,7 +374,7 @@ class ScopeActor:
         envelope.settle(decision, lsn)
         if envelope.on_settled is not None:
             envelope.on_settled()
-        if lsn:
+        if lsn and envelope.awaited:
             self._journal.call_when_durable(lsn, envelope.done.set)
         else:
             envelope.done.set()

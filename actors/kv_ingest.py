@@ -18,7 +18,9 @@ skipped, never journaled). The listener then waits until the actor has applied t
 (policy: block; zmq's high-water mark then pushes back on the publisher, and the gap is replayed later), so the
 mailbox holds at most one run per listener: its memory is bounded by the listeners, not by the mailbox's length.
 KV events do not wait for the journal's fsync: the watermark is journaled with the blocks, so a crash loses both
-together and the restarted listener replays the same batches from the worker.
+together and the restarted listener replays the same batches from the worker. Nobody waits for their durability at
+all (``Envelope.awaited``), so under ``--durability always`` the journal holds a flood's records back a little and
+writes several runs with one fsync (``FileJournal.UNAWAITED_HOLD_SECONDS``).
 
 Latency under a flood. Trio runs every runnable task once per scheduling round, and an HTTP request needs
 several rounds, so a request would wait for all the ingest work done in its rounds. Each piece of ingest work (a
@@ -310,7 +312,7 @@ class KvIngest:
             following=tuple(following),
         )
         applied = trio.Event()
-        envelope = Envelope(command, on_settled=applied.set, kv_blocks=named)
+        envelope = Envelope(command, on_settled=applied.set, kv_blocks=named, awaited=False)
         await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
         try:
             # Without the yield of ``send`` when the mailbox has room (the wait below yields anyway): one

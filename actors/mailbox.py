@@ -24,6 +24,7 @@ ENQUEUE_TIMEOUT = 1.0
 class Envelope:
     __slots__ = (
         "abandoned",
+        "awaited",
         "command",
         "deadline",
         "decision",
@@ -36,8 +37,19 @@ class Envelope:
         "timed_out",
     )
 
-    def __init__(self, command: Command, on_settled: Callable[[], None] | None = None, kv_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        command: Command,
+        on_settled: Callable[[], None] | None = None,
+        kv_blocks: int = 0,
+        *,
+        awaited: bool = True,
+    ) -> None:
         self.command = command
+        # False: nobody waits for ``done`` (KV ingest waits for ``on_settled`` only), so the actor sets it once the
+        # decision is made and asks the journal for no durability callback: a journal under ``always`` may then
+        # hold the record back until someone waits for one (FileJournal.UNAWAITED_HOLD_SECONDS).
+        self.awaited = awaited
         # The blocks a KV-ingest command's batches name (its share of the actor's turn), when the sender has
         # counted them already (KV ingest does, to bound its runs); 0: the actor counts them itself.
         self.kv_blocks = kv_blocks

@@ -71,6 +71,11 @@ class GroupCommit:
         while callbacks and callbacks[0][0] <= batch.last_lsn:
             callbacks.popleft()[1]()
 
+    @property
+    def awaited(self) -> bool:
+        """Whether a callback waits for an lsn to become durable."""
+        return bool(self._callbacks)
+
     def call_when_durable(self, lsn: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` once ``lsn`` is durable or the journal fails; at once if either is so."""
         if self.durable_lsn >= lsn or self.failure is not None:

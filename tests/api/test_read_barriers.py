@@ -11,10 +11,10 @@ import trio.testing
 
 from kvrouter.actors.core.commands import IngestKvBatch
 from kvrouter.actors.core.decisions import Accepted
-from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.core.kv_wire import BlockStored, KvBatch
+from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.kv_wire import BlockStored, KvBatch, encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
+from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS, KvIngest, ListenerKey
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.main import select_service_builder, slot_tracker_app
 from tests.support.asgi import ASGIApp, Reply, call, service_app
@@ -173,3 +173,21 @@ async def test_a_selection_waits_for_the_registration_of_a_worker_it_could_pick(
     await trio.testing.wait_all_tasks_blocked()
     assert registered[0].status == 201
     assert (selected[0].status, selected[0].body["worker_id"], selected[0].body["overlap"]["gpu"]) == (200, 3, 16)
+
+
+async def test_kv_ingest_waits_for_no_fsync_and_asks_the_journal_for_none(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    # A listener's group is applied and the listener goes on while the records are not durable, and nobody is
+    # left waiting for them either: the journal sees no durability callback, so a FileJournal under ``always``
+    # may hold a flood's records back and fsync several runs at once (it fsynced each run alone before).
+    journal = GatedJournal()
+    _, system = await kv_service(nursery, journal)
+    before = journal.last_lsn
+    key = ListenerKey(ScopeKey(A["model_name"], A["tenant_id"]), WorkerRank(1, 0), "tcp://127.0.0.1:1", None)
+    hashes = [(seq + 1) * 10 for seq in range(3)]
+    group = [(seq, encode_batch([BlockStored((h,), None, PROMPT[:BLOCK], BLOCK)])) for seq, h in enumerate(hashes)]
+    with trio.fail_after(1):  # virtual time: returns without any fsync
+        await KvIngest(system).consumer(key)(group)
+    assert journal.last_lsn == before + 1 and journal.durable_lsn == before  # one run, applied, not durable
+    assert journal.pending_callbacks() == 0

@@ -94,3 +94,80 @@ def test_the_trio_idle_detector_the_writer_uses_is_trios_own() -> None:
     # upgrade moves or changes it, this fails instead of the group commit silently degrading.
     assert file_module._wait_until_loop_idle is trio.testing.wait_all_tasks_blocked
     assert list(inspect.signature(file_module._wait_until_loop_idle).parameters) == ["cushion"]
+
+
+async def test_records_nobody_waits_for_are_held_back_and_share_the_first_waiters_fsync(
+    tmp_path: Path, mock_clock: object
+) -> None:
+    # Like a KV flood: one record per run, each appended once the loop has gone idle, nobody waiting for any of
+    # them. The writer used to take each alone (a write, an fsync and a thread round trip per run); now it holds
+    # them back, and the first caller who waits for durability gets all of them written with one fsync. The
+    # clock never moves, so the hold can only end by the waiter.
+    journal = await trio.to_thread.run_sync(FileJournal.open, tmp_path, Durability.ALWAYS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        before = journal.statistics()
+        for n in range(3):
+            journal.append(b"kv run %d" % n)
+            await trio.testing.wait_all_tasks_blocked()
+        held = journal.statistics()
+        await journal.wait_durable(3)
+        after = journal.statistics()
+        await journal.aclose()
+    assert (held.batches_written - before.batches_written, held.durable_lsn) == (0, 0)
+    assert (after.batches_written - before.batches_written, after.fsyncs - before.fsyncs) == (1, 1)
+    assert after.synced_lsn == 3
+
+
+async def test_a_durability_callback_ends_the_hold(tmp_path: Path, mock_clock: object) -> None:
+    # A client's write behind held-back KV records (its reply waits through call_when_durable): written at once,
+    # with them, without waiting for the hold's time to run out (the clock never moves).
+    journal = await trio.to_thread.run_sync(FileJournal.open, tmp_path, Durability.ALWAYS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        journal.append(b"kv run")
+        await trio.testing.wait_all_tasks_blocked()
+        durable = trio.Event()
+        journal.call_when_durable(journal.append(b"client write"), durable.set)
+        await durable.wait()
+        after = journal.statistics()
+        await journal.aclose()
+    assert (after.batches_written, after.synced_lsn) == (1, 2)
+
+
+async def until_durable(journal: FileJournal, lsn: int) -> None:
+    """Poll (waiting for durability would end the hold this is about)."""
+    while journal.durable_lsn < lsn:  # noqa: ASYNC110
+        await trio.sleep(0.001)
+
+
+async def test_held_back_records_are_written_without_any_waiter(tmp_path: Path) -> None:
+    # Nobody ever waits: the hold still ends, by time (one record) or by size (a backlog of the hold's bytes).
+    journal = await trio.to_thread.run_sync(FileJournal.open, tmp_path, Durability.ALWAYS)
+    big = b"x" * (file_module.UNAWAITED_HOLD_BYTES // 4)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            journal.append(b"kv run")
+            await until_durable(journal, 1)
+            for _ in range(4):
+                journal.append(big)
+            await until_durable(journal, 5)
+            assert journal.statistics().synced_lsn == 5
+            await journal.aclose()
+
+
+async def test_by_size_the_hold_ends_without_the_clock(tmp_path: Path, mock_clock: object) -> None:
+    journal = await trio.to_thread.run_sync(FileJournal.open, tmp_path, Durability.ALWAYS)
+    big = b"x" * (file_module.UNAWAITED_HOLD_BYTES // 2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        journal.append(big)
+        await trio.testing.wait_all_tasks_blocked()
+        assert journal.statistics().batches_written == 0  # held
+        journal.append(big)  # the backlog reaches the hold's bytes: written though nobody waits
+        while journal.durable_lsn < 2:
+            await trio.testing.wait_all_tasks_blocked()  # (the loop idles here: the writer's gather can end)
+        after = journal.statistics()
+        await journal.aclose()
+    assert (after.batches_written, after.synced_lsn) == (1, 2)

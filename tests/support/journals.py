@@ -47,6 +47,10 @@ class GatedJournal:
         else:
             self._callbacks.append((lsn, callback))
 
+    def pending_callbacks(self) -> int:
+        """Durability callbacks registered and not yet called."""
+        return len(self._callbacks)
+
 
 class RoomJournal(MemoryJournal):
     """A memory journal that can claim to be full: actors then wait for room after their current turn."""
