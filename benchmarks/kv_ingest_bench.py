@@ -2,12 +2,14 @@
 completion probes), repeated, with the service's CPU time per block, and the reference's in alternating rounds.
 
     python benchmarks/kv_ingest_bench.py [--blocks 1000000] [--rounds 3] [--reference-python PATH]
-        [--durability always] [--profile-dir DIR [--native | --nonblocking | --perf]]
+        [--durability always] [--events arrays|engine-maps] [--profile-dir DIR [--native | --nonblocking | --perf]]
 
 Each round starts a fresh service, registers the 16 workers, publishes the chains and waits until every
 worker's last chain is indexed (``select_service_bench.ingest``). Printed per round: blocks/s, the
 service's CPU time (user + system, from /proc) per block during the ingest (all threads, and its main thread alone:
 the event loop, which bounds the rate), and RSS per indexed block.
+``--events``: ``arrays`` (the default, older vLLM's array events with small block hashes, as every figure in README
+so far) or ``engine-maps`` (what vLLM 0.33 and SGLang 0.5 publish: each event a map, 64-bit block hashes).
 ``--profile-dir`` records kvrouter's ingest with py-spy (if installed) into DIR/round-N.txt (collapsed stacks;
 C frames too with ``--native``; ``--nonblocking`` samples at 997 Hz without stopping the service), or with
 ``perf record`` into DIR/round-N.perf (``--perf``: every thread, the kernel).
@@ -23,13 +25,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port, reference_python, repo_env, select_service_argv
-from select_service_bench import CHAIN_BLOCKS, REPO, Publishers, Service, Workload, ingest, prepare
+from select_service_bench import (
+    CHAIN_BLOCKS,
+    PAYLOADS,
+    REPO,
+    Publishers,
+    Service,
+    Workload,
+    chain_payload,
+    ingest,
+    prepare,
+)
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -63,6 +76,7 @@ def one_round(
     profile: Path | None,
     native: bool = False,
     nonblocking: bool = False,
+    payload: Callable[[int], bytes] = chain_payload,
 ) -> str:
     publishers = Publishers()
     service = Service(label, argv, port, workdir, env, cwd)
@@ -109,7 +123,9 @@ def one_round(
             )
             time.sleep(1.0)  # py-spy attaches
         before, main_before = cpu_seconds(service.pid), main_thread_cpu_seconds(service.pid)
-        result = trio.run(ingest, service, publishers, Workload(blocks // CHAIN_BLOCKS), max(30.0, blocks / 20_000))
+        result = trio.run(
+            ingest, service, publishers, Workload(blocks // CHAIN_BLOCKS, payload), max(30.0, blocks / 20_000)
+        )
         cpu = cpu_seconds(service.pid) - before
         main_cpu = main_thread_cpu_seconds(service.pid) - main_before
     finally:
@@ -132,6 +148,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--durability", choices=["always", "batch", "off"], default="always")
+    parser.add_argument("--events", choices=sorted(PAYLOADS), default="arrays", help="what the publishers send")
     parser.add_argument("--reference-python", default=None)
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--profile-dir", type=Path, default=None)
@@ -150,7 +167,11 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kvrouter-ingest-bench-"))
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
-    print(f"KV ingest: {args.blocks:,} blocks, 16 workers, durability {args.durability}; load {os.getloadavg()}")
+    payload = PAYLOADS[args.events]
+    print(
+        f"KV ingest: {args.blocks:,} blocks, 16 workers, durability {args.durability}, events {args.events}; "
+        f"load {os.getloadavg()}"
+    )
     try:
         for n in range(1, args.rounds + 1):
             data = Path(tempfile.mkdtemp(prefix="data-", dir=workdir))
@@ -169,6 +190,7 @@ def main() -> None:
                     profile,
                     args.native,
                     args.nonblocking,
+                    payload,
                 ),
                 flush=True,
             )
@@ -176,7 +198,10 @@ def main() -> None:
             if python is not None:
                 port = free_port()
                 argv = [python, "-m", "dynamo.select_service", "--port", str(port)]
-                print(one_round("reference", argv, port, ref_env, workdir, workdir, args.blocks, None), flush=True)
+                print(
+                    one_round("reference", argv, port, ref_env, workdir, workdir, args.blocks, None, payload=payload),
+                    flush=True,
+                )
         print(f"load average at the end: {os.getloadavg()}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

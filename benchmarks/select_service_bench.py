@@ -36,6 +36,7 @@ from typing import Any
 import msgpack
 import orjson
 import trio
+import xxhash
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,9 +80,32 @@ def chain_payload(chain: int) -> bytes:
     return msgpack.packb([time.time(), events, None])
 
 
+def chain_hash(chain: int, block: int) -> int:
+    """A 64-bit block hash, as engines' are (a function of the chain and the block: the runs stay reproducible)."""
+    return xxhash.xxh3_64_intdigest(b"%d:%d" % (chain, block))
+
+
+def engine_chain_payload(chain: int) -> bytes:
+    """``chain_payload`` as vLLM 0.33 and SGLang 0.5 publish it: each event a map, the block hashes 64-bit."""
+    tokens = chain_tokens(chain)
+    hashes = [chain_hash(chain, i) for i in range(CHAIN_BLOCKS)]
+    half, split = CHAIN_BLOCKS // 2, CHAIN_TOKENS // 2
+    stored = {"type": "BlockStored", "block_size": BLOCK_SIZE, "lora_id": None, "medium": "GPU", "lora_name": None}
+    events = [
+        {**stored, "block_hashes": hashes[:half], "parent_block_hash": None, "token_ids": tokens[:split]},
+        {**stored, "block_hashes": hashes[half:], "parent_block_hash": hashes[half - 1], "token_ids": tokens[split:]},
+    ]
+    return msgpack.packb([time.time(), events, None])
+
+
+# ``--events``: what the publishers send (the same blocks and tokens either way).
+PAYLOADS = {"arrays": chain_payload, "engine-maps": engine_chain_payload}
+
+
 @dataclass
 class Workload:
     chains: int
+    payload: Callable[[int], bytes] = chain_payload  # one chain's batch (``PAYLOADS``)
 
     @property
     def blocks(self) -> int:
@@ -97,7 +121,7 @@ class Workload:
 
     def messages(self) -> list[tuple[int, bytes]]:
         """(worker, payload) in publishing order: round-robin, so every worker's stream advances together."""
-        return [(self.owner(chain), chain_payload(chain)) for chain in range(self.chains)]
+        return [(self.owner(chain), self.payload(chain)) for chain in range(self.chains)]
 
     def prompt(self, rng: random.Random) -> tuple[list[int], int, int]:
         """64-block prompt repeating a random chain for ``shared`` leading blocks: (tokens, chain, shared)."""
