@@ -3,6 +3,8 @@
 # XXH3 (the xxhash package's own C function, found at import and checked against xxh3_64_intdigest) over the
 # packed token ids, instead of a Python call on a memoryview slice.
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 
 
 cdef extern from "Python.h":
@@ -140,6 +142,28 @@ cdef inline bint _u64_of(object item, unsigned long long *slot):
         return False
     slot[0] = PyLong_AsUnsignedLongLongMask(item)
     return True
+
+
+cdef inline tuple _native_prompt_hashes_packed(const unsigned int[::1] tokens, Py_ssize_t count,
+                                               Py_ssize_t block_size, unsigned long long seed,
+                                               unsigned long long chain_seed):
+    """``_native_prompt_hashes`` of token ids already packed (the ``array("I")`` a ``/select`` body's reader
+    makes): each block's XXH3 straight from the array's buffer, and the chain's link as it goes."""
+    cdef Py_ssize_t i
+    cdef unsigned long long pair[2]
+    cdef tuple local = PyTuple_New(count)
+    cdef tuple chained = PyTuple_New(count)
+    cdef object value
+    for i in range(count):
+        pair[1] = _xxh3(&tokens[i * block_size], <size_t>block_size * 4, seed)
+        pair[0] = pair[1] if i == 0 else _xxh3(pair, 16, chain_seed)
+        value = pair[1]
+        Py_INCREF(value)
+        PyTuple_SET_ITEM(local, i, value)
+        value = pair[0]
+        Py_INCREF(value)
+        PyTuple_SET_ITEM(chained, i, value)
+    return (local, chained)
 
 
 cdef inline tuple _native_prompt_hashes(object token_ids, Py_ssize_t count, Py_ssize_t block_size,

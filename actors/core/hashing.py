@@ -169,11 +169,16 @@ def prompt_hashes(
     token_ids: Sequence[int], block_size: int, *, lora_name: str | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A prompt's block hashes and their chained sequence hashes, as tuples: ``block_hashes`` then
-    ``sequence_hashes`` of those (compiled, for a tuple or list of token ids: in one pass, without the lists)."""
-    if NATIVE_XXH3 and block_size > 0 and (type(token_ids) is tuple or type(token_ids) is list):
-        both = _native_prompt_hashes(token_ids, len(token_ids) // block_size, block_size, lora_seed(lora_name), SEED)  # type: ignore[name-defined]  # noqa: F821
-        if both is not None:
-            return both  # type: ignore[no-any-return]
+    ``sequence_hashes`` of those (compiled, for a tuple, a list or an ``array("I")`` of token ids: in one pass,
+    without the lists)."""
+    if NATIVE_XXH3 and block_size > 0:
+        count = len(token_ids) // block_size
+        if type(token_ids) is array and token_ids.typecode == "I":  # a /select body's reader packed them already
+            return _native_prompt_hashes_packed(token_ids, count, block_size, lora_seed(lora_name), SEED)  # type: ignore[name-defined,no-any-return]  # noqa: F821
+        if type(token_ids) is tuple or type(token_ids) is list:
+            both = _native_prompt_hashes(token_ids, count, block_size, lora_seed(lora_name), SEED)  # type: ignore[name-defined]  # noqa: F821
+            if both is not None:
+                return both  # type: ignore[no-any-return]
     local = block_hashes(token_ids, block_size, lora_name=lora_name)
     return tuple(local), tuple(sequence_hashes(local))
 

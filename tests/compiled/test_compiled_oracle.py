@@ -134,9 +134,12 @@ def test_block_hashes(
     as_tuple=st.booleans(),
 )
 def test_prompt_hashes(token_ids: list[Any], block_size: int, lora: str | None, as_tuple: bool) -> None:
-    """A prompt's block and sequence hashes in one call: what the two calls give, compiled and pure alike."""
+    """A prompt's block and sequence hashes in one call: what the two calls give, compiled and pure alike (for a
+    tuple, a list, or the array("I") a /select body's reader makes)."""
     compiled, pure = pair("kvrouter.actors.core.hashing")
     tokens_in: Sequence[Any] = tuple(token_ids) if as_tuple else token_ids
+    if not as_tuple and all(type(t) is int and 0 <= t < 2**32 for t in token_ids) and len(token_ids) % 2:
+        tokens_in = array("I", token_ids)
 
     def run(m: ModuleType) -> tuple[str, Any]:
         return outcome(lambda: m.prompt_hashes(tokens_in, block_size, lora_name=lora))
