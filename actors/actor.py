@@ -1,5 +1,8 @@
 """ScopeActor: one trio task per (model, tenant) scope, the only writer of that scope's state.
 
+(``apply_now`` lets KV ingest run a turn from its own task while the actor's task waits on an empty mailbox:
+still one turn at a time, in mailbox order.)
+
 For each envelope: decide (pure) -> append events to the journal (sync: assigns the LSN) -> fold
 (pure) -> tell the observers -> settle the envelope. There is no await between append and fold, so
 the journal and the state can never disagree, and cancellation cannot split them. The client's reply
@@ -180,11 +183,7 @@ class ScopeActor:
                 taken = MAX_TURN - budget  # commands (a batch counts its own)
                 if budget <= 0 or kv_budget <= 0:
                     taken += inbox.statistics().current_buffer_used  # a full turn: some are still waiting
-                if taken > self.peak_depth:
-                    self.peak_depth = taken
-                if self._changed and len(self.waiting):
-                    self._admit_waiting()
-                self._ports.after_turn()
+                self._end_turn(taken)
                 if not journal.has_room():
                     # Policy: block this scope until the disk catches up. A journal that failed meanwhile
                     # raises: the next appends fail and their envelopes say so; the owner stops the service.
@@ -196,6 +195,31 @@ class ScopeActor:
                     # before any await, so no sender can slip a command into a closed mailbox unseen.
                     self._ports.retire(self)
                     return
+
+    def _end_turn(self, taken: int) -> None:
+        """What follows every turn: the peak depth, the waiting selections a change may admit, the owner's hook."""
+        if taken > self.peak_depth:
+            self.peak_depth = taken
+        if self._changed and len(self.waiting):
+            self._admit_waiting()
+        self._ports.after_turn()
+
+    def apply_now(self, envelope: Envelope) -> bool:
+        """Take a worker's KV-ingest command as the actor's next turn would, but in the caller's task, when that
+        turn would be this command alone and at once: the actor's task waits on an empty mailbox and the journal
+        has room. Then nothing can come before it, and the turn is the same (decide, journal, fold, observers,
+        settle, the turn's bookkeeping); KV ingest saves the hand-over to the actor's task and back (two task
+        steps and their wake-ups per run). Returns False, having done nothing, otherwise: send it then.
+
+        An ingest command never dissolves the scope, so there is no retirement to do here (the actor's own
+        turns check that)."""
+        assert type(envelope.command) is IngestKvBatch, "only a worker's KV events are applied in the caller's task"
+        mailbox = self._inbox.statistics()
+        if mailbox.current_buffer_used or mailbox.tasks_waiting_receive != 1 or not self._journal.has_room():
+            return False
+        self._handle(envelope)
+        self._end_turn(1)
+        return True
 
     def _handle(self, envelope: Envelope) -> None:
         command = envelope.command

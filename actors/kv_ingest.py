@@ -31,7 +31,8 @@ flood), held from a run's decoding through its hand-over until the actor has app
 most the ONE piece running when it arrived: a run of at most ``INGEST_RUN_BLOCKS`` blocks decoded, or applied, and
 at most one decoded run waits for the actor. (Without the lock, one idle moment woke every listener waiting for it:
 a run decoded and runs handed over in the same round, then applied together in the actor's next turn, up to
-``actor.MAX_TURN_KV_BLOCKS`` and more.)
+``actor.MAX_TURN_KV_BLOCKS`` and more.) When the actor is idle (its mailbox empty), the listener's task applies the
+run itself, as the actor's turn would (``ScopeActor.apply_now``): no hand-over to the actor's task and back.
 """
 
 from __future__ import annotations
@@ -311,9 +312,12 @@ class KvIngest:
             max_index_blocks=cap,
             following=tuple(following),
         )
-        applied = trio.Event()
-        envelope = Envelope(command, on_settled=applied.set, kv_blocks=named, awaited=False)
+        envelope = Envelope(command, kv_blocks=named, awaited=False)
         await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
+        if actor.apply_now(envelope):
+            return  # the actor was idle: applied here, as its turn (no hand-over to its task and back)
+        applied = trio.Event()
+        envelope.on_settled = applied.set
         try:
             # Without the yield of ``send`` when the mailbox has room (the wait below yields anyway): one
             # scheduling pass of this task fewer per run.

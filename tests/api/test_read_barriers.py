@@ -9,12 +9,14 @@ from typing import Any
 import trio
 import trio.testing
 
+from kvrouter.actors.actor import ScopeActor
 from kvrouter.actors.core.commands import IngestKvBatch
 from kvrouter.actors.core.decisions import Accepted
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_wire import BlockStored, KvBatch, encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS, KvIngest, ListenerKey
+from kvrouter.actors.mailbox import Envelope
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.main import select_service_builder, slot_tracker_app
 from tests.support.asgi import ASGIApp, Reply, call, service_app
@@ -191,3 +193,62 @@ async def test_kv_ingest_waits_for_no_fsync_and_asks_the_journal_for_none(
         await KvIngest(system).consumer(key)(group)
     assert journal.last_lsn == before + 1 and journal.durable_lsn == before  # one run, applied, not durable
     assert journal.pending_callbacks() == 0
+
+
+class ActorSteps(trio.abc.Instrument):
+    """Counts the steps taken by scope actors' own tasks."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if getattr(task.coro, "cr_code", None) is ScopeActor.run.__code__:
+            self.steps += 1
+
+
+def kv_group(first_seq: int, count: int) -> list[tuple[int, bytes]]:
+    """``count`` one-block batches from ``first_seq`` on, as a listener hands them over."""
+    return [
+        (seq, encode_batch([BlockStored(((seq + 1) * 10,), None, PROMPT[:BLOCK], BLOCK)]))
+        for seq in range(first_seq, first_seq + count)
+    ]
+
+
+async def test_a_kv_run_for_an_idle_actor_is_applied_in_the_listeners_task(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    # The actor waits on an empty mailbox: the run is applied as its turn would apply it, without a step of its
+    # task (handing it over and being woken back cost two task steps a run).
+    journal = GatedJournal()
+    _, system = await kv_service(nursery, journal)
+    await trio.testing.wait_all_tasks_blocked()
+    before = journal.last_lsn
+    key = ListenerKey(ScopeKey(A["model_name"], A["tenant_id"]), WorkerRank(1, 0), "tcp://127.0.0.1:1", None)
+    steps = ActorSteps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        await KvIngest(system).consumer(key)(kv_group(0, 3))
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert journal.last_lsn == before + 1 and steps.steps == 0
+    assert system.states()[0].selection.kv_watermarks[WorkerRank(1, 0)] == 2
+
+
+async def test_a_kv_run_goes_through_the_mailbox_when_a_command_is_on_its_way(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    # Something was sent to the actor and not yet taken: applying the run first would reorder them.
+    journal = GatedJournal()
+    _, system = await kv_service(nursery, journal)
+    await trio.testing.wait_all_tasks_blocked()
+    actor = system.actors[ScopeKey(A["model_name"], A["tenant_id"])]
+    cap = system.max_index_blocks_per_scope
+    batch = KvBatch(0.0, (BlockStored((10,), None, PROMPT[:BLOCK], BLOCK),))
+    first = Envelope(IngestKvBatch(1, 0, 0, batch, max_index_blocks=cap), awaited=False)
+    second = Envelope(IngestKvBatch(1, 0, 1, batch, max_index_blocks=cap), awaited=False)
+    actor.outbox.send_nowait(first)  # handed to the actor's task, which has not run yet
+    assert not actor.apply_now(second)
+    assert first.decision is None and second.decision is None
+    actor.outbox.send_nowait(second)
+    await trio.testing.wait_all_tasks_blocked()
+    assert 0 < first.lsn < second.lsn
