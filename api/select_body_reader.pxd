@@ -121,6 +121,8 @@ cdef class _Scanner:
     cdef object value(self, str key)
 
 
+cdef bint _NATIVE
+
 cdef bint _word_byte(long long b) noexcept
 
 cdef bint _number_tail(long long b) noexcept

@@ -23,6 +23,9 @@ from array import array
 from typing import Any
 
 COMPILED = not __file__.endswith(".py")  # an extension module's file is the .so
+# Whether this module's own C helpers (``select_body_reader.pxd``) exist: fixed at import, whatever a test then sets
+# ``COMPILED`` to (the routes' switch) to drive the pure module through them.
+_NATIVE = COMPILED
 
 _U32_END = 1 << 32
 _U32 = array("I")  # compiled: the template of new arrays (``_new_u32``)
@@ -110,7 +113,7 @@ class _Scanner:
             return None
         # Room for as many elements as there can be (each takes two bytes, but the last); cut to size after.
         room = (close - self.pos) // 2 + 1
-        packed = _new_u32(room) if COMPILED else array("I", bytes(4 * room))  # type: ignore[name-defined]  # noqa: F821
+        packed = _new_u32(room) if _NATIVE else array("I", bytes(4 * room))  # type: ignore[name-defined]  # noqa: F821
         count = self.fill(packed, close)
         if count < 0:
             return None
@@ -129,7 +132,7 @@ class _Scanner:
             if pos == close and count == 0:  # [] (with blanks or not): no element
                 return 0
             start = pos
-            if COMPILED:
+            if _NATIVE:
                 pos += _digit_run(p, pos, close)  # type: ignore[name-defined]  # noqa: F821
             else:
                 while pos < close and 48 <= p[pos] <= 57:
@@ -137,7 +140,7 @@ class _Scanner:
             size = pos - start
             if size == 0 or size > 10 or (size > 1 and p[start] == 48):
                 return -1
-            if COMPILED:
+            if _NATIVE:
                 value = _digits_value(p, start, size, self.end)  # type: ignore[name-defined]  # noqa: F821
             else:
                 value = 0

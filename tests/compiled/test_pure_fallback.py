@@ -78,6 +78,10 @@ def test_an_install_without_a_compiler_is_pure_python_and_works(tmp_path: Path) 
         assert not [n for n in names if n.endswith((".so", ".pyd", ".c"))]
         for module in COMPILED_MODULES:
             assert module.replace(".", "/") + ".py" in names
+            # A module's .pxd is installed beside its .py: the run-time check that a compiled module is current
+            # hashes both, as the build did (without it, an installed module ran pure: "source changed").
+            if (REPO / (module.split(".", 1)[1].replace(".", "/") + ".pxd")).exists():
+                assert module.replace(".", "/") + ".pxd" in names, module
         assert json.loads(archive.read("kvrouter/_compiled_manifest.json")) == {}
         archive.extractall(tmp_path / "site")
     found = probe({}, tmp_path / "site")
