@@ -781,44 +781,50 @@ async def test_catch_up_after_a_network_blip_is_not_mistaken_for_a_restart(nurse
     assert (status.restarts, status.disconnects, status.replayed_batches, status.stale_dropped) == (0, 1, 49, 49)
 
 
+class HeldGroups:
+    """A consumer that records each group's seqs and holds the first one until ``release`` is set, so that what
+    is published meanwhile queues on the socket and is read as a flood."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[int]] = []
+        self.release = trio.Event()
+        self._changed = trio.Event()
+
+    async def on_batches(self, group: list[tuple[int, bytes]]) -> None:
+        self.groups.append([seq for seq, _ in group])
+        self._changed.set()
+        self._changed = trio.Event()
+        if len(self.groups) == 1:
+            await self.release.wait()
+
+    async def handed_on(self, count: int) -> None:
+        """Wait until ``count`` batches have been handed on in all."""
+        while sum(map(len, self.groups)) < count:
+            await self._changed.wait()
+
+
 async def test_a_flood_is_handed_on_in_bounded_groups_in_order(nursery: trio.Nursery) -> None:
     """What is queued on the socket when the consumer comes back is handed over together (one command, one
     journal record downstream), never more than GROUP_MAX_BATCHES at once, in stream order; a lone batch
     still goes on at once, without waiting for company."""
-    groups: list[list[int]] = []
-    release = trio.Event()
-    changed = trio.Event()
-
-    async def on_batches(group: list[tuple[int, bytes]]) -> None:
-        nonlocal changed
-        groups.append([seq for seq, _ in group])
-        changed.set()
-        changed = trio.Event()
-        if len(groups) == 1:
-            await release.wait()  # the flood queues behind the first group meanwhile
-
-    def handed_on() -> int:
-        return sum(map(len, groups))
-
+    sink = HeldGroups()
     count = LIVE_RCVHWM - 10  # all fit in the SUB pipe: nothing dropped, no replay needed
     with trio.fail_after(20):
         async with open_kv_publisher(replay=False) as pub:
-            listener = KvListener(pub.endpoint, None, on_batches)
+            listener = KvListener(pub.endpoint, None, sink.on_batches)
             await nursery.start(listener.run)
             await pub.wait_for_subscribers()
             pub.publish(payload(0))
-            while handed_on() < 1:
-                await changed.wait()
-            assert groups == [[0]]  # alone, and at once
+            await sink.handed_on(1)
+            assert sink.groups == [[0]]  # alone, and at once
             for seq in range(1, count):
                 pub.publish(payload(seq))
             await trio.sleep(0.2)  # let libzmq's I/O thread queue what fits in the SUB pipe
-            release.set()
-            while handed_on() < count:
-                await changed.wait()
-    assert [seq for group in groups for seq in group] == list(range(count))
-    assert max(map(len, groups)) <= GROUP_MAX_BATCHES
-    assert len(groups) < count // 2  # taken in groups, not one by one
+            sink.release.set()
+            await sink.handed_on(count)
+    assert [seq for group in sink.groups for seq in group] == list(range(count))
+    assert max(map(len, sink.groups)) <= GROUP_MAX_BATCHES
+    assert len(sink.groups) < count // 2  # taken in groups, not one by one
     assert listener.status.batches == count and listener.status.last_seq == count - 1
 
 
@@ -826,29 +832,14 @@ async def test_malformed_messages_inside_a_queued_flood_are_skipped_in_place(nur
     """A flood read without waiting takes in-order batches in one go: a malformed message in the middle of
     what is queued (a 1-frame and a 4-frame message, an end marker) is counted and skipped, and the batches
     around it still go on in order, in groups, without a replay."""
-    groups: list[list[int]] = []
-    release = trio.Event()
-    changed = trio.Event()
-
-    async def on_batches(group: list[tuple[int, bytes]]) -> None:
-        nonlocal changed
-        groups.append([seq for seq, _ in group])
-        changed.set()
-        changed = trio.Event()
-        if len(groups) == 1:
-            await release.wait()  # what follows queues on the socket meanwhile
-
-    def handed_on() -> int:
-        return sum(map(len, groups))
-
+    sink = HeldGroups()
     with trio.fail_after(20):
         async with open_kv_publisher(replay=False) as pub:
-            listener = KvListener(pub.endpoint, None, on_batches)
+            listener = KvListener(pub.endpoint, None, sink.on_batches)
             await nursery.start(listener.run)
             await pub.wait_for_subscribers()
             pub.publish(payload(0))
-            while handed_on() < 1:
-                await changed.wait()
+            await sink.handed_on(1)
             for seq in range(1, 20):
                 pub.publish(payload(seq))
             pub.send_live_raw([b"lone"])
@@ -857,10 +848,9 @@ async def test_malformed_messages_inside_a_queued_flood_are_skipped_in_place(nur
             for seq in range(20, 40):
                 pub.publish(payload(seq))
             await trio.sleep(0.2)  # let libzmq's I/O thread queue it all in the SUB pipe
-            release.set()
-            while handed_on() < 40:
-                await changed.wait()
-    assert [seq for group in groups for seq in group] == list(range(40))
-    assert max(map(len, groups)) <= GROUP_MAX_BATCHES
+            sink.release.set()
+            await sink.handed_on(40)
+    assert [seq for group in sink.groups for seq in group] == list(range(40))
+    assert max(map(len, sink.groups)) <= GROUP_MAX_BATCHES
     status = listener.status
     assert (status.malformed, status.gaps, status.lost_batches, status.batches, status.last_seq) == (3, 0, 0, 40, 39)
