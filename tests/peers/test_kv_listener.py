@@ -7,7 +7,7 @@ import gc
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import msgpack
 import pytest
@@ -802,6 +802,18 @@ class HeldGroups:
         while sum(map(len, self.groups)) < count:
             await self._changed.wait()
 
+    @contextlib.asynccontextmanager
+    async def first_batch_held(self, nursery: trio.Nursery) -> AsyncIterator[tuple[KvPublisher, KvListener]]:
+        """A publisher and a listener handing on to this sink, batch 0 published and held: what the caller
+        publishes next queues on the socket until ``release`` is set."""
+        async with open_kv_publisher(replay=False) as pub:
+            listener = KvListener(pub.endpoint, None, self.on_batches)
+            await nursery.start(listener.run)
+            await pub.wait_for_subscribers()
+            pub.publish(payload(0))
+            await self.handed_on(1)
+            yield pub, listener
+
 
 async def test_a_flood_is_handed_on_in_bounded_groups_in_order(nursery: trio.Nursery) -> None:
     """What is queued on the socket when the consumer comes back is handed over together (one command, one
@@ -810,12 +822,7 @@ async def test_a_flood_is_handed_on_in_bounded_groups_in_order(nursery: trio.Nur
     sink = HeldGroups()
     count = LIVE_RCVHWM - 10  # all fit in the SUB pipe: nothing dropped, no replay needed
     with trio.fail_after(20):
-        async with open_kv_publisher(replay=False) as pub:
-            listener = KvListener(pub.endpoint, None, sink.on_batches)
-            await nursery.start(listener.run)
-            await pub.wait_for_subscribers()
-            pub.publish(payload(0))
-            await sink.handed_on(1)
+        async with sink.first_batch_held(nursery) as (pub, listener):
             assert sink.groups == [[0]]  # alone, and at once
             for seq in range(1, count):
                 pub.publish(payload(seq))
@@ -834,12 +841,7 @@ async def test_malformed_messages_inside_a_queued_flood_are_skipped_in_place(nur
     around it still go on in order, in groups, without a replay."""
     sink = HeldGroups()
     with trio.fail_after(20):
-        async with open_kv_publisher(replay=False) as pub:
-            listener = KvListener(pub.endpoint, None, sink.on_batches)
-            await nursery.start(listener.run)
-            await pub.wait_for_subscribers()
-            pub.publish(payload(0))
-            await sink.handed_on(1)
+        async with sink.first_batch_held(nursery) as (pub, listener):
             for seq in range(1, 20):
                 pub.publish(payload(seq))
             pub.send_live_raw([b"lone"])
