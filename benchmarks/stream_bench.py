@@ -123,14 +123,17 @@ class Streamed:
         result, messages = trio.run(
             drive, self.url, args.callers, args.connections, args.seconds / args.rounds, 2 + index, self.compact
         )
-        self.service_cpu += cpu_seconds(self.server.process.pid) - service_before
-        self.client_cpu += own_cpu_seconds() - client_before
+        service = cpu_seconds(self.server.process.pid) - service_before
+        client = own_cpu_seconds() - client_before
+        self.service_cpu += service
+        self.client_cpu += client
         self.fsyncs += journal_fsyncs(self.url) - fsyncs_before
         self.wall += result.seconds
         self.rounds.append(result)
         print(
             f"  round {index + 1}: {result.rate:8.0f} commands/s, {result.requests / max(messages, 1):6.1f} "
-            f"commands per message ({load()})",
+            f"commands per message, CPU per command: service {1e6 * service / max(result.requests, 1):5.1f} us, "
+            f"client {1e6 * client / max(result.requests, 1):5.1f} us ({load()})",
             flush=True,
         )
         return result
