@@ -105,6 +105,12 @@ def journal_families(system: ActorSystem) -> list[Family]:
         gauge("kvrouter_journal_segments", "Segment files in the journal", (), {(): stats.segments}),
         counter("kvrouter_journal_batches", "Batches written by this process", (), {(): stats.batches_written}),
         counter("kvrouter_journal_fsyncs", "Segment fsyncs by this process", (), {(): stats.fsyncs}),
+        counter(
+            "kvrouter_journal_inline_batches",
+            "Batches the event loop wrote (and, under always, fsynced) itself instead of the journal's I/O thread",
+            (),
+            {(): stats.inline_batches},
+        ),
         histogram(
             "kvrouter_journal_batch_write_seconds",
             "Time to write one batch of records (with its fsync under --durability always)",

@@ -33,6 +33,7 @@ class SegmentWriter:
         self._preallocate_bytes = preallocate_bytes  # 0: grow the file as it is written
         self._dirty = False
         self.fsync_seconds = BucketCounts()  # each segment fsync's duration, for metrics
+        self.last_fsync_seconds = 0.0  # the latest one's (the journal's choice of who writes: ``_writes_inline``)
 
     def write(self, chunks: list[Chunk], sync: bool) -> tuple[list[int], int]:
         """Write ``chunks`` in order (with ``sync``, then fsync); returns (segments created, fsyncs)."""
@@ -64,7 +65,8 @@ class SegmentWriter:
             return 0
         started = time.perf_counter()
         os.fsync(self._fd)
-        self.fsync_seconds.observe(time.perf_counter() - started)
+        took = self.last_fsync_seconds = time.perf_counter() - started
+        self.fsync_seconds.observe(took)
         self._dirty = False
         return 1
 
