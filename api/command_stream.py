@@ -294,6 +294,19 @@ class CommandStream:
             self.outgoing.append(b'{"id":%s,%s' % (orjson.dumps(command_id), result[1:]))
         self.ready.set()
 
+    async def send_results_until_gone(self, connection: trio.CancelScope) -> None:
+        """``send_results`` until the socket breaks under a direct write (the client reset the connection, or took
+        nothing for --http-write-timeout-secs and the server closed it): the client is gone, as when it
+        disconnects, so the connection's work ends (``connection``) quietly. (Sent the ASGI way, hypercorn
+        itself takes such a failure as the end of the connection; raised from here it was logged as an
+        "Error in ASGI Framework" with a traceback, for every client that went away while answers were
+        written.)"""
+        try:
+            await self.send_results()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("command stream: the client is gone (%s)", exc)
+            connection.cancel()
+
     async def send_results(self) -> None:
         """One message with every result ready; results that finish while it is sent go in the next."""
         while True:
@@ -386,7 +399,7 @@ class CommandStream:
         """Read and dispatch messages until the client goes, breaks the protocol, or the service stops (then
         the commands in flight are answered first, and the connection closes with 1001)."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.send_results)
+            nursery.start_soon(self.send_results_until_gone, nursery.cancel_scope)
             nursery.start_soon(self.run_ordered)
             nursery.start_soon(self.run_hot)
             with trio.CancelScope() as reading:

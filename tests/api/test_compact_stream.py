@@ -485,6 +485,39 @@ async def test_a_frame_written_in_part_is_finished_before_the_next_message() -> 
     assert log == ["write", "flush", "write", "flush"] and stream.written_directly == 2
 
 
+class _BrokenWriter:
+    """A socket that takes the start of a frame, then breaks (the client reset the connection, or took nothing for
+    --http-write-timeout-secs and the server closed it)."""
+
+    def write(self, frame: bytes) -> bool:
+        return True
+
+    @property
+    def unsent(self) -> bool:
+        return True
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+        raise trio.BrokenResourceError("socket connection broken: [Errno 32] Broken pipe")
+
+
+async def test_a_client_gone_while_its_results_are_written_ends_the_stream_quietly() -> None:
+    """The socket breaking under a direct write ends the connection's stream as a disconnect does; it used to
+    raise out of the ASGI app, logged by hypercorn as an "Error in ASGI Framework" with a traceback for every
+    client that went away (or was closed for not reading) while its answers were written."""
+
+    async def asgi_send(message: dict[str, Any]) -> None:
+        raise AssertionError(f"nothing goes the ASGI way here: {message}")
+
+    inbox_send, inbox = trio.open_memory_channel[dict[str, Any]](math.inf)
+    inbox_send.send_nowait({"type": "websocket.receive", "bytes": msgpack.packb([True, [[1, 0, "GET", "/nope"]]])})
+    # No websocket.disconnect follows: the stream must end on the broken socket alone.
+    stream = CommandStream(CommandRunner(), asgi_send, compact=True, direct=_BrokenWriter())  # type: ignore[arg-type]
+    with trio.fail_after(5):
+        await stream.serve(inbox.receive)
+    assert stream.written_directly == 1  # the frame begun on the socket, then the socket broke
+
+
 async def test_a_group_s_results_are_each_response_rendered_with_its_own_id() -> None:
     """Responses repeated in a group (a write's 201 or 200) are rendered once: every result is still exactly
     ``render_compact`` of its own id and response, headers and bodies included, whatever the mix."""
