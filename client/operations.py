@@ -55,7 +55,7 @@ class Selection:
     dp_rank: int
     endpoint: str | None
     block_size: int
-    overlap: float
+    overlap: dict[str, Any]  # the route's tier counts: {"longest_matched", "gpu", "dp", "cpu", "disk"}
     effective_prefill_tokens: int
     potential_decode_blocks: int
     model_name: str

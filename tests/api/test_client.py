@@ -8,6 +8,8 @@ import contextlib
 import subprocess
 import sys
 import threading
+import types
+import typing
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -86,6 +88,29 @@ async def test_the_selection_operations(tmp_path: Path) -> None:
             await client.release("b")
         assert refused.value.status == 404 and "b" in refused.value.message
         assert (await client.remove_worker(5))["worker_id"] == 5
+
+
+def holds_its_type(value: object, hint: object) -> bool:
+    """``value`` is of the annotated type ``hint`` (an ``X | None``, a ``dict[...]`` checked by its origin)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return any(isinstance(value, typing.get_origin(option) or option) for option in options)  # type: ignore[arg-type]
+
+
+async def test_selections_and_bookings_hold_the_types_they_declare(tmp_path: Path) -> None:
+    """Each field of ``Selection`` and ``Booking`` is of its annotated type in a real answer (``overlap`` was
+    declared a float, but the route answers an object of tier counts)."""
+    async with running("selection service", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+        await client.put_worker(WORKER)
+        chosen = await client.select_and_reserve(
+            {"model_name": "m", "token_ids": list(range(8)), "reservation_id": "t"}
+        )
+        booked = await client.reserve(
+            {"model_name": "m", "reservation_id": "u", "worker_id": 5, "sequence_hashes": [1], "isl_tokens": 4}
+        )
+    assert chosen.overlap["longest_matched"] == 0
+    for result in (chosen, booked):
+        for name, hint in typing.get_type_hints(type(result)).items():
+            assert holds_its_type(getattr(result, name), hint), (type(result).__name__, name, hint)
 
 
 async def test_a_client_without_the_token_is_refused(tmp_path: Path) -> None:
