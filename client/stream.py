@@ -14,6 +14,7 @@ Bounds: at most ``max_in_flight`` commands waiting for a result; beyond it a cal
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -39,6 +40,9 @@ MESSAGE_OVERHEAD = len(MESSAGE_HEAD) + 2  # a message's bytes besides its comman
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # one results message (up to 4096 results, each as large as a route answers)
 RECEIVE_BYTES = 64 * 1024
 CLOSE_SECONDS = 2.0  # the closing handshake waits at most this long for the service's answer
+# Connecting (TCP and the upgrade) takes at most this long by default: a port that accepts connections but never
+# answers an HTTP upgrade (a hung process, a worker's ZMQ KV-event port) would otherwise hold the caller for ever.
+CONNECT_SECONDS = 10.0
 # A stream with nothing to send pings this often: the service closes a connection silent for its
 # --http-body-timeout-secs (30 s by default).
 PING_SECONDS = 10.0
@@ -52,51 +56,69 @@ async def open_websocket(
     max_message_size: int = MAX_REPLY_BYTES,
     receive_buffer: int | None = None,
     subprotocols: list[str] | None = None,
+    connect_timeout: float | None = CONNECT_SECONDS,
 ) -> AsyncIterator[WebSocketConnection]:
     """A WebSocket client connection to ``url`` (``ws://host:port/path[?query]``) whose TCP socket is closed on
     exit, however the connection ended (trio-websocket 0.12's ``open_websocket_url`` leaves it open when the
     service closes first). ``receive_buffer``: the socket's SO_RCVBUF (tests of slow readers); ``subprotocols``:
     the WebSocket subprotocols offered (the one the service chose is ``connection.subprotocol``). A refused
-    upgrade raises trio-websocket's ``ConnectionRejected``; a refused connection ``OSError``."""
+    upgrade raises trio-websocket's ``ConnectionRejected``; a refused connection ``OSError``, and one not upgraded
+    within ``connect_timeout`` seconds (None: no bound) ``TimeoutError``."""
     parts = urlsplit(url)
     if parts.scheme != "ws" or parts.hostname is None:
         raise ValueError(f"{url!r} is not a ws:// URL (kvrouter serves plain HTTP)")
     port = parts.port or 80
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     headers = [(b"authorization", b"Bearer " + token.encode())] if token is not None else None
-    if receive_buffer is None:
-        stream = await trio.open_tcp_stream(parts.hostname, port)
-    else:
-        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-        await sock.connect((parts.hostname, port))
-        stream = trio.SocketStream(sock)
+    deadline = math.inf if connect_timeout is None else trio.current_time() + connect_timeout
+    with trio.move_on_at(deadline) as connecting:
+        if receive_buffer is None:
+            stream = await trio.open_tcp_stream(parts.hostname, port)
+        else:
+            sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+            await sock.connect((parts.hostname, port))
+            stream = trio.SocketStream(sock)
+    if connecting.cancelled_caught:
+        raise _too_slow(url, connect_timeout)
     rejected: list[HandshakeError] = []
+    timed_out = False
     try:
         async with trio.open_nursery() as nursery:
-            connection = await wrap_client_stream(
-                nursery,
-                stream,
-                f"{parts.hostname}:{port}",
-                resource,
-                subprotocols=subprotocols,
-                extra_headers=headers,
-                max_message_size=max_message_size,
-                receive_buffer_size=RECEIVE_BYTES,
-            )
-            try:
-                yield connection
-            finally:
-                with trio.move_on_after(CLOSE_SECONDS) as closing:
-                    closing.shield = True
-                    await connection.aclose()
+            with trio.move_on_at(deadline) as upgrading:
+                connection = await wrap_client_stream(
+                    nursery,
+                    stream,
+                    f"{parts.hostname}:{port}",
+                    resource,
+                    subprotocols=subprotocols,
+                    extra_headers=headers,
+                    max_message_size=max_message_size,
+                    receive_buffer_size=RECEIVE_BYTES,
+                )
+            if upgrading.cancelled_caught:
+                timed_out = True  # raised below, on its own rather than in the nursery's group
                 nursery.cancel_scope.cancel()
+            else:
+                try:
+                    yield connection
+                finally:
+                    with trio.move_on_after(CLOSE_SECONDS) as closing:
+                        closing.shield = True
+                        await connection.aclose()
+                    nursery.cancel_scope.cancel()
     except* HandshakeError as refusals:
         rejected.extend(refusals.exceptions)  # type: ignore[arg-type]
     finally:
         await trio.aclose_forcefully(stream)
     if rejected:
         raise rejected[0]  # on its own, not in the nursery's group
+    if timed_out:
+        raise _too_slow(url, connect_timeout)
+
+
+def _too_slow(url: str, seconds: float | None) -> TimeoutError:
+    return TimeoutError(f"{url}: no answer to the WebSocket upgrade within {seconds:g} s (is it a kvrouter service?)")
 
 
 def stream_url(base_url: str) -> str:
@@ -133,14 +155,23 @@ class StreamClient(Operations):
     @classmethod
     @contextlib.asynccontextmanager
     async def connect(
-        cls, url: str, *, token: str | None = None, max_in_flight: int = MAX_IN_FLIGHT, compact: bool = True
+        cls,
+        url: str,
+        *,
+        token: str | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        compact: bool = True,
+        connect_timeout: float | None = CONNECT_SECONDS,
     ) -> AsyncIterator[StreamClient]:
         """Connect to a service (``http://host:port`` or the full ``ws://`` stream URL); a refused upgrade
-        (401 without the right token) raises ``StreamClosed`` with the service's message."""
+        (401 without the right token) raises ``StreamClosed`` with the service's message, a connection not
+        upgraded within ``connect_timeout`` seconds (None: no bound) ``TimeoutError``."""
         raised: list[BaseException] = []  # by the caller's block: re-raised as it is, not in a nursery's group
         offered = [SUBPROTOCOL] if compact else None
         try:
-            async with open_websocket(stream_url(url), token=token, subprotocols=offered) as websocket:
+            async with open_websocket(
+                stream_url(url), token=token, subprotocols=offered, connect_timeout=connect_timeout
+            ) as websocket:
                 client = cls(websocket, max_in_flight)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(client._send_messages)

@@ -22,7 +22,7 @@ import outcome
 import trio
 
 from kvrouter.client.operations import Op, Operations, StreamClosed
-from kvrouter.client.stream import MAX_IN_FLIGHT, StreamClient
+from kvrouter.client.stream import CONNECT_SECONDS, MAX_IN_FLIGHT, StreamClient
 
 T = TypeVar("T")
 Deliver = Callable[[outcome.Outcome[Any]], None]
@@ -31,14 +31,25 @@ Deliver = Callable[[outcome.Outcome[Any]], None]
 class ClientThread:
     """A ``StreamClient`` connected on its own trio loop and thread."""
 
-    def __init__(self, url: str, *, token: str | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        """Connect (raises ``StreamClosed`` if the service refuses, ``OSError`` if it cannot be reached)."""
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        connect_timeout: float | None = CONNECT_SECONDS,
+    ) -> None:
+        """Connect (raises ``StreamClosed`` if the service refuses, ``OSError`` if it cannot be reached,
+        ``TimeoutError`` if it does not answer the upgrade within ``connect_timeout`` seconds)."""
         started: concurrent.futures.Future[tuple[StreamClient, trio.lowlevel.TrioToken]] = concurrent.futures.Future()
         self._finished: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._stop: trio.Event | None = None
         self._calls: trio.Nursery | None = None
         self._thread = threading.Thread(
-            target=self._main, args=(url, token, max_in_flight, started), name="kvrouter-client", daemon=True
+            target=self._main,
+            args=(url, token, max_in_flight, connect_timeout, started),
+            name="kvrouter-client",
+            daemon=True,
         )
         self._thread.start()
         try:
@@ -47,16 +58,26 @@ class ClientThread:
             self._thread.join()
             raise
 
-    def _main(self, url: str, token: str | None, limit: int, started: concurrent.futures.Future[Any]) -> None:
+    def _main(
+        self, url: str, token: str | None, limit: int, timeout: float | None, started: concurrent.futures.Future[Any]
+    ) -> None:
         try:
-            trio.run(self._serve, url, token, limit, started)
+            trio.run(self._serve, url, token, limit, timeout, started)
         except BaseException as exc:
             (self._finished if started.done() else started).set_exception(exc)
         else:
             self._finished.set_result(None)
 
-    async def _serve(self, url: str, token: str | None, limit: int, started: concurrent.futures.Future[Any]) -> None:
-        async with StreamClient.connect(url, token=token, max_in_flight=limit) as client, trio.open_nursery() as calls:
+    async def _serve(
+        self,
+        url: str,
+        token: str | None,
+        limit: int,
+        connect_seconds: float | None,
+        started: concurrent.futures.Future[Any],
+    ) -> None:
+        connecting = StreamClient.connect(url, token=token, max_in_flight=limit, connect_timeout=connect_seconds)
+        async with connecting as client, trio.open_nursery() as calls:
             self._calls, self._stop = calls, trio.Event()
             started.set_result((client, trio.lowlevel.current_trio_token()))
             await self._stop.wait()
@@ -100,8 +121,15 @@ class BlockingClient(Operations):
     """``BlockingClient(url, token=...)``: the operations, each blocking the calling thread until its result
     (any number of threads may call at once; their calls share messages). Close with ``close()`` or ``with``."""
 
-    def __init__(self, url: str, *, token: str | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        self._host = ClientThread(url, token=token, max_in_flight=max_in_flight)
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        connect_timeout: float | None = CONNECT_SECONDS,
+    ) -> None:
+        self._host = ClientThread(url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout)
 
     def perform(self, op: Op[T]) -> T:
         if threading.current_thread() is self._host._thread:
@@ -125,8 +153,15 @@ class AsyncioClient(Operations):
     """``AsyncioClient(url, token=...)`` (connects at once, blocking briefly): the operations as coroutines for
     the running asyncio loop. Close with ``close()`` (blocking) or ``async with``."""
 
-    def __init__(self, url: str, *, token: str | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        self._host = ClientThread(url, token=token, max_in_flight=max_in_flight)
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        connect_timeout: float | None = CONNECT_SECONDS,
+    ) -> None:
+        self._host = ClientThread(url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout)
 
     async def perform(self, op: Op[T]) -> T:
         loop = asyncio.get_running_loop()

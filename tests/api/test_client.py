@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import subprocess
 import sys
 import threading
 import types
 import typing
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -111,6 +112,30 @@ async def test_selections_and_bookings_hold_the_types_they_declare(tmp_path: Pat
     for result in (chosen, booked):
         for name, hint in typing.get_type_hints(type(result)).items():
             assert holds_its_type(getattr(result, name), hint), (type(result).__name__, name, hint)
+
+
+@contextlib.contextmanager
+def silent_port() -> Iterator[str]:
+    """The URL of a port that accepts connections (the kernel completes them) and never answers: a hung process,
+    or a port that speaks something else, such as a worker's ZMQ KV-event port."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+async def test_connecting_to_a_port_that_never_answers_times_out() -> None:
+    """Each flavour gives up on an upgrade that is never answered (it used to wait for ever: a BlockingClient or
+    AsyncioClient pointed at a worker's KV-event port hung its constructor)."""
+    with silent_port() as url, trio.fail_after(20):
+        with pytest.raises(TimeoutError, match=r"no answer to the WebSocket upgrade within 0\.3 s"):
+            async with StreamClient.connect(url, connect_timeout=0.3):
+                pass
+        for flavour in (BlockingClient, AsyncioClient):
+            started = trio.current_time()
+            with pytest.raises(TimeoutError):
+                await trio.to_thread.run_sync(partial(flavour, url, connect_timeout=0.3))
+            assert trio.current_time() - started < 5
 
 
 async def test_a_client_without_the_token_is_refused(tmp_path: Path) -> None:
