@@ -42,7 +42,7 @@ import msgpack
 import orjson
 import trio
 
-from kvrouter.actors.core.limits import text_too_long
+from kvrouter.actors.core.limits import MAX_TEXT_BYTES, text_too_long
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Item, Ready, _Running, render
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
 from kvrouter.api.write_bodies import add_fields, ref_fields
@@ -66,7 +66,7 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_UNSUPPORTED = 1003
 STOPPING = "the service is stopping: reconnect once it is back"
 NOT_A_MESSAGE = 'a message is a JSON object {"commands": [...], "ordered": true|false}'
-BAD_ID = "every command needs an `id`: an integer or a string"
+BAD_ID = f"every command needs an `id`: an integer or a string of at most {MAX_TEXT_BYTES} bytes"
 NOT_A_COMPACT_MESSAGE = "a message of the compact format is a msgpack array [ordered, [command, ...]]"
 TEXT_ON_COMPACT = "this connection speaks the compact format (msgpack): send binary frames"
 NOT_A_COMPACT_COMMAND = (
@@ -135,7 +135,8 @@ class CompactReader:
         try:
             message = msgpack.unpackb(data)
         except (ValueError, TypeError) as exc:  # msgpack's errors (and bad UTF-8) are ValueErrors
-            raise Malformed(CLOSE_INVALID, f"not msgpack: {exc}") from None
+            # (msgpack's FormatError and StackError say nothing: their name says what was wrong)
+            raise Malformed(CLOSE_INVALID, f"not msgpack: {str(exc) or type(exc).__name__}") from None
         if type(message) is not list or len(message) != 2 or type(message[0]) is not bool:
             raise Malformed(CLOSE_INVALID, NOT_A_COMPACT_MESSAGE)
         ordered, commands = message

@@ -85,6 +85,7 @@ async def test_a_message_too_large_or_with_too_many_commands_closes_with_1009(tm
         ("[1, 2]", "a message is a JSON object"),
         ('{"commands": [{"method": "GET", "path": "/health"}]}', "every command needs an `id`"),
         ('{"commands": [], "ordered": "yes"}', "a message is a JSON object"),
+        ('{"commands": [{"id": "%s", "method": "GET", "path": "/health"}]}' % ("x" * 4097), "at most 4096 bytes"),
     ],
 )
 async def test_a_malformed_message_closes_with_1007(tmp_path: Path, message: str, reason: str) -> None:

@@ -137,7 +137,9 @@ def test_typical_hot_writes_skip_the_request() -> None:
     ("data", "code", "reason"),
     [
         ("[false, []]", 1003, "send binary frames"),
-        (b"\xc1", 1007, "not msgpack"),
+        (b"\xc1", 1007, "not msgpack: FormatError"),
+        (b"\x92\xc3" + b"\x91" * 3000 + b"\xc0", 1007, "not msgpack: StackError"),
+        (msgpack.packb([True, [["x" * (MAX_TEXT_BYTES + 1), ROUTE, "GET", "/health"]]]), 1007, "at most 4096 bytes"),
         (msgpack.packb([False, []]) + b"\x00", 1007, "not msgpack"),
         (msgpack.packb({"commands": []}), 1007, "[ordered, [command, ...]]"),
         (msgpack.packb([1, []]), 1007, "[ordered, [command, ...]]"),
