@@ -38,6 +38,7 @@ class ClientThread:
         token: str | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
         connect_timeout: float | None = CONNECT_SECONDS,
+        compact: bool = True,
     ) -> None:
         """Connect (raises ``StreamClosed`` if the service refuses, ``OSError`` if it cannot be reached,
         ``TimeoutError`` if it does not answer the upgrade within ``connect_timeout`` seconds)."""
@@ -47,7 +48,7 @@ class ClientThread:
         self._calls: trio.Nursery | None = None
         self._thread = threading.Thread(
             target=self._main,
-            args=(url, token, max_in_flight, connect_timeout, started),
+            args=(url, token, max_in_flight, connect_timeout, compact, started),
             name="kvrouter-client",
             daemon=True,
         )
@@ -59,10 +60,16 @@ class ClientThread:
             raise
 
     def _main(
-        self, url: str, token: str | None, limit: int, timeout: float | None, started: concurrent.futures.Future[Any]
+        self,
+        url: str,
+        token: str | None,
+        limit: int,
+        timeout: float | None,
+        compact: bool,
+        started: concurrent.futures.Future[Any],
     ) -> None:
         try:
-            trio.run(self._serve, url, token, limit, timeout, started)
+            trio.run(self._serve, url, token, limit, timeout, compact, started)
         except BaseException as exc:
             (self._finished if started.done() else started).set_exception(exc)
         else:
@@ -74,9 +81,12 @@ class ClientThread:
         token: str | None,
         limit: int,
         connect_seconds: float | None,
+        compact: bool,
         started: concurrent.futures.Future[Any],
     ) -> None:
-        connecting = StreamClient.connect(url, token=token, max_in_flight=limit, connect_timeout=connect_seconds)
+        connecting = StreamClient.connect(
+            url, token=token, max_in_flight=limit, connect_timeout=connect_seconds, compact=compact
+        )
         async with connecting as client, trio.open_nursery() as calls:
             self._calls, self._stop = calls, trio.Event()
             started.set_result((client, trio.lowlevel.current_trio_token()))
@@ -128,8 +138,17 @@ class BlockingClient(Operations):
         token: str | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
         connect_timeout: float | None = CONNECT_SECONDS,
+        compact: bool = True,
     ) -> None:
-        self._host = ClientThread(url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout)
+        self._host = ClientThread(
+            url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout, compact=compact
+        )
+
+    @property
+    def format(self) -> str:
+        """The format the stream speaks: "msgpack" (the compact format) or "json" (``compact=False``, or a
+        service without the compact format), as ``StreamClient.format``."""
+        return self._host.client.format
 
     def perform(self, op: Op[T]) -> T:
         if threading.current_thread() is self._host._thread:
@@ -160,8 +179,17 @@ class AsyncioClient(Operations):
         token: str | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
         connect_timeout: float | None = CONNECT_SECONDS,
+        compact: bool = True,
     ) -> None:
-        self._host = ClientThread(url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout)
+        self._host = ClientThread(
+            url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout, compact=compact
+        )
+
+    @property
+    def format(self) -> str:
+        """The format the stream speaks: "msgpack" (the compact format) or "json" (``compact=False``, or a
+        service without the compact format), as ``StreamClient.format``."""
+        return self._host.client.format
 
     async def perform(self, op: Op[T]) -> T:
         loop = asyncio.get_running_loop()

@@ -163,6 +163,26 @@ async def test_the_asyncio_client(tmp_path: Path) -> None:
     assert created == [True] * 50
 
 
+async def test_every_flavour_says_its_format_and_speaks_json_when_asked(tmp_path: Path) -> None:
+    """``compact=False`` and ``format``, as README gives them for ``StreamClient``, in the thread and asyncio
+    flavours too (they had neither: ``client.format`` was an AttributeError)."""
+
+    def blocking(url: str, compact: bool) -> tuple[str, bool]:
+        with BlockingClient(url, compact=compact) as client:
+            return client.format, client.add(f"b{compact}", 1, [1])
+
+    async def in_asyncio(url: str, compact: bool) -> tuple[str, bool]:
+        async with AsyncioClient(url, compact=compact) as client:
+            return client.format, await client.add(f"a{compact}", 1, [1])
+
+    async with running("slot tracker", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+        await client.register(1, block_size=16)
+        url = service.urls[0]
+        for compact, expected in ((True, "msgpack"), (False, "json")):
+            assert await trio.to_thread.run_sync(blocking, url, compact) == (expected, True)
+            assert await trio.to_thread.run_sync(lambda c=compact: asyncio.run(in_asyncio(url, c))) == (expected, True)
+
+
 async def test_the_blocking_client_from_threads(tmp_path: Path) -> None:
     def use(url: str) -> list[bool]:
         results: list[bool] = []
