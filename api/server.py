@@ -59,6 +59,7 @@ from hypercorn.utils import repr_socket_addr
 from kvrouter.api import hypercorn_adapter
 from kvrouter.api.fast_h1 import FastH1Connection, ResponseHeaders
 from kvrouter.api.hypercorn_adapter import AdaptedTCPServer, inactive_reason
+from kvrouter.api.ws_inflate import bound_inflation
 
 log = logging.getLogger("kvrouter.http")
 
@@ -107,6 +108,7 @@ def hypercorn_config(host: str, port: int, settings: HttpSettings = HttpSettings
     config.graceful_timeout = settings.shutdown_grace
     config.websocket_ping_interval = None
     config.websocket_max_message_size = 1 << 20
+    bound_inflation(config.websocket_max_message_size)  # a deflated message inflates at most that far
     return config
 
 
