@@ -54,6 +54,8 @@ log = logging.getLogger("kvrouter.api")
 STREAM_PATH = "/ws/commands"
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_IN_FLIGHT = 4096
+# A results message holds at most this many bytes, unless it is one result larger than that (policy: halve it).
+MAX_RESULTS_BYTES = MAX_MESSAGE_BYTES
 # An unordered message of at least twice this many hot writes, when it is all the service's streams have in
 # flight, is applied (and answered) in two halves (see ``CommandStream.run_hot``).
 SPLIT_MIN_COMMANDS = 64
@@ -314,12 +316,28 @@ class CommandStream:
             await self.ready.wait()
             self.ready = trio.Event()
             batch, self.outgoing = self.outgoing, []
-            if self.compact is not None:
-                await self._send_compact(msgpack.packb(batch))
-            else:
-                text = (b'{"results":[' + b",".join(batch) + b"]}").decode()
-                await self.send({"type": "websocket.send", "text": text})
-            self.window.give_back(len(batch))
+            await self._send_batch(batch)
+
+    async def _send_batch(self, batch: list[Any]) -> None:
+        """``batch``'s results in one message, or in halves while a message would pass MAX_RESULTS_BYTES (a
+        result larger than that goes alone): many large answers finishing together (reads of a big service)
+        made one message of all of them, which a client's own bound (kvrouter.client's 64 MiB, 1 MiB in many
+        WebSocket libraries) refused by closing the stream, failing every command waiting on it."""
+        if self.compact is not None:
+            payload = msgpack.packb(batch)
+            if len(payload) > MAX_RESULTS_BYTES and len(batch) > 1:
+                await self._send_batch(batch[: len(batch) // 2])
+                await self._send_batch(batch[len(batch) // 2 :])
+                return
+            await self._send_compact(payload)
+        else:
+            text = b'{"results":[' + b",".join(batch) + b"]}"
+            if len(text) > MAX_RESULTS_BYTES and len(batch) > 1:
+                await self._send_batch(batch[: len(batch) // 2])
+                await self._send_batch(batch[len(batch) // 2 :])
+                return
+            await self.send({"type": "websocket.send", "text": text.decode()})
+        self.window.give_back(len(batch))
 
     async def _send_compact(self, payload: bytes) -> None:
         """One binary message: straight to the socket when it takes it now (~100 us of hypercorn's WebSocket

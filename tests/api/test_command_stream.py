@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import orjson
 import pytest
 import trio
@@ -19,9 +20,9 @@ from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Text
 from wsproto.events import Request as Upgrade
 from wsproto.extensions import PerMessageDeflate
 
-from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, CommandStream
+from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, MAX_RESULTS_BYTES, CommandStream
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner
-from kvrouter.api.http import OK, Request, Response, Route
+from kvrouter.api.http import OK, Request, Response, Route, json_response
 from kvrouter.client.stream import open_websocket
 from tests.api.test_batch import add, cmd, ref, register
 from tests.support.services import running
@@ -214,3 +215,41 @@ async def test_a_deflated_message_is_inflated_no_further_than_the_message_bound(
     # 1009, or 1006 when the service closed its end with the rest of the message unread (the kernel resets it)
     assert closed[0].code in (1009, 1006)
     assert largest <= MAX_MESSAGE_BYTES + 1
+
+
+@pytest.mark.parametrize("compact", [False, True])
+async def test_large_results_that_finish_together_go_in_messages_of_bounded_size(compact: bool) -> None:
+    """In process: ten answers of ~300 KB finishing together went out as one ~3 MB message (100 reads of a large
+    /loads made 120 MB, past kvrouter.client's 64 MiB bound, and the client's stream closed with 1009, failing
+    every caller); now a message holds at most MAX_RESULTS_BYTES unless it is a single larger result."""
+    big = json_response(200, {"pad": "x" * 300_000})
+
+    async def large(request: Request) -> Response:
+        return big
+
+    runner = CommandRunner()
+    runner.serve([Route("GET", "/large", large)])
+    inbox_send, inbox = trio.open_memory_channel[dict[str, Any]](math.inf)
+    sent: list[dict[str, Any]] = []
+
+    async def send_out(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    commands = [[i, 0, "GET", "/large"] for i in range(10)]
+    if compact:
+        inbox_send.send_nowait({"type": "websocket.receive", "bytes": msgpack.packb([False, commands])})
+    else:
+        message = {"commands": [{"id": i, "method": "GET", "path": "/large"} for i in range(10)], "ordered": False}
+        inbox_send.send_nowait({"type": "websocket.receive", "text": orjson.dumps(message).decode()})
+    stream = CommandStream(runner, send_out, compact=compact)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.serve, inbox.receive)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    answered: list[Any] = []
+    for message in sent:
+        data = message["bytes"] if compact else message["text"].encode()
+        results = msgpack.unpackb(data) if compact else orjson.loads(data)["results"]
+        assert len(data) <= MAX_RESULTS_BYTES or len(results) == 1
+        answered += [result[0] if compact else result["id"] for result in results]
+    assert sorted(answered) == list(range(10)) and len(sent) > 1 and stream.window.used == 0
