@@ -591,8 +591,8 @@ class FileJournal:
         loop's time. ALWAYS: a batch someone waits for (a request's answer waits for its fsync) is fsynced here too,
         while fsyncs are fast. The hand-over costs more than the overlap it buys: the thread must be woken and
         scheduled, and then woken the loop, and on a busy machine each wake-up can wait out another task's time
-        slice (measured on 2 cores: a batch's write took ~1.3-1.9 ms through the thread against ~0.5-0.6 ms of
-        fsync; inline ~0.75-0.95 ms, and the streamed lifecycle and the HTTP lifecycle at 16 clients ran faster,
+        slice (measured on 2 cores: a batch's write took ~1.2-1.9 ms through the thread against ~0.4-0.6 ms of
+        fsync; inline ~0.6-0.95 ms, and the streamed lifecycle and the HTTP lifecycle at 16 clients ran faster,
         the latter's p99 about halved). Records nobody waits for (a KV flood's) keep the thread: the loop keeps
         answering reads during their fsync. A slow fsync (over ``INLINE_SYNC_MAX_SECONDS``: a disk under stress)
         sends the next batches to the thread, so a stalling disk blocks the loop for at most one fsync; they come
