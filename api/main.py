@@ -49,7 +49,6 @@ from kvrouter.api.live_decisions import decisions_route
 from kvrouter.api.live_loads import partition_loads_route, slot_loads_route
 from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamMetrics, StreamSettings
 from kvrouter.api.metrics import FrontMetrics, metrics_route
-from kvrouter.api.openapi import openapi_route
 from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
 from kvrouter.api.select_routes import select_service_routes
@@ -133,10 +132,11 @@ async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nur
 
 def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
     live = [slot_loads_route(objects.service, streams, StreamMetrics.of(objects.front))[1]]
-    served = with_command_routes(
-        [*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
+    return with_command_routes(
+        [*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)],
+        "kvrouter slot tracker",
+        KVROUTER_VERSION,
     )
-    return [*served, openapi_route(served, "kvrouter slot tracker", KVROUTER_VERSION)]
 
 
 async def slot_tracker_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
@@ -203,10 +203,11 @@ def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = 
         partition_loads_route(objects.service, streams, metrics)[1],
         decisions_route(objects.service, streams, metrics)[1],
     ]
-    served = with_command_routes(
-        [*select_service_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]
+    return with_command_routes(
+        [*select_service_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)],
+        "kvrouter selection service",
+        KVROUTER_VERSION,
     )
-    return [*served, openapi_route(served, "kvrouter selection service", KVROUTER_VERSION)]
 
 
 def select_objects_builder(

@@ -348,3 +348,31 @@ async def test_the_client_speaks_json_to_a_service_without_the_compact_format() 
         assert client.format == "json"
         reply = await client.call("POST", "/free", {"model_name": "m", "request_id": "r"})
         assert reply.status == 200 and reply.body is None
+
+
+
+async def test_openapi_json_is_a_command_like_every_other_get_route(tmp_path: Path) -> None:
+    """``GET /openapi.json`` in ``POST /batch`` and on the command stream answers the document that the plain
+    route does (it was built after the commands' route table: a 404 "route not found" as a command)."""
+    for kind in ("slot tracker", "selection service"):
+        async with running(kind, tmp_path / kind.replace(" ", "-")) as service:
+            url = service.urls[0]
+
+            def fetch(url: str = url) -> tuple[typing.Any, typing.Any]:
+                with urllib.request.urlopen(f"{url}/openapi.json", timeout=30) as response:
+                    document = orjson.loads(response.read())
+                batch = urllib.request.Request(
+                    f"{url}/batch",
+                    data=orjson.dumps([{"method": "GET", "path": "/openapi.json"}]),
+                    headers={"content-type": "application/json"},
+                )
+                with urllib.request.urlopen(batch, timeout=30) as response:
+                    return document, orjson.loads(response.read())
+
+            document, results = await trio.to_thread.run_sync(fetch)
+            assert results == [{"status": 200, "body": document}]
+            assert "/openapi.json" in document["paths"] and "/batch" in document["paths"]
+            for compact in (True, False):
+                async with StreamClient.connect(url, compact=compact) as client:
+                    reply = await client.call("GET", "/openapi.json")
+                assert (reply.status, reply.body) == (200, document)
