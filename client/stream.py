@@ -26,7 +26,7 @@ import outcome
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
 
-from kvrouter.client.compact import ADD, ROUTE, SUBPROTOCOL, array_header, int64s
+from kvrouter.client.compact import ADD, PATHS, ROUTE, SUBPROTOCOL, array_header, int64s
 from kvrouter.client.operations import NO_BODY, Op, Operations, StreamClosed, _created, result_of_parts
 
 T = TypeVar("T")
@@ -240,7 +240,10 @@ class StreamClient(Operations):
         try:
             command_id = self._next_id
             self._next_id += 1
-            encoded = encode(command_id, what)
+            try:
+                encoded = encode(command_id, what)
+            except (OverflowError, TypeError) as exc:  # orjson.JSONEncodeError is a TypeError
+                raise ValueError(_unencodable(what, exc)) from exc
             if len(encoded) + MESSAGE_OVERHEAD > MAX_MESSAGE_BYTES:
                 raise ValueError(_too_big(len(encoded)))
             waiting = self._waiting
@@ -327,6 +330,16 @@ class StreamClient(Operations):
         self._waiting.clear()
         for task in tasks:
             trio.lowlevel.reschedule(task, outcome.Value(self._closed))
+
+
+def _unencodable(what: Any, exc: BaseException) -> str:
+    """Why a command cannot be sent: its value out of range (an integer beyond 64 bits: a hash >= 2**64 or
+    < -2**63), or of a type neither format carries. Nothing was sent; the stream goes on."""
+    path = PATHS[what[0]] if isinstance(what, tuple) else what.path
+    return (
+        f"the command for {path} cannot be sent ({exc}): an integer (a hash, an id) below -2**63 or from 2**64 on "
+        "fits neither format, nor does a value that is not a JSON type; nothing was sent"
+    )
 
 
 def _too_big(size: int) -> str:

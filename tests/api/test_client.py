@@ -350,6 +350,28 @@ async def test_the_client_speaks_json_to_a_service_without_the_compact_format() 
         assert reply.status == 200 and reply.body is None
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["msgpack", "json"])
+async def test_an_integer_beyond_64_bits_is_refused_before_it_is_sent(tmp_path: Path, compact: bool) -> None:
+    """A hash >= 2**64 or < -2**63 (which neither format can carry) raises ValueError, as other bad arguments do
+    (it was a bare OverflowError from msgpack, orjson.JSONEncodeError in JSON); nothing is sent and the stream
+    goes on."""
+    async with (
+        running("slot tracker", tmp_path) as service,
+        StreamClient.connect(service.urls[0], compact=compact) as client,
+    ):
+        await client.register(1, block_size=16)
+        sent = client.messages_sent
+        for hashes in ([2**64], [1, -(2**63) - 1]):
+            with pytest.raises(ValueError, match=r"cannot be sent .*below -2\*\*63 or from 2\*\*64 on") as refused:
+                await client.add("big", 1, hashes)
+            assert "/add" in str(refused.value)
+        with pytest.raises(ValueError, match="/register"):
+            await client.register(2**64, block_size=16)
+        assert client.messages_sent == sent
+        assert await client.add("ok", 1, [2**63 - 1, -(2**63)]) is True  # the service's range: i64
+        reply = await client.call("GET", "/loads")
+        assert sum(row["active_decode_blocks"] for row in reply.body) == 2
+
 
 async def test_openapi_json_is_a_command_like_every_other_get_route(tmp_path: Path) -> None:
     """``GET /openapi.json`` in ``POST /batch`` and on the command stream answers the document that the plain
