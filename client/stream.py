@@ -67,6 +67,7 @@ async def open_websocket(
     parts = urlsplit(url)
     if parts.scheme != "ws" or parts.hostname is None:
         raise ValueError(f"{url!r} is not a ws:// URL (kvrouter serves plain HTTP)")
+    check_token(token)
     port = parts.port or 80
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     headers = [(b"authorization", b"Bearer " + token.encode())] if token is not None else None
@@ -121,6 +122,19 @@ def _too_slow(url: str, seconds: float | None) -> TimeoutError:
     return TimeoutError(f"{url}: no answer to the WebSocket upgrade within {seconds:g} s (is it a kvrouter service?)")
 
 
+def check_token(token: str | None) -> None:
+    """Refuse a token that cannot go in the upgrade's ``Authorization`` header (a CR, LF or another control
+    character, or surrounding whitespace) with a ``ValueError`` naming it, before anything is sent (h11 would
+    refuse it mid-connect, as an exception group). The token itself is not shown: it is a secret."""
+    if token is None:
+        return
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in token) or token != token.strip(" \t"):
+        raise ValueError(
+            "token: an auth token must not contain CR, LF or other control characters, nor begin or end with "
+            "whitespace (it is sent in the Authorization header; was it read from a file with its newline?)"
+        )
+
+
 def stream_url(base_url: str) -> str:
     """``http://host:port`` (the service's URL) -> ``ws://host:port/ws/commands``."""
     url = base_url.rstrip("/")
@@ -168,6 +182,7 @@ class StreamClient(Operations):
         upgraded within ``connect_timeout`` seconds (None: no bound) ``TimeoutError``."""
         raised: list[BaseException] = []  # by the caller's block: re-raised as it is, not in a nursery's group
         offered = [SUBPROTOCOL] if compact else None
+        check_token(token)
         try:
             async with open_websocket(
                 stream_url(url), token=token, subprotocols=offered, connect_timeout=connect_timeout

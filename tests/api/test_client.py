@@ -373,6 +373,22 @@ async def test_an_integer_beyond_64_bits_is_refused_before_it_is_sent(tmp_path: 
         assert sum(row["active_decode_blocks"] for row in reply.body) == 2
 
 
+async def test_a_token_with_a_line_break_is_refused_up_front_by_every_flavour(tmp_path: Path) -> None:
+    """A token read from a file with its newline (or any CR/LF) raises ValueError naming ``token`` before anything
+    is sent (it was an ExceptionGroup around h11's LocalProtocolError), from each flavour."""
+    async with running("slot tracker", tmp_path, token="tok") as service:
+        url = service.urls[0]
+        for bad in ("tok\n", "tok\r\nX-Injected: 1", "to\rk"):
+            with pytest.raises(ValueError, match=r"^token: .*CR, LF"):
+                async with StreamClient.connect(url, token=bad):
+                    pass
+            for flavour in (BlockingClient, AsyncioClient):
+                with pytest.raises(ValueError, match=r"^token: .*CR, LF"):
+                    await trio.to_thread.run_sync(partial(flavour, url, token=bad))
+        async with StreamClient.connect(url, token="tok") as client:
+            assert await client.register(1, block_size=16) is True
+
+
 async def test_openapi_json_is_a_command_like_every_other_get_route(tmp_path: Path) -> None:
     """``GET /openapi.json`` in ``POST /batch`` and on the command stream answers the document that the plain
     route does (it was built after the commands' route table: a 404 "route not found" as a command)."""
