@@ -66,7 +66,7 @@ async def open_websocket(
     within ``connect_timeout`` seconds (None: no bound) ``TimeoutError``."""
     parts = urlsplit(url)
     if parts.scheme != "ws" or parts.hostname is None:
-        raise ValueError(f"{url!r} is not a ws:// URL (kvrouter serves plain HTTP)")
+        raise ValueError(f"{url!r} is not a ws://host:port/path URL (kvrouter serves plain HTTP)")
     check_token(token)
     port = parts.port or 80
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -122,6 +122,9 @@ def _too_slow(url: str, seconds: float | None) -> TimeoutError:
     return TimeoutError(f"{url}: no answer to the WebSocket upgrade within {seconds:g} s (is it a kvrouter service?)")
 
 
+URL_FORMS = "http://host:port (the service's URL) or ws://host:port[/ws/commands]"
+
+
 def check_token(token: str | None) -> None:
     """Refuse a token that cannot go in the upgrade's ``Authorization`` header (a CR, LF or another control
     character, or surrounding whitespace) with a ``ValueError`` naming it, before anything is sent (h11 would
@@ -136,7 +139,15 @@ def check_token(token: str | None) -> None:
 
 
 def stream_url(base_url: str) -> str:
-    """``http://host:port`` (the service's URL) -> ``ws://host:port/ws/commands``."""
+    """``http://host:port`` (the service's URL) -> ``ws://host:port/ws/commands``; a ``ValueError`` saying the
+    accepted forms for anything else (``host:port`` without a scheme, ``https://``, ``wss://``)."""
+    parts = urlsplit(base_url)
+    if parts.scheme in ("https", "wss"):
+        raise ValueError(
+            f"{base_url!r}: {parts.scheme}:// is not supported (kvrouter serves plain HTTP); give {URL_FORMS}"
+        )
+    if parts.scheme not in ("http", "ws") or not parts.hostname:
+        raise ValueError(f"{base_url!r} is not a URL the client connects to: give {URL_FORMS}")
     url = base_url.rstrip("/")
     if url.startswith("http"):
         url = "ws" + url[4:]
@@ -183,9 +194,10 @@ class StreamClient(Operations):
         raised: list[BaseException] = []  # by the caller's block: re-raised as it is, not in a nursery's group
         offered = [SUBPROTOCOL] if compact else None
         check_token(token)
+        ws_url = stream_url(url)
         try:
             async with open_websocket(
-                stream_url(url), token=token, subprotocols=offered, connect_timeout=connect_timeout
+                ws_url, token=token, subprotocols=offered, connect_timeout=connect_timeout
             ) as websocket:
                 client = cls(websocket, max_in_flight)
                 async with trio.open_nursery() as nursery:

@@ -389,6 +389,18 @@ async def test_a_token_with_a_line_break_is_refused_up_front_by_every_flavour(tm
             assert await client.register(1, block_size=16) is True
 
 
+async def test_a_url_without_a_scheme_is_refused_with_the_forms_accepted() -> None:
+    """``host:port`` without a scheme was refused as "'host:port/ws/commands' is not a ws:// URL", a URL the
+    caller never wrote; the message now shows what was given and the forms the client accepts."""
+    for given in ("127.0.0.1:8091", "localhost:8091", "https://127.0.0.1:8091", "wss://127.0.0.1:8091/ws/commands"):
+        with pytest.raises(ValueError) as refused:
+            async with StreamClient.connect(given):
+                pass
+        message = str(refused.value)
+        assert message.startswith(repr(given)) and "is not a ws:// URL" not in message, message
+        assert "http://host:port" in message and "ws://host:port" in message, message
+
+
 async def test_openapi_json_is_a_command_like_every_other_get_route(tmp_path: Path) -> None:
     """``GET /openapi.json`` in ``POST /batch`` and on the command stream answers the document that the plain
     route does (it was built after the commands' route table: a 404 "route not found" as a command)."""
