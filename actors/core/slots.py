@@ -94,13 +94,16 @@ class RankState:
 class SlotTracking:
     """Registered DP ranges, one ``RankState`` per rank, and the scope-wide request index."""
 
-    __slots__ = ("block_size", "ranks", "requests", "workers")
+    __slots__ = ("block_size", "prompt_blocks", "ranks", "requests", "workers")
 
     def __init__(self) -> None:
         self.block_size: int | None = None  # the slot tracker's, fixed by its first registration
         self.workers: dict[int, tuple[int, int]] = {}  # worker_id -> (dp_start, dp_size)
         self.ranks: dict[WorkerRank, RankState] = {}
         self.requests: dict[str, ActiveRequest] = {}  # admission order, scope-wide index
+        # The sum of the active requests' ``sequence_hashes`` lengths, kept as they are admitted and released
+        # (``limits.MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE`` is checked against it); derived, so not in a snapshot.
+        self.prompt_blocks = 0
 
     @property
     def exists(self) -> bool:
@@ -120,8 +123,11 @@ class SlotTracking:
     def drop_rank(self, rank_key: WorkerRank) -> None:
         """Forget one rank and every request booked on it (its range entry is the caller's)."""
         rank = self.ranks.pop(rank_key)
-        for request_id in rank.requests:
+        released = 0
+        for request_id, request in rank.requests.items():
             del self.requests[request_id]
+            released += len(request.sequence_hashes)
+        self.prompt_blocks -= released
 
     def admit(self, request: ActiveRequest, prefill_tokens: int) -> None:
         self.admit_on(self.ranks[request.rank], request, prefill_tokens)
@@ -134,9 +140,11 @@ class SlotTracking:
             rank.prefill[request.request_id] = prefill_tokens
             rank.prefill_tokens += prefill_tokens
         self.requests[request.request_id] = request
+        self.prompt_blocks += len(request.sequence_hashes)
 
     def release(self, request_id: str) -> None:
         request = self.requests.pop(request_id)
+        self.prompt_blocks -= len(request.sequence_hashes)
         rank = self.ranks[request.rank]
         del rank.requests[request_id]
         rank.trie.remove(request.sequence_hashes)
@@ -184,7 +192,7 @@ class SlotTracking:
             slots.add_range(worker_id, start, size)
         for request_id, worker_id, dp_rank, hashes, started_at, prefill, outputs, expected in data["requests"]:
             request = ActiveRequest(request_id, WorkerRank(worker_id, dp_rank), tuple(hashes), started_at, expected)
-            slots.admit(request, prefill)
+            slots.admit(request, prefill)  # counts its prompt blocks too
             decayed, weight, whole = outputs
             if decayed or whole:
                 slots.ranks[request.rank].outputs[request_id] = (decayed, weight, whole)
@@ -208,6 +216,9 @@ class SlotTracking:
             seen += len(rank.requests)
         if seen != len(self.requests):
             problems.append(f"scope index holds {len(self.requests)} requests, ranks hold {seen}")
+        held = sum(len(request.sequence_hashes) for request in self.requests.values())
+        if self.prompt_blocks != held:
+            problems.append(f"prompt block count {self.prompt_blocks}, active requests hold {held}")
         return problems
 
 
