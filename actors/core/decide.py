@@ -31,7 +31,12 @@ from kvrouter.actors.core.events import (
     WorkerUnregistered,
 )
 from kvrouter.actors.core.ids import U32_MAX, U64_MASK, WorkerRank
-from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_RANKS_PER_WORKER
+from kvrouter.actors.core.limits import (
+    MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE,
+    MAX_ACTIVE_REQUESTS_PER_SCOPE,
+    MAX_RANKS_PER_SCOPE,
+    MAX_RANKS_PER_WORKER,
+)
 from kvrouter.actors.core.state import ScopeState
 
 MAX_DP_SIZE = MAX_RANKS_PER_WORKER  # the reference's cap on one registration's DP range
@@ -122,12 +127,19 @@ def _add(command: AddRequest, state: ScopeState) -> Decision:
             Reason.INVALID,
             f"new_isl_tokens {command.isl_tokens} would overflow the prefill load of {describe_rank(loads.key)}",
         )
+    hashes = command.sequence_hashes
+    # The per-scope caps on active requests, inline (every streamed /add passes here); the refusal says which.
+    if (
+        len(slots.requests) >= MAX_ACTIVE_REQUESTS_PER_SCOPE
+        or slots.prompt_blocks + len(hashes) > MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE
+    ):
+        return selection_rules.bookings_full(state, 1, len(hashes))
     isl_tokens = command.isl_tokens
     event = RequestAdded(
         command.request_id,
         command.worker_id,
         command.dp_rank,
-        command.sequence_hashes,
+        hashes,
         isl_tokens if isl_tokens > 0 else 0,
         command.at,
     )

@@ -42,8 +42,10 @@ from kvrouter.actors.core.selection_queries import SelectionInput, candidates, s
 from kvrouter.actors.core.selection_rules import (
     Selection,
     already_reserved,
+    booked_blocks,
     booked_prefill,
     booking_events,
+    booking_refusal,
     choose_rank,
     prefill_overflow,
     selection_of,
@@ -152,8 +154,10 @@ def decide_select_disaggregated(command: SelectDisaggregated, state: ScopeState)
 
     # Predicted blocks (a rank scored without KV events) go where the prompt is computed: the prefill rank, or
     # the decode rank when it prefills itself. The decode stage never scores cached blocks.
-    loads = [booked_prefill(selection) for selection in (prefill, decode) if selection is not None]
-    overflow = prefill_overflow(state, loads)
+    parts = [selection for selection in (prefill, decode) if selection is not None]
+    overflow = prefill_overflow(state, [booked_prefill(selection) for selection in parts]) or booking_refusal(
+        state, len(parts), sum(booked_blocks(selection) for selection in parts)
+    )
     if overflow is not None:
         return overflow
     events: list[Event] = []

@@ -31,6 +31,18 @@ MAX_SCOPES: Final = 10_000
 # indexed block (README, Benchmarks). Beyond it the index evicts (``actors/core/index_bounds.py``).
 MAX_INDEX_BLOCKS_PER_SCOPE: Final = 8 * 1024 * 1024
 
+# Active requests of one (model, tenant) scope (the slot tracker's ``/add`` and every selection-service
+# booking, all ranks together): 1 Mi requests. Each is held until it is freed or expires (~260 bytes in the
+# core without its hashes, measured with tracemalloc 2026-11-24, and its journal record); without a cap one
+# client could book without end. Beyond it: 409 (free requests first).
+MAX_ACTIVE_REQUESTS_PER_SCOPE: Final = 1024 * 1024
+
+# Prompt blocks held by one scope's active requests (the sum of their ``sequence_hashes`` lengths; a block
+# two requests hold counts twice): 8 Mi blocks, as ``MAX_INDEX_BLOCKS_PER_SCOPE``; ~76 bytes each in the core
+# (tracemalloc, as above: the hash, its place in the request and its rank's prefix trie) and 8+ bytes of
+# journal. Counted as requests come and go (``SlotTracking.prompt_blocks``). Beyond it: 409.
+MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE: Final = 8 * 1024 * 1024
+
 # Catalog records of one selection-service scope (a record with data_parallel_size 0 holds no rank,
 # so ranks alone would not bound them). Beyond it: 409.
 MAX_WORKERS_PER_SCOPE: Final = 8192

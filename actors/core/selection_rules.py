@@ -50,7 +50,13 @@ from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
 from kvrouter.actors.core.index_bounds import fit_ops, incoming_blocks, make_room, refused_event
 from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
-from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_RANKS_PER_SERVICE, MAX_WORKERS_PER_SCOPE
+from kvrouter.actors.core.limits import (
+    MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE,
+    MAX_ACTIVE_REQUESTS_PER_SCOPE,
+    MAX_RANKS_PER_SCOPE,
+    MAX_RANKS_PER_SERVICE,
+    MAX_WORKERS_PER_SCOPE,
+)
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.routing_modes import DIRECT_NEEDS_PIN, MODE_DIRECT, MODE_KV, choose_without_cost
 from kvrouter.actors.core.selection import (
@@ -312,7 +318,9 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     reservation_id = command.reservation_id or ""
     if reservation_id in state.slots.requests:
         return already_reserved(reservation_id)
-    overflow = prefill_overflow(state, [booked_prefill(selection)])
+    overflow = prefill_overflow(state, [booked_prefill(selection)]) or booking_refusal(
+        state, 1, booked_blocks(selection)
+    )
     if overflow is not None:
         return overflow
     events = booking_events(state, selection, command.at, tracked_output(config, options.expected_output_tokens))
@@ -534,6 +542,42 @@ def prefill_overflow(state: ScopeState, bookings: Iterable[tuple[WorkerRank, int
     return None
 
 
+def booking_refusal(state: ScopeState, requests: int, blocks: int) -> Rejected | None:
+    """409 when ``requests`` more active requests holding ``blocks`` prompt blocks would take the scope past
+    ``MAX_ACTIVE_REQUESTS_PER_SCOPE`` or ``MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE`` (``actors/core/limits.py``)."""
+    slots = state.slots
+    if (
+        len(slots.requests) + requests <= MAX_ACTIVE_REQUESTS_PER_SCOPE
+        and slots.prompt_blocks + blocks <= MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE
+    ):
+        return None
+    return bookings_full(state, requests, blocks)
+
+
+def bookings_full(state: ScopeState, requests: int, blocks: int) -> Rejected:
+    """``booking_refusal``'s 409, once a cap is known to be exceeded: it names the requests cap when that is
+    the one, else the prompt-blocks cap."""
+    slots = state.slots
+    held = len(slots.requests)
+    if held + requests > MAX_ACTIVE_REQUESTS_PER_SCOPE:
+        return Rejected(
+            Reason.CONFLICT,
+            f"{state.scope.describe()} has {held} active requests; {requests} more would exceed the limit of "
+            f"{MAX_ACTIVE_REQUESTS_PER_SCOPE} active requests per scope; free requests first",
+        )
+    return Rejected(
+        Reason.CONFLICT,
+        f"{state.scope.describe()}'s active requests hold {slots.prompt_blocks} prompt blocks; {blocks} more "
+        f"would exceed the limit of {MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE} active prompt blocks per scope; "
+        "free requests first",
+    )
+
+
+def booked_blocks(selection: Selection) -> int:
+    """The prompt blocks a booking of ``selection`` holds (``booking_events``' ``RequestAdded``)."""
+    return len(selection.sequence_hashes) if selection.track_active_blocks else 0
+
+
 def booked_prefill(selection: Selection) -> tuple[WorkerRank, int]:
     """The rank a booking of ``selection`` loads, and its prefill tokens."""
     tokens = selection.effective_prefill_tokens if selection.track_prefill_tokens else 0
@@ -566,14 +610,15 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
         override = command.track_prefill_tokens
         tracked = command.config_tracks_prefill if override is None else override
         prefill = command.isl_tokens if tracked else 0
-    overflow = prefill_overflow(state, [(rank, prefill)])
+    hashes = command.sequence_hashes if command.track_active_blocks else ()
+    overflow = prefill_overflow(state, [(rank, prefill)]) or booking_refusal(state, 1, len(hashes))
     if overflow is not None:
         return overflow
     event = RequestAdded(
         command.reservation_id,
         command.worker_id,
         command.dp_rank,
-        command.sequence_hashes if command.track_active_blocks else (),
+        hashes,
         prefill,
         command.at,
         command.expected_output_tokens,
