@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrouter.actors.core import decide as decide_module
+from kvrouter.actors.core import selection_rules
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
@@ -226,3 +229,82 @@ def test_selection_invariants_hold_and_the_journal_and_snapshot_rebuild_the_stat
     assert restored.exists == live.exists
     if live.selection.partition_block_size is not None:
         assert live.exists  # a partition outlives its workers
+
+
+# -- the per-scope caps on active requests, patched tiny ----------------------------------------------
+
+TINY_REQUESTS, TINY_BLOCKS = 3, 8
+
+
+def rankful(worker_id: int) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id,
+        SCOPE.model_name,
+        SCOPE.tenant_id,
+        endpoint="http://w",
+        kv_events_endpoint=f"tcp://w:{worker_id + 1}",
+        block_size=SEL_BLOCK,
+    )
+
+
+# Bookings and what releases them, on workers registered first (so that most commands book).
+tracker_bookings = st.lists(
+    st.one_of(
+        st.builds(
+            AddRequest, request_ids, st.just(0), st.integers(0, 1), hashes, st.integers(0, 100), at=st.integers(0, 1000)
+        ),
+        st.builds(FreeRequest, request_ids),
+        st.builds(ExpireStale, st.just(300), at=st.integers(0, 1500)),
+        st.builds(UnregisterWorker, st.just(1)),
+    ),
+    min_size=10,
+    max_size=40,
+).map(lambda sequence: [RegisterWorker(0, 16, 0, 2), RegisterWorker(1, 16, 0, 1), *sequence])
+selection_bookings = st.lists(
+    st.one_of(
+        st.builds(lambda rid, w, h: Reserve(rid, w, 0, h, isl_tokens=8), reservation_ids, st.integers(0, 1), hashes),
+        st.builds(
+            lambda tokens, rid: SelectWorker(
+                Prompt(token_ids=tokens), RouterConfig(), reserve=True, reservation_id=rid
+            ),
+            prompt_tokens,
+            reservation_ids,
+        ),
+        st.builds(
+            lambda tokens, rid: SelectDisaggregated(Prompt(token_ids=tokens), RouterConfig(), rid),
+            prompt_tokens,
+            reservation_ids,
+        ),
+        st.builds(ReleaseReservation, reservation_ids | st.sampled_from(["s0:prefill", "s0:decode"])),
+        st.builds(RemoveWorker, st.just(1)),
+    ),
+    min_size=10,
+    max_size=40,
+).map(lambda sequence: [UpsertWorker(rankful(0)), UpsertWorker(rankful(1)), *sequence])
+
+
+@settings(max_examples=200, deadline=None)
+@given(tracker_bookings | selection_bookings)
+def test_tiny_active_request_caps_are_never_exceeded_and_the_journal_rebuilds_the_state(sequence: list) -> None:
+    """With caps of 3 requests and 8 prompt blocks per scope (``actors/core/limits.py``), the bookings of both
+    services keep the scope within them, the invariants (``prompt_blocks`` among them) hold, and the journal
+    and the snapshot rebuild the same state."""
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (decide_module, selection_rules):
+            patch.setattr(module, "MAX_ACTIVE_REQUESTS_PER_SCOPE", TINY_REQUESTS)
+            patch.setattr(module, "MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE", TINY_BLOCKS)
+        live = ScopeState(SCOPE)
+        journal = []
+        for command in sequence:
+            decision = decide(live, command)
+            if isinstance(decision, Accepted) and decision.events:
+                journal.append(encode_record(SCOPE, decision.events))
+                fold(live, decision.events)
+            assert check(live) == [], command
+            assert len(live.slots.requests) <= TINY_REQUESTS and live.slots.prompt_blocks <= TINY_BLOCKS, command
+    replayed = ScopeState(SCOPE)
+    for payload in journal:
+        fold(replayed, decode_record(payload).events)
+    assert digest(replayed.to_snapshot()) == digest(live.to_snapshot())
+    restored = ScopeState.from_snapshot(live.to_snapshot())
+    assert restored.slots.prompt_blocks == live.slots.prompt_blocks and check(restored) == []
