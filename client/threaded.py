@@ -127,9 +127,9 @@ class ClientThread:
             self._finished.result()
 
 
-class BlockingClient(Operations):
-    """``BlockingClient(url, token=...)``: the operations, each blocking the calling thread until its result
-    (any number of threads may call at once; their calls share messages). Close with ``close()`` or ``with``."""
+class _ThreadHosted(Operations):
+    """What both flavours on a ``ClientThread`` share: the connection (made at once, blocking briefly), its
+    format, and ``close``; each supplies ``perform`` for its callers."""
 
     def __init__(
         self,
@@ -149,6 +149,15 @@ class BlockingClient(Operations):
         """The format the stream speaks: "msgpack" (the compact format) or "json" (``compact=False``, or a
         service without the compact format), as ``StreamClient.format``."""
         return self._host.client.format
+
+    def close(self) -> None:
+        """Close the stream and join the client's thread (calls still waiting raise ``StreamClosed``)."""
+        self._host.close()
+
+
+class BlockingClient(_ThreadHosted):
+    """``BlockingClient(url, token=...)``: the operations, each blocking the calling thread until its result
+    (any number of threads may call at once; their calls share messages). Close with ``close()`` or ``with``."""
 
     def perform(self, op: Op[T]) -> T:
         if threading.current_thread() is self._host._thread:
@@ -158,9 +167,6 @@ class BlockingClient(Operations):
         result: T = done.result().unwrap()
         return result
 
-    def close(self) -> None:
-        self._host.close()
-
     def __enter__(self) -> BlockingClient:
         return self
 
@@ -168,28 +174,9 @@ class BlockingClient(Operations):
         self.close()
 
 
-class AsyncioClient(Operations):
+class AsyncioClient(_ThreadHosted):
     """``AsyncioClient(url, token=...)`` (connects at once, blocking briefly): the operations as coroutines for
     the running asyncio loop. Close with ``close()`` (blocking) or ``async with``."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        max_in_flight: int = MAX_IN_FLIGHT,
-        connect_timeout: float | None = CONNECT_SECONDS,
-        compact: bool = True,
-    ) -> None:
-        self._host = ClientThread(
-            url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout, compact=compact
-        )
-
-    @property
-    def format(self) -> str:
-        """The format the stream speaks: "msgpack" (the compact format) or "json" (``compact=False``, or a
-        service without the compact format), as ``StreamClient.format``."""
-        return self._host.client.format
 
     async def perform(self, op: Op[T]) -> T:
         loop = asyncio.get_running_loop()
@@ -206,9 +193,6 @@ class AsyncioClient(Operations):
         self._host.submit(op, deliver)
         result: T = (await future).unwrap()
         return result
-
-    def close(self) -> None:
-        self._host.close()
 
     async def __aenter__(self) -> AsyncioClient:
         return self
