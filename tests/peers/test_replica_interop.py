@@ -133,6 +133,10 @@ async def exchange(http: httpx.AsyncClient, system: ActorSystem, replicator: Rep
         assert (await http.post("/free", json={**GROUP, "request_id": request_id})).status_code == 200
     else:
         raise AssertionError("kvrouter never heard the reference")
+    # An attempt kvrouter's SUB missed was freed on the reference, and that free may have been heard (the SUB went
+    # live in between): a free of a request kvrouter never saw, dropped as unknown. Nothing else may be dropped.
+    joining = dict(replicator.stats.dropped)
+    assert set(joining) <= {"unknown_request"} and joining.get("unknown_request", 0) <= attempt
     request = ours()[request_id]
     assert (request.rank, request.sequence_hashes) == (WorkerRank(WORKER, 1), (1, 2, 2**64 - 1))
     rank = system.state(SCOPE).ranks[WorkerRank(WORKER, 1)]  # type: ignore[union-attr]
@@ -185,4 +189,4 @@ async def exchange(http: httpx.AsyncClient, system: ActorSystem, replicator: Rep
 
     # Neither side echoes: the reference never sent kvrouter's events back, and nothing was dropped.
     await trio.sleep(ATTEMPT)
-    assert replicator.stats.dropped == {}
+    assert replicator.stats.dropped == joining
