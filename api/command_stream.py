@@ -45,6 +45,7 @@ import trio
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES, text_too_long
 from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Item, Ready, _Running, render
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
+from kvrouter.api.operation_routes import route
 from kvrouter.api.write_bodies import add_fields, ref_fields
 from kvrouter.api.ws_direct import DirectSocket, binary_frame, direct_socket
 from kvrouter.client.compact import ADD, FIELDS, PATHS, ROUTE, SUBPROTOCOL, from_int64s, json_body
@@ -509,4 +510,4 @@ def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
         stream = CommandStream(runner, send, limit, stopping, compact=compact, everywhere=everywhere, direct=direct)
         await stream.serve(receive)
 
-    return Route("GET", STREAM_PATH, plain, websocket=websocket)
+    return route("command_stream", plain, websocket=websocket)

@@ -35,6 +35,7 @@ import trio
 
 from kvrouter.api.app import RouteTable, call_route, http_error_response
 from kvrouter.api.http import JSON, UNPARSED, HttpError, Request, Response, Route, error_response, release
+from kvrouter.api.operation_routes import route
 
 log = logging.getLogger("kvrouter.api")
 
@@ -294,4 +295,4 @@ def batch_route(runner: CommandRunner) -> Route:
         await runner.run(resolved, deliver, ordered=True)
         return Response(200, b"[" + b",".join(results) + b"]")
 
-    return Route("POST", BATCH_PATH, batch, json_body=True)
+    return route("batch", batch)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
 import attrs
 import orjson
+
+if TYPE_CHECKING:
+    from kvrouter.client.table import Operation
 
 JSON = b"application/json"
 UNPARSED: Any = object()  # Request.parsed when the body is only bytes
@@ -127,6 +130,8 @@ class Route:
     websocket: WebSocketHandler | None = None
     # A pipelined route whose commands a batch may run many at a time (``api/commands.py``).
     batched: Batched | None = None
+    # The operation it serves (``client/table.py``): its documentation, whether it writes, its name.
+    operation: Operation | None = None
 
 
 @attrs.frozen

@@ -46,6 +46,7 @@ from kvrouter.api.live_streams import (
     refuse_plain_get,
     serve_subscriber,
 )
+from kvrouter.api.operation_routes import route
 from kvrouter.api.route_support import scope_fields
 from kvrouter.api.select_routes import explanation_view
 
@@ -183,7 +184,7 @@ class DecisionHub:
                 stream=self._stream,
             )
 
-        return Route("GET", DECISIONS_PATH, refuse_plain_get, websocket=websocket)
+        return route("watch_decisions", refuse_plain_get, websocket=websocket)
 
 
 def decisions_route(

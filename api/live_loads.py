@@ -46,6 +46,7 @@ from kvrouter.api.live_streams import (
     refuse_plain_get,
     serve_subscriber,
 )
+from kvrouter.api.operation_routes import route
 from kvrouter.api.route_support import scope_fields
 from kvrouter.api.routes import load_row
 from kvrouter.api.select_routes import partition_view
@@ -230,7 +231,7 @@ class LoadHub:
                 stream=self._stream,
             )
 
-        return Route("GET", LOADS_PATH, refuse_plain_get, websocket=websocket)
+        return route("watch_loads", refuse_plain_get, websocket=websocket)
 
 
 def slot_load_view(change: LoadChange) -> dict[str, Any]:

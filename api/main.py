@@ -53,6 +53,7 @@ from kvrouter.api.replica_routes import replica_routes, start_replication
 from kvrouter.api.routes import slot_tracker_routes
 from kvrouter.api.select_routes import select_service_routes
 from kvrouter.api.server import HttpSettings, hypercorn_config, serve_http
+from kvrouter.client.table import SELECT_SERVICE, SLOT_TRACKER
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import DataDirectoryInUse, Durability
 
@@ -134,6 +135,7 @@ def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DE
     live = [slot_loads_route(objects.service, streams, StreamMetrics.of(objects.front))[1]]
     return with_command_routes(
         [*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)],
+        SLOT_TRACKER,
         "kvrouter slot tracker",
         KVROUTER_VERSION,
     )
@@ -205,6 +207,7 @@ def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = 
     ]
     return with_command_routes(
         [*select_service_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)],
+        SELECT_SERVICE,
         "kvrouter selection service",
         KVROUTER_VERSION,
     )

@@ -35,6 +35,7 @@ from kvrouter.actors.mailbox import JournalUnavailable, ReplyTimeout
 from kvrouter.actors.metric_families import Family
 from kvrouter.actors.service_support import Refused
 from kvrouter.api.http import Request, Response, Route
+from kvrouter.api.operation_routes import route as operation_route
 from kvrouter.journal.latency import BucketCounts
 
 log = logging.getLogger("kvrouter.api")
@@ -212,4 +213,4 @@ class MetricsEndpoint:
 
 def metrics_route(objects: Any) -> Route:
     """``GET /metrics`` of a service's ``ServiceObjects``: its front's figures and its service objects'."""
-    return Route("GET", METRICS_PATH, MetricsEndpoint(objects.front, (objects.service, objects.peers)))
+    return operation_route("metrics", MetricsEndpoint(objects.front, (objects.service, objects.peers)))

@@ -1,10 +1,10 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description of every route the answering service serves.
 
-Generated, never written by hand: the paths and methods are the service's route table (the same ``Route``
-objects the app serves), request bodies are JSON Schemas derived from the body classes the routes parse
-(attrs, ``api/schemas.py`` and ``api/select_schemas.py``), and what each route answers comes from its row in
-``ROUTE_DOCS`` (one per (method, path), like the fuzz suite's rows). A served route without a row is still
-described, with a summary saying so, and a test fails until it has one.
+Generated, never written by hand: the paths and methods are the service's routes (the same ``Route`` objects
+the app serves), and everything said of each comes from the operation it serves (``client/table.py``): its
+summary, query parameters, whether it writes or answers without the token, the JSON Schema of its body
+(derived from the body class it parses: attrs, ``api/schemas.py`` and ``api/select_schemas.py``) and what it
+answers.
 """
 
 from __future__ import annotations
@@ -19,28 +19,15 @@ import attrs
 import orjson
 
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK
-from kvrouter.api.http import JSON, Request, Response, Route
-from kvrouter.api.replica_routes import PeerBody
-from kvrouter.api.schemas import (
-    AddBody,
-    PotentialLoadsBody,
-    RegisterBody,
-    RequestRefBody,
-    SequenceHashes,
-    UnregisterBody,
-)
-from kvrouter.api.select_schemas import (
-    OutputBlockBody,
-    PrefillCompleteBody,
-    ReservationBody,
-    SelectBody,
-    TokenIds,
-    WorkerBody,
-)
+from kvrouter.api import schemas, select_schemas
+from kvrouter.api.http import Request, Response, Route
+from kvrouter.api.operation_routes import route as operation_route
+from kvrouter.api.schemas import PotentialLoadsBody, SequenceHashes
+from kvrouter.api.select_schemas import SelectBody, TokenIds
 from kvrouter.api.wire import I64, U32, U64, USize
+from kvrouter.client.table import Body, Kind, array_of, ref
 
 OPENAPI_PATH = "/openapi.json"
-UNDOCUMENTED = "undocumented route (add its row to api/openapi.py ROUTE_DOCS)"
 
 # -- JSON Schemas of the body classes -----------------------------------------------------------------------
 
@@ -108,14 +95,6 @@ def class_schema(cls: type, components: dict[str, Any]) -> str:
 
 
 # -- what each route answers ---------------------------------------------------------------------------------
-
-
-def ref(name: str) -> dict[str, Any]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def array_of(item: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "array", "items": item}
 
 
 INT = {"type": "integer"}
@@ -263,116 +242,6 @@ RESPONSES: dict[str, Any] = {
 }
 
 
-@attrs.frozen
-class RouteDoc:
-    summary: str
-    request: type | None = None  # the body class it parses
-    request_schema: dict[str, Any] | None = None  # a body that is no class (a batch is an array)
-    responses: dict[int, Any] = attrs.Factory(dict)  # status -> schema (None: no body)
-    query: tuple[str, ...] = ()
-    content: bytes = JSON  # the success response's media type
-
-
-SCOPE_QUERY = ("model_name", "tenant_id", "routing_group")
-STATUS = {200: ref("Status"), 201: ref("Status")}
-TEXT = b"text/plain"
-
-ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
-    # -- the slot tracker
-    ("POST", "/register"): RouteDoc("Register a worker's dp ranks in a scope", RegisterBody, responses=STATUS),
-    ("POST", "/unregister"): RouteDoc("Unregister a worker", UnregisterBody, responses=STATUS),
-    ("GET", "/workers"): RouteDoc(
-        "The registered workers (slot tracker: dp ranges; selection service: catalog records)",
-        responses={200: {"oneOf": [array_of(ref("RegisteredRange")), array_of(ref("Worker"))]}},
-        query=SCOPE_QUERY,
-    ),
-    ("POST", "/add"): RouteDoc("Track a request on a rank", AddBody, responses=STATUS),
-    ("POST", "/prefill_complete"): RouteDoc("A tracked request's prefill is done", RequestRefBody, responses=STATUS),
-    ("POST", "/free"): RouteDoc("A tracked request is finished", RequestRefBody, responses=STATUS),
-    ("GET", "/loads"): RouteDoc(
-        "Current load of every rank (slot tracker: rows; selection service: per partition)",
-        responses={200: {"oneOf": [array_of(ref("RankLoad")), array_of(ref("PartitionLoads"))]}},
-        query=SCOPE_QUERY,
-    ),
-    ("POST", "/potential_loads"): RouteDoc(
-        "What each rank would carry with this prompt",
-        request_schema={"oneOf": [{"$ref": "#/components/schemas/PotentialLoadsBody"}, ref("SelectBody")]},
-        responses={200: array_of(ref("PotentialLoad"))},
-    ),
-    ("GET", "/health"): RouteDoc("Liveness (answers without the bearer token)", responses={200: None}),
-    # -- the selection service
-    ("POST", "/workers"): RouteDoc(
-        "Create or replace a worker's catalog record", WorkerBody, responses={201: ref("Worker")}
-    ),
-    ("PATCH", "/workers/{worker_id}"): RouteDoc(
-        "Change some fields of a worker's record (null leaves a field as it is)",
-        request_schema={"type": "object", "description": "Any fields of WorkerBody"},
-        responses={200: ref("Worker")},
-    ),
-    ("DELETE", "/workers/{worker_id}"): RouteDoc("Remove a worker", responses={200: ref("Worker")}),
-    ("GET", "/ready"): RouteDoc("Whether any worker is schedulable (503 if none)", responses={200: ref("Ready")}),
-    ("POST", "/select"): RouteDoc(
-        "Choose a worker for a prompt, book nothing", SelectBody, responses={200: ref("Selection")}
-    ),
-    ("POST", "/select_and_reserve"): RouteDoc(
-        "Choose a worker and book the prompt on it", SelectBody, responses={200: ref("Selection")}
-    ),
-    ("POST", "/select_disaggregated"): RouteDoc(
-        "Choose and book a prefill and a decode worker", SelectBody, responses={200: ref("DisaggregatedSelection")}
-    ),
-    ("POST", "/reservations"): RouteDoc(
-        "Book an earlier selection (selection_id) or an explicit rank", ReservationBody, responses={201: ref("Booking")}
-    ),
-    ("POST", "/reservations/{reservation_id}/prefill_complete"): RouteDoc(
-        "The reservation's prefill is done; optionally with the engine's cached_tokens (a JSON body of another "
-        "content type is ignored), compared with the router's prediction in GET /metrics",
-        PrefillCompleteBody,
-        responses={200: ref("Status")},
-    ),
-    ("POST", "/reservations/{reservation_id}/output_block"): RouteDoc(
-        "One more output block, or every block weighted by decay_fraction",
-        OutputBlockBody,
-        responses={200: ref("Status")},
-    ),
-    ("DELETE", "/reservations/{reservation_id}"): RouteDoc("Release a reservation", responses={200: ref("Status")}),
-    ("POST", "/overlap_scores"): RouteDoc(
-        "Each worker's cached prefix of a prompt", SelectBody, responses={200: ref("OverlapScores")}
-    ),
-    ("GET", "/dump"): RouteDoc(
-        "Every scope's KV index in the standalone indexer's recovery format", responses={200: {"type": "object"}}
-    ),
-    # -- replica sync (both services)
-    ("POST", "/replica_sync/register_peer"): RouteDoc("Add a replica peer", PeerBody, responses=STATUS),
-    ("POST", "/replica_sync/deregister_peer"): RouteDoc(
-        "Remove a replica peer", PeerBody, responses={200: ref("Status")}
-    ),
-    ("GET", "/replica_sync/peers"): RouteDoc("The replica peers' endpoints", responses={200: array_of(STR)}),
-    # -- commands (both services)
-    ("POST", "/batch"): RouteDoc(
-        "Several requests in one: each answered as on its own route, in order",
-        request_schema=array_of(ref("Command")),
-        responses={200: array_of(ref("CommandResult"))},
-    ),
-    ("GET", "/ws/commands"): RouteDoc(
-        "The command stream (WebSocket): batches of commands in, their answers out", responses={101: None}
-    ),
-    ("GET", "/ws/loads"): RouteDoc(
-        "Live loads (WebSocket): a snapshot of every matching rank's load, then one message per change per scope",
-        responses={101: None},
-        query=SCOPE_QUERY,
-    ),
-    ("GET", "/ws/decisions"): RouteDoc(
-        "Live decisions (WebSocket, selection service): one message per selection with its explanation",
-        responses={101: None},
-        query=SCOPE_QUERY,
-    ),
-    # -- about the service itself
-    ("GET", "/metrics"): RouteDoc(
-        "The service's figures in Prometheus's text format", responses={200: {"type": "string"}}, content=TEXT
-    ),
-    ("GET", OPENAPI_PATH): RouteDoc("This document", responses={200: {"type": "object"}}),
-}
-
 _PARAM = re.compile(r"\{([^}]+)\}")
 _PATH_PARAMS = {
     "worker_id": {"type": "string", "pattern": "^[0-9]+$", "description": "decimal u64"},
@@ -380,48 +249,54 @@ _PATH_PARAMS = {
 }
 
 
-def _operation_id(method: str, path: str) -> str:
-    words = re.sub(r"[^A-Za-z0-9]+", "_", path).strip("_") or "root"
-    return f"{method.lower()}_{words}"
+def body_class(name: str) -> type:
+    """The body class an operation names (``Operation.request``), from the modules that define them."""
+    for module in (schemas, select_schemas):
+        found = getattr(module, name, None)
+        if isinstance(found, type) and attrs.has(found):
+            return found
+    raise LookupError(f"no body class {name!r} in api/schemas.py or api/select_schemas.py")
 
 
-def _operation(route: Route, doc: RouteDoc | None, components: dict[str, Any]) -> dict[str, Any]:
-    operation: dict[str, Any] = {
-        "operationId": _operation_id(route.method, route.path),
-        "summary": doc.summary if doc is not None else UNDOCUMENTED,
-    }
+def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
+    op = route.operation
+    if op is None:
+        raise ValueError(f"{route.method} {route.path} serves no operation of the table (client/table.py)")
+    operation: dict[str, Any] = {"operationId": op.name, "summary": op.summary}
     parameters = [
         {"name": name, "in": "path", "required": True, "schema": _PATH_PARAMS.get(name, STR)}
         for name in _PARAM.findall(route.path)
     ]
-    parameters += [
-        {"name": name, "in": "query", "required": False, "schema": STR} for name in (doc.query if doc else ())
-    ]
+    parameters += [{"name": name, "in": "query", "required": False, "schema": STR} for name in op.query]
     if parameters:
         operation["parameters"] = parameters
-    takes_body = route.json_body or route.optional_body or route.json_body_if_typed
+    takes_body = op.body is not Body.NONE
     if takes_body:
         schema: dict[str, Any] = {}
-        if doc is not None and doc.request is not None:
-            schema = ref(class_schema(doc.request, components))
-        elif doc is not None and doc.request_schema is not None:
-            schema = doc.request_schema
-        operation["requestBody"] = {"required": route.json_body, "content": {"application/json": {"schema": schema}}}
+        if op.request is not None:
+            schema = ref(class_schema(body_class(op.request), components))
+        elif op.request_schema is not None:
+            schema = op.request_schema
+        operation["requestBody"] = {
+            "required": op.body is Body.JSON,
+            "content": {"application/json": {"schema": schema}},
+        }
     responses: dict[str, Any] = {}
-    for status, body in (doc.responses if doc is not None else {200: {}}).items():
+    for status, body in op.responses.items():
         answer: dict[str, Any] = {"description": _STATUS_TEXT.get(status, "answer")}
         if body is not None:
-            media = (doc.content if doc is not None else JSON).decode()
-            answer["content"] = {media: {"schema": body}}
+            answer["content"] = {op.content.decode(): {"schema": body}}
         responses[str(status)] = answer
     error = {"content": {"application/json": {"schema": ref("Error")}}}
     for status, text in _ERRORS.items():
         if takes_body or status not in (413, 415, 422):
             responses.setdefault(str(status), {"description": text, **error})
     operation["responses"] = responses
-    if route.websocket is not None:
+    if op.kind is Kind.WEBSOCKET:
         operation["description"] = "A WebSocket endpoint: open it with an upgrade request (GET)."
-    if route.path == "/health":
+    if op.writes:
+        operation["x-kvrouter-writes"] = True  # durable under --durability before it is answered
+    if op.public:
         operation["security"] = []
     return operation
 
@@ -446,8 +321,7 @@ def openapi_document(routes: Iterable[Route], title: str, version: str) -> dict[
     components: dict[str, Any] = dict(RESPONSES)
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
-        doc = ROUTE_DOCS.get((route.method, route.path))
-        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, doc, components)
+        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, components)
     for body in (PotentialLoadsBody, SelectBody):  # referenced by hand above
         class_schema(body, components)
     return {
@@ -482,5 +356,5 @@ def openapi_route(routes: list[Route], title: str, version: str) -> Route:
             rendered.append(orjson.dumps(openapi_document([*routes, route], title, version)))
         return Response(200, rendered[0])
 
-    route = Route("GET", OPENAPI_PATH, document)
+    route = operation_route("openapi", document)
     return route

@@ -10,20 +10,15 @@ endpoint no trusted certificate names answers 400 (see actors/peers/curve.py).
 
 from __future__ import annotations
 
-import attrs
 import trio
 
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.replicator import ReplicaSecurity, Replicator, random_router_id
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.http import Request, Response, Route, json_response
+from kvrouter.api.operation_routes import route
 from kvrouter.api.route_support import bound
-from kvrouter.api.schemas import parse
-
-
-@attrs.frozen
-class PeerBody:
-    endpoint: str
+from kvrouter.api.schemas import PeerBody, parse
 
 
 async def start_replication(
@@ -68,7 +63,7 @@ def replica_routes(peers: PeerService) -> list[Route]:
         return json_response(200, await service.peers())
 
     return [
-        Route("POST", "/replica_sync/register_peer", bound(peers, register_peer), json_body=True),
-        Route("POST", "/replica_sync/deregister_peer", bound(peers, deregister_peer), json_body=True),
-        Route("GET", "/replica_sync/peers", bound(peers, list_peers)),
+        route("register_peer", bound(peers, register_peer)),
+        route("deregister_peer", bound(peers, deregister_peer)),
+        route("peers", bound(peers, list_peers)),
     ]

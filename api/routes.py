@@ -17,6 +17,7 @@ from kvrouter.actors.service_support import decode_failure
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.api import write_bodies
 from kvrouter.api.http import CREATED, OK, Batched, Request, Response, Route, json_response
+from kvrouter.api.operation_routes import route
 from kvrouter.api.route_support import bound, failure_response, scope_fields, scope_filter
 from kvrouter.api.schemas import AddBody, PotentialLoadsBody, RegisterBody, RequestRefBody, UnregisterBody, parse
 
@@ -74,7 +75,7 @@ def prepare_free(request: Request) -> list[Any]:
     return _write("free", body.scope(), body.request_id)
 
 
-def write_route(service: SlotService, path: str, prepare: Callable[[Request], list[Any]], batches: Batched) -> Route:
+def write_route(service: SlotService, name: str, prepare: Callable[[Request], list[Any]], batches: Batched) -> Route:
     """A slot tracker write: alone, its handler calls the ``SlotService`` method its prepared item names; in
     a batch of commands, consecutive writes go to ``SlotService.apply_writes`` together."""
 
@@ -84,7 +85,7 @@ def write_route(service: SlotService, path: str, prepare: Callable[[Request], li
         return done(await method(ScopeKey(item[1], item[2]), *item[3:]))
 
     batched = attrs.evolve(batches, prepare=prepare)
-    return Route("POST", path, bound(service, write), json_body=True, pipelined=True, batched=batched)
+    return route(name, bound(service, write), pipelined=True, batched=batched)
 
 
 def write_batches(service: SlotService) -> Batched:
@@ -160,13 +161,13 @@ async def health(service: SlotService, request: Request) -> Response:
 def slot_tracker_routes(service: SlotService) -> list[Route]:
     batches = write_batches(service)
     return [
-        write_route(service, "/register", prepare_register, batches),
-        write_route(service, "/unregister", prepare_unregister, batches),
-        Route("GET", "/workers", bound(service, workers)),
-        write_route(service, "/add", prepare_add, batches),
-        write_route(service, "/prefill_complete", prepare_prefill_complete, batches),
-        write_route(service, "/free", prepare_free, batches),
-        Route("GET", "/loads", bound(service, loads)),
-        Route("POST", "/potential_loads", bound(service, potential_loads), json_body=True),
-        Route("GET", "/health", bound(service, health)),
+        write_route(service, "register", prepare_register, batches),
+        write_route(service, "unregister", prepare_unregister, batches),
+        route("workers", bound(service, workers)),
+        write_route(service, "add", prepare_add, batches),
+        write_route(service, "prefill_complete", prepare_prefill_complete, batches),
+        write_route(service, "free", prepare_free, batches),
+        route("loads", bound(service, loads)),
+        route("potential_loads", bound(service, potential_loads)),
+        route("health", bound(service, health)),
     ]

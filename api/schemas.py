@@ -160,3 +160,10 @@ def _first_problem(exc: BaseException, path: str = "") -> tuple[str, BaseExcepti
         return f"{path}[{exc.index}]: {exc}", exc
     message = str(exc) if isinstance(exc, WireTypeError) else f"invalid value: {exc}"
     return (f"{path}: {message}" if path else message), exc
+
+
+@attrs.frozen
+class PeerBody:
+    """A replica peer's endpoint (``/replica_sync/register_peer`` and ``deregister_peer``)."""
+
+    endpoint: str

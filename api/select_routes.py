@@ -16,6 +16,7 @@ from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.select_service import Booking, PartitionLoads, SelectionRequest, SelectService, WorkerStatus
 from kvrouter.api.http import UNPARSED, HttpError, Request, Response, Route, json_response
+from kvrouter.api.operation_routes import route
 from kvrouter.api.route_support import bound, scope_fields, scope_filter
 from kvrouter.api.schemas import _deserialize_failed, parse
 from kvrouter.api.select_schemas import (
@@ -364,26 +365,23 @@ async def dump(service: SelectService, request: Request) -> Response:
 
 
 def select_service_routes(service: SelectService) -> list[Route]:
-    def route(method: str, path: str, handler: Any, *, json_body: bool = False, if_typed: bool = False) -> Route:
-        return Route(method, path, bound(service, handler), json_body=json_body, json_body_if_typed=if_typed)
-
-    return [
-        route("POST", "/workers", post_worker, json_body=True),
-        route("GET", "/workers", list_workers),
-        route("PATCH", "/workers/{worker_id}", patch_worker, json_body=True),
-        # Routes without a body ignore one of any content type, as 1.6.1 does.
-        route("DELETE", "/workers/{worker_id}", delete_worker),
-        route("GET", "/ready", ready),
-        route("GET", "/health", health),
-        route("POST", "/select", select, json_body=True),
-        route("POST", "/select_and_reserve", select_and_reserve, json_body=True),
-        route("POST", "/select_disaggregated", select_disaggregated, json_body=True),
-        route("POST", "/reservations", post_reservation, json_body=True),
-        route("POST", "/reservations/{reservation_id}/prefill_complete", prefill_complete, if_typed=True),
-        route("POST", "/reservations/{reservation_id}/output_block", output_block, json_body=True),
-        route("DELETE", "/reservations/{reservation_id}", delete_reservation),
-        route("GET", "/loads", loads),
-        route("POST", "/potential_loads", potential_loads, json_body=True),
-        route("POST", "/overlap_scores", overlap_scores, json_body=True),
-        route("GET", "/dump", dump),
-    ]
+    handlers = {
+        "put_worker": post_worker,
+        "workers": list_workers,
+        "patch_worker": patch_worker,
+        "remove_worker": delete_worker,
+        "ready": ready,
+        "health": health,
+        "select": select,
+        "select_and_reserve": select_and_reserve,
+        "select_disaggregated": select_disaggregated,
+        "reserve": post_reservation,
+        "reservation_prefill_complete": prefill_complete,
+        "output_block": output_block,
+        "release": delete_reservation,
+        "loads": loads,
+        "potential_loads": potential_loads,
+        "overlap_scores": overlap_scores,
+        "dump": dump,
+    }
+    return [route(name, bound(service, handler)) for name, handler in handlers.items()]

@@ -31,7 +31,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnec
 
 from kvrouter.api.auth import TOKEN_FILE_ENV, BearerToken, TokenFileError
 from kvrouter.api.one_line_parser import OneLineParser
-from kvrouter.api.stream_client import open_stream, stream_url
+from kvrouter.client.live import open_stream, stream_url
 
 PING_SECONDS = 10.0  # the service closes a connection silent for its body timeout (30 s by default)
 SCOPE_FIELDS = ("model_name", "tenant_id", "routing_group")

@@ -35,7 +35,7 @@ from slot_tracker_bench import CycleMaker, Result, Server, drive, lifecycle, loa
 
 async def subscribers(url: str, count: int) -> None:
     """The child: ``count`` subscribers reading until stdin closes; prints their message counts."""
-    from kvrouter.api.stream_client import open_stream
+    from kvrouter.client.live import open_stream
 
     messages = updates = 0
     ready = 0

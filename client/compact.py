@@ -29,17 +29,16 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+from kvrouter.client.table import COMPACT, compact_code
+
 SUBPROTOCOL = "kvrouter.commands.msgpack.v1"
 ROUTE = 0
-ADD = 1
-PREFILL_COMPLETE = 2
-FREE = 3
-PATHS = {ADD: "/add", PREFILL_COMPLETE: "/prefill_complete", FREE: "/free"}
-FIELDS = {
-    ADD: ("model_name", "tenant_id", "request_id", "worker_id", "dp_rank", "sequence_hashes", "new_isl_tokens"),
-    PREFILL_COMPLETE: ("model_name", "tenant_id", "request_id"),
-    FREE: ("model_name", "tenant_id", "request_id"),
-}
+# The hot writes' codes, paths and fields: the operation table's (``Operation.compact``).
+PATHS = {code: op.path for code, op in COMPACT.items()}
+FIELDS = {code: op.compact.fields for code, op in COMPACT.items() if op.compact is not None}
+ADD = compact_code("add")
+PREFILL_COMPLETE = compact_code("prefill_complete")
+FREE = compact_code("free")
 OPTIONAL = frozenset(("tenant_id", "new_isl_tokens"))  # nil: the field is absent
 
 

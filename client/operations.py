@@ -11,12 +11,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import attrs
 import orjson
 
-from kvrouter.client.compact import ADD, FREE, PREFILL_COMPLETE, json_body
+from kvrouter.client.compact import ADD, FREE, PATHS, PREFILL_COMPLETE, json_body
+from kvrouter.client.table import BY_NAME
 
 T = TypeVar("T")
 NO_BODY: Any = object()
@@ -169,6 +170,13 @@ class Operations(ABC):
         """Any route: ``Reply`` (status, body, headers) without raising for a 4xx/5xx."""
         return self.perform(Op(method, path, body, _reply, raises=False))
 
+    def operation(self, name: str, body: Any = NO_BODY, decode: Callable[[Reply], Any] = _body, **path: str) -> Any:
+        """Operation ``name`` of the table (``kvrouter.client.table``) with ``body`` and its path parameters;
+        the result as ``decode`` reads a success (a 4xx/5xx raises ``CommandError``)."""
+        op = BY_NAME[name]
+        target = op.path.format_map({key: quote(str(value), safe="") for key, value in path.items()})
+        return self.perform(Op(op.method, target, body, decode))
+
     # -- the slot tracker ---------------------------------------------------------------------------------
 
     def register(
@@ -183,12 +191,11 @@ class Operations(ABC):
     ) -> Any:
         """``POST /register`` -> bool: whether the DP range was created (False: it was there already)."""
         fields = {"worker_id": worker_id, "block_size": block_size, "dp_start": dp_start, "dp_size": dp_size}
-        return self.perform(Op("POST", "/register", _scoped(model_name, tenant_id, fields), _created))
+        return self.operation("register", _scoped(model_name, tenant_id, fields), _created)
 
     def unregister(self, worker_id: int, *, model_name: str = "default", tenant_id: str | None = None) -> Any:
         """``POST /unregister`` -> bool."""
-        body = _scoped(model_name, tenant_id, {"worker_id": worker_id})
-        return self.perform(Op("POST", "/unregister", body, _created))
+        return self.operation("unregister", _scoped(model_name, tenant_id, {"worker_id": worker_id}), _created)
 
     def add(
         self,
@@ -204,52 +211,117 @@ class Operations(ABC):
         """``POST /add`` -> bool: whether the request was created."""
         hashes = sequence_hashes if type(sequence_hashes) in (list, tuple) else list(sequence_hashes)
         command = (ADD, model_name, tenant_id, request_id, worker_id, dp_rank, hashes, new_isl_tokens)
-        return self.perform_write("/add", command)
+        return self.perform_write(PATHS[ADD], command)
 
     def prefill_complete(self, request_id: str, *, model_name: str = "default", tenant_id: str | None = None) -> Any:
         """``POST /prefill_complete`` -> bool."""
-        return self.perform_write("/prefill_complete", (PREFILL_COMPLETE, model_name, tenant_id, request_id))
+        return self.perform_write(PATHS[PREFILL_COMPLETE], (PREFILL_COMPLETE, model_name, tenant_id, request_id))
 
     def free(self, request_id: str, *, model_name: str = "default", tenant_id: str | None = None) -> Any:
         """``POST /free`` -> bool."""
-        return self.perform_write("/free", (FREE, model_name, tenant_id, request_id))
+        return self.perform_write(PATHS[FREE], (FREE, model_name, tenant_id, request_id))
+
+    # -- both services ------------------------------------------------------------------------------------
+
+    def workers(self, *, model_name: str | None = None, tenant_id: str | None = None) -> Any:
+        """``GET /workers`` -> list: the registered workers (each service lists them in its own shape)."""
+        return self._read("workers", model_name, tenant_id)
+
+    def loads(self, *, model_name: str | None = None, tenant_id: str | None = None) -> Any:
+        """``GET /loads`` -> list: every rank's load (slot tracker: rows; selection service: per partition)."""
+        return self._read("loads", model_name, tenant_id)
+
+    def potential_loads(self, request: dict[str, Any]) -> Any:
+        """``POST /potential_loads`` -> list: what each rank would carry with this prompt."""
+        return self.operation("potential_loads", request)
+
+    def health(self) -> Any:
+        """``GET /health`` -> None (raises if the service does not answer 200)."""
+        return self.operation("health", decode=_nothing)
+
+    def metrics(self) -> Any:
+        """``GET /metrics`` -> str: the service's figures in Prometheus's text format."""
+        return self.operation("metrics")
+
+    def openapi(self) -> Any:
+        """``GET /openapi.json`` -> dict: the service's OpenAPI document."""
+        return self.operation("openapi")
+
+    def batch(self, commands: list[dict[str, Any]]) -> Any:
+        """``POST /batch`` -> list of ``{"status", "body"}``: each command answered as on its own route."""
+        return self.operation("batch", commands)
+
+    def register_peer(self, endpoint: str) -> Any:
+        """``POST /replica_sync/register_peer`` -> bool: whether the peer was added."""
+        return self.operation("register_peer", {"endpoint": endpoint}, _created)
+
+    def deregister_peer(self, endpoint: str) -> Any:
+        """``POST /replica_sync/deregister_peer`` -> None."""
+        return self.operation("deregister_peer", {"endpoint": endpoint}, _nothing)
+
+    def peers(self) -> Any:
+        """``GET /replica_sync/peers`` -> list of the replica peers' endpoints."""
+        return self.operation("peers")
 
     # -- the selection service ----------------------------------------------------------------------------
 
     def put_worker(self, worker: dict[str, Any]) -> Any:
         """``POST /workers`` (a worker record, as the route takes it) -> dict: the worker as listed."""
-        return self.perform(Op("POST", "/workers", worker, _body))
+        return self.operation("put_worker", worker)
+
+    def patch_worker(self, worker_id: int, fields: dict[str, Any]) -> Any:
+        """``PATCH /workers/{id}`` (the fields to change) -> dict: the worker as listed."""
+        return self.operation("patch_worker", fields, worker_id=str(worker_id))
 
     def remove_worker(self, worker_id: int) -> Any:
         """``DELETE /workers/{id}`` -> dict: the record it had."""
-        return self.perform(Op("DELETE", f"/workers/{worker_id}", NO_BODY, _body))
+        return self.operation("remove_worker", worker_id=str(worker_id))
+
+    def ready(self) -> Any:
+        """``GET /ready`` -> dict: whether any worker is schedulable (a 503 raises ``CommandError``)."""
+        return self.operation("ready")
 
     def select(self, request: dict[str, Any]) -> Any:
         """``POST /select`` (the route's body: prompt, model, options) -> ``Selection``; books nothing."""
-        return self.perform(Op("POST", "/select", request, _selection))
+        return self.operation("select", request, _selection)
 
     def select_and_reserve(self, request: dict[str, Any]) -> Any:
         """``POST /select_and_reserve`` -> ``Selection`` with its ``reservation_id``."""
-        return self.perform(Op("POST", "/select_and_reserve", request, _selection))
+        return self.operation("select_and_reserve", request, _selection)
+
+    def select_disaggregated(self, request: dict[str, Any]) -> Any:
+        """``POST /select_disaggregated`` -> dict: the prefill and decode bookings."""
+        return self.operation("select_disaggregated", request)
 
     def reserve(self, reservation: dict[str, Any]) -> Any:
         """``POST /reservations`` (explicit booking, or ``selection_id`` replay) -> ``Booking``."""
-        return self.perform(Op("POST", "/reservations", reservation, _booking))
+        return self.operation("reserve", reservation, _booking)
 
     def reservation_prefill_complete(self, reservation_id: str) -> Any:
         """``POST /reservations/{id}/prefill_complete`` -> None."""
-        path = f"/reservations/{quote(reservation_id, safe='')}/prefill_complete"
-        return self.perform(Op("POST", path, NO_BODY, _nothing))
+        return self.operation("reservation_prefill_complete", decode=_nothing, reservation_id=reservation_id)
 
     def output_block(self, reservation_id: str, decay_fraction: float | None = None) -> Any:
         """``POST /reservations/{id}/output_block`` -> None."""
         body = {} if decay_fraction is None else {"decay_fraction": decay_fraction}
-        path = f"/reservations/{quote(reservation_id, safe='')}/output_block"
-        return self.perform(Op("POST", path, body, _nothing))
+        return self.operation("output_block", body, _nothing, reservation_id=reservation_id)
 
     def release(self, reservation_id: str) -> Any:
         """``DELETE /reservations/{id}`` -> None."""
-        return self.perform(Op("DELETE", f"/reservations/{quote(reservation_id, safe='')}", NO_BODY, _nothing))
+        return self.operation("release", decode=_nothing, reservation_id=reservation_id)
+
+    def overlap_scores(self, request: dict[str, Any]) -> Any:
+        """``POST /overlap_scores`` -> dict: each worker's cached prefix of the prompt."""
+        return self.operation("overlap_scores", request)
+
+    def dump(self) -> Any:
+        """``GET /dump`` -> dict: every scope's KV index in the standalone indexer's recovery format."""
+        return self.operation("dump")
+
+    def _read(self, name: str, model_name: str | None, tenant_id: str | None) -> Any:
+        op = BY_NAME[name]
+        query = urlencode({k: v for k, v in (("model_name", model_name), ("tenant_id", tenant_id)) if v is not None})
+        return self.perform(Op(op.method, f"{op.path}?{query}" if query else op.path, NO_BODY, _body))
 
 
 def result_of(op: Op[T], reply: Reply) -> T:

@@ -67,13 +67,22 @@ def test_the_domains_persistence_does_not_reach_up_into_the_api() -> None:
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def test_the_client_library_imports_nothing_of_the_service() -> None:
+    """The client (and the operation table it carries, which the services read) stands alone."""
+    files = sorted((ROOT / "client").rglob("*.py"))
+    assert files
+    forbidden = {"actors", "journal", "api", "simulations"}
+    offenders = {str(p.relative_to(ROOT)): sorted(imported_modules(p) & forbidden) for p in files}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
 def test_the_shell_never_reaches_up_into_the_api() -> None:
     files = sorted((ROOT / "actors").rglob("*.py"))
     offenders = {str(p.relative_to(ROOT)): sorted(imported_modules(p) & {"api", "simulations"}) for p in files}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-PACKAGES = ("actors", "journal", "api", "simulations")
+PACKAGES = ("actors", "journal", "api", "simulations", "client")
 
 
 def module_names() -> dict[str, Path]:

@@ -36,6 +36,7 @@ from kvrouter.api.schemas import parse
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT, select_service_routes
 from kvrouter.api.select_schemas import WorkerBody
 from kvrouter.api.server import hypercorn_config, serve_http
+from kvrouter.client.table import FRONTEND
 
 log = logging.getLogger("kvrouter.frontend")
 KEEPALIVE_EXPIRY_SECONDS = 2.0
@@ -102,7 +103,7 @@ async def run_frontend(
         async with http_client(options) as client:
             proxy = Proxy(routing, client, tokenize, options.limits)
             service_app = make_app(
-                with_command_routes(select_service_routes(service)),
+                with_command_routes(select_service_routes(service), FRONTEND),
                 body_limit=SELECTION_BODY_LIMIT,
                 body_timeout=options.http.body_timeout,
                 auth=options.auth,

@@ -426,3 +426,32 @@ async def test_openapi_json_is_a_command_like_every_other_get_route(tmp_path: Pa
                 async with StreamClient.connect(url, compact=compact) as client:
                     reply = await client.call("GET", "/openapi.json")
                 assert (reply.status, reply.body) == (200, document)
+
+
+async def test_every_operation_of_the_table_works_from_the_client(tmp_path: Path) -> None:
+    """The methods that follow the table's reads and writes beyond the lifecycle: each answers as its route."""
+    async with running("selection service", tmp_path) as service, StreamClient.connect(service.urls[0]) as client:
+        await client.health()
+        with pytest.raises(CommandError) as refused:
+            await client.ready()
+        assert refused.value.status == 503  # no worker yet
+        await client.put_worker(WORKER)
+        assert (await client.ready())["ready"] is True
+        assert [w["worker_id"] for w in await client.workers(model_name="m")] == [5]
+        assert await client.workers(model_name="other") == []
+        patched = await client.patch_worker(5, {"endpoint": "http://w5b"})
+        assert patched["endpoint"] == "http://w5b"
+        prompt = {"model_name": "m", "token_ids": list(range(8))}
+        assert [row["worker_id"] for row in await client.potential_loads(prompt)] == [5]
+        assert (await client.overlap_scores(prompt))["block_size"] == 4
+        booked = await client.select_disaggregated({**prompt, "reservation_id": "d"})
+        assert booked["reservation_id"] == "d"
+        assert [p["loads"][0]["worker_id"] for p in await client.loads(model_name="m")] == [5]
+        assert isinstance(await client.dump(), dict)
+        assert "kvrouter_" in await client.metrics()
+        assert (await client.openapi())["paths"]["/select"]["post"]["operationId"] == "select"
+        assert await client.peers() == []
+        with pytest.raises(CommandError) as refused:
+            await client.register_peer("tcp://127.0.0.1:9")
+        assert refused.value.status == 409  # replica sync is off
+        assert (await client.remove_worker(5))["worker_id"] == 5

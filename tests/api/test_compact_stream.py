@@ -71,9 +71,9 @@ def write_runner() -> CommandRunner:
     table = [
         routes.write_route(_NoService(), path, prepare, batches)  # type: ignore[arg-type]
         for path, prepare in (
-            ("/add", routes.prepare_add),
-            ("/prefill_complete", routes.prepare_prefill_complete),
-            ("/free", routes.prepare_free),
+            ("add", routes.prepare_add),
+            ("prefill_complete", routes.prepare_prefill_complete),
+            ("free", routes.prepare_free),
         )
     ]
     runner = CommandRunner()
@@ -361,7 +361,7 @@ async def test_hot_writes_that_arrive_while_a_group_is_applied_wait_for_its_answ
     service = _HeldWrites()
     batches = routes.write_batches(service)  # type: ignore[arg-type]
     runner = CommandRunner()
-    runner.serve([routes.write_route(service, "/add", routes.prepare_add, batches)])  # type: ignore[arg-type]
+    runner.serve([routes.write_route(service, "add", routes.prepare_add, batches)])  # type: ignore[arg-type]
     inbox_send, inbox = trio.open_memory_channel[dict[str, Any]](math.inf)
     sent: list[list[Any]] = []
 
@@ -396,7 +396,7 @@ async def test_a_large_message_is_split_only_when_it_is_all_the_service_has_in_f
     service = _HeldWrites()
     batches = routes.write_batches(service)  # type: ignore[arg-type]
     runner = CommandRunner()
-    runner.serve([routes.write_route(service, "/add", routes.prepare_add, batches)])  # type: ignore[arg-type]
+    runner.serve([routes.write_route(service, "add", routes.prepare_add, batches)])  # type: ignore[arg-type]
     everywhere = InFlight()
 
     def message(prefix: str, count: int) -> dict[str, Any]:

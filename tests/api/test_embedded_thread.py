@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from kvrouter import IN_PROCESS_KV_EVENTS, AsyncioRouter, BlockingRouter, BlockStored, RouterClosed, RouterError
-from kvrouter.api.embedded_thread import RouterThread
+from kvrouter.api.embedded_thread import _start as start_router_thread
 from kvrouter.journal.store import DataDirectoryInUse
 
 BLOCK = 4
@@ -82,7 +82,7 @@ def test_from_asyncio_concurrent_calls_book_each_request_once() -> None:
 
 def test_cancelling_an_asyncio_call_cancels_its_task_in_the_router_loop() -> None:
     before = set(threading.enumerate())
-    host = RouterThread("llama")
+    host = start_router_thread("llama", {})
     running, cancelled = threading.Event(), threading.Event()
 
     async def waits_forever() -> None:

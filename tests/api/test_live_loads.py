@@ -18,7 +18,7 @@ from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.main import (
     ServiceHandle,
 )
-from kvrouter.api.stream_client import open_stream, stream_url
+from kvrouter.client.live import open_stream, stream_url
 from tests.support.stream_services import SELECT, SLOT, serving
 
 

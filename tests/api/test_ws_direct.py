@@ -30,8 +30,8 @@ from kvrouter.api.app import make_app
 from kvrouter.api.live_loads import LoadHub
 from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.server import hypercorn_config, serve_http
-from kvrouter.api.stream_client import open_stream
 from kvrouter.api.ws_direct import binary_frame, text_frame
+from kvrouter.client.live import open_stream
 
 FAST = StreamSettings(interval_seconds=0.001, fan_out_per_second=1e9)
 

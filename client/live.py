@@ -1,16 +1,20 @@
-"""A WebSocket client connection to a live stream (``ws://host:port/ws/loads?model_name=...``), for
-``kvrouter watch`` and tests: the query string is kept (it carries the filters), the token is sent at the
-upgrade, and the TCP socket is closed on exit however the connection ended."""
+"""The live streams from the client's side: ``watch(url, "watch_loads")`` yields each message of ``GET /ws/loads``
+(or ``"watch_decisions"``: ``GET /ws/decisions``) as it arrives, decoded; ``open_stream`` is the connection itself
+(``kvrouter watch`` and the tests use it): the query string is kept (it carries the filters), the token is sent at
+the upgrade, and the TCP socket is closed on exit however the connection ended."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import urlencode, urlsplit
 
+import orjson
 from trio_websocket import WebSocketConnection
 
 from kvrouter.client.stream import open_websocket
+from kvrouter.client.table import BY_NAME, Kind
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of many scopes is one message
 
@@ -44,3 +48,24 @@ async def open_stream(
         url, token=token, max_message_size=MAX_MESSAGE_BYTES, receive_buffer=receive_buffer
     ) as connection:
         yield connection
+
+
+async def watch(
+    url: str,
+    name: str = "watch_loads",
+    *,
+    model_name: str | None = None,
+    tenant_id: str | None = None,
+    token: str | None = None,
+) -> AsyncIterator[Any]:
+    """Each message of live stream ``name`` (an operation of the table: ``watch_loads``, ``watch_decisions``) of
+    the service at ``url`` (``http://host:port``), decoded, for as long as the caller iterates; filtered to one
+    model and tenant when given. The first message of ``watch_loads`` is a snapshot of every matching rank."""
+    op = BY_NAME[name]
+    if op.kind is not Kind.WEBSOCKET or op.name == "command_stream":
+        raise ValueError(f"{name!r} is not a live stream (watch_loads, watch_decisions)")
+    query = urlencode({k: v for k, v in (("model_name", model_name), ("tenant_id", tenant_id)) if v is not None})
+    target = stream_url(url.split("?", 1)[0], op.path) + (f"?{query}" if query else "")
+    async with open_stream(target, token=token) as connection:
+        while True:
+            yield orjson.loads(await connection.get_message())
