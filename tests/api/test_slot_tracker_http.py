@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import httpx
+import orjson
 import pytest
 
 from tests.support.raw_http import exchange, request_bytes
@@ -276,3 +279,29 @@ async def test_prefill_load_never_overflows_u64(client: httpx.AsyncClient) -> No
     ).json()
     assert max(p["potential_prefill_tokens"] for p in potential) == 2**64 - 1
     assert (await client.get("/loads")).status_code == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(
+    client: httpx.AsyncClient, chunked: bool
+) -> None:
+    """2 MiB is inclusive, as 1.6.1's (axum's default body limit): a body of 2,097,152 bytes is parsed (here a
+    registration padded with spaces: 201), one of 2,097,153 is refused with 413 without being applied."""
+    limit = 2 * 1024 * 1024
+    base = orjson.dumps(REG)
+    for size, status in ((limit, 201), (limit + 1, 413)):
+        body = base[:-1] + b" " * (size - len(base)) + b"}"
+        assert len(body) == size
+        answer = await client.post(
+            "/register", content=_in_two(body) if chunked else body, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == status, (size, answer.text)
+        if status == 413:
+            assert answer.json() == {"error": "Failed to buffer the request body: length limit exceeded"}
+        await client.post("/unregister", json={k: REG[k] for k in ("worker_id", "model_name", "tenant_id")})
+
+
+async def _in_two(body: bytes) -> AsyncIterator[bytes]:
+    """``body`` sent chunked (no content-length), in two chunks."""
+    yield body[:65536]
+    yield body[65536:]
