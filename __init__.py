@@ -16,8 +16,6 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from kvrouter.compiled import install_finder as install_compiled_finder
-
 if TYPE_CHECKING:
     from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvBatch
     from kvrouter.actors.core.router_config import RouterConfig
@@ -29,9 +27,6 @@ try:
     __version__ = version("kvrouter")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree that was never installed
     __version__ = "0+unknown"
-
-# Before any core module is imported: the compiled ones that must run as pure Python (README "Compiled hot paths").
-install_compiled_finder()
 
 # name -> the module that defines it
 _EXPORTS = {

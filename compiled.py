@@ -1,14 +1,14 @@
-"""Which core modules run compiled, and the switch back to their pure-Python source.
+"""Which core modules run compiled, and the pure-Python oracle the tests compare them with.
 
 ``pip install .`` compiles the modules in ``COMPILED_MODULES`` with Cython when a C compiler works
 (``setup.py``): each is compiled from its own ``.py`` under its own name, and Python's import order puts an
-extension module before the ``.py`` beside it, so nothing imports them differently. Their ``.py`` files stay
-installed; they run instead when
+extension module before the ``.py`` beside it, so nothing imports them differently and no import hook is
+involved. Their ``.py`` files stay installed and run when no compiled module was built (no compiler, or
+``KVROUTER_PURE_PYTHON=1`` at install time).
 
-* no compiled module was built (no compiler, or ``KVROUTER_PURE_PYTHON=1`` at install time);
-* ``KVROUTER_PURE_PYTHON=1`` is set when the process starts (for comparing, or to rule the compiled code out);
-* the ``.py`` (or its ``.pxd``) changed since it was compiled (an editable install whose source was edited
-  afterwards: rerun ``pip install -e .`` to compile it again). The build records a SHA-256 of each source.
+The build records a SHA-256 of each source (``.py`` and ``.pxd``): ``status()`` says, per module, whether it
+runs compiled, is pure, or was compiled from a source edited since (an editable install: rerun ``pip install
+-e .``); the test suite fails on a stale module, so a developer never measures or tests old code unknowingly.
 
 The pure modules are the oracle: ``tests/compiled`` loads them next to the compiled ones (``load_pure``) and
 checks that both give identical results.
@@ -17,11 +17,9 @@ checks that both give identical results.
 from __future__ import annotations
 
 import hashlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -41,7 +39,7 @@ CIMPORTS = {
     "kvrouter.actors.core.trie": ("kvrouter.actors.core.node_table",),
     "kvrouter.actors.core.kv_index": ("kvrouter.actors.core.node_table",),
 }
-PURE_ENV = "KVROUTER_PURE_PYTHON"
+PURE_ENV = "KVROUTER_PURE_PYTHON"  # at install time: build no compiled module
 MANIFEST = "_compiled_manifest.json"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -79,24 +77,20 @@ def _manifest() -> dict[str, str]:
     return data if isinstance(data, dict) else {}
 
 
+STALE = "stale: its source changed since it was compiled (run pip install -e . again)"
+
+
 def status() -> dict[str, str]:
-    """Per module: ``compiled``, or why its pure-Python source runs instead (for tests and operators)."""
-    forced = bool(os.environ.get(PURE_ENV))
+    """Per module: ``compiled``, ``pure: not compiled at install``, or ``STALE`` (for tests and operators)."""
     digests = _manifest()
     out = {}
     for module in COMPILED_MODULES:
         if _extension_path(module) is None:
             out[module] = "pure: not compiled at install"
-        elif forced:
-            out[module] = f"pure: {PURE_ENV} is set"
         elif digests.get(module) != source_digest(module):
-            out[module] = "pure: source changed since it was compiled"
+            out[module] = STALE
         else:
             out[module] = "compiled"
-    for module, needed in CIMPORTS.items():
-        stale = [m for m in needed if out[m] != "compiled"]
-        if out[module] == "compiled" and stale:
-            out[module] = f"pure: {stale[0]}, whose C functions it calls, is not compiled"
     return out
 
 
@@ -132,24 +126,3 @@ def load_pure(module: str, alias: str) -> ModuleType:
             else:
                 sys.modules[dep] = previous
     return loaded
-
-
-class _PureSourceFinder(importlib.abc.MetaPathFinder):
-    """Finds the ``.py`` of the compiled modules that must not run compiled (see the module docstring)."""
-
-    def __init__(self, modules: frozenset[str]) -> None:
-        self.modules = modules
-
-    def find_spec(
-        self, fullname: str, path: object = None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.modules:
-            return None
-        return importlib.util.spec_from_file_location(fullname, source_path(fullname))
-
-
-def install_finder() -> None:
-    """Route every compiled module that must run as pure Python to its ``.py`` (before any of them is imported)."""
-    pure = frozenset(m for m, how in status().items() if how != "compiled" and _extension_path(m) is not None)
-    if pure and not any(isinstance(f, _PureSourceFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PureSourceFinder(pure))

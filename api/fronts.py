@@ -396,57 +396,70 @@ async def _supervise(
         options.durability.value,
         counted(int(scopes), "scope"),
     )
-    status = 0
-    stopping = False
-    async with trio.open_nursery() as nursery:
-        done = trio.Event()
-
-        async def watch_actor() -> None:
-            nonlocal status
-            assert actor.process is not None
-            code = await actor.process.wait()
-            if not stopping:
-                log.error(
-                    "the actor process exited (status %s): stopping the service; start it again to recover "
-                    "every acknowledged write from the journal",
-                    code,
-                )
-                status = 1
-                done.set()
-
-        async def keep_front(front: _Child, role: ProcessRole) -> None:
-            while True:
-                assert front.process is not None
-                code = await front.process.wait()
-                mark_process_dead(front.process.pid, str(metrics_dir))  # its live gauges no longer count
-                if stopping:
-                    return
-                log.warning("%s exited (status %s): starting it again", front.label, code)
-                if time.monotonic() - front.started_at < RESTART_BACKOFF_SECONDS:
-                    await trio.sleep(RESTART_BACKOFF_SECONDS)
-                if await front.start(pid, role) is not None:
-                    log.info("%s is serving again", front.label)
-                elif not stopping:
-                    log.error("%s could not start again", front.label)
-
-        async def watch_signals() -> None:
-            async for signum in signals:
-                log.info("received %s: shutting down", signal.Signals(signum).name)
-                done.set()
-                return
-
-        nursery.start_soon(watch_actor)
-        for front, role in zip(fronts, roles, strict=True):
-            nursery.start_soon(keep_front, front, role)
-        nursery.start_soon(watch_signals)
-        await done.wait()
-        stopping = True
-        listener.close()  # new connections are refused once every front has closed its copy
-        grace = options.http.shutdown_grace + CHILD_STOP_SECONDS
-        async with trio.open_nursery() as stops:
-            for front in fronts:
-                stops.start_soon(front.stop, grace)
-        await actor.stop(grace + options.reply_deadline)
-        nursery.cancel_scope.cancel()
+    supervision = _Supervision(actor, list(zip(fronts, roles, strict=True)), metrics_dir, pid)
+    status = await supervision.run(signals, listener, options)
     log.info("kvrouter %s stopped", name)
     return status
+
+
+class _Supervision:
+    """The running children until a signal or the actor process's end: fronts that exit are started again."""
+
+    def __init__(self, actor: _Child, fronts: list[tuple[_Child, ProcessRole]], metrics_dir: Path, pid: int) -> None:
+        self.actor = actor
+        self.fronts = fronts
+        self.metrics_dir = metrics_dir
+        self.pid = pid
+        self.status = 0
+        self.stopping = False
+        self.done = trio.Event()
+
+    async def run(self, signals: Any, listener: socket.socket, options: ServiceOptions) -> int:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.watch_actor)
+            for front, role in self.fronts:
+                nursery.start_soon(self.keep_front, front, role)
+            nursery.start_soon(self.watch_signals, signals)
+            await self.done.wait()
+            self.stopping = True
+            listener.close()  # new connections are refused once every front has closed its copy
+            grace = options.http.shutdown_grace + CHILD_STOP_SECONDS
+            async with trio.open_nursery() as stops:
+                for front, _ in self.fronts:
+                    stops.start_soon(front.stop, grace)
+            await self.actor.stop(grace + options.reply_deadline)
+            nursery.cancel_scope.cancel()
+        return self.status
+
+    async def watch_actor(self) -> None:
+        assert self.actor.process is not None
+        code = await self.actor.process.wait()
+        if not self.stopping:
+            log.error(
+                "the actor process exited (status %s): stopping the service; start it again to recover "
+                "every acknowledged write from the journal",
+                code,
+            )
+            self.status = 1
+            self.done.set()
+
+    async def keep_front(self, front: _Child, role: ProcessRole) -> None:
+        while True:
+            assert front.process is not None
+            code = await front.process.wait()
+            mark_process_dead(front.process.pid, str(self.metrics_dir))  # its live gauges no longer count
+            if self.stopping:
+                return
+            log.warning("%s exited (status %s): starting it again", front.label, code)
+            if time.monotonic() - front.started_at < RESTART_BACKOFF_SECONDS:
+                await trio.sleep(RESTART_BACKOFF_SECONDS)
+            if await front.start(self.pid, role) is not None:
+                log.info("%s is serving again", front.label)
+            elif not self.stopping:
+                log.error("%s could not start again", front.label)
+
+    async def watch_signals(self, signals: Any) -> None:
+        async for signum in signals:
+            log.info("received %s: shutting down", signal.Signals(signum).name)
+            self.done.set()
+            return

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
-import subprocess
-import sys
 import time
 import timeit
 
@@ -43,7 +40,7 @@ from kvrouter.actors.core.kv_index import KvIndex, Tier
 from kvrouter.actors.core.kv_wire import BlockStored, KvBatch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.compiled import PURE_ENV, status
+from kvrouter.compiled import status
 
 BLOCK = 16
 WORKERS = 16
@@ -169,7 +166,6 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--index-blocks", type=int, default=1_000_000, help="blocks in the index benchmark (0: skip)")
-    parser.add_argument("--pure-too", action="store_true", help="also measure with the compiled modules off")
     args = parser.parse_args()
     modes = sorted(set(status().values()))
     print(f"core modules: {', '.join(modes)}")
@@ -182,11 +178,6 @@ def main() -> None:
         print(f"KvIndex.apply_stored, {args.index_blocks:,} blocks: {store_us:8.2f} us per block")
         print(f"KvIndex resident memory: {per_block:8.1f} B per block")
         print(f"KvIndex.find_matches, 64-block query, 16 ranks: {match_us:8.2f} us")
-    if args.pure_too:
-        command = [sys.executable, __file__, "--repeat", str(args.repeat), "--number", str(args.number)]
-        command += ["--index-blocks", str(args.index_blocks)]
-        print("-- again with the compiled modules off:", flush=True)
-        subprocess.run(command, env={**os.environ, PURE_ENV: "1"}, check=True)
 
 
 if __name__ == "__main__":

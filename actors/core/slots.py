@@ -8,22 +8,13 @@ from the requests, so a snapshot stores only ranges, requests and decay fraction
 
 from __future__ import annotations
 
-import importlib.machinery
 import math
 from typing import Any
 
 import attrs
 
-from kvrouter.actors.core import dict_trie, trie
 from kvrouter.actors.core.ids import WorkerRank
-
-# Each rank's prefix trie: the node-table trie when it runs compiled (C loops, no object per node), else the
-# dict trie, which pure Python runs ~15x faster than the table (same behaviour; see both modules).
-PrefixTrie: type[trie.PrefixTrie] | type[dict_trie.PrefixTrie] = (
-    trie.PrefixTrie
-    if isinstance(getattr(trie, "__loader__", None), importlib.machinery.ExtensionFileLoader)
-    else dict_trie.PrefixTrie
-)
+from kvrouter.actors.core.trie import PrefixTrie
 
 # Output blocks of one request: ``(decayed, weight, whole)`` = ``decayed`` blocks of ``weight`` each,
 # then ``whole`` blocks of weight 1.0 appended since the last decay (1.6.1 keeps a weight per block;
@@ -75,7 +66,7 @@ class RankState:
         # Its key in ``SlotTracking.ranks``: what its requests name as their rank (one object, not one per request).
         self.key = key
         self.requests: dict[str, ActiveRequest] = {}
-        self.trie: trie.PrefixTrie | dict_trie.PrefixTrie = PrefixTrie()
+        self.trie = PrefixTrie()
         # FIFO of requests still prefilling (insertion order = admission order) and their sum.
         self.prefill: dict[str, int] = {}
         self.prefill_tokens = 0

@@ -23,8 +23,8 @@ a few C loads and stores, and no Python object per node. A node whose count drop
 removal frees the rest of the path in one step. Freed node ids are reused last-freed first (a list threaded through
 the hash array), so ids are a function of the operations only, the same compiled and pure.
 
-Run as Python this is ~15x slower than dicts, so without the compiled module the slot tracker uses
-``dict_trie.PrefixTrie`` instead (same behaviour; ``slots.PrefixTrie`` chooses).
+Run as Python (an install without a C compiler) this is about 15 times slower than compiled, and it is the
+oracle the compiled module is tested against.
 """
 
 from __future__ import annotations

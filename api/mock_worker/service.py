@@ -104,22 +104,8 @@ async def run_mock_worker(
                 None if publisher.replay_port is None else f"tcp://{_url_host(advertised)}:{publisher.replay_port}"
             )
             worker_id = options.worker_id if options.worker_id is not None else default_worker_id(url)
-            registration = None
-            if options.register_url is not None:
-                record = {
-                    "worker_id": worker_id,
-                    "model_name": options.model_name,
-                    "endpoint": url,
-                    "block_size": options.engine.block_size,
-                    "kv_events_endpoint": kv_endpoint,
-                    "replay_endpoint": replay_endpoint,
-                    "total_kv_blocks": options.engine.num_blocks,
-                    "max_num_batched_tokens": options.engine.max_batched_tokens,
-                    "data_parallel_size": 1,
-                }
-                registration = Registration(
-                    options.register_url, record, attempts=options.register_attempts, token=options.register_token
-                )
+            registration = _registration(options, worker_id, url, kv_endpoint, replay_endpoint)
+            if registration is not None:
                 await register(registration)
             log.info(
                 "kvrouter mock worker listening on %s (model %s, worker id %d, KV events %s, replay %s, "
@@ -145,6 +131,26 @@ async def run_mock_worker(
             nursery.cancel_scope.cancel()
     finally:
         publisher.close()
+
+
+def _registration(
+    options: MockWorkerOptions, worker_id: int, url: str, kv_endpoint: str, replay_endpoint: str | None
+) -> Registration | None:
+    """How the worker registers itself with ``--register`` (None without it): its catalog record."""
+    if options.register_url is None:
+        return None
+    record = {
+        "worker_id": worker_id,
+        "model_name": options.model_name,
+        "endpoint": url,
+        "block_size": options.engine.block_size,
+        "kv_events_endpoint": kv_endpoint,
+        "replay_endpoint": replay_endpoint,
+        "total_kv_blocks": options.engine.num_blocks,
+        "max_num_batched_tokens": options.engine.max_batched_tokens,
+        "data_parallel_size": 1,
+    }
+    return Registration(options.register_url, record, attempts=options.register_attempts, token=options.register_token)
 
 
 def _url_host(host: str) -> str:

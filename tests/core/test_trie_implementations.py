@@ -1,14 +1,10 @@
-"""The two prefix tries: the node-table one (``trie.py``, what runs compiled) and the dict one (``dict_trie.py``,
-what runs in pure Python) must count, match and decay alike, so the slot tracker's loads and snapshots do not
-depend on whether a C compiler was there at install.
-
-Both are driven here as pure Python (``load_pure``), with the same random operations, and compared on
-everything a caller sees: sizes, weighted sizes, overlap depths, path lengths, fraction entries, errors.
+"""The prefix trie (``trie.py``, run here as pure Python: ``load_pure``) against an independent model kept in
+dicts (``tests/core/trie_model.py``): driven with the same random operations, they must count, match and decay
+alike on everything a caller sees: sizes, weighted sizes, overlap depths, path lengths, fraction entries, errors.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
 import random
 from typing import Any
 
@@ -16,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrouter.actors.core import dict_trie, slots, trie
+from kvrouter.actors.core import slots, trie
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.compiled import load_pure
+from tests.core import trie_model as dict_trie
 
 TABLE = load_pure("kvrouter.actors.core.trie", "kvrouter_oracle_table.trie")
 
@@ -154,7 +151,6 @@ def test_removing_a_path_never_inserted_is_a_key_error(module: Any) -> None:
         t.remove([7])
 
 
-def test_the_slot_tracker_uses_the_table_trie_only_when_it_runs_compiled() -> None:
-    compiled = isinstance(getattr(trie, "__loader__", None), importlib.machinery.ExtensionFileLoader)
-    assert slots.PrefixTrie is (trie.PrefixTrie if compiled else dict_trie.PrefixTrie)
-    assert type(slots.RankState(WorkerRank(0, 0)).trie) is slots.PrefixTrie
+def test_the_slot_tracker_uses_the_node_table_trie() -> None:
+    assert slots.PrefixTrie is trie.PrefixTrie
+    assert type(slots.RankState(WorkerRank(0, 0)).trie) is trie.PrefixTrie

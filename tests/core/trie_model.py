@@ -1,17 +1,7 @@
-"""The prefix trie (``trie.py``) kept in dicts: what the slot tracker uses when ``trie.py`` is not compiled.
-
-Same behaviour as ``trie.PrefixTrie`` (``tests/core/test_trie_implementations.py`` runs both on the same random
-operations); only node ids differ. Which one runs is ``slots.PrefixTrie``'s choice: ``trie.py``'s node table
-compiles to C loads and stores (the fastest), but run as Python it is ~15x slower than these dicts, which
-CPython's own C code serves (a fallback without a compiler, and the pure-Python test runs, stay as fast as
-they were).
-
-Layout: a flat dict from ``(parent node id, hash)`` to a node id, and a dict of pass counts (how
-many live requests pass through each node). Flat int-keyed dicts rather than a dict per node,
-because container-per-node tries make CPython's cyclic GC walk every node again and again (a
-64-block insert cost ~170 µs that way; ~15 µs like this). A node whose count drops to zero has a
-dead subtree, so removal cuts the rest of the path in one step.
-"""
+"""A model of the prefix trie (``actors/core/trie.py``) kept in dicts: the tests drive both with the same random
+operations and compare everything a caller sees. Written independently of the node-table trie (flat dicts from
+``(parent node id, hash)`` to a node id and of pass counts), it shares no code with it; it was the slot tracker's
+pure-Python trie once, and is now only the tests' model."""
 
 from __future__ import annotations
 
