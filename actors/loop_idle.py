@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import trio
 
-# trio's idle detector, imported from where trio.testing re-exports it (importing trio.testing would load pytest
-# into the service); tests/actors/test_loop_idle.py fails loudly if an upgrade moves it.
-from trio._core import wait_all_tasks_blocked as _wait_until_loop_idle
+# trio's idle detector (public in trio.testing; where pytest is installed, importing it loads pytest too).
+from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
 
 
 async def when_loop_idle(at_most: float) -> None:

@@ -24,7 +24,7 @@ import trio
 from kvrouter.actors.mailbox import Overloaded
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
-from kvrouter.api.hypercorn_adapter import send_whole_response
+from kvrouter.api.http.h1_connection import send_whole_response
 from kvrouter.api.metrics import UNMATCHED, MetricsEndpoint, method_label
 
 log = logging.getLogger("kvrouter.api")

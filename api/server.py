@@ -1,12 +1,13 @@
-"""The HTTP server: hypercorn's protocol handling (h11/h2, one ``TCPServer`` per connection) under our own
-accept loop, embedded in the service's nursery.
+"""The HTTP server: kvrouter's accept loop, embedded in the service's nursery; HTTP/1.x and WebSockets on
+kvrouter's own sans-I/O protocol (``api/http/``), HTTP/2 (the preface, or an ``h2c`` upgrade) on
+hypercorn's stock trio connection, through its public ``TCPServer`` and a stream that replays the bytes
+already read. The choice and its figures: docs/architecture/http.md.
 
-Hypercorn's own config bounds what it does well: a complete request head must arrive within
-``idle_timeout`` of the connection opening or of its previous response (``keep_alive_timeout``: the
-idle timer only stops once a whole head is parsed, so it bounds slow headers as well as idle keep-alive
-connections), and a connection silent for ``body_timeout`` is closed (``read_timeout``); the app adds a
-total deadline for a body that trickles in (:func:`kvrouter.api.app.make_app`). What hypercorn's
-``serve`` lacks, this module adds:
+The config bounds what hypercorn's own timers did: a complete request head must arrive within
+``idle_timeout`` of the connection opening or of its previous response (``keep_alive_timeout``: it
+bounds slow headers as well as idle keep-alive connections), and a connection silent for ``body_timeout``
+is closed (``read_timeout``); the app adds a total deadline for a body that trickles in
+(:func:`kvrouter.api.app.make_app`). What a bare server lacks, this module adds:
 
 * an open-connection cap: beyond ``max_connections``, a new connection is refused (overflow policy:
   *refuse newest*): it gets a 503 ``{"error"}`` with ``Connection: close`` and is closed at once, so a
@@ -14,19 +15,13 @@ total deadline for a body that trickles in (:func:`kvrouter.api.app.make_app`). 
   connections, see ``actors/peers/socket_budget.py``);
 * a shutdown that answers what is in flight, then closes: the listening sockets close first (new
   connections are refused by the kernel), every later response says ``Connection: close``
-  (hypercorn's ``keep_alive_max_requests`` set to 0), idle keep-alive connections close after
-  ``IDLE_DRAIN_SECONDS`` (a request already on its way is answered), and the service stops as soon as
-  the last in-flight request is answered, or after ``shutdown_grace`` at the latest;
-* a connection is over once hypercorn closes its stream, or stops reading it: its remaining tasks are
-  cancelled then, and its keep-alive timer stopped. Under hypercorn's own ``serve`` a connection task
-  could outlive its socket: waiting forever for a request pipelined behind a response after which it
-  closed (h11's PAUSED state; this held every busy keep-alive connection for the whole graceful timeout
-  at shutdown), or for the keep-alive timeout after its client had closed. Each such task would hold a
-  connection slot;
-* a write timeout: hypercorn's send has none (and shields it from cancellation), so a client that sends
-  requests and never reads the answers held its connection, and the answers, for ever; each ``WRITE_CHUNK``
-  of a response must now be taken within ``write_timeout``, else the connection is closed as broken;
-* a lingering close: when hypercorn closes a connection whose client is still sending (a body refused
+  (``keep_alive_max_requests`` set to 0), idle keep-alive connections close after ``IDLE_DRAIN_SECONDS``
+  (a request already on its way is answered), and the service stops as soon as the last in-flight
+  request is answered, or after ``shutdown_grace`` at the latest;
+* a write timeout: each ``WRITE_CHUNK`` of a response must be taken within ``write_timeout``, else the
+  connection is closed as broken (a client that sends requests and never reads the answers would hold
+  its connection, and the answers, for ever);
+* a lingering close: when a connection is closed while its client is still sending (a body refused
   early with 413), the unread bytes are drained and discarded for up to ``LINGER_SECONDS`` first, since
   closing a socket with unread data sends a reset that can destroy the response before the client
   reads it.
@@ -53,13 +48,13 @@ import orjson
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr
 
-from kvrouter.api import hypercorn_adapter
-from kvrouter.api.fast_h1 import FastH1Connection, ResponseHeaders
-from kvrouter.api.hypercorn_adapter import AdaptedTCPServer, inactive_reason
-from kvrouter.api.ws_inflate import bound_inflation
+from kvrouter.api.http.h1_connection import H1Connection, ResponseHeaders
+from kvrouter.api.http.h1_protocol import RequestHead
+from kvrouter.api.http.websocket import WebSocketConnection
 
 log = logging.getLogger("kvrouter.http")
 
@@ -70,6 +65,7 @@ MAX_REFUSALS_IN_PROGRESS = 32  # beyond this many 503s being written, a refused 
 LINGER_SECONDS = 1.0
 WRITE_CHUNK = 64 * 1024  # a response is written in chunks of this size, each within the write timeout
 IDLE_DRAIN_SECONDS = 1.0  # at shutdown, idle keep-alive connections may still deliver a request this long
+MAX_HEAD_BYTES = 16 * 1024  # a request head (request line and headers) larger than this is refused (431)
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between warnings about refused connections
 # accept(2) failures that mean "out of a resource for now": wait and retry, as trio.serve_listeners does.
 _ACCEPT_RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
@@ -108,12 +104,14 @@ def hypercorn_config(host: str, port: int, settings: HttpSettings = HttpSettings
     config.graceful_timeout = settings.shutdown_grace
     config.websocket_ping_interval = None
     config.websocket_max_message_size = 1 << 20
-    bound_inflation(config.websocket_max_message_size)  # a deflated message inflates at most that far
+    config.h11_max_incomplete_size = MAX_HEAD_BYTES  # a whole request head, on every HTTP/1.x path
+    config.h2_max_header_list_size = MAX_HEAD_BYTES  # and HTTP/2's header lists
     return config
 
 
-class _Stream:
-    """A connection's stream as hypercorn sees it; closing it ends the connection (see the module doc)."""
+class ConnectionStream:
+    """A connection's stream, for kvrouter's HTTP/1.x and WebSocket shells and hypercorn's HTTP/2; closing it
+    ends the connection (see the module doc)."""
 
     def __init__(self, stream: trio.SocketStream, connection: trio.CancelScope, write_timeout: float = inf) -> None:
         self._stream = stream
@@ -123,17 +121,16 @@ class _Stream:
         self._closing = False  # hypercorn has started to close: no more sends
         self._sent: trio.Event | None = None  # set while a send is in progress, fired when it ends
         self._unsent = b""  # what ``write_now`` could not write at once: the next send starts with it
-        self.replay = b""  # read by the plain HTTP/1.1 path and handed back: hypercorn reads it first
+        self.replay = b""  # read by the HTTP/1.x shell and handed to hypercorn's HTTP/2: it reads these first
         self.socket = stream.socket  # hypercorn reads the peer and local addresses from it
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        # Hypercorn serialises its sends with a lock, but not the close it may start from its read task
-        # (h11 refusing a request pipelined behind a "Connection: close" response): the close waits for
-        # the send in progress, and a send after the close began fails as on a closed stream (which
-        # hypercorn handles quietly), instead of either failing with BusyResourceError (an "app error").
+        # Sends may come from two tasks (a WebSocket's pong from its reader, a message from the app; hypercorn's
+        # close from its read task): a send waits for the one in progress, and a send after the close began
+        # fails as on a closed stream, instead of either failing with BusyResourceError.
         if self._closing:
             raise trio.ClosedResourceError("the connection is closing")
-        while self._sent is not None:  # only behind ``flush``: hypercorn's own sends never overlap
+        while self._sent is not None:
             await self._sent.wait()
             if self._closing:
                 raise trio.ClosedResourceError("the connection is closing")
@@ -152,9 +149,8 @@ class _Stream:
             data = memoryview(data)[written:]
         self._sent = sent = trio.Event()
         try:
-            # Hypercorn's send has no timeout and is shielded from cancellation: a client that stops reading
-            # would hold the connection (its slot, and the answer) for ever. Each chunk must be taken within
-            # the write timeout, else the connection is given up as broken (the client is too slow, or gone).
+            # A client that stops reading would hold the connection (its slot, and the answer) for ever. Each
+            # chunk must be taken within the write timeout, else the connection is given up as broken.
             view = memoryview(data)
             for start in range(0, max(len(view), 1), WRITE_CHUNK):
                 with trio.move_on_after(self._write_timeout) as waited:
@@ -171,7 +167,7 @@ class _Stream:
 
     def write_now(self, data: bytes) -> bool:
         """Write ``data`` without waiting, if no send is in progress or unfinished and the socket takes at least
-        part of it at once (a live stream's message, encoded once for every subscriber: ``api/ws_direct.py``).
+        part of it at once (a WebSocket frame written without its task: ``api/ws_direct.py``).
         What the socket did not take is kept, and written before anything else (``flush``, or the next send).
         False: nothing was written."""
         if self._closing or self._sent is not None or self._unsent:
@@ -234,19 +230,8 @@ class _Stream:
                 pass
 
 
-class _Connection(AdaptedTCPServer):
-    """Hypercorn's connection (with the adapter's keep-alive timer), which stops waiting for a next request
-    once reading has ended (the client closed, or the read timeout fired): the keep-alive timer would
-    otherwise keep the task, and its descriptor, for up to the idle timeout, holding a connection slot."""
-
-    async def _read_data(self) -> None:
-        await super()._read_data()
-        await self.idle_task.stop()
-
-
-async def _close(stream: _Stream) -> None:
-    """End a connection as hypercorn's ``TCPServer`` does: our end of the stream, then close (lingering over
-    what the client still sends)."""
+async def _close(stream: ConnectionStream) -> None:
+    """End a connection: our end of the stream, then close (lingering over what the client still sends)."""
     with contextlib.suppress(trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError, OSError):
         await stream.send_eof()
     await stream.aclose()
@@ -262,17 +247,12 @@ def _unread_bytes(stream: trio.SocketStream) -> int:
 
 
 class _Server:
-    def __init__(
-        self, app: Any, config: Config, max_connections: int, write_timeout: float = inf, plain_fast_path: bool = True
-    ) -> None:
+    def __init__(self, app: Any, config: Config, max_connections: int, write_timeout: float = inf) -> None:
         self.raw_app = app
-        self.app = ASGIWrapper(app)
+        self.app = ASGIWrapper(app)  # for hypercorn's HTTP/2 connections
         self.config = config
-        # Plain HTTP/1.1 requests without hypercorn's machinery (api/fast_h1.py), with the hypercorn version
-        # whose behaviour it reproduces; hypercorn serves the rest of a connection from its first other request.
-        self.plain_fast_path = plain_fast_path and hypercorn_adapter.ACTIVE
         self.response_headers = ResponseHeaders(config)
-        self.plain: set[FastH1Connection] = set()  # connections on the plain path (closed when idle at shutdown)
+        self.http1: set[H1Connection] = set()  # connections reading HTTP/1.x (closed when idle at shutdown)
         self.write_timeout = write_timeout
         self.context = WorkerContext(None)
         self.all_closed = trio.Event()  # set once draining and the last connection has ended
@@ -313,30 +293,41 @@ class _Server:
     async def _serve(self, stream: trio.SocketStream) -> None:
         try:
             with trio.CancelScope() as connection:
-                wrapped = _Stream(stream, connection, self.write_timeout)
-                if self.plain_fast_path:
-                    plain = FastH1Connection(wrapped, self.raw_app, self.config, self.context, self.response_headers)
-                    self.plain.add(plain)
-                    try:
-                        replay = await plain.serve()
-                    finally:
-                        self.plain.discard(plain)
-                    if replay is None:
-                        await _close(wrapped)
-                        return
-                    wrapped.replay = replay
-                await _Connection(self.app, self.config, self.context, {}, wrapped)  # type: ignore[arg-type]
+                wrapped = ConnectionStream(stream, connection, self.write_timeout)
+                await self._serve_stream(wrapped)
         finally:
             self.open -= 1
             stream.socket.close()
             if self.open == 0 and self.config.keep_alive_max_requests == 0:
-                self.all_closed.set()  # already closed, unless the connection was cancelled before hypercorn closed it
+                self.all_closed.set()  # already closed, unless the connection was cancelled before it closed
+
+    async def _serve_stream(self, wrapped: ConnectionStream) -> None:
+        """HTTP/1.x (and a WebSocket it upgrades to) here; HTTP/2 on hypercorn's own, stock connection."""
+        config = self.config
+        http1 = H1Connection(
+            wrapped, self.raw_app, config, self.context, self.response_headers, config.h11_max_incomplete_size
+        )
+        self.http1.add(http1)
+        try:
+            outcome = await http1.serve()
+        finally:
+            self.http1.discard(http1)
+        if isinstance(outcome, RequestHead):
+            scope = http1.scope(outcome, "websocket")
+            trailing = http1.protocol.unread()
+            max_message = config.websocket_max_message_size
+            await WebSocketConnection(wrapped, self.raw_app, config, scope, outcome, trailing, max_message).serve()
+        elif outcome is not None:
+            wrapped.replay = outcome.data
+            await TCPServer(self.app, config, self.context, {}, wrapped)  # type: ignore[arg-type]
+            return
+        await _close(wrapped)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         try:
             with trio.move_on_after(LINGER_SECONDS):
                 await stream.send_all(self.refusal)
-            await _Stream(stream, trio.CancelScope()).aclose()
+            await ConnectionStream(stream, trio.CancelScope()).aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await stream.aclose()
         finally:
@@ -369,7 +360,7 @@ class _Server:
         with trio.move_on_after(IDLE_DRAIN_SECONDS):
             await self.all_closed.wait()
         await self.context.terminated.set()
-        for connection in list(self.plain):
+        for connection in list(self.http1):
             connection.close_if_idle()
 
 
@@ -380,12 +371,9 @@ async def serve_http(
     *,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     write_timeout: float = inf,
-    plain_fast_path: bool = True,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` until ``shutdown_trigger`` returns, then drain (see the module doc) and return.
-
-    ``plain_fast_path``: serve plain HTTP/1.1 requests on api/fast_h1.py (False: hypercorn serves all)."""
+    """Serve ``app`` until ``shutdown_trigger`` returns, then drain (see the module doc) and return."""
     sockets = config.create_sockets()
     listeners = []
     binds = []
@@ -393,9 +381,7 @@ async def serve_http(
         sock.listen(config.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-    server = _Server(app, config, max_connections, write_timeout, plain_fast_path)
-    if (reason := inactive_reason()) is not None:
-        log.warning("%s", reason)
+    server = _Server(app, config, max_connections, write_timeout)
     try:
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as accepting:

@@ -34,9 +34,8 @@ from typing import Final, final
 import attrs
 import trio
 
-# trio's idle detector, imported from where trio.testing re-exports it (importing trio.testing would load
-# pytest into the service); tests/journal/test_gather.py fails loudly if an upgrade moves it.
-from trio._core import wait_all_tasks_blocked as _wait_until_loop_idle
+# trio's idle detector (public in trio.testing; where pytest is installed, importing it loads pytest too).
+from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
 
 from kvrouter.journal.frames import FRAME_OVERHEAD, HEAD, LSN, LSN_BYTES, MAX_PAYLOAD_BYTES
 from kvrouter.journal.group_commit import Batch, GroupCommit
