@@ -170,3 +170,80 @@ def test_no_unbounded_memory_channels() -> None:
     pattern = re.compile(r"open_memory_channel[^(]*\(\s*(math\.inf|float\(['\"]inf)")
     sources = [p for d in ("actors", "journal", "api", "simulations") for p in (ROOT / d).rglob("*.py")]
     assert [str(p) for p in sources if pattern.search(p.read_text())] == []
+
+
+GUARDED_LIBRARIES = ("trio", "hypercorn", "wsproto")
+PRODUCT = ("actors", "journal", "api", "simulations", "client")
+
+
+def private_uses(source: str) -> list[str]:
+    """Private names of trio, hypercorn or wsproto that ``source`` imports (a module path or an imported name
+    starting with ``_``), and assignments into any third-party module it imported (monkeypatching)."""
+    tree = ast.parse(source)
+    found = []
+    modules: dict[str, str] = {}  # local name -> third-party module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in GUARDED_LIBRARIES and _is_private(alias.name):
+                    found.append(f"import {alias.name}")
+                if not alias.name.startswith("kvrouter"):
+                    modules[alias.asname or alias.name.split(".")[0]] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            guarded = node.module.split(".")[0] in GUARDED_LIBRARIES
+            for alias in node.names:
+                if guarded and (_is_private(node.module) or alias.name.startswith("_")):
+                    found.append(f"from {node.module} import {alias.name}")
+                if not node.module.startswith("kvrouter") and _is_module(f"{node.module}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
+        for target in targets:
+            base = target
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if base is not target and isinstance(base, ast.Name) and base.id in modules:
+                found.append(f"assigns into {modules[base.id]} ({ast.unparse(target)})")
+    return found
+
+
+def _is_private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split("."))
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def test_private_imports_and_monkeypatching_are_found() -> None:
+    source = (
+        "import trio._core\nfrom trio._core import wait_all_tasks_blocked\nfrom hypercorn.trio.task_group import _handle\n"
+        "from hypercorn.protocol import ws_stream\nimport wsproto\nfrom trio import lowlevel\n"
+        "ws_stream.PerMessageDeflate = object\nwsproto.x.y = 1\nsetattr(lowlevel, 'z', 2)\n"
+        "from trio.testing import wait_all_tasks_blocked\nimport trio\nlocal = object()\nlocal.a = 1\n"
+    )
+    assert private_uses(source) == [
+        "import trio._core",
+        "from trio._core import wait_all_tasks_blocked",
+        "from hypercorn.trio.task_group import _handle",
+        "assigns into hypercorn.protocol.ws_stream (ws_stream.PerMessageDeflate)",
+        "assigns into wsproto (wsproto.x.y)",
+        "assigns into trio.lowlevel (lowlevel.?)",
+    ]
+
+
+def test_no_product_module_uses_private_names_of_trio_hypercorn_or_wsproto_or_patches_a_library() -> None:
+    sources = [p for d in PRODUCT for p in (ROOT / d).rglob("*.py")] + sorted(ROOT.glob("*.py"))
+    offenders = {str(p.relative_to(ROOT)): private_uses(p.read_text()) for p in sources}
+    assert {path: found for path, found in offenders.items() if found} == {}
