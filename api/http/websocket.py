@@ -157,44 +157,48 @@ class WebSocketConnection:
         if not self._connected:
             self._connected = True
             return {"type": "websocket.connect"}
-        while self._state == "open":
+        if self._state == "open":
             message = await self._next_message()
             if message is not None:
                 return message
         return {"type": "websocket.disconnect", "code": self._disconnect_code}
 
     async def _next_message(self) -> dict[str, Any] | None:
-        """A whole message from the client, or None once the connection is over (or not yet: read more)."""
+        """A whole message from the client (None: the connection is over). Messages wsproto already holds come
+        first: the socket is read only when it has none."""
         ws = self._ws
-        if self._trailing:
-            data, self._trailing = self._trailing, b""
-        else:
-            data = await self._read()
-            if data is None:
-                self._state = "closed"
-                self._disconnect_code = GONE
-                return None
-        ws.receive_data(data or None)
-        for event in ws.events():
-            if isinstance(event, (TextMessage, BytesMessage)):
-                self._parts.append(event.data)
-                self._size += len(event.data)
-                if self._size > self._max_message_bytes:
-                    await self._send_close(CloseReason.MESSAGE_TOO_BIG.value, "message too big")
+        while True:
+            for event in ws.events():
+                if isinstance(event, (TextMessage, BytesMessage)):
+                    self._parts.append(event.data)
+                    self._size += len(event.data)
+                    if self._size > self._max_message_bytes:
+                        await self._send_close(CloseReason.MESSAGE_TOO_BIG.value, "message too big")
+                        return None
+                    if event.message_finished:
+                        return self._message(isinstance(event, TextMessage))
+                elif isinstance(event, Ping):
+                    await self._write(ws.send(event.response()))
+                elif isinstance(event, CloseConnection):
+                    if ws.state is ConnectionState.REMOTE_CLOSING:
+                        await self._write(ws.send(event.response()))  # the client's close, answered
+                    elif ws.state is ConnectionState.OPEN:
+                        await self._write(ws.send(CloseConnection(event.code, event.reason)))  # a protocol error
+                    self._state = "closed"
+                    self._disconnect_code = event.code
                     return None
-                if event.message_finished:
-                    return self._message(isinstance(event, TextMessage))
-            elif isinstance(event, Ping):
-                await self._write(ws.send(event.response()))
-            elif isinstance(event, CloseConnection):
-                if ws.state is ConnectionState.REMOTE_CLOSING:
-                    await self._write(ws.send(event.response()))  # the client's close, answered
-                elif ws.state is ConnectionState.OPEN:
-                    await self._write(ws.send(CloseConnection(event.code, event.reason)))  # a protocol error
-                self._state = "closed"
-                self._disconnect_code = event.code
+            if self._state != "open":
                 return None
-        return None
+            if self._trailing:
+                data, self._trailing = self._trailing, b""
+            else:
+                read = await self._read()
+                if read is None:
+                    self._state = "closed"
+                    self._disconnect_code = GONE
+                    return None
+                data = read
+            ws.receive_data(data or None)
 
     def _message(self, text: bool) -> dict[str, Any]:
         parts, self._parts, self._size = self._parts, [], 0
