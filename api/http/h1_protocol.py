@@ -41,6 +41,7 @@ _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 _DIGITS = re.compile(rb"[0-9]+")
 _FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
 _HEX = re.compile(rb"[0-9a-fA-F]+")
+_BARE_BLANK_LINE = re.compile(rb"(?<!\r)\n\r?\n|\r\n\n")  # a blank line that is not CRLF CRLF
 
 
 @attrs.define(slots=True)
@@ -206,6 +207,9 @@ class H1Protocol:
                 return self._refuse(400, "the request ended within its head") if self._eof else NEED_DATA
             return self._hand_over()
         end = buffer.find(HEAD_END, at)
+        bare = _BARE_BLANK_LINE.search(buffer, at, end if end >= 0 else len(buffer))
+        if bare is not None:
+            return self._refuse(400, "invalid HTTP request: lines must end with CRLF")
         if end < 0 or end + 4 - at > self.max_head_bytes:
             if len(buffer) - at > self.max_head_bytes:
                 return self._refuse(431, f"the request head is larger than {self.max_head_bytes} bytes")
@@ -300,6 +304,8 @@ class H1Protocol:
             if b"chunked" in codings:
                 return self._refuse(400, "chunked must be the only transfer coding of a request")
             return self._refuse(501, "the only transfer coding accepted is chunked")
+        if "HTTP version" in message:
+            return self._refuse(505, "only HTTP/1.1 and HTTP/1.0 are served on this connection")
         if isinstance(exc, httptools.HttpParserInvalidMethodError):
             return self._refuse(400, "invalid HTTP request: unknown method")
         return self._refuse(400, f"invalid HTTP request: {message}")

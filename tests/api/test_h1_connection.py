@@ -1,12 +1,13 @@
-"""The plain HTTP/1.1 path (api/fast_h1.py): what a client receives is what hypercorn sends, byte for byte.
+"""kvrouter's HTTP/1.x (api/http/h1_connection.py): for a well-formed request, what a client receives is what
+hypercorn sends, byte for byte.
 
-Each case sends the same bytes to a real server on 127.0.0.1 twice, once with the plain path (the default)
-and once with hypercorn serving every request, and reads everything until the server closes the connection
-(a short keep-alive timeout ends the kept ones); only the ``date`` header's value is masked. The cases
-cover what the plain path serves itself (GET, HEAD, POST bodies in pieces, pipelining, answers without
-reading the body, app failures, streamed and chunked responses, refused headers and lengths) and what it
-hands to hypercorn from the first byte of the request (chunked bodies, ``Expect``, ``Connection: close``,
-HTTP/1.0, a missing ``Host``, an oversized head, garbage), after plain requests on the same connection.
+Each plain case sends the same bytes to a real server on 127.0.0.1 twice, once to kvrouter's server and once
+to hypercorn's own (``hypercorn.trio.serve``, same config), and reads everything until the server closes the
+connection (a short keep-alive timeout ends the kept ones); only the ``date`` header's value is masked. The
+cases cover GET, HEAD, POST bodies in pieces, pipelining, answers without reading the body, app failures,
+streamed and chunked responses, refused headers and lengths. The rest of HTTP/1.x (chunked bodies,
+``Expect``, ``Connection: close``, HTTP/1.0, malformed requests) is kvrouter's own too, checked by what a
+client must see; only HTTP/2 goes to hypercorn (its stock connection), from the first byte of its request.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ from typing import Any
 import pytest
 import trio
 
+import hypercorn.trio
+import orjson
+
 import kvrouter.api.server as server_module
-from kvrouter.api import fast_h1, hypercorn_adapter
+from kvrouter.api.http import h1_connection
+from kvrouter.api.http.h1_connection import send_whole_response
 from kvrouter.api.server import HttpSettings, hypercorn_config, serve_http
 from tests.support.raw_http import connect, request_bytes
 
@@ -66,7 +71,7 @@ async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
     method = scope["method"]
     if path in HEADS:
         status, head, content = HEADS[path]
-        await hypercorn_adapter.send_whole_response(
+        await send_whole_response(
             send,
             {"type": "http.response.start", "status": status, "headers": head},
             {"type": "http.response.body", "body": content},
@@ -128,7 +133,7 @@ async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
         (b"X-Kind", b" whole "),
         (b"content-type", b"text/plain"),
     ]
-    await hypercorn_adapter.send_whole_response(
+    await send_whole_response(
         send,
         {"type": "http.response.start", "status": 201, "headers": headers},
         {"type": "http.response.body", "body": b"" if method == "HEAD" else answer},
@@ -142,7 +147,10 @@ async def serving(plain: bool, **settings: Any) -> AsyncIterator[str]:
     config.h11_max_incomplete_size = 4096
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(serve_http, plain_fast_path=plain), app, config, stop.wait)
+            if plain:
+                binds = await nursery.start(serve_http, app, config, stop.wait)
+            else:
+                binds = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
             yield binds[0]
             stop.set()
 
@@ -184,7 +192,6 @@ PLAIN_CASES = {
     "answered before the body": [post("/early", b"unread body")],
     "answered before the body, then another request": [post("/early", b"unread body") + request_bytes("GET", "/2")],
     "answered before the body, another request later": [post("/early", b"unread body"), request_bytes("GET", "/2")],
-    "body cut short by the end of the stream": [post("/p", b"0123456789")[:-5], EOF],
     "the end of the stream while the app waits for it": [request_bytes("GET", "/wait-disconnect"), EOF],
     "streamed body under its length": [request_bytes("GET", "/stream-short")],
     **{f"response head {path.rpartition('/')[2]}": [request_bytes("GET", path)] for path in HEADS},
@@ -197,90 +204,104 @@ PLAIN_CASES = {
     "app closes": [request_bytes("GET", "/close") + request_bytes("GET", "/after")],
     "keep-alive header": [request_bytes("GET", "/k", headers={"Connection": "keep-alive"})],
     "partial head, then silence": [b"GET /x HTTP/1.1\r\nHost: a\r\n"],
-    "partial head, then the end of the stream": [b"GET /x HTTP/1.1\r\nHost: a\r\n", EOF],
 }
 
-HANDED_TO_HYPERCORN = {
-    "chunked body": [
-        request_bytes("GET", "/1") + post("/c", b"", **{"Transfer-Encoding": "chunked"}) + b"3\r\nabc\r\n0\r\n\r\n"
-    ],
-    "expect 100-continue": [request_bytes("GET", "/1") + post("/e", b"ab", Expect="100-continue")],
-    "connection close": [request_bytes("GET", "/1") + request_bytes("GET", "/2", headers={"Connection": "close"})],
-    "http/1.0": [request_bytes("GET", "/1") + b"GET /old HTTP/1.0\r\n\r\n"],
-    "no host": [request_bytes("GET", "/1") + b"GET /nohost HTTP/1.1\r\n\r\n"],
-    "two hosts": [request_bytes("GET", "/1") + b"GET /2 HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n"],
-    "oversized head": [request_bytes("GET", "/1") + request_bytes("GET", "/big", headers={"x-big": "y" * 5000})],
-    "bare LF head": [request_bytes("GET", "/1") + b"GET /x HTTP/1.1\nHost: a\n\n"],
-    "head ending in CRLF LF": [request_bytes("GET", "/1") + b"GET /x HTTP/1.1\r\nHost: a\r\n\n"],
-    "TLS hello": [request_bytes("GET", "/1") + b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03"],
-    "leading blank line": [request_bytes("GET", "/1") + b"\r\nGET /x HTTP/1.1\r\nhost: a\r\n\r\n"],
-    "two spaces in the request line": [request_bytes("GET", "/1") + b"GET  /x HTTP/1.1\r\nhost: a\r\n\r\n"],
-    "garbage": [request_bytes("GET", "/1") + b"\x16\x03\x01 not http\r\n\r\n"],
-    "lower-case method": [request_bytes("GET", "/1") + b"get /x HTTP/1.1\r\nhost: a\r\n\r\n"],
-    "absolute form": [request_bytes("GET", "/1") + b"GET http://a/x HTTP/1.1\r\nhost: a\r\n\r\n"],
-    "bad content-length": [
-        request_bytes("GET", "/1") + b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: +3\r\n\r\nabc"
-    ],
-    "two content-lengths": [
-        request_bytes("GET", "/1") + b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\nabc"
-    ],
-    "h2c upgrade": [
-        request_bytes("GET", "/1")
-        + request_bytes(
-            "GET",
-            "/u",
-            headers={"Upgrade": "h2c", "Connection": "Upgrade, HTTP2-Settings", "HTTP2-Settings": "AAMAAABkAAQAAP__"},
-        )
-    ],
+# What a client sees of the rest of HTTP/1.x, after a plain request on the same connection: the statuses in order
+# (then the connection closes), and a text each answer after the first must hold.
+OTHER_CASES: dict[str, tuple[list[bytes], list[int], bytes]] = {
+    "chunked body": (
+        [request_bytes("GET", "/1") + post("/c", b"", **{"Transfer-Encoding": "chunked"}) + b"3\r\nabc\r\n0\r\n\r\n"],
+        [201, 201],
+        b"body=abc",
+    ),
+    "expect 100-continue": ([request_bytes("GET", "/1") + post("/e", b"ab", Expect="100-continue")], [201, 100, 201], b""),
+    "connection close": (
+        [request_bytes("GET", "/1") + request_bytes("GET", "/2", headers={"Connection": "close"})],
+        [201, 201],
+        b"connection: close",
+    ),
+    "http/1.0": ([request_bytes("GET", "/1") + b"GET /old HTTP/1.0\r\n\r\n"], [201, 201], b"connection: close"),
+    "absolute form": ([request_bytes("GET", "/1") + b"GET http://a/x HTTP/1.1\r\nhost: a\r\n\r\n"], [201, 201], b"/x"),
+    "leading blank line": ([request_bytes("GET", "/1") + b"\r\nGET /x HTTP/1.1\r\nhost: a\r\n\r\n"], [201, 201], b""),
+    "no host": ([request_bytes("GET", "/1") + b"GET /nohost HTTP/1.1\r\n\r\n"], [201, 400], b'{"error":'),
+    "two hosts": ([request_bytes("GET", "/1") + b"GET /2 HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n"], [201, 400], b'{"error":'),
+    "oversized head": (
+        [request_bytes("GET", "/1") + request_bytes("GET", "/big", headers={"x-big": "y" * 5000})],
+        [201, 431],
+        b'{"error":',
+    ),
+    "bare LF head": ([request_bytes("GET", "/1") + b"GET /x HTTP/1.1\nHost: a\n\n"], [201, 400], b'{"error":'),
+    "head ending in CRLF LF": ([request_bytes("GET", "/1") + b"GET /x HTTP/1.1\r\nHost: a\r\n\n"], [201, 400], b'{"error":'),
+    "TLS hello": ([request_bytes("GET", "/1") + b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03"], [201], b""),
+    "two spaces in the request line": (
+        [request_bytes("GET", "/1") + b"GET  /x HTTP/1.1\r\nhost: a\r\n\r\n"],
+        [201, 201],  # (llhttp takes it)
+        b"/x",
+    ),
+    "garbage": ([request_bytes("GET", "/1") + b"\x16\x03\x01 not http\r\n\r\n"], [201, 400], b'{"error":'),
+    "lower-case method": ([request_bytes("GET", "/1") + b"get /x HTTP/1.1\r\nhost: a\r\n\r\n"], [201, 400], b'{"error":'),
+    "bad content-length": (
+        [request_bytes("GET", "/1") + b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: +3\r\n\r\nabc"],
+        [201, 400],
+        b'{"error":',
+    ),
+    "HTTP/1.2": ([request_bytes("GET", "/1") + b"GET /x HTTP/1.2\r\nhost: a\r\n\r\n"], [201, 505], b'{"error":'),
+    "body cut short by the end of the stream": ([post("/p", b"0123456789")[:-5], EOF], [400], b'{"error":'),
+    "partial head, then the end of the stream": ([b"GET /x HTTP/1.1\r\nHost: a\r\n", EOF], [400], b'{"error":'),
 }
+
+
+def statuses(received: bytes) -> list[int]:
+    return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d+) ", received)]
 
 
 async def counting_hypercorn_connections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     made: list[int] = []
-    original = server_module._Connection.__init__
+    original = server_module.TCPServer
 
-    def counted(self: Any, *args: Any) -> None:
+    def counted(*args: Any) -> Any:
         made.append(1)
-        original(self, *args)
+        return original(*args)
 
-    monkeypatch.setattr(server_module._Connection, "__init__", counted)
+    monkeypatch.setattr(server_module, "TCPServer", counted)
     return made
 
 
 @pytest.mark.parametrize("case", sorted(PLAIN_CASES))
-async def test_the_plain_path_sends_what_hypercorn_sends(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_plain_request_gets_what_hypercorn_sends(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     made = await counting_hypercorn_connections(monkeypatch)
-    plain = await wire(True, PLAIN_CASES[case])
-    # Served without hypercorn (a partial head and then the end of the stream is hypercorn's to answer).
-    assert made == ([1] if case == "partial head, then the end of the stream" else [])
-    assert plain == await wire(False, PLAIN_CASES[case])
+    ours = await wire(True, PLAIN_CASES[case])
+    assert made == []
+    assert ours == await wire(False, PLAIN_CASES[case])
 
 
-@pytest.mark.parametrize("case", sorted(HANDED_TO_HYPERCORN))
-async def test_a_request_that_is_not_plain_is_served_by_hypercorn_from_its_first_byte(
-    case: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("case", sorted(OTHER_CASES))
+async def test_the_rest_of_http_1_is_answered_by_kvrouter(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = await counting_hypercorn_connections(monkeypatch)
+    pieces, expected, text = OTHER_CASES[case]
+    received = await wire(True, pieces)
+    assert made == []
+    assert statuses(received) == expected, received
+    if text:
+        assert text in received.partition(b"\r\n\r\n")[2] if len(expected) == 1 else text in received
+    if expected[-1] >= 400:
+        error = received[received.rindex(b"\r\n\r\n") + 4 :]
+        assert set(orjson.loads(error)) == {"error"}
+
+
+async def test_an_h2c_upgrade_switches_to_hypercorns_http2_from_the_request_s_first_byte(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     made = await counting_hypercorn_connections(monkeypatch)
-    plain = await wire(True, HANDED_TO_HYPERCORN[case])
+    upgrade = {"Upgrade": "h2c", "Connection": "Upgrade, HTTP2-Settings", "HTTP2-Settings": "AAMAAABkAAQAAP__"}
+    pieces = [request_bytes("GET", "/1") + request_bytes("GET", "/u", headers=upgrade)]
+    ours = await wire(True, pieces)
     assert made == [1]
-    alone = await wire(False, HANDED_TO_HYPERCORN[case])
-    if case == "h2c upgrade":  # HTTP/2 after the 101: frames the same size (their dates, HPACK-coded, differ)
-        switched = b"upgrade: h2c\r\n\r\n"
-        assert switched in plain
-        plain, alone = (
-            plain.partition(switched)[0] + b"%d" % len(plain),
-            alone.partition(switched)[0] + b"%d" % len(alone),
-        )
-    assert plain == alone
-    assert plain.startswith(b"HTTP/1.1 201 \r\n") and plain.count(b"HTTP/1.1 ") >= 2  # the plain request, then more
-
-
-async def test_plain_requests_make_no_hypercorn_connection_and_others_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    made = await counting_hypercorn_connections(monkeypatch)
-    await wire(True, PLAIN_CASES["pipelined"] + PLAIN_CASES["body in pieces"])
-    assert made == []
-    await wire(True, HANDED_TO_HYPERCORN["chunked body"])
-    assert made == [1]
+    alone = await wire(False, pieces)
+    # HTTP/2 after the 101: frames the same size (their dates, HPACK-coded, differ)
+    switched = b"upgrade: h2c\r\n\r\n"
+    assert switched in ours
+    assert ours.partition(switched)[0] + b"%d" % len(ours) == alone.partition(switched)[0] + b"%d" % len(alone)
 
 
 async def test_a_head_must_arrive_within_the_idle_timeout() -> None:
@@ -298,15 +319,14 @@ async def test_a_body_that_stops_coming_for_the_read_timeout_is_answered_as_hype
     assert plain == await wire(False, pieces, body_timeout=0.3)
 
 
-async def wire_across_a_stop(plain: bool, before: bytes, after: bytes) -> bytes:
+async def wire_across_a_stop(before: bytes, after: bytes) -> bytes:
     """What the server sends for ``before``, then for ``after`` sent once it has begun to stop (draining)."""
     stop = trio.Event()
     config = hypercorn_config("127.0.0.1", 0, HttpSettings(idle_timeout=60))
     received = b""
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            serve = partial(serve_http, plain_fast_path=plain)
-            binds = await nursery.start(serve, app, config, stop.wait)
+            binds = await nursery.start(serve_http, app, config, stop.wait)
             async with await connect(binds[0]) as stream:
                 await stream.send_all(before)
                 received = await stream.receive_some(65536)
@@ -318,12 +338,12 @@ async def wire_across_a_stop(plain: bool, before: bytes, after: bytes) -> bytes:
     return DATE.sub(b"date: <masked>\r\n", received)
 
 
-@pytest.mark.parametrize("path", ["/2", "/fail", "/stream"])
-async def test_while_draining_every_answer_is_hypercorns_and_closes(path: str) -> None:
-    before, after = request_bytes("GET", "/1"), request_bytes("GET", path)
-    plain = await wire_across_a_stop(True, before, after)
-    assert plain.count(b"connection: close\r\n") >= 1
-    assert plain == await wire_across_a_stop(False, before, after)
+@pytest.mark.parametrize(("path", "status"), [("/2", 201), ("/fail", 500), ("/stream", 200)])
+async def test_while_draining_every_answer_says_close(path: str, status: int) -> None:
+    received = await wire_across_a_stop(request_bytes("GET", "/1"), request_bytes("GET", path))
+    assert statuses(received) == [201, status]
+    answer = received[received.index(b"HTTP/1.1 ", 1) :]
+    assert b"connection: close\r\n" in answer
 
 
 async def test_a_pipelining_client_cannot_keep_other_tasks_waiting() -> None:
@@ -360,7 +380,7 @@ async def test_a_pipelining_client_cannot_keep_other_tasks_waiting() -> None:
     # (Between two turns of the other task: up to YIELD_EVERY requests before the server gives way, and as
     # many again if the scheduler then runs the server first.)
     longest = max(sum(1 for _ in run) for _, run in itertools.groupby(seen))
-    assert longest <= 2 * fast_h1.YIELD_EVERY
+    assert longest <= 2 * h1_connection.YIELD_EVERY
 
 
 async def test_an_idle_plain_connection_is_closed_when_the_server_stops() -> None:
@@ -379,7 +399,7 @@ async def test_an_idle_plain_connection_is_closed_when_the_server_stops() -> Non
 
 
 async def test_a_request_during_the_drain_is_answered_and_told_to_close() -> None:
-    received = await wire_across_a_stop(True, request_bytes("GET", "/1"), request_bytes("GET", "/2"))
+    received = await wire_across_a_stop(request_bytes("GET", "/1"), request_bytes("GET", "/2"))
     answer = received[received.index(b"HTTP/1.1 ", 1) :]  # the answer to the request sent while draining
     assert answer.startswith(b"HTTP/1.1 201 ") and b"connection: close\r\n" in answer
 
