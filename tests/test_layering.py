@@ -228,7 +228,8 @@ def _is_module(name: str) -> bool:
 
 def test_private_imports_and_monkeypatching_are_found() -> None:
     source = (
-        "import trio._core\nfrom trio._core import wait_all_tasks_blocked\nfrom hypercorn.trio.task_group import _handle\n"
+        "import trio._core\nfrom trio._core import wait_all_tasks_blocked\n"
+        "from hypercorn.trio.task_group import _handle\n"
         "from hypercorn.protocol import ws_stream\nimport wsproto\nfrom trio import lowlevel\n"
         "ws_stream.PerMessageDeflate = object\nwsproto.x.y = 1\nsetattr(lowlevel, 'z', 2)\n"
         "from trio.testing import wait_all_tasks_blocked\nimport trio\nlocal = object()\nlocal.a = 1\n"

@@ -35,7 +35,6 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import parse_socket_addr
 
 from kvrouter.api.http.h1_protocol import (
-    CLOSED,
     END_OF_MESSAGE,
     NEED_DATA,
     Data,

@@ -19,11 +19,10 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-import pytest
-import trio
-
 import hypercorn.trio
 import orjson
+import pytest
+import trio
 
 import kvrouter.api.server as server_module
 from kvrouter.api.http import h1_connection
@@ -214,7 +213,11 @@ OTHER_CASES: dict[str, tuple[list[bytes], list[int], bytes]] = {
         [201, 201],
         b"body=abc",
     ),
-    "expect 100-continue": ([request_bytes("GET", "/1") + post("/e", b"ab", Expect="100-continue")], [201, 100, 201], b""),
+    "expect 100-continue": (
+        [request_bytes("GET", "/1") + post("/e", b"ab", Expect="100-continue")],
+        [201, 100, 201],
+        b"",
+    ),
     "connection close": (
         [request_bytes("GET", "/1") + request_bytes("GET", "/2", headers={"Connection": "close"})],
         [201, 201],
@@ -224,14 +227,22 @@ OTHER_CASES: dict[str, tuple[list[bytes], list[int], bytes]] = {
     "absolute form": ([request_bytes("GET", "/1") + b"GET http://a/x HTTP/1.1\r\nhost: a\r\n\r\n"], [201, 201], b"/x"),
     "leading blank line": ([request_bytes("GET", "/1") + b"\r\nGET /x HTTP/1.1\r\nhost: a\r\n\r\n"], [201, 201], b""),
     "no host": ([request_bytes("GET", "/1") + b"GET /nohost HTTP/1.1\r\n\r\n"], [201, 400], b'{"error":'),
-    "two hosts": ([request_bytes("GET", "/1") + b"GET /2 HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n"], [201, 400], b'{"error":'),
+    "two hosts": (
+        [request_bytes("GET", "/1") + b"GET /2 HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n"],
+        [201, 400],
+        b'{"error":',
+    ),
     "oversized head": (
         [request_bytes("GET", "/1") + request_bytes("GET", "/big", headers={"x-big": "y" * 5000})],
         [201, 431],
         b'{"error":',
     ),
     "bare LF head": ([request_bytes("GET", "/1") + b"GET /x HTTP/1.1\nHost: a\n\n"], [201, 400], b'{"error":'),
-    "head ending in CRLF LF": ([request_bytes("GET", "/1") + b"GET /x HTTP/1.1\r\nHost: a\r\n\n"], [201, 400], b'{"error":'),
+    "head ending in CRLF LF": (
+        [request_bytes("GET", "/1") + b"GET /x HTTP/1.1\r\nHost: a\r\n\n"],
+        [201, 400],
+        b'{"error":',
+    ),
     "TLS hello": ([request_bytes("GET", "/1") + b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03"], [201], b""),
     "two spaces in the request line": (
         [request_bytes("GET", "/1") + b"GET  /x HTTP/1.1\r\nhost: a\r\n\r\n"],
@@ -239,7 +250,11 @@ OTHER_CASES: dict[str, tuple[list[bytes], list[int], bytes]] = {
         b"/x",
     ),
     "garbage": ([request_bytes("GET", "/1") + b"\x16\x03\x01 not http\r\n\r\n"], [201, 400], b'{"error":'),
-    "lower-case method": ([request_bytes("GET", "/1") + b"get /x HTTP/1.1\r\nhost: a\r\n\r\n"], [201, 400], b'{"error":'),
+    "lower-case method": (
+        [request_bytes("GET", "/1") + b"get /x HTTP/1.1\r\nhost: a\r\n\r\n"],
+        [201, 400],
+        b'{"error":',
+    ),
     "bad content-length": (
         [request_bytes("GET", "/1") + b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: +3\r\n\r\nabc"],
         [201, 400],

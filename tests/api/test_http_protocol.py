@@ -9,6 +9,7 @@ oversized messages that dropped the socket without the close frame the docs prom
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -103,7 +104,8 @@ def refused(data: bytes) -> tuple[int, str]:
 async def test_a_request_smuggled_behind_a_chunked_body_with_a_length_is_refused_and_never_runs() -> None:
     smuggled = b"GET /smuggled HTTP/1.1\r\nhost: a\r\n\r\n"
     attack = (
-        b"POST /first HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled
+        b"POST /first HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+        + smuggled
     )
     async with server() as port:
         answer = await exchange(port, attack)
@@ -211,10 +213,8 @@ async def websocket(port: int, *, offer_deflate: bool) -> tuple[trio.SocketStrea
 async def close_code(stream: trio.SocketStream, client: WSConnection, data: bytes) -> int | None:
     """The close code the server sends after ``data`` (None: the socket ended with no close frame)."""
     with trio.fail_after(HANG_GUARD):
-        try:
+        with contextlib.suppress(trio.BrokenResourceError):
             await stream.send_all(data)
-        except trio.BrokenResourceError:
-            pass
         while True:
             try:
                 received = await stream.receive_some(65536)

@@ -197,17 +197,17 @@ async def text_messages(stream: trio.SocketStream, client: WSConnection, count: 
     return found
 
 
-async def test_a_client_offering_permessage_deflate_is_served_the_asgi_way() -> None:
+async def test_a_client_offering_permessage_deflate_is_served_without_it_and_written_to_directly() -> None:
     async with hub_server() as (url, hub, feed):
         stream, client = await handshake(url, [PerMessageDeflate()])
         async with stream:
             assert await text_messages(stream, client, 1) == [{"type": "snapshot", "scopes": []}]
             await until(lambda: len(hub._subscribers) == 1 and all(s.idle for s in hub._subscribers))
-            assert hub._subscribers.copy().pop().direct is None
+            assert hub._subscribers.copy().pop().direct is not None  # (no extension was negotiated)
             await feed.send.send(change("a", 1, pad=5000))
             [update] = await text_messages(stream, client, 1)
             assert update == {"type": "update", "model_name": "a", "pad": "x" * 5000, "seq": 1}
-            assert hub.written_directly == 0
+            assert hub.written_directly == 1
             await stream.send_all(client.send(CloseConnection(code=1000)))
 
 
@@ -230,14 +230,14 @@ async def test_a_pong_waits_for_the_rest_of_a_frame_written_in_part(monkeypatch:
     """The client pings while the rest of a large frame waits for room: hypercorn's pong goes out after it
     (two writers of one socket), not into the middle of the frame, nor as a second concurrent send."""
     sends = 0
-    send_all = server_module._Stream.send_all
+    send_all = server_module.ConnectionStream.send_all
 
     async def counting(self: Any, data: bytes | bytearray | memoryview) -> None:
         nonlocal sends
         sends += 1
         await send_all(self, data)
 
-    monkeypatch.setattr(server_module._Stream, "send_all", counting)
+    monkeypatch.setattr(server_module.ConnectionStream, "send_all", counting)
     big = send_buffer_limit() + (2 << 20)
     async with hub_server() as (url, hub, feed):
         stream, client = await handshake(url, [], receive_buffer=4096)
