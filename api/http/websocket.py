@@ -71,7 +71,7 @@ class WebSocketConnection:
         self._ws = WSConnection(ConnectionType.SERVER)
         self._state = "handshake"  # handshake | response | open | closed (by either side) | denied
         self._connected = False  # websocket.connect given to the app
-        self._parts: list[bytes | str] = []  # the message being received
+        self._parts: list[bytes | bytearray | str] = []  # the message being received
         self._size = 0
         self._disconnect_code = GONE
         self._eof = False
