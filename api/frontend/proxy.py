@@ -30,8 +30,8 @@ from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.options import FrontendLimits
 from kvrouter.api.frontend.routing import Plan, Routing, Target
 from kvrouter.api.frontend.tokenizers import Tokenize
+from kvrouter.api.frontend.tokenizing import Tokenizing
 from kvrouter.api.http import Response, error_response
-from kvrouter.api.mock_worker.requests import RequestProblem, parse_request
 from kvrouter.api.openai_body import Refusal, read_json_body
 
 log = logging.getLogger("kvrouter.frontend")
@@ -70,7 +70,7 @@ class Proxy:
     def __init__(self, routing: Routing, client: httpx.AsyncClient, tokenize: Tokenize, limits: FrontendLimits) -> None:
         self.routing = routing
         self.client = client
-        self.tokenize = tokenize
+        self.tokenizing = Tokenizing(tokenize, limits)
         self.limits = limits
         self.counters = Counters()
         self._prefix = f"fe-{secrets.token_hex(4)}"
@@ -90,7 +90,7 @@ class Proxy:
         try:
             try:
                 raw = await self._read_body(scope, receive)
-                body, model, tokens = self._parse(raw, chat)
+                body, model, tokens = await self._parse(raw, chat)
             except Refusal as refusal:
                 counters.refused += 1
                 await send_response(send, refusal.response, body_unread=refusal.response.status in _BODY_UNREAD)
@@ -107,7 +107,7 @@ class Proxy:
             scope, receive, limit=limit, arrival_seconds=self.limits.body_timeout, too_large=too_large
         )
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], str, list[int]]:
+    async def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], str, list[int]]:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -115,18 +115,7 @@ class Proxy:
         if not isinstance(body, dict):
             raise Refusal(error_response(400, "the body must be a JSON object"))
         model = self._model(body.get("model"))
-        try:
-            request = parse_request(body, chat=chat, model=model, tokenizer=self.tokenize)
-        except RequestProblem as problem:
-            raise Refusal(error_response(problem.status, problem.message)) from None
-        if len(request.prompt) > self.limits.max_prompt_tokens:
-            raise Refusal(
-                error_response(
-                    400,
-                    f"the prompt has {len(request.prompt)} tokens; this frontend routes at most "
-                    f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)",
-                )
-            )
+        request = await self.tokenizing.request(body, chat=chat, model=model)
         return body, model, request.prompt
 
     def _model(self, named: Any) -> str:
