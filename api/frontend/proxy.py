@@ -309,7 +309,15 @@ class Exchange:
             raise WorkerUnreachable(target, "has no endpoint in the catalog (register it with one)")
         url = target.endpoint.rstrip("/") + self.path
         request = self.proxy.client.build_request(
-            "POST", url, content=content, headers={"content-type": "application/json", "x-request-id": self.request_id}
+            "POST",
+            url,
+            content=content,
+            headers={
+                "content-type": "application/json",
+                "x-request-id": self.request_id,
+                # Relayed bytes are labelled as the worker labels them, minus its encoding: ask for none.
+                "accept-encoding": "identity",
+            },
         )
         try:
             try:
@@ -348,15 +356,17 @@ class Exchange:
             await self._answer(passed)
             return False
         headers += [(name, value) for name, value in response.headers.raw if name.lower() in PASSED_HEADERS]
+        # A worker that compresses anyway is decoded (httpx's decoders): the client may not have asked for it.
+        encoded = response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
         length = response.headers.get("content-length")
-        if not self.streaming and length is not None:
+        if not self.streaming and length is not None and not encoded:
             headers.append((b"content-length", length.encode()))  # a whole JSON answer: framed as the worker did
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         self.started = True
         scanner = FirstToken(self.limits.sse_scan_limit) if self.streaming else None
         prefill_done = False
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.aiter_bytes() if encoded else response.aiter_raw():
                 if not chunk:
                     continue
                 await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
