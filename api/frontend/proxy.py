@@ -28,7 +28,7 @@ import trio
 
 from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.options import FrontendLimits
-from kvrouter.api.frontend.routing import Plan, Routing, Target
+from kvrouter.api.frontend.routing import BOOKING_PREFIX, Plan, Routing, Target
 from kvrouter.api.frontend.tokenizers import Tokenize
 from kvrouter.api.frontend.tokenizing import Tokenizing
 from kvrouter.api.http import Response, error_response
@@ -73,7 +73,7 @@ class Proxy:
         self.tokenizing = Tokenizing(tokenize, limits)
         self.limits = limits
         self.counters = Counters()
-        self._prefix = f"fe-{secrets.token_hex(4)}"
+        self._prefix = f"{BOOKING_PREFIX}{secrets.token_hex(4)}"
         self._ids = itertools.count()
 
     # -- the request ---------------------------------------------------------------------------------
