@@ -10,6 +10,10 @@ import trio
 from kvrouter.api.app import UNSUPPORTED_MEDIA
 from kvrouter.api.http import JSON, Response, error_response
 
+# What a chat's rendering adds to its texts (``<|role|>\n...\n`` per message, ``<|assistant|>\n`` at the end).
+CHAT_MESSAGE_CHARS = 6
+CHAT_CUE_CHARS = 14
+
 
 class Refusal(Exception):
     """An answer decided before any byte of a response went out."""
@@ -53,3 +57,32 @@ async def read_json_body(
     if reading.cancelled_caught:
         raise Refusal(error_response(408, f"the request body did not arrive within {arrival_seconds:g} s"))
     return b"".join(chunks)
+
+
+def prompt_size(body: dict[str, Any], *, chat: bool) -> tuple[int, int]:
+    """``(characters, token ids)`` of a body's prompt, counted without building or tokenizing it (``len`` of each
+    text): what a frontend checks before tokenizing. Fields of the wrong shape count 0 (the full check refuses
+    them)."""
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return len(prompt), 0
+        return 0, len(prompt) if isinstance(prompt, list) else 0
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0, 0
+    chars = CHAT_CUE_CHARS
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        role, content = message.get("role"), message.get("content")
+        chars += CHAT_MESSAGE_CHARS + (len(role) if isinstance(role, str) else 0)
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(
+                len(part["text"]) for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+    return chars, 0

@@ -91,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prompt-tokens", metavar="N", help=f"tokens in a prompt, 400 beyond (default {LIMITS.max_prompt_tokens})"
     )
     parser.add_argument(
+        "--tokenizer-threads",
+        metavar="N",
+        help=f"threads tokenizing long prompts at once, off the event loop (default {LIMITS.tokenizer_threads})",
+    )
+    parser.add_argument(
+        "--max-tokenizing-chars",
+        metavar="N",
+        help="characters of long prompts waiting for or in a tokenizer thread; beyond, 503 "
+        f"(default {LIMITS.tokenize_queue_chars})",
+    )
+    parser.add_argument(
         "--upstream-connect-timeout-secs",
         metavar="S",
         help=f"to reach a worker; then another worker is tried once (default {LIMITS.connect_timeout:g})",
@@ -138,6 +149,10 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         max_in_flight=_int(args.max_in_flight, "--max-in-flight", LIMITS.max_in_flight, problems),
         body_limit=_int(args.max_body_bytes, "--max-body-bytes", LIMITS.body_limit, problems),
         max_prompt_tokens=_int(args.max_prompt_tokens, "--max-prompt-tokens", LIMITS.max_prompt_tokens, problems),
+        tokenizer_threads=_threads(args.tokenizer_threads, problems),
+        tokenize_queue_chars=_int(
+            args.max_tokenizing_chars, "--max-tokenizing-chars", LIMITS.tokenize_queue_chars, problems
+        ),
         connect_timeout=_secs(
             args.upstream_connect_timeout_secs, "--upstream-connect-timeout-secs", LIMITS.connect_timeout, problems
         ),
@@ -187,6 +202,13 @@ def _int(raw: str | None, flag: str, default: int, problems: list[str]) -> int:
         return default
     value = parse_int(flag, raw, 1, 1 << 40, problems)
     return value if value is not None else default
+
+
+def _threads(raw: str | None, problems: list[str]) -> int:
+    if raw is None:
+        return LIMITS.tokenizer_threads
+    value = parse_int("--tokenizer-threads", raw, 1, 64, problems)
+    return value if value is not None else LIMITS.tokenizer_threads
 
 
 def _secs(raw: str | None, flag: str, default: float, problems: list[str]) -> float:

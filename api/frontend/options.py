@@ -5,6 +5,9 @@
 | ``max_in_flight`` requests proxied at once | 1,024 | reject newest: 503 with ``Retry-After: 1`` |
 | ``body_limit`` bytes of a client's body | 8 MiB | 413 |
 | ``body_timeout`` for that body to arrive | 30 s | 408 |
+| ``max_prompt_chars`` of a prompt, before tokenizing: ``max_prompt_tokens`` x 16 | 16,777,216 | 400 |
+| ``tokenize_queue_chars`` of prompts waiting for or in a tokenizer thread | 16,777,216 | reject newest: 503 |
+| ``tokenizer_threads`` tokenizing at once | 2 | the next prompt waits (within the queue bound) |
 | ``max_prompt_tokens`` after tokenizing | 1,048,576 | 400 |
 | ``connect_timeout`` to reach a worker | 5 s | another worker once, then 503 |
 | ``read_timeout``: a worker silent that long | 120 s | 504 (or the stream ends with an error event) |
@@ -26,6 +29,10 @@ from kvrouter.journal.store import Durability
 
 DEFAULT_PORT = 8000  # the seed's frontend port
 ROUTER_MODES = ("kv", "round-robin", "random")  # the seed's --router-mode choices
+# The most characters a prompt may have per token of --max-prompt-tokens, checked before tokenizing. Real text
+# averages 3 to 5 characters per token with a model's tokenizer; 16 refuses nothing a tokenizer would pass
+# except prompts made of unusually long tokens.
+PROMPT_CHARS_PER_TOKEN = 16
 
 
 @attrs.frozen
@@ -34,11 +41,17 @@ class FrontendLimits:
     body_limit: int = 8 * 1024 * 1024
     body_timeout: float = 30.0
     max_prompt_tokens: int = 1 << 20
+    tokenizer_threads: int = 2
+    tokenize_queue_chars: int = 16 * 1024 * 1024
     connect_timeout: float = 5.0
     read_timeout: float = 120.0
     request_timeout: float = 600.0
     error_body_limit: int = 64 * 1024
     sse_scan_limit: int = 1024 * 1024
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
 
 
 @attrs.frozen

@@ -28,10 +28,10 @@ import trio
 
 from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.options import FrontendLimits
-from kvrouter.api.frontend.routing import Plan, Routing, Target
+from kvrouter.api.frontend.routing import BOOKING_PREFIX, Plan, Routing, Target
 from kvrouter.api.frontend.tokenizers import Tokenize
+from kvrouter.api.frontend.tokenizing import Tokenizing
 from kvrouter.api.http import Response, error_response
-from kvrouter.api.mock_worker.requests import RequestProblem, parse_request
 from kvrouter.api.openai_body import Refusal, read_json_body
 
 log = logging.getLogger("kvrouter.frontend")
@@ -70,10 +70,10 @@ class Proxy:
     def __init__(self, routing: Routing, client: httpx.AsyncClient, tokenize: Tokenize, limits: FrontendLimits) -> None:
         self.routing = routing
         self.client = client
-        self.tokenize = tokenize
+        self.tokenizing = Tokenizing(tokenize, limits)
         self.limits = limits
         self.counters = Counters()
-        self._prefix = f"fe-{secrets.token_hex(4)}"
+        self._prefix = f"{BOOKING_PREFIX}{secrets.token_hex(4)}"
         self._ids = itertools.count()
 
     # -- the request ---------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ class Proxy:
         try:
             try:
                 raw = await self._read_body(scope, receive)
-                body, model, tokens = self._parse(raw, chat)
+                body, model, tokens = await self._parse(raw, chat)
             except Refusal as refusal:
                 counters.refused += 1
                 await send_response(send, refusal.response, body_unread=refusal.response.status in _BODY_UNREAD)
@@ -107,7 +107,7 @@ class Proxy:
             scope, receive, limit=limit, arrival_seconds=self.limits.body_timeout, too_large=too_large
         )
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], str, list[int]]:
+    async def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], str, list[int]]:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -115,18 +115,7 @@ class Proxy:
         if not isinstance(body, dict):
             raise Refusal(error_response(400, "the body must be a JSON object"))
         model = self._model(body.get("model"))
-        try:
-            request = parse_request(body, chat=chat, model=model, tokenizer=self.tokenize)
-        except RequestProblem as problem:
-            raise Refusal(error_response(problem.status, problem.message)) from None
-        if len(request.prompt) > self.limits.max_prompt_tokens:
-            raise Refusal(
-                error_response(
-                    400,
-                    f"the prompt has {len(request.prompt)} tokens; this frontend routes at most "
-                    f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)",
-                )
-            )
+        request = await self.tokenizing.request(body, chat=chat, model=model)
         return body, model, request.prompt
 
     def _model(self, named: Any) -> str:
@@ -320,7 +309,15 @@ class Exchange:
             raise WorkerUnreachable(target, "has no endpoint in the catalog (register it with one)")
         url = target.endpoint.rstrip("/") + self.path
         request = self.proxy.client.build_request(
-            "POST", url, content=content, headers={"content-type": "application/json", "x-request-id": self.request_id}
+            "POST",
+            url,
+            content=content,
+            headers={
+                "content-type": "application/json",
+                "x-request-id": self.request_id,
+                # Relayed bytes are labelled as the worker labels them, minus its encoding: ask for none.
+                "accept-encoding": "identity",
+            },
         )
         try:
             try:
@@ -359,15 +356,17 @@ class Exchange:
             await self._answer(passed)
             return False
         headers += [(name, value) for name, value in response.headers.raw if name.lower() in PASSED_HEADERS]
+        # A worker that compresses anyway is decoded (httpx's decoders): the client may not have asked for it.
+        encoded = response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
         length = response.headers.get("content-length")
-        if not self.streaming and length is not None:
+        if not self.streaming and length is not None and not encoded:
             headers.append((b"content-length", length.encode()))  # a whole JSON answer: framed as the worker did
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         self.started = True
         scanner = FirstToken(self.limits.sse_scan_limit) if self.streaming else None
         prefill_done = False
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.aiter_bytes() if encoded else response.aiter_raw():
                 if not chunk:
                     continue
                 await self.send({"type": "http.response.body", "body": chunk, "more_body": True})

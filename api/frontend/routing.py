@@ -18,6 +18,9 @@ from kvrouter.api.select_routes import selection_request
 from kvrouter.api.select_schemas import SelectBody
 
 TENANT = "default"
+# Every booking the frontend's proxy makes has an id starting with this (``fe-<process>-<n>``, with ``:retry``,
+# ``:prefill`` or ``:decode`` after it): at a restart, the ones still booked died with the process and are freed.
+BOOKING_PREFIX = "fe-"
 PREFILL = "prefill"
 
 
@@ -107,3 +110,21 @@ class Routing:
         except RouterError as exc:
             if exc.status != 404:
                 raise
+
+    async def free_orphans(self) -> int:
+        """Free every booking a previous run of this frontend left (its requests died with it), through the
+        journaled release: a crash in the middle leaves the rest for the next start. The count freed."""
+        orphans = [
+            request_id
+            for state in self.service.system.states()
+            for request_id in state.slots.requests
+            if request_id.startswith(BOOKING_PREFIX)
+        ]
+        for request_id in orphans:
+            with as_router_errors():
+                try:
+                    await self.service.release(request_id)
+                except RouterError as exc:
+                    if exc.status != 404:
+                        raise
+        return len(orphans)

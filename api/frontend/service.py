@@ -99,6 +99,11 @@ async def run_frontend(
     ):
         service = await start_select_service(runtime.system, options.router, runtime.nursery)
         routing = Routing(service)
+        # Before any traffic: the bookings of requests that were in flight when this frontend last stopped
+        # (killed, crashed) would otherwise count as load until the stale-request expiry.
+        freed = await routing.free_orphans()
+        if freed:
+            log.info("freed %d bookings of requests in flight when the frontend last stopped", freed)
         await register_workers(routing, options)
         async with http_client(options) as client:
             proxy = Proxy(routing, client, tokenize, options.limits)

@@ -15,12 +15,17 @@ text is tokenized. ``\\w`` follows Python's Unicode tables (stable within a Pyth
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from xxhash import xxh3_64_intdigest
 
 VOCAB_SIZE = 1 << 31  # ids are u32 and stay below 2**31, clear of the engine's own generated-token range
 _PIECES = re.compile(r"\s*(?:\w+|[^\w\s])|\s+")
+# Where a text can be cut without changing its pieces: between a non-blank and the blank after it (a piece ends
+# at the non-blank, the next starts at the blank). Long texts are tokenized a slice at a time, so no single call
+# into the regex engine (which holds the GIL) runs long: a frontend tokenizing on a thread stays responsive.
+_CUT = re.compile(r"\S\s")
+SLICE_CHARS = 16 * 1024
 
 _WORDS = (
     "the of and a to in is it that for on with as was at by this be from or an are not have but they "
@@ -36,7 +41,24 @@ OUTPUT_WORDS = tuple(_WORDS.split(" "))
 
 def tokenize(text: str) -> list[int]:
     """The ids of ``text`` (see the module docstring)."""
-    return [piece_id(piece) for piece in _PIECES.findall(text)]
+    if len(text) <= SLICE_CHARS:
+        return [piece_id(piece) for piece in _PIECES.findall(text)]
+    ids: list[int] = []
+    for part in slices(text):
+        ids.extend(piece_id(piece) for piece in _PIECES.findall(part))
+    return ids
+
+
+def slices(text: str) -> Iterator[str]:
+    """``text`` cut where a blank follows a non-blank, about every ``SLICE_CHARS`` characters."""
+    start = 0
+    while len(text) - start > SLICE_CHARS:
+        cut = _CUT.search(text, start + SLICE_CHARS)
+        if cut is None:
+            break
+        yield text[start : cut.start() + 1]
+        start = cut.start() + 1
+    yield text[start:]
 
 
 def piece_id(piece: str) -> int:

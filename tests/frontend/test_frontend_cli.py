@@ -3,6 +3,7 @@ frontend with a bearer token, a mock worker registering itself with that token, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -15,6 +16,7 @@ import pytest
 import trio
 
 from kvrouter.api.frontend.cli import main
+from tests.support.frontends import loads
 from tests.support.processes import free_port, start_process
 
 CLI = [sys.executable, "-m", "kvrouter.api.cli"]
@@ -85,3 +87,49 @@ async def test_a_mock_worker_registers_with_a_token_protected_frontend(tmp_path:
     log = (tmp_path / "frontend.log").read_text()
     assert re.search(r"kvrouter frontend listening on http://127\.0\.0\.1:\d+ \(router mode kv", log), log
     assert " ERROR " not in log and "Traceback" not in log
+
+
+async def test_a_frontend_killed_mid_request_frees_its_bookings_when_it_restarts(tmp_path: Path) -> None:
+    """Before: the 30 bookings of a frontend killed with -9 came back as active requests and lingered until the
+    stale-request expiry (minutes), skewing routing."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [*CLI, "frontend", "--port", str(port), "--data-dir", str(tmp_path / "j")]
+    frontend = await start_process(argv, port, tmp_path / "frontend.log")
+    # Slow workers: each answer takes seconds, so the requests are still in flight at the kill.
+    worker_argv = [*CLI, "mock-worker", "--port", "0", "--kv-events-port", "0", "--speedup", "0.2"]
+    workers = [
+        await trio.lowlevel.open_process(
+            [*worker_argv, "--register", url, "--worker-id", str(i)], stderr=subprocess.DEVNULL
+        )
+        for i in (1, 2)
+    ]
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            with trio.fail_after(30):
+                while len((await http.get("/workers")).json()) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+
+            async def request() -> None:
+                with contextlib.suppress(httpx.HTTPError):  # the frontend is killed under it
+                    await http.post("/v1/completions", json={"prompt": "tell me a story", "max_tokens": 500})
+
+            async with trio.open_nursery() as clients:
+                for _ in range(10):
+                    clients.start_soon(request)
+                with trio.fail_after(30):
+                    while sum(row["active_requests"] for row in (await loads(http)).values()) < 10:  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+                frontend.kill()
+                await frontend.wait()
+            frontend = await start_process(argv, port, tmp_path / "frontend-again.log")
+            rows = await loads(http)
+            assert len(rows) == 2 and all(row["active_requests"] == 0 for row in rows.values()), rows
+        log = (tmp_path / "frontend-again.log").read_text()
+        assert "freed 10 bookings of requests in flight when the frontend last stopped" in log, log
+    finally:
+        for process in (*workers, frontend):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                await process.wait()

@@ -11,7 +11,7 @@ import trio
 
 from kvrouter import IN_PROCESS_KV_EVENTS
 from kvrouter.api.mock_worker.tokenizer import render_chat, tokenize
-from tests.support.frontends import loads, start_frontend, start_workers, wait_idle
+from tests.support.frontends import loads, small_limits, start_frontend, start_workers, wait_idle
 from tests.support.mock_workers import start_mock_worker
 from tests.support.raw_http import connect, exchange, request_bytes
 
@@ -337,3 +337,52 @@ async def test_a_connection_dropped_before_any_answer_is_sent_again(nursery: tri
         assert answer.json()["choices"][0]["text"] == "fine"
         assert (await http.get("/frontend/stats")).json()["retried"] == 0  # the same worker, on a new connection
         await wait_idle(http)
+
+
+async def gzip_worker(task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """A worker that answers every completion gzip-compressed, whatever the request asked for."""
+    import gzip
+
+    async def serve(stream: trio.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(65536)
+            body = gzip.compress(b'{"choices":[{"index":0,"text":"packed","finish_reason":"length"}]}')
+            head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+            await stream.send_all(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(serve, listeners)
+
+
+async def test_a_gzip_answer_is_relayed_decoded_to_a_client_that_did_not_ask_for_it(nursery: trio.Nursery) -> None:
+    """Before: the compressed bytes went on labelled plain JSON."""
+    frontend = await start_frontend(nursery)
+    port = await nursery.start(gzip_worker)
+    async with httpx.AsyncClient(base_url=frontend.url, timeout=10) as http:
+        worker = {"worker_id": 4, "model_name": "mock", "endpoint": f"http://127.0.0.1:{port}", "block_size": 4}
+        worker["kv_events_endpoint"] = IN_PROCESS_KV_EVENTS
+        assert (await http.post("/workers", json=worker)).status_code in (200, 201)
+        request = {"json": {"prompt": "hi"}, "headers": {"accept-encoding": "identity"}}
+        async with http.stream("POST", "/v1/completions", **request) as answer:  # type: ignore[arg-type]
+            raw = b"".join([chunk async for chunk in answer.aiter_raw()])
+        assert answer.status_code == 200 and "content-encoding" not in answer.headers
+        assert answer.headers["content-type"] == "application/json"
+        assert orjson.loads(raw)["choices"][0]["text"] == "packed"
+        await wait_idle(http)
+
+
+async def test_a_prompt_over_the_character_bound_is_refused_before_tokenizing(nursery: trio.Nursery) -> None:
+    frontend = await start_frontend(nursery, limits=small_limits(max_prompt_tokens=100))
+    (worker,) = await start_workers(nursery, frontend, 1)
+    async with httpx.AsyncClient(base_url=frontend.url, timeout=10) as http:
+        answer = await http.post("/v1/completions", json={"prompt": "x" * 1601})
+        assert answer.status_code == 400
+        assert "1601 characters" in answer.json()["error"] and "--max-prompt-tokens 100" in answer.json()["error"]
+        chat = {"messages": [{"role": "user", "content": "y" * 1600}]}
+        assert (await http.post("/v1/chat/completions", json=chat)).status_code == 400
+        many = await http.post("/v1/completions", json={"prompt": "a " * 700})  # 1400 characters, 700 tokens
+        assert many.status_code == 400 and "more than 100 tokens" in many.json()["error"]
+        assert (await loads(http))[1]["active_requests"] == 0 and worker.app.loop.finished == 0

@@ -1,0 +1,136 @@
+"""The frontend's prompt checks and tokenizing, kept from holding the event loop.
+
+A prompt is checked in steps, each cheaper than the next:
+
+1. its size in characters (or token ids) against ``max_prompt_chars`` (``--max-prompt-tokens`` times
+   ``PROMPT_CHARS_PER_TOKEN``): 400 before any tokenizing;
+2. the rest of the body (fields, messages), as the workers check it: 400;
+3. admission to tokenizing: at most ``tokenize_queue_chars`` characters of prompts waiting for or being
+   tokenized; a prompt that would pass it is refused with 503 and ``Retry-After: 1`` (reject newest; one prompt
+   alone is always admitted);
+4. the tokenizing, at most ``tokenizer_threads`` prompts at once, then the token count against
+   ``--max-prompt-tokens``: 400.
+
+A Hugging Face tokenizer runs on a worker thread: it releases the GIL while it encodes, so the event loop goes on.
+The built-in tokenizer is pure Python and would hold the GIL on a thread (the event loop then waits for it at every
+switch), so it runs on the event loop itself a slice of ``SLICE_CHARS`` characters at a time, letting other tasks
+run between slices, and stops as soon as the count is over the limit. Short prompts (up to ``INLINE_CHARS``) are
+tokenized at once: that takes well under a millisecond, less than the trip to a thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+from kvrouter.api.frontend.options import PROMPT_CHARS_PER_TOKEN, FrontendLimits
+from kvrouter.api.frontend.tokenizers import Tokenize
+from kvrouter.api.http import error_response
+from kvrouter.api.mock_worker.requests import GenerateRequest, RequestProblem, parse_request
+from kvrouter.api.mock_worker.tokenizer import slices
+from kvrouter.api.mock_worker.tokenizer import tokenize as builtin_tokenize
+from kvrouter.api.openai_body import Refusal, prompt_size
+
+INLINE_CHARS = 4096
+FREE_STEP = 65536  # ids dropped per step when a long prompt is refused (freeing a million ints takes ~30 ms)
+
+
+class _Text:
+    """Stands in for the tokenizer while the body is checked: keeps the text, answers one placeholder id."""
+
+    def __init__(self) -> None:
+        self.text: str | None = None
+
+    def __call__(self, text: str) -> list[int]:
+        self.text = text
+        return [0]
+
+
+class Tokenizing:
+    """The checked request of a body, its prompt tokenized within the frontend's prompt bounds."""
+
+    def __init__(self, tokenize: Tokenize, limits: FrontendLimits) -> None:
+        self.tokenize = tokenize
+        self.limits = limits
+        self.on_loop = tokenize is builtin_tokenize
+        self.slots = trio.CapacityLimiter(limits.tokenizer_threads)
+        self.queued_chars = 0  # characters of prompts admitted to tokenizing and not yet tokenized
+
+    async def request(self, body: dict[str, Any], *, chat: bool, model: str) -> GenerateRequest:
+        chars, ids = prompt_size(body, chat=chat)
+        self._check_size(chars, ids)
+        text = _Text()
+        try:
+            request = parse_request(body, chat=chat, model=model, tokenizer=text)
+        except RequestProblem as problem:
+            raise Refusal(error_response(problem.status, problem.message)) from None
+        if text.text is None:  # token ids: already counted
+            return request
+        prompt = self.tokenize(text.text) if len(text.text) <= INLINE_CHARS else await self._admitted(text.text)
+        if not prompt:
+            raise Refusal(error_response(400, "the prompt is empty: it must have at least one token"))
+        if len(prompt) > self.limits.max_prompt_tokens:
+            await _drop(prompt)
+            raise Refusal(error_response(400, self._too_many()))
+        return attrs.evolve(request, prompt=prompt)
+
+    def _check_size(self, chars: int, ids: int) -> None:
+        limits = self.limits
+        if ids > limits.max_prompt_tokens:
+            raise Refusal(error_response(400, self._too_many(ids)))
+        if chars > limits.max_prompt_chars:
+            message = (
+                f"the prompt has {chars} characters; this frontend tokenizes at most {limits.max_prompt_chars} "
+                f"({PROMPT_CHARS_PER_TOKEN} per token of --max-prompt-tokens {limits.max_prompt_tokens})"
+            )
+            raise Refusal(error_response(400, message))
+
+    def _too_many(self, ids: int | None = None) -> str:
+        """Token ids are counted; a text's tokenizing stops once it is over the limit."""
+        limit = self.limits.max_prompt_tokens
+        has = f"has {ids} token ids" if ids is not None else f"has more than {limit} tokens"
+        return f"the prompt {has}; this frontend routes at most {limit} (--max-prompt-tokens)"
+
+    async def _admitted(self, text: str) -> list[int]:
+        limit = self.limits.tokenize_queue_chars
+        if self.queued_chars and self.queued_chars + len(text) > limit:
+            message = (
+                f"the frontend is busy tokenizing: {self.queued_chars} characters of prompts are queued and at most "
+                f"{limit} may be (--max-tokenizing-chars); retry"
+            )
+            raise Refusal(error_response(503, message, ((b"retry-after", b"1"),)))
+        self.queued_chars += len(text)
+        try:
+            if self.on_loop:
+                async with self.slots:
+                    return await self._in_slices(text)
+            return await trio.to_thread.run_sync(self._capped, text, limiter=self.slots)
+        finally:
+            self.queued_chars -= len(text)
+
+    async def _in_slices(self, text: str) -> list[int]:
+        """The built-in tokenizer a slice at a time, other tasks running between slices; past the limit, the ids
+        so far (the count is then over it: nothing more is needed to refuse)."""
+        ids: list[int] = []
+        for part in slices(text):
+            await trio.lowlevel.checkpoint()
+            ids.extend(self.tokenize(part))
+            if len(ids) > self.limits.max_prompt_tokens:
+                break
+        return ids
+
+    def _capped(self, text: str) -> list[int]:
+        """On a worker thread: the ids, or (over the limit) ids enough to say so, the rest dropped here."""
+        ids = self.tokenize(text)
+        while len(ids) > self.limits.max_prompt_tokens + 1:
+            del ids[max(self.limits.max_prompt_tokens + 1, len(ids) - FREE_STEP) :]
+        return ids
+
+
+async def _drop(ids: list[int]) -> None:
+    """Empty a refused prompt's ids a step at a time, other tasks running between steps."""
+    while ids:
+        del ids[-FREE_STEP:]
+        await trio.lowlevel.checkpoint()
