@@ -608,39 +608,7 @@ class KvListener:
                     if end is not None:
                         self._lost(start, end, f"cannot connect to {replay_endpoint}: {exc}")
                     return
-                await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-                while end is None or next_seq < end:
-                    frames: list[bytes] | None = dealer.try_recv_multipart()
-                    if frames is None:
-                        await self._hand_on()  # before waiting for the next reply
-                        with trio.move_on_after(self._replay_timeout):
-                            frames = await dealer.recv_multipart()
-                    if frames is None:
-                        problem = (
-                            f"timed out: no reply for {self._replay_timeout}s; publisher gone, or a reply over "
-                            f"{_size(self._max_message_bytes)}"
-                        )
-                        break
-                    reply = _parse_reply(frames)
-                    if reply is None:
-                        self.status.malformed += 1
-                        continue
-                    seq, payload = reply
-                    if seq == END_SEQ or not payload:
-                        break
-                    if seq < next_seq:
-                        continue  # before what we asked for: nothing to do with it
-                    if end is not None and seq >= end:
-                        problem = f"buffer jumped to {seq}"
-                        break
-                    if seq > next_seq:
-                        if end is None and next_seq == start and start > 0:
-                            # The publisher's buffer starts after our watermark (or it restarted): the
-                            # live stream settles which, as for any first batch.
-                            break
-                        self._lost(next_seq, seq, "replay not contiguous")
-                    await self._deliver(seq, payload, replayed=True)
-                    next_seq = seq + 1
+                next_seq, problem = await self._receive_replay(dealer, start, end)
             # Leaving the block closed the DEALER (linger 0): replies past ``end`` are simply dropped,
             # since the live socket is delivering those.
         if end is None:
@@ -653,6 +621,45 @@ class KvListener:
             self._unrepaired(f"catch-up failed ({problem})")
         else:
             log.info("kv listener %s: caught up, nothing was missed", self.status.endpoint)
+
+    async def _receive_replay(self, dealer: TrioZmqSocket, start: int, end: int | None) -> tuple[int, str | None]:
+        """Ask the replay socket for batches from ``start`` and deliver them until ``end`` (or its end marker):
+        the next sequence not delivered, and why the replay stopped short (None when it did not)."""
+        next_seq, problem = start, None
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        while end is None or next_seq < end:
+            frames: list[bytes] | None = dealer.try_recv_multipart()
+            if frames is None:
+                await self._hand_on()  # before waiting for the next reply
+                with trio.move_on_after(self._replay_timeout):
+                    frames = await dealer.recv_multipart()
+            if frames is None:
+                problem = (
+                    f"timed out: no reply for {self._replay_timeout}s; publisher gone, or a reply over "
+                    f"{_size(self._max_message_bytes)}"
+                )
+                break
+            reply = _parse_reply(frames)
+            if reply is None:
+                self.status.malformed += 1
+                continue
+            seq, payload = reply
+            if seq == END_SEQ or not payload:
+                break
+            if seq < next_seq:
+                continue  # before what we asked for: nothing to do with it
+            if end is not None and seq >= end:
+                problem = f"buffer jumped to {seq}"
+                break
+            if seq > next_seq:
+                if end is None and next_seq == start and start > 0:
+                    # The publisher's buffer starts after our watermark (or it restarted): the
+                    # live stream settles which, as for any first batch.
+                    break
+                self._lost(next_seq, seq, "replay not contiguous")
+            await self._deliver(seq, payload, replayed=True)
+            next_seq = seq + 1
+        return next_seq, problem
 
     def _unrepaired(self, why: str) -> None:
         """Batches may have been missed and nothing can say how many: count it and show it."""
