@@ -6,7 +6,7 @@ costs a fraction: the head is parsed by httptools (``api/http/h1_protocol.py``),
 connection's own task, ASGI ``receive`` reads the body straight from the socket and ``send`` writes head
 and body in one write (``send_whole``).
 
-What a client sees of a plain request is what hypercorn sends (tests/api/test_fast_h1.py compares the
+What a client sees of a plain request is what hypercorn sends (tests/api/test_h1_connection.py compares the
 bytes): h11's status line and header order, hypercorn's ``date`` and ``server`` headers (from its
 public ``Config.response_headers``), ``Connection: close`` while draining, a 500 with ``Connection: close``
 if the app fails before answering, chunked framing for a body of unknown length. Its timers too: a head

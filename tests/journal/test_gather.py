@@ -90,8 +90,8 @@ async def test_a_backlog_that_fills_a_batch_is_written_without_waiting_for_the_l
 
 
 def test_the_trio_idle_detector_the_writer_uses_is_trios_own() -> None:
-    # FileJournal imports it from trio._core (trio.testing would load pytest into the service). If a trio
-    # upgrade moves or changes it, this fails instead of the group commit silently degrading.
+    # FileJournal imports it from trio.testing, its public home. If a trio upgrade moves or changes it, this
+    # fails instead of the group commit silently degrading.
     assert file_module._wait_until_loop_idle is trio.testing.wait_all_tasks_blocked
     assert list(inspect.signature(file_module._wait_until_loop_idle).parameters) == ["cushion"]
 
