@@ -33,6 +33,7 @@ TEXT = b"text/plain"
 SLOT_TRACKER = "slot_tracker"
 SELECT_SERVICE = "select_service"
 FRONTEND = "frontend"  # the selection service's routes it serves beside its OpenAI ones
+OPENAI = "openai"  # the frontend's OpenAI-compatible routes, answered by its proxy (api/frontend/app.py)
 
 
 class Body(Enum):
@@ -96,6 +97,14 @@ def _slot(name: str, method: str, path: str, summary: str, **rest: Any) -> Opera
 def _select(name: str, method: str, path: str, summary: str, *, frontend: bool = True, **rest: Any) -> Operation:
     services = {SELECT_SERVICE, FRONTEND} if frontend else {SELECT_SERVICE}
     return Operation(name, method, path, summary, frozenset(services), **rest)
+
+
+def _openai(name: str, method: str, path: str, summary: str, **rest: Any) -> Operation:
+    return Operation(name, method, path, summary, frozenset({OPENAI}), **rest)
+
+
+_OPENAI_BODY = {"type": "object", "description": "An OpenAI request body; its prompt is tokenized and routed"}
+_OPENAI_ANSWER = {"type": "object", "description": "The chosen worker's answer, relayed (SSE when stream is true)"}
 
 
 def _both(name: str, method: str, path: str, summary: str, *, frontend: bool = False, **rest: Any) -> Operation:
@@ -193,6 +202,16 @@ OPERATIONS: tuple[Operation, ...] = (
     _both("metrics", "GET", "/metrics", "The service's figures in Prometheus's text format",
           responses={200: {"type": "string"}}, content=TEXT),
     _both("openapi", "GET", "/openapi.json", "This document", responses={200: {"type": "object"}}),
+    # -- the frontend's own (kvrouter frontend): OpenAI-compatible, routed to a worker and relayed
+    _openai("completions", "POST", "/v1/completions", "A completion from the worker the router chooses",
+            body=Body.JSON, request_schema=_OPENAI_BODY, responses={200: _OPENAI_ANSWER}),
+    _openai("chat_completions", "POST", "/v1/chat/completions",
+            "A chat completion from the worker the router chooses", body=Body.JSON, request_schema=_OPENAI_BODY,
+            responses={200: _OPENAI_ANSWER}),
+    _openai("models", "GET", "/v1/models", "The models the frontend routes (those of its registered workers)",
+            responses={200: {"type": "object"}}),
+    _openai("frontend_stats", "GET", "/frontend/stats", "The frontend's request counters",
+            responses={200: {"type": "object"}}),
 )  # fmt: skip
 
 BY_NAME: dict[str, Operation] = {op.name: op for op in OPERATIONS}

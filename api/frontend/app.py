@@ -16,14 +16,13 @@ import attrs
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.frontend.proxy import Proxy, send_response
 from kvrouter.api.http import error_response, json_response
+from kvrouter.client.table import OPENAI, served_by
 
 ASGIScope = dict[str, Any]
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-MODELS = "/v1/models"
-STATS = "/frontend/stats"
-# path -> the one method it answers
-OWN_ROUTES = {COMPLETIONS: "POST", CHAT: "POST", MODELS: "GET", STATS: "GET"}
+# The operation table's OpenAI operations (client/table.py): path -> the one method it answers, and their paths.
+OWN_ROUTES = {op.path: op.method for op in served_by(OPENAI)}
+PATHS = {op.name: op.path for op in served_by(OPENAI)}
+CHAT, MODELS, STATS = PATHS["chat_completions"], PATHS["models"], PATHS["frontend_stats"]
 
 
 class FrontendApp:

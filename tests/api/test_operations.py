@@ -26,6 +26,7 @@ from kvrouter.client.table import (
     BY_NAME,
     COMPACT,
     FRONTEND,
+    OPENAI,
     OPERATIONS,
     SELECT_SERVICE,
     SLOT_TRACKER,
@@ -39,6 +40,10 @@ CLIENT_ELSEWHERE = {
     "command_stream": "the client is the command stream (StreamClient and its thread flavours)",
     "watch_loads": "kvrouter.client.live.watch(url, 'watch_loads')",
     "watch_decisions": "kvrouter.client.live.watch(url, 'watch_decisions')",
+    "completions": "any OpenAI client, pointed at the frontend",
+    "chat_completions": "any OpenAI client, pointed at the frontend",
+    "models": "any OpenAI client, pointed at the frontend",
+    "frontend_stats": "a plain GET: a counters document for operators, not an API call",
 }
 
 
@@ -66,6 +71,18 @@ def test_each_service_serves_exactly_its_operations(service: str, routes_of: Any
 def test_the_frontend_serves_its_operations_of_the_selection_service() -> None:
     routes = with_command_routes(select_service_routes(Unused()), FRONTEND)  # type: ignore[arg-type]
     assert sorted(r.operation.name for r in routes if r.operation) == sorted(op.name for op in served_by(FRONTEND))
+
+
+def test_the_frontend_answers_its_openai_operations_itself_and_the_mock_worker_the_same_paths() -> None:
+    from kvrouter.api.frontend.app import OWN_ROUTES
+    from kvrouter.api.mock_worker.openai_app import MockWorkerApp
+
+    assert {op.path: op.method for op in served_by(OPENAI)} == OWN_ROUTES
+    worker = MockWorkerApp.__new__(MockWorkerApp)
+    MockWorkerApp.__init__(worker, None, None, "m")  # type: ignore[arg-type]
+    for op in served_by(OPENAI):
+        if op.name != "frontend_stats":  # the frontend's own counters
+            assert op.method in worker.routes[op.path], op.name
 
 
 def test_a_service_that_leaves_an_operation_unserved_does_not_start() -> None:
