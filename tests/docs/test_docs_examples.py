@@ -20,7 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from tests.support.doc_examples import ROOT, Chain, MarkerError, all_blocks, chains_of
+from tests.support.doc_examples import ROOT, Chain, MarkerError, all_blocks, blocks_of, chains_of
 
 RUNNER = ROOT / "tests" / "support" / "doc_example_runner.py"
 PARALLEL_CHAINS = 4
@@ -114,3 +114,50 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
 def test_example_runs_as_written(chain: Chain, outcomes: dict[str, Outcome]) -> None:
     outcome = outcomes[chain.where]
     assert outcome.returncode == 0, outcome.output
+
+
+def test_markers_say_how_a_block_runs() -> None:
+    text = (
+        "<!-- docs-test: background 8092,8101 -->\n```bash\nserve\n```\n"
+        "<!-- docs-test: continue; errors -->\n```sh\ncurl\n```\n"
+        "```text\nnot an example\n```\n"
+        "<!-- docs-test: skip: needs a GPU; really -->\n```bash\nvllm serve\n```\n"
+        "```bash\nalone\n```\n"
+    )
+    blocks = blocks_of(Path("page.md"), text)
+    assert [(b.code, b.background_ports, b.continues, b.errors_expected, b.skip_reason) for b in blocks] == [
+        ("serve\n", (8092, 8101), False, False, None),
+        ("curl\n", (), True, True, None),
+        ("vllm serve\n", (), False, False, "needs a GPU; really"),
+        ("alone\n", (), False, False, None),
+    ]
+    assert [[b.code for b in chain.blocks] for chain in chains_of(blocks)] == [["serve\n", "curl\n"], ["alone\n"]]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<!-- docs-test: skip: -->\n```bash\nx\n```\n",  # a skip without a reason
+        "<!-- docs-test: sometimes -->\n```bash\nx\n```\n",  # an unknown directive
+        "<!-- docs-test: background http -->\n```bash\nx\n```\n",  # a port that is not one
+        "<!-- docs-test: continue -->\n```bash\nx\n```\n",  # nothing before it to continue
+        "<!-- docs-test: errors -->\n```python\nx\n```\n",  # a marker on a block that is not an example
+    ],
+)
+def test_a_bad_marker_is_refused(text: str) -> None:
+    with pytest.raises(MarkerError):
+        chains_of(blocks_of(Path("page.md"), text))
+
+
+def test_a_block_fails_on_its_exit_status_or_an_error_body(tmp_path: Path) -> None:
+    def run(code: str, errors: bool = False) -> int:
+        block = {"where": "page.md:1", "code": code, "ports": [], "errors": errors}
+        spec = tmp_path / "chain.json"
+        spec.write_text(json.dumps({"workdir": str(tmp_path), "own_network": False, "blocks": [block]}))
+        return subprocess.run([sys.executable, str(RUNNER), str(spec)], capture_output=True, check=False).returncode
+
+    assert run("echo fine") == 0
+    assert run("false; echo after") == 1  # bash -e: a failing command fails the block
+    assert run("false | cat") == 1  # pipefail
+    assert run("""echo '{"error": "no"}'""") == 1
+    assert run("""echo '{"error": "no"}'""", errors=True) == 0
