@@ -18,6 +18,7 @@ from typing import Any
 from kvrouter.api.openapi import RESPONSES, body_class, class_schema
 from kvrouter.client.table import (
     FRONTEND,
+    OPENAI,
     OPERATIONS,
     SELECT_SERVICE,
     SLOT_TRACKER,
@@ -31,13 +32,20 @@ U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
 I64_MIN = -(2**63)
 
-SERVICES = {SLOT_TRACKER: "slot tracker", SELECT_SERVICE: "selection service", FRONTEND: "frontend"}
+SERVICES = {
+    SLOT_TRACKER: "slot tracker",
+    SELECT_SERVICE: "selection service",
+    FRONTEND: "frontend",
+    OPENAI: "frontend",
+}
 # Sections, in this order: which services serve the operation (the frontend serves a selection-service subset).
 SECTIONS = (
     ("Slot tracker", "Served by `kvrouter slot-tracker` (port 8091)."),
     ("Selection service", "Served by `kvrouter select-service` (port 8092); those marked *frontend* by "
      "`kvrouter frontend` (port 8000) too."),
     ("Both services", "Served by the slot tracker and the selection service alike, each answering in its own shape."),
+    ("Frontend (OpenAI-compatible)", "Served by `kvrouter frontend` (port 8000) itself: the request is tokenized, "
+     "routed to a worker and the worker's answer relayed (streamed with SSE when `stream` is true)."),
 )  # fmt: skip
 BODY_RULES = {
     Body.NONE: "none (any body is ignored)",
@@ -108,6 +116,8 @@ def _refs(schema: Any) -> list[str]:
 def _section(op: Operation) -> str:
     if op.served_by <= {SLOT_TRACKER}:
         return "Slot tracker"
+    if op.served_by <= {OPENAI}:
+        return "Frontend (OpenAI-compatible)"
     if SLOT_TRACKER in op.served_by:
         return "Both services"
     return "Selection service"
@@ -119,7 +129,7 @@ def _index(ops: list[Operation]) -> str:
 
 
 def _operation(op: Operation, components: dict[str, Any]) -> str:
-    marks = [", ".join(SERVICES[name] for name in (SLOT_TRACKER, SELECT_SERVICE, FRONTEND) if name in op.served_by)]
+    marks = [", ".join(SERVICES[name] for name in SERVICES if name in op.served_by)]
     if op.writes:
         marks.append("*writes*")
     if op.public:
