@@ -31,8 +31,8 @@ def add_insecure_flag(parser: ArgumentHolder, what: str) -> None:
     parser.add_argument(
         INSECURE_NO_AUTH,
         action="store_true",
-        help=f"allow --host to be an address other than loopback (127.0.0.1, ::1, localhost) {what}; without it "
-        "such a start is refused (one warning line when given)",
+        help=f"serve on a --host other than loopback (127.0.0.1, ::1, localhost) {what}: refused without this "
+        "flag, one warning line with it",
     )
 
 

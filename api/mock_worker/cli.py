@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1; another address needs --insecure-no-auth)",
     )
-    add_insecure_flag(parser, "(the mock worker has no authentication: anyone reaching it can send it prompts)")
+    add_insecure_flag(parser, "although the mock worker has no authentication (anyone reaching it can send it prompts)")
     parser.add_argument(
         "--advertise-host", help="the host the selection service reaches this worker at (default: --host)"
     )
