@@ -18,6 +18,7 @@ not applied; the ingest then follows the applied events.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 
 import attrs
@@ -28,12 +29,15 @@ from kvrouter.actors.core.commands import RemoveWorker, UpsertWorker
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.selection_rules import upsert_refusal
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.core.worker_endpoints import EndpointAllowList
 from kvrouter.actors.directory import Directory
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Overloaded
 from kvrouter.actors.peers.socket_budget import ListenerCapacityError
 from kvrouter.actors.service_support import Refused, accepted
 from kvrouter.actors.system import ActorSystem
+
+log = logging.getLogger("kvrouter.catalog")
 
 # Catalog writes waiting for the writer (policy: the requester waits up to ENQUEUE_TIMEOUT, then 503).
 QUEUE_SIZE = 1024
@@ -82,12 +86,19 @@ def worker_not_found(worker_id: int) -> Refused:
 
 class CatalogWriter:
     def __init__(
-        self, system: ActorSystem, directory: Directory, ingest: KvIngest | None, *, use_kv_events: bool
+        self,
+        system: ActorSystem,
+        directory: Directory,
+        ingest: KvIngest | None,
+        *,
+        use_kv_events: bool,
+        endpoint_allow: EndpointAllowList | None = None,
     ) -> None:
         self._system = system
         self._directory = directory
         self._ingest = ingest
         self._use_kv_events = use_kv_events
+        self._endpoint_allow = endpoint_allow
         self._send, self._receive = trio.open_memory_channel[CatalogJob](QUEUE_SIZE)
 
     async def run(self, *, task_status: trio.TaskStatus[CatalogWriter] = trio.TASK_STATUS_IGNORED) -> None:
@@ -163,7 +174,7 @@ class CatalogWriter:
         # The upsert checks this too, but only after a move has removed the worker from its old scope:
         # check first, so a refused move leaves it where it was (this task is the catalog's only writer).
         state = system.state(record.scope) or ScopeState(record.scope)
-        refusal = upsert_refusal(state, record, self._ranks_elsewhere_after_move(record))
+        refusal = upsert_refusal(state, record, self._ranks_elsewhere_after_move(record), self._endpoint_allow)
         if refusal is not None:
             raise Refused.because(refusal)
         reserved: list[Hashable] = []
@@ -172,20 +183,39 @@ class CatalogWriter:
                 reserved = self._ingest.admit(record)
             except ListenerCapacityError as exc:
                 raise Refused(Reason.CONFLICT, f"worker {record.worker_id} not registered: {exc}") from None
+        previous = self._stored(record.worker_id)
         try:
             lsn = 0
             for scope in self._directory.worker_scopes(record.worker_id):
                 if scope != record.scope:  # worker_id is service-wide: leave the other scope first
                     decision, lsn = await system.apply(scope, RemoveWorker(record.worker_id, at=system.clock.now_ns()))
                     accepted(decision)
-            command = UpsertWorker(record, self._use_kv_events, at=system.clock.now_ns())
+            command = UpsertWorker(
+                record, self._use_kv_events, at=system.clock.now_ns(), endpoint_allow=self._endpoint_allow
+            )
             decision, upserted = await system.apply(record.scope, command)
             accepted(decision)
         except BaseException:
             if self._ingest is not None:
                 self._ingest.release(reserved)
             raise
+        if previous is not None and previous.endpoint and previous.endpoint != record.endpoint:
+            # Where this worker's prompts now go: worth an operator's eye (a re-registration by someone else
+            # would send them all elsewhere).
+            log.warning(
+                "worker %d (%s): endpoint re-pointed %s -> %s",
+                record.worker_id,
+                record.scope.describe(),
+                previous.endpoint,
+                record.endpoint or "(none)",
+            )
         return record, upserted or lsn
+
+    def _stored(self, worker_id: int) -> WorkerRecord | None:
+        try:
+            return self._current(worker_id)
+        except Refused:
+            return None
 
     async def _delete(self, worker_id: int) -> tuple[WorkerRecord, int]:
         system = self._system

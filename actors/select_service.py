@@ -154,7 +154,13 @@ class SelectService:
         self.hit_accuracy = HitAccuracy()
         # More figures for GET /metrics: each is called at scrape time and returns plain Family values.
         self.metric_sources: list[FamilySource] = []
-        self._catalog = CatalogWriter(system, self.directory, ingest, use_kv_events=config.use_kv_events)
+        self._catalog = CatalogWriter(
+            system,
+            self.directory,
+            ingest,
+            use_kv_events=config.use_kv_events,
+            endpoint_allow=config.worker_endpoint_allow,
+        )
         self._now = system.clock.now_ns
         # Which scopes' loads changed, for GET /ws/loads (one O(1) bump per applied change).
         self.load_feed = LoadFeed()

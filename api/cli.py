@@ -34,6 +34,7 @@ from kvrouter.api.cli_settings import (
     settings_from,
 )
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
+from kvrouter.api.exposure import add_worker_endpoint_flag
 from kvrouter.api.fronts import (
     MAX_FRONTS,
     ServiceKind,
@@ -69,7 +70,10 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
     parser.add_argument("--port", metavar="PORT", help=f"HTTP port, 0 for any free one (default {port})")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 serves a cluster)"
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; 0.0.0.0 serves a cluster, and then needs --auth-token-file or "
+        "--insecure-no-auth)",
     )
     parser.add_argument(
         "--data-dir",
@@ -257,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"KV-event index blocks per (model, tenant) scope, every rank and tier (default "
         f"{MAX_INDEX_BLOCKS_PER_SCOPE}, ~2.6 GiB); beyond it the ranks holding the most lose their deepest blocks",
     )
+    add_worker_endpoint_flag(select)
     select.add_argument(
         "--seed",
         metavar="N",

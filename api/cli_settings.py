@@ -26,8 +26,9 @@ from kvrouter.actors.core.router_config import (
     resolve,
 )
 from kvrouter.actors.peers.replicator import validate_endpoint
+from kvrouter.api.exposure import worker_endpoint_allow
 from kvrouter.api.fronts import MAX_FRONTS, ProcessRole, parse_role
-from kvrouter.api.http_flags import http_options
+from kvrouter.api.http_flags import check_exposure, http_options
 from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
 from kvrouter.api.replica_cli import replica_security_from
@@ -98,10 +99,13 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
     replica_security = replica_security_from(args, replica_port, peers, problems, warnings)
     data_dir = _data_dir(args, problems)
     http, auth = http_options(args, env, problems, warnings)
+    role = parse_role(args.process_role) if getattr(args, "process_role", None) else None
+    if args.host:
+        # The children of a --fronts supervisor repeat its command line: its warning is enough.
+        check_exposure(args.host, auth, args, problems, warnings if role is None else [])
     fronts = _int(args, "fronts", 0, MAX_FRONTS, problems, default=DEFAULT_FRONTS)
     subscribers = _int(args, "stream_max_subscribers", 1, MAX_STREAM_SUBSCRIBERS, problems, default=None)
     streams = StreamSettings() if subscribers is None else StreamSettings(max_subscribers=subscribers)
-    role = parse_role(args.process_role) if getattr(args, "process_role", None) else None
     launch = Launch(
         service,
         ServiceOptions(
@@ -141,6 +145,9 @@ def _select_service(
     threads = _int(args, "threads", 0, U64_MAX, problems)
     affinity = _float(args, "session_affinity_ttl_secs", *SESSION_AFFINITY_TTL_BOUNDS, problems)
     router = _router_config(args, env, problems)
+    allow = worker_endpoint_allow(args.worker_endpoint_allow, problems)
+    if router is not None and allow is not None:
+        router = attrs.evolve(router, worker_endpoint_allow=allow)
     _check_tracking_key(args, problems)
 
     if threads is not None:

@@ -1,4 +1,5 @@
-"""Command-line flags of the HTTP front, shared by both services: authentication, client limits, shutdown."""
+"""Command-line flags of the HTTP front, shared by the services and the frontend: authentication (and serving
+without it), client limits, shutdown."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from kvrouter.actors.core.router_config import parse_float, parse_int
 from kvrouter.api.auth import TOKEN_FILE_ENV, BearerToken, TokenFileError, readable_by_others
+from kvrouter.api.exposure import add_insecure_flag, exposure_problem
 from kvrouter.api.server import HttpSettings
 
 DEFAULTS = HttpSettings()
@@ -24,6 +26,7 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         help=f"require `Authorization: Bearer <token>` on every route but GET /health, the token being this "
         f"file's text (default: ${TOKEN_FILE_ENV}, else no authentication)",
     )
+    add_insecure_flag(front, "without --auth-token-file")
     front.add_argument(
         "--http-idle-timeout-secs",
         metavar="S",
@@ -69,6 +72,17 @@ def http_options(
         shutdown_grace=_seconds(args.shutdown_grace_secs, "--shutdown-grace-secs", DEFAULTS.shutdown_grace, problems),
     )
     return settings, _token(args, env, problems, warnings)
+
+
+def check_exposure(
+    host: str, auth: BearerToken | None, args: argparse.Namespace, problems: list[str], warnings: list[str]
+) -> None:
+    """A bind other than loopback without a token needs ``--insecure-no-auth`` (then one warning)."""
+    problem, warning = exposure_problem(host, auth is not None, bool(args.insecure_no_auth))
+    if problem is not None:
+        problems.append(problem)
+    if warning is not None:
+        warnings.append(warning)
 
 
 def _seconds(raw: str | None, flag: str, default: float, problems: list[str]) -> float:

@@ -66,6 +66,10 @@ def _scope(model_name: str, tenant_id: str | None, routing_group: str | None) ->
 
 @attrs.frozen
 class WorkerBody:
+    """A worker's catalog record. ``endpoint`` (where requests for it are sent) is an http:// or https:// base URL
+    with no user information, query or fragment; routes are joined to its path. A service started with
+    --worker-endpoint-allow refuses hosts outside that list (400)."""
+
     worker_id: U64
     model_name: str = "default"
     tenant_id: str = attrs.field(default=None)  # absent = default; null is a 422

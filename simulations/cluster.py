@@ -328,7 +328,7 @@ class Cluster:
         return WorkerRecord(
             worker_id,
             self.options.model,
-            endpoint=f"sim://worker-{worker_id}",
+            endpoint=f"http://sim-worker-{worker_id}",
             kv_events_endpoints=endpoints,
             block_size=self.options.engine.block_size,
             data_parallel_start_rank=0,

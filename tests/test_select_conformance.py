@@ -39,7 +39,7 @@ SCENARIO: list[tuple[str, str, Any]] = [
     ("POST", "/workers", {"worker_id": 1, "model_name": "m"}),
     ("POST", "/workers", {"worker_id": 2, "model_name": "m", "endpoint": "http://w2", "block_size": 4}),
     ("PATCH", "/workers/1", {"endpoint": "http://w1", "block_size": 4}),
-    ("PATCH", "/workers/9", {"endpoint": "x"}),
+    ("PATCH", "/workers/9", {"endpoint": "http://x"}),  # an unknown worker: 404 (kvrouter refuses "x" with 400)
     ("PATCH", "/workers/2", {"endpoint": None, "block_size": None, "taints": None}),  # null keeps the field
     ("GET", "/workers", None),
     ("GET", "/ready", None),

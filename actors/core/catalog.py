@@ -17,6 +17,12 @@ import attrs
 from kvrouter.actors.core.endpoints import MAX_PORT, InvalidEndpoint, parse_zmq_endpoint
 from kvrouter.actors.core.ids import U32_MAX, ScopeKey, WorkerRank
 from kvrouter.actors.core.limits import MAX_RANKS_PER_WORKER
+from kvrouter.actors.core.worker_endpoints import (
+    EndpointAllowList,
+    allow_list_problem,
+    http_endpoint_problem,
+    zmq_allow_list_problem,
+)
 
 # Topology domains are routing taints too (spec §5); the prefix is reserved for them.
 TOPOLOGY_TAINT_PREFIX = "dynamo.topology/"
@@ -157,9 +163,10 @@ def record_problem(record: WorkerRecord) -> str | None:
         return f"data_parallel_size {size} exceeds the maximum of {MAX_RANKS_PER_WORKER} ranks per worker"
     if record.dp_start + size > U32_MAX + 1:
         return f"data parallel range overflows u32: start={record.dp_start} size={record.data_parallel_size}"
-    named = [("kv_events_endpoint", record.kv_events_endpoint), ("replay_endpoint", record.replay_endpoint)]
-    named += [(f"kv_events_endpoints[{rank}]", endpoint) for rank, endpoint in record.kv_events_endpoints or ()]
-    for field, endpoint in named:
+    problem = http_endpoint_problem(record.endpoint)
+    if problem is not None:
+        return f"endpoint: {problem}"
+    for field, endpoint in _zmq_endpoints(record):
         if endpoint:  # an empty string means "none", as in 1.6.1
             try:
                 parse_zmq_endpoint(endpoint)
@@ -173,6 +180,23 @@ def record_problem(record: WorkerRecord) -> str | None:
                 "rank r replays on the given port + (r - data_parallel_start_rank)"
             )
     return None
+
+
+def _zmq_endpoints(record: WorkerRecord) -> list[tuple[str, str | None]]:
+    named = [("kv_events_endpoint", record.kv_events_endpoint), ("replay_endpoint", record.replay_endpoint)]
+    named += [(f"kv_events_endpoints[{rank}]", endpoint) for rank, endpoint in record.kv_events_endpoints or ()]
+    return named
+
+
+def allow_list_refusal(record: WorkerRecord, allow: EndpointAllowList | None) -> str | None:
+    """Why the operator's allow-list (``--worker-endpoint-allow``; None: every host) refuses ``record``: its HTTP
+    endpoint or a tcp:// KV-event or replay endpoint names a host outside it (a 400), or None."""
+    if allow is None:
+        return None
+    problem = allow_list_problem("endpoint", record.endpoint, allow)
+    for field, endpoint in _zmq_endpoints(record):
+        problem = problem or zmq_allow_list_problem(field, endpoint, allow)
+    return problem
 
 
 def not_schedulable_reasons(

@@ -14,6 +14,7 @@ from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import KvBatch
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.worker_endpoints import EndpointAllowList
 
 
 @attrs.frozen
@@ -80,6 +81,9 @@ class UpsertWorker:
     use_kv_events: bool = True
     at: int = 0
     ranks_elsewhere: int = 0  # as RegisterWorker's
+    # The hosts the record's endpoints may name (--worker-endpoint-allow); None: any. Never journaled: a record
+    # already in the journal is recovered whatever the list says now.
+    endpoint_allow: EndpointAllowList | None = None
 
 
 @attrs.frozen

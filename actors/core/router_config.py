@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import attrs
 
+from kvrouter.actors.core.worker_endpoints import EndpointAllowList
+
 _T = TypeVar("_T")
 
 # Unified float grammar of Rust's ``f64::from_str`` minus inf/nan (rejected below as non-finite): no whitespace,
@@ -70,6 +72,9 @@ class RouterConfig:
     router_mode: str = "kv"  # see actors/core/routing_modes.py
     router_track_active_blocks: bool = True  # off: bookings hold no decode blocks (prefill-only pools)
     router_track_output_blocks: bool = False  # on: output blocks decay by expected_output_tokens
+    # Not a selection knob but the catalog's policy, kept here so it reaches every place a selection service is
+    # built: the hosts worker endpoints may name (--worker-endpoint-allow; None: any host).
+    worker_endpoint_allow: EndpointAllowList | None = None
 
     @property
     def queueing(self) -> bool:

@@ -14,7 +14,7 @@ import attrs
 
 from kvrouter.actors.core import predictions, session_rules
 from kvrouter.actors.core.admission import not_busy
-from kvrouter.actors.core.catalog import WorkerRecord, not_schedulable_reasons, record_problem
+from kvrouter.actors.core.catalog import WorkerRecord, allow_list_refusal, not_schedulable_reasons, record_problem
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
     CompleteReservationPrefill,
@@ -74,6 +74,7 @@ from kvrouter.actors.core.selection_queries import SelectionInput, candidates, s
 from kvrouter.actors.core.session_rules import preferred_rank
 from kvrouter.actors.core.slots import NO_OUTPUTS, expected_decay, output_block_count
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.core.worker_endpoints import EndpointAllowList
 
 REFUSAL_REASON = {Refusal.INVALID: Reason.INVALID, Refusal.UNAVAILABLE: Reason.UNAVAILABLE}
 
@@ -116,10 +117,13 @@ def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_e
     return None
 
 
-def upsert_refusal(state: ScopeState, record: WorkerRecord, ranks_elsewhere: int = 0) -> Rejected | None:
-    """Why ``record`` cannot enter ``state``'s catalog: invalid (400), or the scope or the service is full (409).
-    ``ranks_elsewhere``: what the service's other scopes count toward ``MAX_RANKS_PER_SERVICE``."""
-    problem = record_problem(record) or catalog_problem(record)
+def upsert_refusal(
+    state: ScopeState, record: WorkerRecord, ranks_elsewhere: int = 0, allow: EndpointAllowList | None = None
+) -> Rejected | None:
+    """Why ``record`` cannot enter ``state``'s catalog: invalid or outside the operator's allow-list of worker
+    hosts (400), or the scope or the service is full (409). ``ranks_elsewhere``: what the service's other scopes
+    count toward ``MAX_RANKS_PER_SERVICE``; ``allow``: ``--worker-endpoint-allow`` (None: any host)."""
+    problem = record_problem(record) or allow_list_refusal(record, allow) or catalog_problem(record)
     if problem is not None:
         return Rejected(Reason.INVALID, problem)
     catalog = state.selection.catalog
@@ -169,7 +173,7 @@ def scope_full(state: ScopeState, ranks: int, more: int) -> Rejected:
 
 def decide_upsert(command: UpsertWorker, state: ScopeState) -> Decision:
     record = command.record
-    refusal = upsert_refusal(state, record, command.ranks_elsewhere)
+    refusal = upsert_refusal(state, record, command.ranks_elsewhere, command.endpoint_allow)
     if refusal is not None:
         return refusal
     block_size = partition_block_size_after(state, record, command.use_kv_events)

@@ -16,12 +16,19 @@ import trio
 
 from kvrouter import __version__
 from kvrouter.actors.core.router_config import InvalidSettings, Setting, env_settings, parse_float, parse_int, resolve
+from kvrouter.actors.core.worker_endpoints import (
+    EndpointAllowList,
+    allow_list_problem,
+    http_endpoint_problem,
+    zmq_allow_list_problem,
+)
 from kvrouter.api import log_setup
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
+from kvrouter.api.exposure import add_worker_endpoint_flag, worker_endpoint_allow
 from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.service import run_until_signal
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
-from kvrouter.api.http_flags import add_http_flags, http_options
+from kvrouter.api.http_flags import add_http_flags, check_exposure, http_options
 from kvrouter.api.one_line_parser import OneLineParser
 from kvrouter.journal.store import Durability
 
@@ -37,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvrouter {__version__}")
     parser.add_argument("--port", default=str(DEFAULT_PORT), help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; another address needs --auth-token-file or --insecure-no-auth)",
+    )
     parser.add_argument("--router-mode", default="kv", help=f"{' | '.join(ROUTER_MODES)} (default kv)")
     parser.add_argument(
         "--kv-overlap-score-weight",
@@ -74,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated worker endpoints to register at startup, each optionally =its KV-events endpoint "
         "(http://127.0.0.1:8101=tcp://127.0.0.1:5601); workers may also register with POST /workers",
     )
+    add_worker_endpoint_flag(parser)
     parser.add_argument("--model-name", default="mock", help="the model the --workers serve (default mock)")
     parser.add_argument("--block-size", default="16", help="KV block size of the --workers (default 16)")
     parser.add_argument(
@@ -162,8 +174,13 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         request_timeout=_secs(args.request_timeout_secs, "--request-timeout-secs", LIMITS.request_timeout, problems),
     )
     http, auth = http_options(args, env, problems, warnings)
+    if args.host:
+        check_exposure(args.host, auth, args, problems, warnings)
     limits = attrs.evolve(limits, body_timeout=http.body_timeout)
-    workers = _workers(args.workers, problems)
+    allow = worker_endpoint_allow(args.worker_endpoint_allow, problems)
+    if router is not None and allow is not None:
+        router = attrs.evolve(router, worker_endpoint_allow=allow)
+    workers = _workers(args.workers, allow, problems)
     seed = parse_int("--seed", args.seed, 0, 2**64 - 1, problems) if args.seed is not None else None
     if not args.model_name:
         problems.append("--model-name='' is empty")
@@ -218,15 +235,22 @@ def _secs(raw: str | None, flag: str, default: float, problems: list[str]) -> fl
     return value if value is not None else default
 
 
-def _workers(raw: str, problems: list[str]) -> tuple[WorkerSpec, ...]:
+def _workers(raw: str, allow: EndpointAllowList | None, problems: list[str]) -> tuple[WorkerSpec, ...]:
     specs = []
     for item in filter(None, (part.strip() for part in raw.split(","))):
         endpoint, _, kv = item.partition("=")
-        if not endpoint.startswith(("http://", "https://")):
-            problems.append(f"--workers: {endpoint!r} is not an http:// or https:// URL")
+        problem = (http_endpoint_problem(endpoint) if endpoint else "an empty worker endpoint") or allow_list_problem(
+            "endpoint", endpoint, allow
+        )
+        if problem is not None:
+            problems.append(f"--workers: {problem}")
             continue
         if kv and not kv.startswith(("tcp://", "ipc://")):
             problems.append(f"--workers: the KV-events endpoint {kv!r} of {endpoint} must be tcp:// or ipc://")
+            continue
+        kv_problem = zmq_allow_list_problem("KV-events endpoint", kv, allow)
+        if kv_problem is not None:
+            problems.append(f"--workers: {kv_problem}")
             continue
         specs.append(WorkerSpec(endpoint, kv or None))
     return tuple(specs)

@@ -26,6 +26,8 @@ import httpx
 import orjson
 import trio
 
+from kvrouter.actors.core.endpoints import InvalidEndpoint
+from kvrouter.actors.core.worker_endpoints import allow_list_problem, parse_http_endpoint
 from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.options import FrontendLimits
 from kvrouter.api.frontend.routing import BOOKING_PREFIX, Plan, Routing, Target
@@ -75,6 +77,26 @@ class Proxy:
         self.counters = Counters()
         self._prefix = f"{BOOKING_PREFIX}{secrets.token_hex(4)}"
         self._ids = itertools.count()
+
+    def worker_url(self, target: Target, route: str) -> httpx.URL:
+        """Where ``route`` of ``target``'s worker is: its endpoint's base path joined with the route, checked again
+        (a record journaled before endpoints were checked, or under another allow-list, is recovered as it was,
+        and not forwarded to). ``WorkerUnreachable`` if it may not be used (the caller logs it and tries another)."""
+        if not target.endpoint:
+            raise WorkerUnreachable(target, "has no endpoint in the catalog (register it with one)")
+        allow = self.routing.service.config.worker_endpoint_allow
+        problem: str | None
+        try:
+            endpoint = parse_http_endpoint(target.endpoint)
+        except InvalidEndpoint as exc:
+            problem = f"endpoint: {exc}"
+        else:
+            problem = allow_list_problem("endpoint", target.endpoint, allow)
+            if problem is None:
+                return httpx.URL(
+                    scheme=endpoint.scheme, host=endpoint.host, port=endpoint.port, path=endpoint.joined(route)
+                )
+        raise WorkerUnreachable(target, f"is not forwarded to: {problem}")
 
     # -- the request ---------------------------------------------------------------------------------
 
@@ -305,12 +327,9 @@ class Exchange:
 
     async def _post(self, target: Target, content: bytes) -> httpx.Response:
         """The worker's response, open for reading (headers in); ``WorkerUnreachable`` if it cannot be reached."""
-        if target.endpoint is None:
-            raise WorkerUnreachable(target, "has no endpoint in the catalog (register it with one)")
-        url = target.endpoint.rstrip("/") + self.path
         request = self.proxy.client.build_request(
             "POST",
-            url,
+            self.proxy.worker_url(target, self.path),
             content=content,
             headers={
                 "content-type": "application/json",
@@ -328,8 +347,6 @@ class Exchange:
                 return await self.proxy.client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise WorkerUnreachable(target, f"at {target.endpoint} cannot be reached ({_describe(exc)})") from None
-        except httpx.UnsupportedProtocol:
-            raise WorkerUnreachable(target, f"has an endpoint that is not an http(s) URL: {target.endpoint}") from None
 
     async def _relay(self, target: Target, response: httpx.Response) -> bool:
         worker = f"worker {target.worker_id} ({target.endpoint})"

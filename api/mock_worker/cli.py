@@ -22,6 +22,7 @@ from kvrouter import __version__
 from kvrouter.api import log_setup
 from kvrouter.api.auth import BearerToken, TokenFileError
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, INTERRUPTED, STOPPED
+from kvrouter.api.exposure import INSECURE_NO_AUTH, add_insecure_flag, is_loopback
 from kvrouter.api.mock_worker.kv_publisher import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
 from kvrouter.api.mock_worker.openai_app import (
     DEFAULT_BODY_LIMIT,
@@ -58,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"ZMQ PUB port of the KV events, 0 for any (default {DEFAULT_KV_EVENTS_PORT})",
     )
     parser.add_argument("--replay-port", type=_port, help="ZMQ ROUTER port serving missed KV batches (default: off)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; another address needs --insecure-no-auth)",
+    )
+    add_insecure_flag(parser, "although the mock worker has no authentication (anyone reaching it can send it prompts)")
     parser.add_argument(
         "--advertise-host", help="the host the selection service reaches this worker at (default: --host)"
     )
@@ -190,6 +196,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cannot start: --host %s is not an address the selection service can reach; add --advertise-host", args.host
         )
         return BAD_CONFIGURATION
+    if not is_loopback(args.host):
+        if not args.insecure_no_auth:
+            log.error(
+                "cannot start: --host %s is reachable from other machines and the mock worker has no "
+                "authentication; bind 127.0.0.1, or pass %s",
+                args.host,
+                INSECURE_NO_AUTH,
+            )
+            return BAD_CONFIGURATION
+        log.warning("%s: serving on --host %s without authentication", INSECURE_NO_AUTH, args.host)
     ports = [p for p in (args.port, args.kv_events_port, args.replay_port) if p]
     if len(ports) != len(set(ports)):
         log.error(

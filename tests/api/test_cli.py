@@ -204,8 +204,9 @@ def startup_failures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
         taken = str(busy.getsockname()[1])
         cases = {
             "port in use": ["--port", taken],
-            "host does not resolve": ["--host", "no-such-host.invalid"],
-            "host not local": ["--host", "192.0.2.1"],  # TEST-NET-1: never an address of this machine
+            # Beyond loopback without a token: refused before these checks unless --insecure-no-auth is given.
+            "host does not resolve": ["--host", "no-such-host.invalid", "--insecure-no-auth"],
+            "host not local": ["--host", "192.0.2.1", "--insecure-no-auth"],  # TEST-NET-1: never this machine's
             "data dir is a file": ["--data-dir", str(root / "a-file")],
             "data dir under a file": ["--data-dir", str(root / "a-file" / "data")],
             "replica-sync port in use": ["--replica-sync-port", taken],
@@ -256,6 +257,8 @@ def test_a_startup_failure_is_one_line_and_exit_status_2(
     assert "cannot start: " in line
     for words in says:
         assert words in line
+    warnings = [line for line in result.stderr.splitlines() if "--insecure-no-auth" in line]
+    assert len(warnings) == (1 if case.startswith("host") else 0), result.stderr  # said once, when given
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions (covered by /sys above)")

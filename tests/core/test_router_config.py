@@ -56,6 +56,7 @@ def test_defaults_are_the_reference_defaults() -> None:
         "router_mode": "kv",  # spec §2.9 and the seed: kv routing, active blocks tracked, output blocks not
         "router_track_active_blocks": True,
         "router_track_output_blocks": False,
+        "worker_endpoint_allow": None,  # kvrouter's catalog policy (--worker-endpoint-allow): any host
     }
 
 

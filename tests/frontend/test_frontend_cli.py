@@ -31,7 +31,7 @@ CLI = [sys.executable, "-m", "kvrouter.api.cli"]
         (["--router-temperature", "hot"], "--router-temperature='hot' is not a number"),
         (["--busy-threshold", "1.5"], "--busy-threshold='1.5' must be between 0 and 1"),
         (["--port", "70000"], "--port='70000' must be between 0 and 65535"),
-        (["--workers", "127.0.0.1:8101"], "--workers: '127.0.0.1:8101' is not an http:// or https:// URL"),
+        (["--workers", "127.0.0.1:8101"], "--workers: `127.0.0.1:8101` is not an http:// or https:// URL"),
         (["--workers", "http://a:1=http://b"], "KV-events endpoint 'http://b' of http://a:1 must be tcp://"),
         (["--max-in-flight", "0"], "--max-in-flight='0' must be between 1 and"),
         (["--tokenizer", "/nonexistent/tokenizer.json"], "--tokenizer /nonexistent/tokenizer.json"),

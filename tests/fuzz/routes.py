@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from tests.fuzz.strategies import (
     ANY_MODEL,
+    BAD_HTTP_ENDPOINTS,
     BLOCK_SIZES,
+    HTTP_ENDPOINTS,
     MODELS,
     REQUEST_IDS,
     SMALL_HASHES,
@@ -135,14 +137,20 @@ WORKER = st.fixed_dictionaries(
     {
         "worker_id": WORKER_IDS,
         "model_name": MODELS,
-        "endpoint": st.just("http://w"),
+        "endpoint": HTTP_ENDPOINTS,
         "block_size": BLOCK_SIZES,
         "kv_events_endpoint": ZMQ_ENDPOINTS,
     },
     optional=WORKER_FIELDS,
 )
 PATCH = optional(
-    {"model_name": MODELS, "block_size": BLOCK_SIZES, "kv_events_endpoint": ZMQ_ENDPOINTS, **WORKER_FIELDS}
+    {
+        "model_name": MODELS,
+        "endpoint": HTTP_ENDPOINTS,
+        "block_size": BLOCK_SIZES,
+        "kv_events_endpoint": ZMQ_ENDPOINTS,
+        **WORKER_FIELDS,
+    }
 )
 TOKENS = st.lists(st.integers(0, 40), max_size=40)
 PROMPT = st.one_of(
@@ -243,6 +251,9 @@ SELECTION_KNOWN: KNOWN = [
     ("POST", "/workers", {"worker_id": 9, "kv_events_endpoints": {"9" * 5000: "tcp://127.0.0.1:9"}}),
     ("POST", "/workers", {"worker_id": 9, "data_parallel_size": 4_000_000_000}),
     ("POST", "/workers", {"worker_id": 9, "data_parallel_size": 1_000_000}),
+    # Endpoints the frontend would have forwarded prompts through to any path of any host.
+    *[("POST", "/workers", {"worker_id": 9, "endpoint": endpoint}) for endpoint in BAD_HTTP_ENDPOINTS],
+    ("POST", "/workers", {"worker_id": 9, "endpoint": "http://w/" + "a" * 3000}),
     ("POST", "/reservations", {"model_name": "ghost", "selection_id": "q"}),
     ("PATCH", "/workers/%C2%B2", {}),
     ("DELETE", "/workers/%C2%B2", None),

@@ -29,6 +29,25 @@ BLOCK_SIZES = st.sampled_from([4, 4, 4, 16])
 TOKEN_COUNTS = st.one_of(st.integers(0, 200), st.integers(0, 200), st.sampled_from([2**63, 2**64 - 2, 2**64 - 1]))
 # A listener to a port nothing serves reconnects quietly; numeric hosts never ask DNS.
 ZMQ_ENDPOINTS = st.sampled_from(["tcp://127.0.0.1:9"] * 4 + ["tcp://127.0.0.1:11", "", "ipc:///tmp/kvrouter-fuzz"])
+# A worker's HTTP endpoint: mostly usable base URLs, sometimes one the catalog must refuse (each of these was
+# accepted once, and the frontend forwarded prompts to wherever it pointed).
+BAD_HTTP_ENDPOINTS = [
+    "http://127.0.0.1:19000/secret/internal#",
+    "http://w?x=",
+    "http://user:pw@w",
+    "ftp://w/x",
+    "file:///etc/passwd",
+    "javascript:alert(1)",
+    "http://",
+    "http://é.example",
+    "http://2130706433",
+    "http://w/../admin",
+    "http://[::1%25eth0]",
+    "http://w:0",
+]
+HTTP_ENDPOINTS = st.sampled_from(
+    ["http://w"] * 6 + ["https://w:8443/base/", "http://10.0.0.9:8000", "http://[::1]:9", "", *BAD_HTTP_ENDPOINTS]
+)
 
 NASTY_STRINGS = st.sampled_from(
     [
@@ -54,6 +73,9 @@ NASTY_STRINGS = st.sampled_from(
         "ipc://",
         "udp://h:1",
         "../../etc/passwd",
+        "http://127.0.0.1:19000/secret/internal#",
+        "http://user:pw@w",
+        "javascript:alert(1)",
         "%C2%B2",
         "null",
     ]

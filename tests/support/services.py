@@ -18,10 +18,17 @@ from kvrouter.journal.store import Durability
 
 @contextlib.asynccontextmanager
 async def running(
-    kind: str, data_dir: Path, *, token: str | None = None, seed: int = 7, body_timeout: float | None = None
+    kind: str,
+    data_dir: Path,
+    *,
+    token: str | None = None,
+    seed: int = 7,
+    body_timeout: float | None = None,
+    config: RouterConfig | None = None,
 ) -> AsyncIterator[ServiceHandle]:
-    """``kind``: "slot tracker" or "selection service"; yields the handle (``urls[0]`` is its URL)."""
-    builder = slot_tracker_app if kind == "slot tracker" else select_service_builder(RouterConfig())
+    """``kind``: "slot tracker" or "selection service" (``config``: its router knobs); yields the handle
+    (``urls[0]`` is its URL)."""
+    builder = slot_tracker_app if kind == "slot tracker" else select_service_builder(config or RouterConfig())
     options = ServiceOptions(
         port=0,
         data_dir=data_dir,
