@@ -11,6 +11,7 @@ import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.api.auth import BearerToken
+from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder, slot_tracker_app
 from kvrouter.api.server import HttpSettings
 from kvrouter.journal.store import Durability
@@ -18,7 +19,13 @@ from kvrouter.journal.store import Durability
 
 @contextlib.asynccontextmanager
 async def running(
-    kind: str, data_dir: Path, *, token: str | None = None, seed: int = 7, body_timeout: float | None = None
+    kind: str,
+    data_dir: Path,
+    *,
+    token: str | None = None,
+    seed: int = 7,
+    body_timeout: float | None = None,
+    streams: StreamSettings | None = None,
 ) -> AsyncIterator[ServiceHandle]:
     """``kind``: "slot tracker" or "selection service"; yields the handle (``urls[0]`` is its URL)."""
     builder = slot_tracker_app if kind == "slot tracker" else select_service_builder(RouterConfig())
@@ -29,6 +36,8 @@ async def running(
         seed=seed,
         auth=None if token is None else BearerToken(token.encode()),
     )
+    if streams is not None:
+        options = attrs.evolve(options, streams=streams)
     if body_timeout is not None:
         options = attrs.evolve(options, http=HttpSettings(body_timeout=body_timeout))
     async with trio.open_nursery() as nursery:
