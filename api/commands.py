@@ -20,7 +20,8 @@ while other scopes proceed at the same time. Any other command (a read, a select
 reservation change, whose handler reads state first) starts once every earlier command has finished,
 and the next starts once it has: it sees every earlier command's effect. Every result is durable
 under the service's ``--durability`` before it is delivered (each route's own guarantee). A failing
-command does not stop the others: each has its own result.
+command does not stop the others: each has its own result. The answer is bounded in bytes
+(``--max-batch-answer-bytes``): past it, commands are answered 413 without being run (``api/answer_budget.py``).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ Item = Resolved | Response | Ready
 
 class Gate(Protocol):
     """How a run admits its commands by the bytes of their answers (``api/answer_budget.py``): ``closed``: no
-    command starts any more, each is answered ``refusal()`` (POST /batch past its cap); ``run(item)``: a command
-    that runs alone (a read, or a write that reads state first) answered once there is room for its answer."""
+    command starts any more, each is answered ``refusal()`` (POST /batch past its cap); ``run(item)``: the answer
+    of a command that runs alone (not a pipelined or batched write), run when the gate lets it."""
 
     @property
     def closed(self) -> bool: ...
