@@ -12,8 +12,8 @@ but for ``decisions``):
   ``--stream-seconds`` and never reads its socket, in the JSON format and then in the compact one.
 * ``decisions``: a selection service with 16 workers (``--decisions-durability``, default off: what subscribers
   cost is CPU, and fsyncs on a shared disk would hide it); 4 clients loop select_and_reserve -> prefill_complete ->
-  release for ``--seconds`` without subscribers, then with ``--subscribers`` ``/ws/decisions`` subscribers (a child
-  process of raw sockets that read and discard every byte).
+  release for ``--seconds`` without subscribers, then with one ``/ws/decisions`` subscriber (what explaining each
+  selection costs), then with ``--subscribers`` (a child process of raw sockets that read and discard every byte).
 
 Printed per row: the service's RSS before / peak / after (after: 2 s after the attack ended), ``/health`` p50 /
 p99 / max during it, and what the attack got (answers, bytes, lifecycles/s). ``--python`` runs the services with
@@ -363,9 +363,34 @@ async def selection_workers(port: int) -> None:
             raise RuntimeError(f"POST /workers: {status} {answer[:200]!r}")
 
 
+def with_subscribers(service: Service, seconds: float, count: int, seed: int) -> str:
+    """A lifecycle measurement while ``count`` subscribers (a child process) read /ws/decisions."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--child", str(service.port), str(count)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    if child.stdout.readline().strip() != "ready":
+        raise RuntimeError("the subscribers did not start")
+    before, cpu = service.mark(), service.cpu()
+    rate, samples = trio.run(lifecycles, service.port, seconds, seed)
+    cpu = (service.cpu() - cpu) / (rate * seconds) * 1e3
+    child.stdin.close()
+    received = int(child.stdout.readline())
+    child.wait(timeout=10)
+    return (
+        f"decisions: {count} subscribers: {rate:.0f} lifecycles/s, service CPU {cpu:.2f} ms per lifecycle; "
+        f"{health_text(samples)}; {rss_text(before, service.peak, service.rss())}; "
+        f"the subscribers read {received / 1e6:.0f} MB"
+    )
+
+
 def run_decisions(python: str, seconds: float, count: int, durability: str) -> None:
+    """Lifecycles without subscribers, with one (what explaining each selection costs), then with ``count``."""
     extra = ["--no-use-kv-events", "--durability", durability]  # bookings are the cache: no KV publishers
-    service = Service(python, "select-service", extra)  # bookings are the cache: no publishers
+    service = Service(python, "select-service", extra)
     try:
         trio.run(selection_workers, service.port)
         trio.run(lifecycles, service.port, 1.0, 0)  # warm-up
@@ -374,27 +399,8 @@ def run_decisions(python: str, seconds: float, count: int, durability: str) -> N
         cpu = (service.cpu() - cpu) / (rate * seconds) * 1e3
         print(f"decisions: 0 subscribers: {rate:.0f} lifecycles/s, service CPU {cpu:.2f} ms per lifecycle; "
               f"{health_text(samples)}; {rss_text(before, service.peak, service.rss())}", flush=True)  # fmt: skip
-        child = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(service.port), str(count)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdin is not None and child.stdout is not None
-        if child.stdout.readline().strip() != "ready":
-            raise RuntimeError("the subscribers did not start")
-        before, cpu = service.mark(), service.cpu()
-        rate, samples = trio.run(lifecycles, service.port, seconds, 2)
-        cpu = (service.cpu() - cpu) / (rate * seconds) * 1e3
-        child.stdin.close()
-        received = int(child.stdout.readline())
-        child.wait(timeout=10)
-        print(
-            f"decisions: {count} subscribers: {rate:.0f} lifecycles/s, service CPU {cpu:.2f} ms per lifecycle; "
-            f"{health_text(samples)}; "
-            f"{rss_text(before, service.peak, service.rss())}; the subscribers read {received / 1e6:.0f} MB",
-            flush=True,
-        )
+        for seed, subscribers in enumerate(sorted({1, count}), 2):
+            print(with_subscribers(service, seconds, subscribers, seed), flush=True)
     finally:
         service.stop()
 
