@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge
 from kvrouter.api.http import Response, error_response
 
 MIB = 1 << 20
-DEFAULT_BATCH_ANSWER_BYTES = 16 * MIB  # 27 reads of a 4,096-rank /loads; ~400,000 write results
+DEFAULT_BATCH_ANSWER_BYTES = 16 * MIB  # 27 reads of a 4,096-rank /loads (1,000 writes answer ~40 KB)
 DEFAULT_STREAM_UNSENT_BYTES = 4 * MIB  # four results messages (each at most 1 MiB) per connection
 DEFAULT_UNSENT_BYTES = 64 * MIB  # every command stream of a process together
 # A read reserves at least this share of its connection's budget: at most 1,024 reads run at once on one connection.
@@ -147,7 +147,7 @@ class StreamOutput:
     the hot path pays two additions per group of results; ``wait_for_room`` and ``run_read`` hold what must
     wait."""
 
-    __slots__ = ("_freed", "everywhere", "limit", "reserved", "stalled", "unsent")
+    __slots__ = ("_freed", "_turn", "everywhere", "limit", "reserved", "stalled", "unsent")
 
     def __init__(self, limit: int, everywhere: Unsent) -> None:
         self.limit = limit
@@ -155,6 +155,7 @@ class StreamOutput:
         self.unsent = 0
         self.reserved = 0  # room held for the answers of reads running
         self.stalled = 0  # reads waiting for room
+        self._turn = trio.Lock()  # held by the read that waits for room; the others wait their turn behind it
         self._freed = trio.Event()
 
     def add(self, size: int) -> None:
@@ -206,26 +207,37 @@ class StreamOutput:
             waiting.discard(self)
 
     async def run_read(self, key: tuple[str, str], answer: Any) -> Response:
-        """``await answer()`` once there is room for its answer (reserved while it runs)."""
+        """``await answer()`` once there is room for its answer (reserved while it runs). Reads that must wait
+        take turns (a fair lock): only the first waits for room, so freed bytes wake one task, not every read
+        of a message of a thousand."""
         largest = self.everywhere.largest
         known = largest.get(key)
         guess = self.limit if known is None else max(known, self.limit // MIN_GUESS_SHARE)
-        if not self.has_room(guess):
-            self.stalled += 1  # the connection reads no message meanwhile
-            try:
-                await self._wait(lambda: self.has_room(guess))
-            finally:
-                self.stalled -= 1
-                self._freed.set()
-        self.reserved += guess
-        self.everywhere.used += guess
+        reserved = False
         try:
+            if self.stalled or not self.has_room(guess):
+                self.stalled += 1  # the connection reads no message meanwhile
+                try:
+                    async with self._turn:
+                        await self._wait(lambda: self.has_room(guess))
+                        reserved = self._reserve(guess)
+                finally:
+                    self.stalled -= 1
+                    self._freed.set()
+            else:
+                reserved = self._reserve(guess)
             response: Response = await answer()
         finally:
-            self.reserved -= guess
-            self.everywhere.used -= guess
-            self._freed.set()
-            self.everywhere.freed()
+            if reserved:
+                self.reserved -= guess
+                self.everywhere.used -= guess
+                self._freed.set()
+                self.everywhere.freed()
         if len(response.body) > largest.get(key, -1):  # (keys: route templates, a bounded set)
             largest[key] = len(response.body)
         return response
+
+    def _reserve(self, size: int) -> bool:
+        self.reserved += size
+        self.everywhere.used += size
+        return True
