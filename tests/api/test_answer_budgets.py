@@ -51,6 +51,19 @@ async def test_a_batch_answer_stops_at_its_cap_and_commands_past_it_are_not_run(
         assert "kvrouter_batch_commands_not_run_total 102.0" in metrics
 
 
+async def test_the_default_cap_bounds_a_batch_of_large_reads(tmp_path: Path) -> None:
+    """With the defaults: 1,000 reads of ~75 KB answered 75 MB before; now the answer stays near 16 MiB."""
+    async with (
+        running("slot tracker", tmp_path) as service,
+        httpx.AsyncClient(base_url=service.urls[0], timeout=60) as client,
+    ):
+        body = {"model_name": "m", "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": RANKS}
+        assert (await client.post("/register", json=body)).status_code == 201
+        answer = await client.post("/batch", json=[cmd("GET", "/loads?model_name=m")] * 1000)
+        assert answer.status_code == 200 and len(answer.content) <= 17 * 1024 * 1024
+        assert answer.json()[-1]["status"] == 413
+
+
 async def test_a_batch_under_its_cap_is_answered_in_full(tmp_path: Path) -> None:
     async with (
         running("slot tracker", tmp_path, streams=budgets(batch_answer_bytes=CAP)) as service,
