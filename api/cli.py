@@ -20,6 +20,7 @@ from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api import log_setup
+from kvrouter.api.answer_budget import DEFAULT_BUDGETS
 from kvrouter.api.cli_settings import (
     DATA_ROOT,
     DEFAULT_FRONTS,
@@ -116,6 +117,25 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
         metavar="N",
         help=f"subscribers of each live stream (/ws/loads, /ws/decisions) per process; more are closed with 1013 "
         f"(default {DEFAULT_MAX_SUBSCRIBERS})",
+    )
+    budgets = DEFAULT_BUDGETS
+    parser.add_argument(
+        "--max-batch-answer-bytes",
+        metavar="N",
+        help=f"a POST /batch answer's size; past it the batch's remaining commands are not run and answer 413 "
+        f"(default {budgets.batch_answer_bytes}; see docs/running-safely.md, Answer and stream budgets)",
+    )
+    parser.add_argument(
+        "--max-stream-unsent-bytes",
+        metavar="N",
+        help=f"unsent answers of one /ws/commands connection; past it the service stops reading its commands "
+        f"until the client takes them (default {budgets.stream_unsent_bytes})",
+    )
+    parser.add_argument(
+        "--max-unsent-bytes",
+        metavar="N",
+        help=f"unsent answers of every /ws/commands connection of a process together; past it only connections "
+        f"with nothing unsent go on (default {budgets.unsent_bytes})",
     )
     parser.add_argument("--process-role", help=argparse.SUPPRESS)  # a child of a --fronts supervisor
 

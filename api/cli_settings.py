@@ -26,10 +26,11 @@ from kvrouter.actors.core.router_config import (
     resolve,
 )
 from kvrouter.actors.peers.replicator import validate_endpoint
+from kvrouter.api.answer_budget import DEFAULT_BUDGETS, AnswerBudgets
 from kvrouter.api.exposure import worker_endpoint_allow
 from kvrouter.api.fronts import MAX_FRONTS, ProcessRole, parse_role
 from kvrouter.api.http_flags import check_exposure, http_options
-from kvrouter.api.live_streams import StreamSettings
+from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
 from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
 from kvrouter.api.replica_cli import replica_security_from
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
@@ -43,6 +44,8 @@ DEFAULT_FRONTS = 0  # --fronts; 0: one process
 DATA_ROOT = Path("kvrouter-data")  # each service defaults to its own subdirectory
 U64_MAX = 2**64 - 1
 MAX_STREAM_SUBSCRIBERS = 100_000  # --stream-max-subscribers (the HTTP connection cap bounds it too)
+# --max-batch-answer-bytes and the streams' budgets: a refusal (~200 bytes) must fit; far beyond any memory above
+MIN_ANSWER_BUDGET, MAX_ANSWER_BUDGET = 1024, 2**40
 MAX_INDEX_BLOCKS_FLAG = 2**40  # --max-index-blocks-per-scope: far beyond any memory, so only a typo is refused
 
 SELECTION_CACHE_TTL_SECS = 120.0
@@ -105,7 +108,10 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
         check_exposure(args.host, auth, args, problems, warnings if role is None else [])
     fronts = _int(args, "fronts", 0, MAX_FRONTS, problems, default=DEFAULT_FRONTS)
     subscribers = _int(args, "stream_max_subscribers", 1, MAX_STREAM_SUBSCRIBERS, problems, default=None)
-    streams = StreamSettings() if subscribers is None else StreamSettings(max_subscribers=subscribers)
+    streams = StreamSettings(
+        max_subscribers=DEFAULT_STREAMS.max_subscribers if subscribers is None else subscribers,
+        answers=_answer_budgets(args, problems),
+    )
     launch = Launch(
         service,
         ServiceOptions(
@@ -277,6 +283,19 @@ def _data_dir(args: argparse.Namespace, problems: list[str]) -> Path:
 
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
+
+
+def _answer_budgets(args: argparse.Namespace, problems: list[str]) -> AnswerBudgets:
+    """``--max-batch-answer-bytes``, ``--max-stream-unsent-bytes``, ``--max-unsent-bytes``."""
+    found = {
+        field: _int(args, dest, MIN_ANSWER_BUDGET, MAX_ANSWER_BUDGET, problems, default=getattr(DEFAULT_BUDGETS, field))
+        for field, dest in (
+            ("batch_answer_bytes", "max_batch_answer_bytes"),
+            ("stream_unsent_bytes", "max_stream_unsent_bytes"),
+            ("unsent_bytes", "max_unsent_bytes"),
+        )
+    }
+    return AnswerBudgets(**{field: value for field, value in found.items() if value is not None})
 
 
 def _int(

@@ -19,7 +19,9 @@ client works on the first group's results while the service applies the second (
 
 Bounds (per connection): at most MAX_IN_FLIGHT commands received and not yet answered. Policy when
 full: the service stops reading the socket (the next message is read once its commands fit), so a
-client sending faster than the service answers is slowed by TCP, not buffered. A message over
+client sending faster than the service answers is slowed by TCP, not buffered. Unsent results are bounded
+in bytes, per connection and over every connection (``api/answer_budget.py``): past the budget the service
+stops reading the socket and starting reads until the client takes its results. A message over
 MAX_MESSAGE_BYTES (hypercorn's ``websocket_max_message_size``, set in ``api/server.py``) or holding
 more than MAX_BATCH_COMMANDS commands closes the connection with 1009; a message that is not such an
 object, or a command without a valid id, closes it with 1007 (the reason says what was wrong).
@@ -43,7 +45,24 @@ import orjson
 import trio
 
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES, text_too_long
-from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Deliver, Item, Ready, _Running, render
+from kvrouter.api.answer_budget import (
+    DEFAULT_BUDGETS,
+    RESULT_OVERHEAD,
+    AnswerBudgets,
+    AnswerMetrics,
+    StreamOutput,
+    Unsent,
+)
+from kvrouter.api.commands import (
+    MAX_BATCH_COMMANDS,
+    CommandRunner,
+    Deliver,
+    Item,
+    Ready,
+    StreamGate,
+    _Running,
+    render,
+)
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
 from kvrouter.api.operation_routes import route
 from kvrouter.api.write_bodies import add_fields, ref_fields
@@ -271,6 +290,7 @@ class CommandStream:
         compact: bool = False,
         everywhere: InFlight | None = None,
         direct: DirectSocket | None = None,
+        output: StreamOutput | None = None,
     ) -> None:
         self.runner = runner
         self.send = send
@@ -282,6 +302,12 @@ class CommandStream:
         self.window = _Window(limit, everywhere)
         self.compact = CompactReader(runner) if compact else None
         self.outgoing: list[Any] = []  # rendered results: JSON bytes, or compact results (lists)
+        self.outgoing_bytes = 0  # their size (``api/answer_budget.py``: counted in ``output``)
+        # Unsent result bytes against the connection's and the service's budgets (``api/answer_budget.py``).
+        if output is None:
+            output = StreamOutput(DEFAULT_BUDGETS.stream_unsent_bytes, Unsent(DEFAULT_BUDGETS.unsent_bytes))
+        self.output = output
+        self.gate = StreamGate(self.output)
         self.ready = trio.Event()
         self.ordered_work: deque[tuple[list[Any], list[Item]]] = deque()
         self.ordered_ready = trio.Event()
@@ -293,9 +319,13 @@ class CommandStream:
     def deliver(self, command_id: Any, response: Response) -> None:
         if self.compact is not None:
             self.outgoing.append(render_compact(command_id, response))
+            size = len(response.body) + RESULT_OVERHEAD
         else:
-            result = render(response)
-            self.outgoing.append(b'{"id":%s,%s' % (orjson.dumps(command_id), result[1:]))
+            result = b'{"id":%s,%s' % (orjson.dumps(command_id), render(response)[1:])
+            self.outgoing.append(result)
+            size = len(result)
+        self.outgoing_bytes += size
+        self.output.add(size)
         self.ready.set()
 
     async def send_results_until_gone(self, connection: trio.CancelScope) -> None:
@@ -312,12 +342,40 @@ class CommandStream:
             connection.cancel()
 
     async def send_results(self) -> None:
-        """One message with every result ready; results that finish while it is sent go in the next."""
+        """One message with every result ready; results that finish while it is sent go in the next. Their bytes
+        leave the connection's unsent count once written (``output``)."""
         while True:
             await self.ready.wait()
             self.ready = trio.Event()
             batch, self.outgoing = self.outgoing, []
-            await self._send_batch(batch)
+            size, self.outgoing_bytes = self.outgoing_bytes, 0
+            if size <= MAX_RESULTS_BYTES:
+                await self._send_batch(batch)
+                self.output.sent(size)
+                continue
+            for piece, piece_size in self._pieces(batch):  # released as each is written
+                await self._send_batch(piece)
+                self.output.sent(piece_size)
+                size -= piece_size
+            self.output.sent(size)  # (what the pieces' sizes left over: none unless estimates differ)
+
+    def _pieces(self, batch: list[Any]) -> list[tuple[list[Any], int]]:
+        """``batch`` cut into runs of results of at most MAX_RESULTS_BYTES together (by their counted sizes),
+        so a large batch is neither joined whole nor halved over and over."""
+        compact = self.compact is not None
+        pieces: list[tuple[list[Any], int]] = []
+        piece: list[Any] = []
+        piece_size = 0
+        for result in batch:
+            size = len(result[2] or b"") + RESULT_OVERHEAD if compact else len(result)
+            if piece and piece_size + size > MAX_RESULTS_BYTES:
+                pieces.append((piece, piece_size))
+                piece, piece_size = [], 0
+            piece.append(result)
+            piece_size += size
+        if piece:
+            pieces.append((piece, piece_size))
+        return pieces
 
     async def _send_batch(self, batch: list[Any]) -> None:
         """``batch``'s results in one message, or in halves while a message would pass MAX_RESULTS_BYTES (a
@@ -362,10 +420,10 @@ class CommandStream:
                     self.ordered_ready = trio.Event()
                     await self.ordered_ready.wait()
                 ids, items = self.ordered_work.popleft()
-                await self.runner.run_ordered(items, _by_id(ids, self.deliver), nursery, running)
+                await self.runner.run_ordered(items, _by_id(ids, self.deliver), nursery, running, self.gate)
 
     async def run_unordered(self, ids: list[Any], items: list[Item]) -> None:
-        await self.runner.run(items, _by_id(ids, self.deliver), ordered=False)
+        await self.runner.run(items, _by_id(ids, self.deliver), ordered=False, gate=self.gate)
 
     async def run_hot(self) -> None:
         """The connection's unordered hot writes, one group at a time: a group is applied once the group before
@@ -406,6 +464,7 @@ class CommandStream:
         # Most answers are the same few responses (a write's 201 or 200): each rendered once per group.
         # (Keyed by identity: every response is alive in ``responses`` meanwhile.)
         rendered: dict[int, list[Any]] = {}
+        size = RESULT_OVERHEAD * len(responses)
         for command_id, response in zip(ids, responses, strict=True):
             result = rendered.get(id(response))
             if result is None:
@@ -413,11 +472,20 @@ class CommandStream:
             result = result.copy()
             result[0] = command_id
             outgoing.append(result)
+            size += len(response.body)
+        self.outgoing_bytes += size
+        self.output.add(size)
         self.ready.set()
 
     async def serve(self, receive: Any) -> None:
         """Read and dispatch messages until the client goes, breaks the protocol, or the service stops (then
         the commands in flight are answered first, and the connection closes with 1001)."""
+        try:
+            await self._serve(receive)
+        finally:
+            self.output.close()  # what it had unsent leaves the service-wide count with it
+
+    async def _serve(self, receive: Any) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.send_results_until_gone, nursery.cancel_scope)
             nursery.start_soon(self.run_ordered)
@@ -437,6 +505,7 @@ class CommandStream:
         """Messages until the client disconnects (None) or sends a malformed one (the close code and reason)."""
         while True:
             await self.window.wait_for_room()
+            await self.output.wait_for_room()  # backpressure: its client has not taken enough of its results
             message = await receive()
             if message["type"] != "websocket.receive":
                 return None  # websocket.disconnect
@@ -491,9 +560,17 @@ async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
-    """``GET /ws/commands``: the stream behind a WebSocket upgrade; a plain GET answers 426."""
+def stream_route(
+    runner: CommandRunner,
+    limit: int = MAX_IN_FLIGHT,
+    *,
+    budgets: AnswerBudgets = DEFAULT_BUDGETS,
+    metrics: AnswerMetrics | None = None,
+) -> Route:
+    """``GET /ws/commands``: the stream behind a WebSocket upgrade; a plain GET answers 426. Unsent results are
+    bounded by ``budgets`` (``api/answer_budget.py``)."""
     everywhere = InFlight()
+    unsent = Unsent(budgets.unsent_bytes, metrics)
 
     async def plain(request: Request) -> Response:
         raise HttpError(426, PLAIN_GET, ((b"upgrade", b"websocket"),))
@@ -507,7 +584,10 @@ def stream_route(runner: CommandRunner, limit: int = MAX_IN_FLIGHT) -> Route:
             accept["subprotocol"] = SUBPROTOCOL
         await send(accept)
         direct = direct_socket(scope, send) if compact else None
-        stream = CommandStream(runner, send, limit, stopping, compact=compact, everywhere=everywhere, direct=direct)
+        output = StreamOutput(budgets.stream_unsent_bytes, unsent)
+        stream = CommandStream(
+            runner, send, limit, stopping, compact=compact, everywhere=everywhere, direct=direct, output=output
+        )
         await stream.serve(receive)
 
     return route("command_stream", plain, websocket=websocket)

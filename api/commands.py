@@ -20,19 +20,21 @@ while other scopes proceed at the same time. Any other command (a read, a select
 reservation change, whose handler reads state first) starts once every earlier command has finished,
 and the next starts once it has: it sees every earlier command's effect. Every result is durable
 under the service's ``--durability`` before it is delivered (each route's own guarantee). A failing
-command does not stop the others: each has its own result.
+command does not stop the others: each has its own result. The answer is bounded in bytes
+(``--max-batch-answer-bytes``): past it, commands are answered 413 without being run (``api/answer_budget.py``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 import orjson
 import trio
 
+from kvrouter.api.answer_budget import DEFAULT_BUDGETS, AnswerBudgets, AnswerMetrics, BatchAnswer, StreamOutput
 from kvrouter.api.app import RouteTable, call_route, http_error_response
 from kvrouter.api.http import JSON, UNPARSED, HttpError, Request, Response, Route, error_response, release
 from kvrouter.api.operation_routes import route
@@ -64,6 +66,61 @@ class Ready:
 
 
 Item = Resolved | Response | Ready
+
+
+class Gate(Protocol):
+    """How a run admits its commands by the bytes of their answers (``api/answer_budget.py``): ``closed``: no
+    command starts any more, each is answered ``refusal()`` (POST /batch past its cap); ``run(item)``: the answer
+    of a command that runs alone (not a pipelined or batched write), run when the gate lets it."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def refusal(self) -> Response: ...
+
+    async def run(self, item: Resolved) -> Response: ...
+
+
+class BatchGate:
+    """POST /batch's gate: commands run while its answer is under the cap; none once it reached it."""
+
+    __slots__ = ("answer",)
+
+    def __init__(self, answer: BatchAnswer) -> None:
+        self.answer = answer
+
+    @property
+    def closed(self) -> bool:
+        return self.answer.closed
+
+    def refusal(self) -> Response:
+        return self.answer.refusal()
+
+    async def run(self, item: Resolved) -> Response:
+        if self.answer.closed:  # an earlier command's answer reached the cap while this one waited its turn
+            return self.answer.refusal()
+        return await answer(*item)
+
+
+class StreamGate:
+    """The command stream's gate: a read starts once its connection has room for its answer (backpressure);
+    writes are not held."""
+
+    __slots__ = ("output",)
+
+    closed = False
+
+    def __init__(self, output: StreamOutput) -> None:
+        self.output = output
+
+    def refusal(self) -> Response:
+        raise AssertionError("a stream's gate never closes")
+
+    async def run(self, item: Resolved) -> Response:
+        route, request = item
+        if _writes(item):  # a write's answer is small: it is never held (its effect would wait for a reader)
+            return await answer(route, request)
+        return await self.output.run_read((route.method, route.path), lambda: answer(route, request))
 
 
 def too_many(count: int) -> str:
@@ -114,15 +171,15 @@ class CommandRunner:
         path = unquote(raw_path) if "%" in raw_path else raw_path
         return route, Request(method, path, query_string, body, params, parsed)
 
-    async def run(self, commands: Sequence[Item], deliver: Deliver, *, ordered: bool) -> None:
+    async def run(self, commands: Sequence[Item], deliver: Deliver, *, ordered: bool, gate: Gate | None = None) -> None:
         """Run ``commands``; ``deliver(index, response)`` as each finishes (refusals at once).
 
         ``ordered=False``: every command starts at once (they are independent: no order between them); the
-        batched ones (``Route.batched``) of each kind go in one service call.
+        batched ones (``Route.batched``) of each kind go in one service call. ``gate``: see ``Gate``.
         """
         async with trio.open_nursery() as nursery:
             if ordered:
-                await self.run_ordered(commands, deliver, nursery, _Running())
+                await self.run_ordered(commands, deliver, nursery, _Running(), gate)
                 return
             groups: dict[Any, list[tuple[int, Any]]] = {}
             for index, item in enumerate(commands):
@@ -137,21 +194,30 @@ class CommandRunner:
                     else:
                         groups.setdefault(item[0].batched.apply, []).append((index, prepared))
                 else:
-                    nursery.start_soon(_run_one, index, item, deliver)
+                    nursery.start_soon(_run_one, index, item, deliver, gate)
             for apply, members in groups.items():
                 nursery.start_soon(_run_batch, apply, members, deliver)
 
     async def run_ordered(
-        self, commands: Sequence[Item], deliver: Deliver, nursery: trio.Nursery, running: _Running
+        self,
+        commands: Sequence[Item],
+        deliver: Deliver,
+        nursery: trio.Nursery,
+        running: _Running,
+        gate: Gate | None = None,
     ) -> None:
         """Start ``commands`` in order (the module doc's rules) in ``nursery``; ``running`` holds the pipelined
         commands of the sequence not yet finished (a stream's ordered messages share one). Consecutive
-        batched commands of one kind go in one service call, started where the first of them would start."""
+        batched commands of one kind go in one service call, started where the first of them would start.
+        ``gate``: see ``Gate``."""
         run: list[tuple[int, Any]] = []
         run_apply: Any = None
         for index, item in enumerate(commands):
             if isinstance(item, Response):
                 deliver(index, item)
+                continue
+            if gate is not None and gate.closed:
+                deliver(index, gate.refusal())  # not run (POST /batch past its answer cap)
                 continue
             if isinstance(item, Ready) or item[0].batched is not None:
                 if isinstance(item, Ready):
@@ -175,7 +241,7 @@ class CommandRunner:
                 await nursery.start(running.pipelined, index, item, deliver)
             else:
                 await running.all_done()
-                deliver(index, await answer(*item))
+                deliver(index, await answer(*item) if gate is None else await gate.run(item))
         if run:
             await nursery.start(running.batch, run_apply, run, deliver)
 
@@ -214,8 +280,8 @@ async def answer(route: Route, request: Request) -> Response:
     return response
 
 
-async def _run_one(index: int, item: Resolved, deliver: Deliver) -> None:
-    deliver(index, await answer(*item))
+async def _run_one(index: int, item: Resolved, deliver: Deliver, gate: Gate | None) -> None:
+    deliver(index, await answer(*item) if gate is None else await gate.run(item))
 
 
 class _Running:
@@ -276,9 +342,13 @@ def render(response: Response) -> bytes:
     return b'{"status":%d,"body":%s}' % (response.status, shown)
 
 
-def batch_route(runner: CommandRunner) -> Route:
+def batch_route(
+    runner: CommandRunner, budgets: AnswerBudgets = DEFAULT_BUDGETS, metrics: AnswerMetrics | None = None
+) -> Route:
     """``POST /batch``: a JSON array of commands, applied in order (see the module doc); answers 200 with
-    an array of results, one per command, in the same order. More than MAX_BATCH_COMMANDS: 413."""
+    an array of results, one per command, in the same order. More than MAX_BATCH_COMMANDS: 413. Its answer
+    is bounded by ``budgets.batch_answer_bytes`` (``api/answer_budget.py``: past it, commands answer 413)."""
+    metrics = metrics if metrics is not None else AnswerMetrics(None)
 
     async def batch(request: Request) -> Response:
         commands = request.json()
@@ -287,12 +357,25 @@ def batch_route(runner: CommandRunner) -> Route:
         if len(commands) > MAX_BATCH_COMMANDS:
             raise HttpError(413, too_many(len(commands)))
         resolved = [runner.resolve(command) for command in commands]
+        writes = [_writes(item) for item in resolved]
         results: list[bytes] = [b""] * len(resolved)
+        answer = BatchAnswer(budgets.batch_answer_bytes, metrics)
 
         def deliver(index: int, response: Response) -> None:
-            results[index] = render(response)
+            result = answer.admit(render(response), writes[index])
+            results[index] = result if result is not None else render(answer.refusal())
 
-        await runner.run(resolved, deliver, ordered=True)
+        await runner.run(resolved, deliver, ordered=True, gate=BatchGate(answer))
         return Response(200, b"[" + b",".join(results) + b"]")
 
     return route("batch", batch)
+
+
+def _writes(item: Resolved | Response) -> bool:
+    """Whether the command may change state (an operation the table marks as writing): its answer is kept."""
+    if isinstance(item, Response):
+        return False
+    route, _ = item
+    if route.operation is None:
+        return route.method not in ("GET", "HEAD")
+    return route.operation.writes

@@ -33,6 +33,7 @@ import orjson
 import trio
 
 from kvrouter.actors.service_support import ScopeFilter
+from kvrouter.api.answer_budget import DEFAULT_BUDGETS, AnswerBudgets
 from kvrouter.api.http import JSON, HttpError, Request, Response, error_response
 from kvrouter.api.metrics import FrontMetrics
 from kvrouter.api.route_support import scope_filter
@@ -60,7 +61,8 @@ PLAIN_GET = "this route speaks WebSocket: open it with a WebSocket upgrade (see 
 
 @attrs.frozen
 class StreamSettings:
-    """Bounds of the live streams, per stream and process (``--stream-max-subscribers``)."""
+    """Bounds of the live streams, per stream and process (``--stream-max-subscribers``); and of the answers of
+    ``POST /batch`` and the command stream (``answers``: ``api/answer_budget.py``)."""
 
     max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
     heartbeat_seconds: float = HEARTBEAT_SECONDS
@@ -69,6 +71,7 @@ class StreamSettings:
     # the work per subscriber is bounded by this rate, not by the service's write rate.
     interval_seconds: float = UPDATE_INTERVAL_SECONDS
     fan_out_per_second: float = FAN_OUT_PER_SECOND
+    answers: AnswerBudgets = DEFAULT_BUDGETS
 
 
 DEFAULT_STREAMS = StreamSettings()

@@ -138,6 +138,8 @@ def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DE
         SLOT_TRACKER,
         "kvrouter slot tracker",
         KVROUTER_VERSION,
+        budgets=streams.answers,
+        front=objects.front,
     )
 
 
@@ -210,6 +212,8 @@ def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = 
         SELECT_SERVICE,
         "kvrouter selection service",
         KVROUTER_VERSION,
+        budgets=streams.answers,
+        front=objects.front,
     )
 
 

@@ -153,8 +153,8 @@ async def test_a_slow_subscriber_loses_the_oldest_decisions_not_the_newest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reader with a 4 KiB buffer that reads nothing while 40 selections of 64 candidates each (~16 KB per
-    message) are made: its queue (bounded at 4 here) drops the oldest; it then reads the newest, with gaps."""
-    monkeypatch.setattr(live_decisions, "QUEUE_MESSAGES", 4)
+    message) are made: its queue (bounded at 32 KB here) drops the oldest; it then reads the newest, with gaps."""
+    monkeypatch.setattr(live_decisions, "QUEUE_BYTES", 32_000)
     async with selector(tmp_path, "one-process") as (service, http):
         await add_workers(http, 1, ranks=64)
         url = stream_url(service.urls[0], "/ws/decisions")

@@ -11,6 +11,7 @@ import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.api.auth import BearerToken
+from kvrouter.api.live_streams import StreamSettings
 from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder, slot_tracker_app
 from kvrouter.api.server import HttpSettings
 from kvrouter.journal.store import Durability
@@ -25,6 +26,7 @@ async def running(
     seed: int = 7,
     body_timeout: float | None = None,
     config: RouterConfig | None = None,
+    streams: StreamSettings | None = None,
 ) -> AsyncIterator[ServiceHandle]:
     """``kind``: "slot tracker" or "selection service" (``config``: its router knobs); yields the handle
     (``urls[0]`` is its URL)."""
@@ -36,6 +38,8 @@ async def running(
         seed=seed,
         auth=None if token is None else BearerToken(token.encode()),
     )
+    if streams is not None:
+        options = attrs.evolve(options, streams=streams)
     if body_timeout is not None:
         options = attrs.evolve(options, http=HttpSettings(body_timeout=body_timeout))
     async with trio.open_nursery() as nursery:
