@@ -259,7 +259,7 @@ def _id(data: Mapping[str, Any], field: str, default: int | None) -> int:
     value = data.get(field, default)
     if not _is_int(value) or not 0 <= value < 1 << 64:
         raise LayoutError(f"{field} must be a u64, got {value!r}")
-    return int(value)  # type: ignore[arg-type]  # checked above
+    return int(value)
 
 
 def _count(data: Mapping[str, Any], field: str) -> int | None:

@@ -99,7 +99,7 @@ class EventPlaneIngest:
 
     def status(self, worker_id: int) -> dict[str, dict[str, object]]:
         """Per stream rank of ``worker_id``, its publisher's status (``GET /workers``'s ``kv_listeners``)."""
-        found = {}
+        found: dict[str, dict[str, object]] = {}
         for route in sorted(self.routes.values(), key=lambda r: r.publisher.publisher_id):
             if route.publisher.worker_id == worker_id:
                 route.status.plane = self.plane_name  # JetStream is known only once the plane has connected

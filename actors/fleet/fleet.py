@@ -275,25 +275,25 @@ class Fleet:
             ),
         ]
         if self.nats is not None:
-            status = self.nats.status
+            nats = self.nats.status
             families += [
                 gauge(
                     "kvrouter_event_plane_connected",
                     "1 while connected to the NATS server",
                     ("plane",),
-                    {plane: 1.0 if status.state == "connected" else 0.0},
+                    {plane: 1.0 if nats.state == "connected" else 0.0},
                 ),
                 counter(
                     "kvrouter_event_plane_disconnects",
                     "NATS connections lost",
                     ("plane",),
-                    {plane: float(status.disconnects)},
+                    {plane: float(nats.disconnects)},
                 ),
                 counter(
                     "kvrouter_event_plane_inbox_dropped",
                     "Core NATS messages dropped: the inbox was full",
                     ("plane",),
-                    {plane: float(status.inbox_dropped)},
+                    {plane: float(nats.inbox_dropped)},
                 ),
             ]
         return families

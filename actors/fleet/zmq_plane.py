@@ -70,7 +70,7 @@ class ZmqPlane:
                     self.problems[endpoint] = str(exc)
                     await trio.sleep(RESOLVE_RETRY_SECONDS)
             self.problems.pop(endpoint, None)
-            options = {
+            options: dict[int, int | bytes] = {
                 zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES,
                 zmq.RECONNECT_IVL: RECONNECT_IVL_MS,
                 zmq.IPV6: int(resolved.ipv6),
