@@ -19,8 +19,8 @@ import trio
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.fleet.discovery import FileParser
-from kvrouter.actors.fleet.fleet import Fleet, FleetOptions
+from kvrouter.actors.fleet.options import FleetOptions
+from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.ports import WallClock
@@ -96,5 +96,7 @@ async def start_select_service(
         await before_listeners(service)
     await nursery.start(ingest.run)
     if fleet is not None and fleet.enabled:
+        from kvrouter.actors.fleet.fleet import Fleet  # the NATS and etcd clients load only when a fleet is asked for
+
         await nursery.start(Fleet(service, fleet, parse_worker_file).run)
     return service

@@ -25,7 +25,7 @@ from kvrouter.actors.core.router_config import (
     parse_int,
     resolve,
 )
-from kvrouter.actors.fleet.fleet import FleetOptions
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.replicator import validate_endpoint
 from kvrouter.api.fleet_flags import fleet_options, worker_file_parser
 from kvrouter.api.fronts import MAX_FRONTS, ProcessRole, parse_role

@@ -15,17 +15,17 @@ from typing import Any
 import attrs
 
 from kvrouter.actors.core.catalog import WorkerRecord
-from kvrouter.actors.fleet.discovery import FileParser, read_worker_file
-from kvrouter.actors.fleet.dynamo_layout import DEFAULT_NAMESPACE
-from kvrouter.actors.fleet.fleet import (
+from kvrouter.actors.fleet.options import (
     DEFAULT_ETCD,
+    DEFAULT_NAMESPACE,
     DEFAULT_NATS,
     DISCOVERY_BACKENDS,
     EVENT_PLANES,
     FleetOptions,
+    JetStreamSettings,
     default_durable,
 )
-from kvrouter.actors.fleet.nats_plane import JetStreamSettings
+from kvrouter.actors.fleet.worker_file import FileParser, read_worker_file
 from kvrouter.api.http import HttpError
 from kvrouter.api.mock_worker.service import default_worker_id
 from kvrouter.api.schemas import parse

@@ -30,7 +30,7 @@ from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.fleet.fleet import FleetOptions
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.replicator import ReplicaSecurity, random_router_id
 from kvrouter.actors.peers.socket_budget import ListenerSlots

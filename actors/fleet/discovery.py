@@ -33,6 +33,7 @@ from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.fleet.dynamo_layout import LAYOUT_PREFIX, DiscoveredWorker, Layout
 from kvrouter.actors.fleet.etcd import Change, Compacted, EtcdClient, EtcdUnavailable
+from kvrouter.actors.fleet.worker_file import FileParser, read_worker_file
 from kvrouter.actors.mailbox import Overloaded, ReplyTimeout
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.service_support import Refused
@@ -44,7 +45,6 @@ RETRY_MAX_SECONDS: Final = 10.0
 # A watch that stays silent is probed this often (a tiny range request): a dead etcd is noticed within ~this.
 PROBE_SECONDS: Final = 2.0
 FILE_POLL_SECONDS: Final = 1.0
-MAX_FILE_BYTES: Final = 16 * 1024 * 1024
 
 OnWorkers = Callable[[Mapping[int, DiscoveredWorker]], None]
 
@@ -298,42 +298,6 @@ class EtcdDiscovery:
 
 
 # -- a watched file ------------------------------------------------------------------------------------------------
-
-FileParser = Callable[[Any], list[WorkerRecord]]
-
-
-def read_worker_file(path: Path, parse: FileParser) -> list[WorkerRecord]:
-    """The file's workers: a JSON or YAML list of ``POST /workers`` bodies (or ``{"workers": [...]}``). Raises
-    ValueError (or OSError) with a reason a person can act on."""
-    raw = path.read_bytes()
-    if len(raw) > MAX_FILE_BYTES:
-        raise ValueError(f"{path} is {len(raw)} bytes, over {MAX_FILE_BYTES}")
-    document: Any
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml  # only a YAML file needs it
-
-        try:
-            document = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path} is not YAML: {exc}") from None
-    else:
-        import orjson
-
-        try:
-            document = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not JSON: {exc}") from None
-    if isinstance(document, dict) and "workers" in document:
-        document = document["workers"]
-    if document is None:
-        document = []
-    if not isinstance(document, list):
-        raise ValueError(f"{path}: expected a list of workers (or {{'workers': [...]}})")
-    records = parse(document)
-    ids = [record.worker_id for record in records]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: a worker_id is listed twice")
-    return records
 
 
 class FileDiscovery:

@@ -12,8 +12,10 @@ are ids in lowercase hex)::
 
 A model card (``mdc``) with the instance of the same path is one catalog worker: the card's ``display_name`` is the
 model clients name, its ``kv_cache_block_size``, ``runtime_config.data_parallel_size`` and ``total_kv_blocks`` fill
-the record. The worker's KV events come from the ``kv-events`` channels whose ``instance_id`` is the worker's (NATS
-subject prefix or ZMQ endpoint); an event source, when present, names the dp rank a publisher speaks for. Dynamo's
+the record. A ``kv-events`` channel says where a publisher's envelopes go (NATS subject prefix or ZMQ endpoint); its
+``instance_id`` is the *publisher's* id (1.6.1 was seen writing the publisher id there, under the worker's lease),
+and the event source of the same publisher names the worker and dp rank it speaks for. A channel without an event
+source belongs to the worker whose instance id it names, if any. Dynamo's
 router ignores events of workers without a card, and so does kvrouter: a worker exists only while both its card and
 its instance keys do, so a deleted key (a clean stop, or the lease expiring after kill -9) removes it.
 
@@ -30,6 +32,7 @@ import attrs
 import orjson
 
 from kvrouter.actors.core.catalog import WorkerRecord, record_problem
+from kvrouter.actors.fleet.options import DEFAULT_NAMESPACE
 
 INSTANCES: Final = "v1/instances/"
 MODEL_CARDS: Final = "v1/mdc/"
@@ -38,10 +41,13 @@ EVENT_SOURCES: Final = "v1/event_sources/"
 # Everything discovery reads lives under this prefix (one list, one watch).
 LAYOUT_PREFIX: Final = "v1/"
 KV_EVENTS_TOPIC: Final = "kv-events"
-DEFAULT_NAMESPACE: Final = "dynamo"
 TENANT: Final = "default"  # discovered workers serve the default tenant, as Dynamo's router knows no tenants
 # A value larger than this is not a discovery record (cards are a few kB): refused before it is parsed.
 MAX_VALUE_BYTES: Final = 1024 * 1024
+
+
+# A card's ``worker_type`` as the catalog's worker role (disaggregated serving); "aggregated" and others: none.
+_ROLES: Final = {"prefill": "prefill", "decode": "decode"}
 
 
 class LayoutError(ValueError):
@@ -73,6 +79,7 @@ class ModelCard:
     total_kv_blocks: int | None
     max_num_batched_tokens: int | None
     local_indexer: bool
+    worker_role: str | None = None  # "prefill" or "decode" from the card's worker_type; None: aggregated
 
 
 @attrs.frozen
@@ -227,6 +234,7 @@ def _model_card(parts: tuple[EndpointPath, int], data: dict[str, Any]) -> ModelC
         total_kv_blocks=_count(runtime, "total_kv_blocks"),
         max_num_batched_tokens=_count(runtime, "max_num_batched_tokens"),
         local_indexer=runtime.get("enable_local_indexer") is True,
+        worker_role=_ROLES.get(card["worker_type"]) if isinstance(card.get("worker_type"), str) else None,
     )
 
 
@@ -312,7 +320,7 @@ class Layout:
         are in use (as in Dynamo, whose router drops events of workers it cannot place)."""
         instances: dict[tuple[EndpointPath, int], Instance] = {}
         cards: list[ModelCard] = []
-        channels: dict[int, list[EventChannel]] = {}
+        channels: list[EventChannel] = []
         sources: dict[int, EventSource] = {}
         for entry in self.entries.values():
             if isinstance(entry, Instance):
@@ -320,16 +328,24 @@ class Layout:
             elif isinstance(entry, ModelCard):
                 cards.append(entry)
             elif isinstance(entry, EventChannel):
-                channels.setdefault(entry.instance_id, []).append(entry)
+                channels.append(entry)
             else:
                 sources[entry.publisher_id] = entry
+        # Each publisher's worker and dp rank: its event source's, else the instance its channel names.
+        by_worker: dict[int, list[tuple[EventChannel, int | None]]] = {}
+        for channel in channels:
+            named = sources.get(channel.publisher_id)
+            if named is not None:
+                by_worker.setdefault(named.worker_id, []).append((channel, named.dp_rank))
+            else:
+                by_worker.setdefault(channel.instance_id, []).append((channel, None))
         found: dict[int, DiscoveredWorker] = {}
         skipped: dict[int, str] = {}
         for card in sorted(cards, key=lambda c: (c.instance_id, c.path.component, c.path.endpoint)):
             instance = instances.get((card.path, card.instance_id))
             if instance is None or card.instance_id in found:
                 continue
-            worker = _worker(card, instance, channels.get(card.instance_id, []), sources, kv_events_endpoint, source)
+            worker = _worker(card, instance, by_worker.get(card.instance_id, []), kv_events_endpoint, source)
             if isinstance(worker, str):
                 skipped[card.instance_id] = worker
             else:
@@ -340,16 +356,14 @@ class Layout:
 def _worker(
     card: ModelCard,
     instance: Instance,
-    channels: list[EventChannel],
-    sources: Mapping[int, EventSource],
+    channels: list[tuple[EventChannel, int | None]],
     kv_events_endpoint: str | None,
     source: str,
 ) -> DiscoveredWorker | str:
     start = card.data_parallel_start_rank or 0
     publishers = []
-    for channel in sorted(channels, key=lambda c: c.publisher_id):
-        named = sources.get(channel.publisher_id)
-        rank = named.dp_rank if named is not None and named.worker_id == card.instance_id else start
+    for channel, dp_rank in sorted(channels, key=lambda item: item[0].publisher_id):
+        rank = start if dp_rank is None else dp_rank
         publishers.append(Publisher(channel.publisher_id, card.instance_id, rank, channel.transport))
     record = WorkerRecord(
         worker_id=card.instance_id,
@@ -362,6 +376,7 @@ def _worker(
         data_parallel_size=card.data_parallel_size,
         max_num_batched_tokens=card.max_num_batched_tokens,
         total_kv_blocks=card.total_kv_blocks,
+        worker_role=card.worker_role,
         discovered_by=source,
     )
     problem = record_problem(record)

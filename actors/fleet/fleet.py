@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-import attrs
 import httpx
 import trio
 
@@ -24,12 +22,10 @@ from kvrouter.actors.fleet.discovery import (
     DiscoveryStatus,
     EtcdDiscovery,
     FileDiscovery,
-    FileParser,
     since_seconds,
     up,
 )
 from kvrouter.actors.fleet.dynamo_layout import (
-    DEFAULT_NAMESPACE,
     KV_EVENTS_TOPIC,
     DiscoveredWorker,
     NatsChannel,
@@ -37,33 +33,15 @@ from kvrouter.actors.fleet.dynamo_layout import (
 )
 from kvrouter.actors.fleet.etcd import EtcdClient
 from kvrouter.actors.fleet.event_ingest import EventPlaneIngest
-from kvrouter.actors.fleet.nats_plane import JetStreamSettings, NatsPlane, durable_name
+from kvrouter.actors.fleet.nats_plane import NatsPlane
+from kvrouter.actors.fleet.options import FleetOptions
+from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.fleet.zmq_plane import ZmqPlane
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.metric_families import Family, Labels, counter, gauge
 from kvrouter.actors.select_service import SelectService
 
 log = logging.getLogger("kvrouter.fleet")
-
-DISCOVERY_BACKENDS: Final = ("etcd", "file")
-EVENT_PLANES: Final = ("nats", "zmq")
-DEFAULT_ETCD: Final = "http://127.0.0.1:2379"
-DEFAULT_NATS: Final = "nats://127.0.0.1:4222"
-
-
-@attrs.frozen
-class FleetOptions:
-    discovery_backend: str | None = None  # None: workers register over HTTP only
-    etcd_endpoints: tuple[str, ...] = (DEFAULT_ETCD,)
-    namespace: str = DEFAULT_NAMESPACE
-    discovery_file: Path | None = None
-    event_plane: str | None = None  # with etcd: "nats" or "zmq"
-    nats_servers: tuple[str, ...] = (DEFAULT_NATS,)
-    jetstream: JetStreamSettings = attrs.Factory(JetStreamSettings)
-
-    @property
-    def enabled(self) -> bool:
-        return self.discovery_backend is not None
 
 
 class Fleet:
@@ -301,14 +279,3 @@ class Fleet:
 
 def _ignore(workers: Mapping[int, DiscoveredWorker]) -> None:
     return None
-
-
-def default_durable(data_dir: Path | None) -> str:
-    """The JetStream consumer of a service: one per data directory (stable across restarts); a journal kept in
-    memory gets one of its own per process (the server forgets it a day after it was last used)."""
-    import secrets
-    import socket
-
-    if data_dir is None:
-        return durable_name(f"memory:{socket.gethostname()}:{secrets.token_hex(8)}")
-    return durable_name(f"{socket.gethostname()}:{data_dir.resolve()}")

@@ -23,7 +23,6 @@ plus any subject a discovered event channel names outside that pattern. nats-py 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -40,6 +39,7 @@ from kvrouter.actors.fleet.asyncio_bridge import AsyncioThread, Inbox
 from kvrouter.actors.fleet.dynamo_events import Envelope, EnvelopeError, decode_envelope
 from kvrouter.actors.fleet.dynamo_layout import KV_EVENTS_TOPIC
 from kvrouter.actors.fleet.event_ingest import EventPlaneIngest
+from kvrouter.actors.fleet.options import JetStreamSettings
 
 log = logging.getLogger("kvrouter.event_plane")
 
@@ -62,14 +62,6 @@ RETRY_MAX_SECONDS: Final = 10.0
 CONNECT_TIMEOUT_SECONDS: Final = 2
 
 
-@attrs.frozen
-class JetStreamSettings:
-    enabled: bool = True  # use JetStream when the server has it
-    max_age_secs: float = 3600.0
-    max_bytes: int = 1024 * 1024 * 1024
-    durable: str = "kvrouter"
-
-
 def namespace_subjects(namespace: str) -> str:
     return f"namespace.{namespace}.component.*.endpoint.*.{KV_EVENTS_TOPIC}"
 
@@ -77,11 +69,6 @@ def namespace_subjects(namespace: str) -> str:
 def stream_name(namespace: str) -> str:
     """A JetStream name for the namespace: letters, digits, ``_`` and ``-`` only."""
     return "KVROUTER_" + re.sub(r"[^A-Za-z0-9_-]", "_", namespace).upper() + "_KV_EVENTS"
-
-
-def durable_name(identity: str) -> str:
-    """The consumer name of one kvrouter (``identity``: its data directory), stable across restarts."""
-    return "kvrouter-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def matches(pattern: str, subject: str) -> bool:

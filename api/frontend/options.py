@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.fleet.fleet import FleetOptions
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.server import HttpSettings
 from kvrouter.journal.store import Durability

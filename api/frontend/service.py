@@ -20,7 +20,7 @@ import httpx
 import trio
 
 from kvrouter.actors.core.catalog import WorkerRecord
-from kvrouter.actors.fleet.discovery import FileParser
+from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.runtime import running_actors, start_select_service
 from kvrouter.api.app import make_app

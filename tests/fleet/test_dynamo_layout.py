@@ -40,9 +40,9 @@ def test_each_key_kind_parses_to_its_entry() -> None:
         PATH, INSTANCE, f"tcp://127.0.0.1:41117/{INSTANCE:x}/{NS}/backend/generate"
     )
     card = parse_entry(card_key(), card_value(dp=2))
-    assert card == ModelCard(PATH, INSTANCE, "tiny", 16, 2, None, 1024, None, local_indexer=False)
+    assert card == ModelCard(PATH, INSTANCE, "tiny", 16, 2, 0, 1024, 8192, local_indexer=True)
     assert parse_entry(channel_key(), nats_channel_value()) == EventChannel(
-        PATH, "kv-events", PUBLISHER, INSTANCE, NatsChannel(f"namespace.{NS}.component.backend.endpoint.generate")
+        PATH, "kv-events", PUBLISHER, PUBLISHER, NatsChannel(f"namespace.{NS}.component.backend.endpoint.generate")
     )
     assert parse_entry(channel_key(), zmq_channel_value()).transport == ZmqChannel("tcp://127.0.0.1:39111")  # type: ignore[union-attr]
     assert parse_entry(source_key(), source_value(dp_rank=3)) == EventSource(PATH, "kv-events", PUBLISHER, INSTANCE, 3)
@@ -111,6 +111,26 @@ def test_a_worker_exists_only_while_both_its_card_and_instance_do() -> None:
     layout = full_layout()
     layout.delete(card_key())
     assert layout.workers(kv_events_endpoint=None)[0] == {}
+
+
+def test_without_an_event_source_a_channel_belongs_to_the_instance_it_names() -> None:
+    layout = full_layout(zmq_channel_value(INSTANCE))
+    layout.delete(source_key())
+    (worker,) = layout.workers(kv_events_endpoint=None)[0].values()
+    assert worker.publishers == (Publisher(PUBLISHER, INSTANCE, 0, ZmqChannel("tcp://127.0.0.1:39111")),)
+    layout = full_layout()
+    layout.delete(source_key())  # the channel names its publisher's id: no worker of that id
+    (worker,) = layout.workers(kv_events_endpoint=None)[0].values()
+    assert worker.publishers == ()
+
+
+def test_a_prefill_or_decode_card_gives_the_workers_role() -> None:
+    layout = full_layout()
+    value = orjson.loads(card_value())
+    value["card_json"]["worker_type"] = "prefill"
+    layout.put(card_key(), orjson.dumps(value))
+    (worker,) = layout.workers(kv_events_endpoint=None)[0].values()
+    assert worker.record.worker_role == "prefill"
 
 
 def test_a_worker_without_a_kv_events_channel_has_no_events_endpoint() -> None:

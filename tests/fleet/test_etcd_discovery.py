@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.fleet.fleet import FleetOptions
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability

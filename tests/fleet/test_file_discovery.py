@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.fleet.fleet import FleetOptions
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.api.cli import build_parser, main
 from kvrouter.api.cli_settings import settings_from

@@ -18,8 +18,7 @@ from kvrouter.actors.core.kv_wire import HashedBlocksStored
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.asyncio_bridge import AsyncioThread
 from kvrouter.actors.fleet.dynamo_events import encode_envelope, encode_router_events
-from kvrouter.actors.fleet.fleet import FleetOptions
-from kvrouter.actors.fleet.nats_plane import JetStreamSettings
+from kvrouter.actors.fleet.options import FleetOptions, JetStreamSettings
 from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability

@@ -15,7 +15,7 @@ from kvrouter.actors.core.hashing import block_hashes
 from kvrouter.actors.core.kv_wire import HashedBlocksStored
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.dynamo_events import encode_envelope, encode_router_events, zmq_frames
-from kvrouter.actors.fleet.fleet import FleetOptions
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
 from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT

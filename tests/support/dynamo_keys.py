@@ -1,4 +1,6 @@
-"""Dynamo 1.6.1's discovery keys and values as it was observed writing them (shared/spec), for the fleet tests."""
+"""Dynamo 1.6.1's discovery keys and values, shaped as ``python -m dynamo.mocker`` was seen writing them into etcd
+(every key under the worker process's lease; an event channel's ``instance_id`` is its publisher's id, and the event
+source maps the publisher to its worker and dp rank), for the fleet tests."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def instance_value(instance: int = INSTANCE) -> bytes:
             "endpoint": "generate",
             "instance_id": instance,
             "transport": {"tcp": f"127.0.0.1:41117/{instance:x}/{NS}/backend/generate"},
-            "device_type": "cpu",
+            "device_type": "cuda",
             "request_plane_codec": "msgpack",
         }
     )
@@ -45,10 +47,14 @@ def instance_value(instance: int = INSTANCE) -> bytes:
 
 def card_value(instance: int = INSTANCE, *, name: str = "tiny", dp: int | None = 1, blocks: int = 1024) -> bytes:
     runtime = {
+        "context_length": 0,
         "total_kv_blocks": blocks,
-        "enable_local_indexer": False,
-        "kv_event_publishing_enabled": True,
         "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "data_parallel_start_rank": 0,
+        "enable_local_indexer": True,
+        "kv_event_publishing_enabled": True,
+        "enable_eagle": False,
     }
     if dp is not None:
         runtime["data_parallel_size"] = dp
@@ -63,7 +69,10 @@ def card_value(instance: int = INSTANCE, *, name: str = "tiny", dp: int | None =
                 "display_name": name,
                 "slug": name,
                 "kv_cache_block_size": 16,
+                "migration_limit": 0,
                 "model_type": "Chat | Completions",
+                "model_input": "Tokens",
+                "worker_type": "aggregated",
                 "runtime_config": runtime,
                 "tokenizer": {"hf_tokenizer_json": {"path": "/m/tokenizer.json", "checksum": "blake3:ab", "size": 9}},
                 "prompt_formatter": {"hf_tokenizer_config_json": {}},
@@ -72,24 +81,42 @@ def card_value(instance: int = INSTANCE, *, name: str = "tiny", dp: int | None =
     )
 
 
-def nats_channel_value(instance: int = INSTANCE) -> bytes:
-    prefix = f"namespace.{NS}.component.backend.endpoint.generate"
-    transport = {"kind": "Nats", "config": {"subject_prefix": prefix}}
-    return orjson.dumps({"type": "EventChannel", "topic": "kv-events", "instance_id": instance, "transport": transport})
+_SCOPE = {"kind": "endpoint", "endpoint": {"namespace": NS, "component": "backend", "name": "generate"}}
 
 
-def zmq_channel_value(instance: int = INSTANCE, endpoint: str = "tcp://127.0.0.1:39111") -> bytes:
-    transport = {"kind": "Zmq", "config": {"endpoint": endpoint}}
-    return orjson.dumps({"type": "EventChannel", "topic": "kv-events", "instance_id": instance, "transport": transport})
+def _channel(publisher: int, transport: dict[str, object]) -> bytes:
+    return orjson.dumps(
+        {
+            "type": "EventChannel",
+            "scope": _SCOPE,
+            "topic": "kv-events",
+            "instance_id": publisher,
+            "transport": transport,
+        }
+    )
+
+
+def nats_channel_value(publisher: int = PUBLISHER) -> bytes:
+    return _channel(
+        publisher, {"kind": "Nats", "config": {"subject_prefix": f"namespace.{NS}.component.backend.endpoint.generate"}}
+    )
+
+
+def zmq_channel_value(publisher: int = PUBLISHER, endpoint: str = "tcp://127.0.0.1:39111") -> bytes:
+    return _channel(publisher, {"kind": "Zmq", "config": {"endpoint": endpoint}})
 
 
 def source_value(publisher: int = PUBLISHER, worker: int = INSTANCE, dp_rank: int = 0) -> bytes:
     return orjson.dumps(
         {
             "type": "EventSource",
+            "scope": _SCOPE,
+            "topic": "kv-events",
             "publisher_id": publisher,
             "metadata": {
+                "kv_state_endpoint": {"namespace": NS, "component": "backend", "name": "generate"},
                 "worker": {"worker_id": worker, "dp_rank": dp_rank},
+                "publisher_id": publisher,
                 "recovery_target": {
                     "namespace": NS,
                     "component": "backend",
@@ -107,6 +134,6 @@ def worker_keys(instance: int, publisher: int, *, name: str = "tiny", channel: b
     return {
         instance_key(instance): instance_value(instance),
         card_key(instance): card_value(instance, name=name),
-        channel_key(publisher): channel if channel is not None else nats_channel_value(instance),
+        channel_key(publisher): channel if channel is not None else nats_channel_value(publisher),
         source_key(publisher): source_value(publisher, instance),
     }
