@@ -110,7 +110,7 @@ class CatalogSync:
         for worker_id in sorted(current.keys() - wanted.keys()):
             try:
                 await self._service.remove_worker(worker_id, discovered_by=self._source)
-                log.info("discovery: worker %x left (%s)", worker_id, current[worker_id].model_name)
+                log.info("discovery: worker %d left (%s)", worker_id, current[worker_id].model_name)
             except Refused as exc:
                 if exc.reason is not Reason.NOT_FOUND:
                     self._refused(worker_id, exc.message)
@@ -134,7 +134,7 @@ class CatalogSync:
             verb = "changed" if worker_id in current else "joined"
             record = worker.record
             log.info(
-                "discovery: worker %x %s: model %s, block size %s, %d dp rank(s), %d KV-event publisher(s)",
+                "discovery: worker %d %s: model %s, block size %s, %d dp rank(s), %d KV-event publisher(s)",
                 worker_id,
                 verb,
                 record.model_name,
@@ -158,7 +158,7 @@ class CatalogSync:
         self._status.refused += 1
         if self._refusals.get(worker_id) != message:
             self._refusals[worker_id] = message
-            log.warning("discovery: worker %x not taken: %s", worker_id, message)
+            log.warning("discovery: worker %d not taken: %s", worker_id, message)
 
 
 class EtcdDiscovery:
@@ -268,7 +268,7 @@ class EtcdDiscovery:
     async def _apply(self) -> None:
         workers, skipped = self.layout.workers(kv_events_endpoint=self._kv_events_endpoint)
         for worker_id, why in skipped.items():
-            self._note(f"worker {worker_id:x}", why)
+            self._note(f"worker {worker_id}", why)
         self.status.skipped = len(self._skipped)
         await self._sync.apply_fully(workers)
 
