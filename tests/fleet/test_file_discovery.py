@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -17,14 +18,23 @@ import trio
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
+from kvrouter.actors.select_service import SelectService
 from kvrouter.api.cli import build_parser, main
 from kvrouter.api.cli_settings import settings_from
 from kvrouter.api.frontend.cli import main as frontend_main
 from kvrouter.api.frontend.options import FrontendOptions
 from kvrouter.api.frontend.service import FrontendHandle, run_frontend
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
+from kvrouter.api.main import (
+    ServiceHandle,
+    ServiceOptions,
+    run_service,
+    select_objects_builder,
+    select_service_builder,
+    select_service_routes_of,
+)
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
+from tests.support.proxied import run_proxied_service
 
 WAIT = 30
 
@@ -61,19 +71,28 @@ YAML_TWO = """\
 """
 
 
-async def test_the_selection_service_follows_a_yaml_file(nursery: trio.Nursery, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["one-process", "proxied"])
+async def test_the_selection_service_follows_a_yaml_file(nursery: trio.Nursery, tmp_path: Path, layout: str) -> None:
+    """In both process layouts: with ``--fronts``, discovery runs in the actor process and the fronts read its
+    status over the service wire."""
     listing = tmp_path / "workers.yaml"
     write(listing, YAML_TWO)
     options = ServiceOptions(
         port=0, data_dir=tmp_path / "data", durability=Durability.ALWAYS, body_limit=SELECTION_BODY_LIMIT
     )
     fleet = FleetOptions(discovery_backend="file", discovery_file=listing)
-    handle: ServiceHandle = await nursery.start(
-        run_service,
-        "selection service",
-        options,
-        select_service_builder(RouterConfig(use_kv_events=False), fleet=fleet),
-    )
+    config = RouterConfig(use_kv_events=False)
+    handle: ServiceHandle
+    if layout == "proxied":
+        build_objects = select_objects_builder(config, fleet=fleet)
+        proxied = partial(
+            run_proxied_service, "selection service", options, build_objects, select_service_routes_of, SelectService
+        )
+        handle = await nursery.start(proxied)
+    else:
+        handle = await nursery.start(
+            run_service, "selection service", options, select_service_builder(config, fleet=fleet)
+        )
     async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http:
         rows = (await http.get("/workers")).json()
         assert [(row["worker_id"], row["discovered_by"]) for row in rows] == [(1, "file"), (2, "file")]

@@ -104,7 +104,10 @@ async def reading(http: httpx.AsyncClient) -> bool:
 
 async def overlap_blocks(http: httpx.AsyncClient) -> int:
     """The device blocks ``/select`` finds cached for ``TOKENS`` on the worker."""
-    answer = (await http.post("/select", json={"model_name": "tiny", "token_ids": TOKENS})).json()
+    response = await http.post("/select", json={"model_name": "tiny", "token_ids": TOKENS})
+    if response.status_code != 200:
+        return 0  # no worker discovered yet
+    answer = response.json()
     assert answer["worker_id"] == WORKER, answer
     return int(answer["overlap"]["dp"].get("0", 0)) // BLOCK
 
@@ -192,3 +195,32 @@ async def test_a_restart_catches_up_through_jetstream(tmp_path: Path, etcd: Etcd
                 handle.stop()
     finally:
         await server.stop()
+
+
+async def test_envelopes_before_discovery_are_held_until_the_worker_is_discovered(tmp_path: Path) -> None:
+    """A worker publishes from its first step; its keys may reach kvrouter's watch after its first envelopes."""
+    require_etcd()
+    require_nats()
+    etcd = EtcdServer(tmp_path)
+    server = NatsServer(tmp_path, jetstream=False)
+    await etcd.start()
+    await server.start()
+    try:
+        async with trio.open_nursery() as nursery, Publisher(server.url) as publisher:
+            handle = await start_selector(nursery, tmp_path / "data", etcd, server)
+            async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http:
+                await eventually(lambda: reading(http))
+                await publisher.store(0, 0, 2)  # nobody knows this publisher yet
+                for key, value in worker_keys(WORKER, PUBLISHER).items():
+                    await etcd.put(key, value)
+
+                async def two() -> bool:
+                    return await overlap_blocks(http) == 2
+
+                await eventually(two)
+                status = await stream_status(http)
+                assert (status["last_seq"], status["lost_batches"]) == (0, 0)
+            handle.stop()
+    finally:
+        await server.stop()
+        await etcd.stop()
