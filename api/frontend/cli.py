@@ -185,6 +185,12 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         data_dir=Path(args.data_dir) if args.data_dir else None,
         file_parser=file_workers(args.model_name, block_size or 16),
     )
+    if fleet.discovery_backend == "etcd":
+        warnings.append(
+            "--discovery-backend etcd: Dynamo's workers answer on Dynamo's request plane, which the frontend does not "
+            "speak: a request routed to a worker without an http(s) endpoint fails there (route Dynamo workers with "
+            "kvrouter select-service; docs/fleet.md)"
+        )
     if problems or router is None:
         raise InvalidSettings(problems)
     for warning in warnings:
