@@ -11,6 +11,7 @@ caller lists again); each list page holds at most ``PAGE_KEYS`` keys.
 from __future__ import annotations
 
 import base64
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -142,14 +143,16 @@ class EtcdClient:
                 if response.status_code != 200:
                     raise EtcdUnavailable(f"{url}: HTTP {response.status_code}")
                 buffer = b""
-                async for chunk in response.aiter_bytes():
-                    buffer += chunk
-                    while b"\n" in buffer:
-                        line, buffer = buffer.split(b"\n", 1)
-                        if line.strip():
-                            await self._message(line, on_changes)
-                    if len(buffer) > MAX_MESSAGE_BYTES:
-                        raise EtcdUnavailable(f"{url}: a watch message over {MAX_MESSAGE_BYTES} bytes")
+                # Closed explicitly when the watch ends early (cancelled, or an error), not left to the collector.
+                async with contextlib.aclosing(response.aiter_bytes()) as chunks:
+                    async for chunk in chunks:
+                        buffer += chunk
+                        while b"\n" in buffer:
+                            line, buffer = buffer.split(b"\n", 1)
+                            if line.strip():
+                                await self._message(line, on_changes)
+                        if len(buffer) > MAX_MESSAGE_BYTES:
+                            raise EtcdUnavailable(f"{url}: a watch message over {MAX_MESSAGE_BYTES} bytes")
                 if buffer.strip():
                     await self._message(buffer, on_changes)
         except httpx.HTTPError as exc:
