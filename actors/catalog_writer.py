@@ -12,6 +12,10 @@ be durable (the journal is a prefix: the removal, appended first, is durable by 
 registrations still share fsyncs. Removal comes before the upsert: a crash between them loses the
 worker (the client got no answer), never leaves it in both scopes.
 
+A discovered worker (``WorkerRecord.discovered_by``) belongs to its discovery source: only a change from that
+source may replace, patch or remove it, and a source never takes over a worker registered over HTTP
+(``ownership_conflict``, a 409 naming discovery). The writer checks it, being the catalog's only writer.
+
 Listener slots are reserved before the record is journaled (``KvIngest.admit``) and given back if it is
 not applied; the ingest then follows the applied events.
 """
@@ -24,7 +28,7 @@ from collections.abc import Hashable
 import attrs
 import trio
 
-from kvrouter.actors.core.catalog import WorkerPatch, WorkerRecord
+from kvrouter.actors.core.catalog import WorkerPatch, WorkerRecord, ownership_conflict
 from kvrouter.actors.core.commands import RemoveWorker, UpsertWorker
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.selection_rules import upsert_refusal
@@ -62,6 +66,7 @@ class PatchWorker:
 @attrs.frozen
 class DeleteWorker:
     worker_id: int
+    discovered_by: str | None = None  # the discovery source removing it; None: an HTTP client
 
 
 CatalogChange = PutWorker | PatchWorker | DeleteWorker
@@ -144,13 +149,26 @@ class CatalogWriter:
 
     async def _perform(self, change: CatalogChange) -> tuple[WorkerRecord, int]:
         if isinstance(change, PutWorker):
+            self._check_owner(change.record.worker_id, change.record.discovered_by)
             return await self._put(change.record)
         if isinstance(change, PatchWorker):
+            self._check_owner(change.worker_id, None)
             patched = change.patch.apply(self._current(change.worker_id))
             if isinstance(patched, str):
                 raise Refused(Reason.INVALID, patched)
             return await self._put(patched)
+        self._check_owner(change.worker_id, change.discovered_by)
         return await self._delete(change.worker_id)
+
+    def _check_owner(self, worker_id: int, writer: str | None) -> None:
+        """409 when ``writer`` (a discovery source, None for HTTP) does not own the worker's current record."""
+        try:
+            current: WorkerRecord | None = self._current(worker_id)
+        except Refused:
+            current = None
+        conflict = ownership_conflict(current, writer)
+        if conflict is not None:
+            raise Refused(Reason.CONFLICT, conflict)
 
     def _current(self, worker_id: int) -> WorkerRecord:
         scope = self._directory.worker_scope(worker_id)

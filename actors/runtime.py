@@ -19,6 +19,8 @@ import trio
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.fleet.options import FleetOptions
+from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.ports import WallClock
@@ -76,16 +78,25 @@ async def start_select_service(
     *,
     before_listeners: Callable[[SelectService], Awaitable[object]] | None = None,
     writer_id: int = 0,
+    fleet: FleetOptions | None = None,
+    parse_worker_file: FileParser | None = None,
 ) -> SelectService:
-    """The selection service over ``system``: its service object, then the KV listeners of the catalog.
+    """The selection service over ``system``: its service object, then the KV listeners of the catalog, then the
+    fleet side (``fleet``: a discovery source and Dynamo's event plane, ``actors/fleet``), whose first list is in
+    the catalog when this returns.
 
     ``before_listeners`` runs in between (the HTTP service seeds the index from ``--indexer-peers`` there).
     ``listener_slots`` defaults to what this process affords (it raises the open-files limit once).
     ``writer_id`` versions the session bindings this service makes (its replica sync router id).
+    ``parse_worker_file`` reads a ``--discovery-file``'s entries as ``POST /workers`` bodies.
     """
     ingest = KvIngest(system, listener_slots or ListenerSlots.for_this_process())
     service: SelectService = await nursery.start(SelectService(system, config, ingest, writer_id=writer_id).run)
     if before_listeners is not None:
         await before_listeners(service)
     await nursery.start(ingest.run)
+    if fleet is not None and fleet.enabled:
+        from kvrouter.actors.fleet.fleet import Fleet  # the NATS and etcd clients load only when a fleet is asked for
+
+        await nursery.start(Fleet(service, fleet, parse_worker_file).run)
     return service

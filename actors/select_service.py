@@ -17,6 +17,7 @@ service-wide ones, so no read shows a write that a crash could still take back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -154,6 +155,10 @@ class SelectService:
         self.hit_accuracy = HitAccuracy()
         # More figures for GET /metrics: each is called at scrape time and returns plain Family values.
         self.metric_sources: list[FamilySource] = []
+        # More of GET /ready (discovery and event-plane state, actors/fleet), and per-rank KV-feed statuses for
+        # GET /workers from feeds other than the ZMQ listeners (Dynamo's event plane): plain data, read on demand.
+        self.readiness_sources: list[Callable[[], dict[str, Any]]] = []
+        self.kv_status_sources: list[Callable[[int], dict[str, dict[str, object]]]] = []
         self._catalog = CatalogWriter(
             system,
             self.directory,
@@ -199,11 +204,19 @@ class SelectService:
         """Replace the fields ``patch`` gives; 404 if unknown, 400 if the patched record is refused."""
         return self._status(await self._catalog.write(PatchWorker(worker_id, patch)))
 
-    async def remove_worker(self, worker_id: int) -> WorkerRecord:
-        """Remove the worker; returns its record as it was. 404 if unknown."""
-        record = await self._catalog.write(DeleteWorker(worker_id))
+    async def remove_worker(self, worker_id: int, discovered_by: str | None = None) -> WorkerRecord:
+        """Remove the worker; returns its record as it was. 404 if unknown; 409 if a discovery source owns it
+        and ``discovered_by`` does not name that source."""
+        record = await self._catalog.write(DeleteWorker(worker_id, discovered_by))
         self.hit_accuracy.worker_removed(worker_id)
         return record
+
+    async def readiness(self) -> dict[str, Any]:
+        """What ``GET /ready`` says beyond the workers: the discovery source's and the event plane's state."""
+        found: dict[str, Any] = {}
+        for source in self.readiness_sources:
+            found.update(source())
+        return found
 
     async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[WorkerStatus]:
         rows = [
@@ -225,6 +238,8 @@ class SelectService:
             queueing=self.config.queueing,
         )
         listeners = self.ingest.status(record.worker_id) if self.ingest is not None else {}
+        for source in self.kv_status_sources:
+            listeners = {**listeners, **source(record.worker_id)}
         evicted, refused = self.index_counters.worker(record.scope, record.ranks)
         return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record), evicted, refused)
 

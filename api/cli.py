@@ -36,6 +36,7 @@ from kvrouter.api.cli_settings import (
 )
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
 from kvrouter.api.exposure import add_worker_endpoint_flag
+from kvrouter.api.fleet_flags import add_fleet_flags
 from kvrouter.api.fronts import (
     MAX_FRONTS,
     ServiceKind,
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _router_flags(select)
     _affinity_flags(select)
+    add_fleet_flags(select)
     _reference_flags(select)
     services.add_parser(
         "simulate", help="deterministic cluster simulation (see kvrouter simulate --help)", add_help=False
@@ -394,7 +396,7 @@ def service_kind(launch: Launch) -> ServiceKind:
     if launch.service == SLOT_TRACKER:
         return ServiceKind("slot tracker", SlotService, slot_tracker_objects, slot_tracker_routes_of)
     assert launch.router is not None
-    build = select_objects_builder(launch.router, launch.indexer_peers)
+    build = select_objects_builder(launch.router, launch.indexer_peers, fleet=launch.fleet)
     return ServiceKind("selection service", SelectService, build, select_service_routes_of)
 
 
@@ -407,7 +409,10 @@ def run(launch: Launch, argv: Sequence[str] = ()) -> int:
         name, build = "slot tracker", slot_tracker_app
     else:
         assert launch.router is not None
-        name, build = "selection service", select_service_builder(launch.router, launch.indexer_peers)
+        name, build = (
+            "selection service",
+            select_service_builder(launch.router, launch.indexer_peers, fleet=launch.fleet),
+        )
     progress = _Progress()
     options = launch.options
     role = launch.role

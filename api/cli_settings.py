@@ -25,9 +25,11 @@ from kvrouter.actors.core.router_config import (
     parse_int,
     resolve,
 )
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.replicator import validate_endpoint
 from kvrouter.api.answer_budget import DEFAULT_BUDGETS, AnswerBudgets
 from kvrouter.api.exposure import worker_endpoint_allow
+from kvrouter.api.fleet_flags import fleet_options, worker_file_parser
 from kvrouter.api.fronts import MAX_FRONTS, ProcessRole, parse_role
 from kvrouter.api.http_flags import check_exposure, http_options
 from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
@@ -87,6 +89,7 @@ class Launch:
     warnings: tuple[str, ...] = ()
     fronts: int = 0  # HTTP front processes; 0: one process (api/fronts.py)
     role: ProcessRole | None = None  # a child of a --fronts supervisor
+    fleet: FleetOptions = attrs.Factory(FleetOptions)  # discovery and Dynamo's event plane (selection service)
 
 
 def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
@@ -175,6 +178,9 @@ def _select_service(
         if args.router_tracking_key_id:
             warnings.append(f"--router-tracking-key-id {args.router_tracking_key_id} is ignored")
     indexer_peers = tuple(url.strip() for url in (args.indexer_peers or "").split(",") if url.strip())
+    fleet = fleet_options(
+        args, env, problems, warnings, data_dir=launch.options.data_dir, file_parser=worker_file_parser()
+    )
     options = attrs.evolve(
         launch.options,
         body_limit=SELECTION_BODY_LIMIT,
@@ -189,6 +195,7 @@ def _select_service(
         options=options,
         router=router,
         indexer_peers=indexer_peers,
+        fleet=fleet,
     )
 
 

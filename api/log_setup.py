@@ -79,3 +79,10 @@ def configure(level: str, service: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(OneLineFormatter(TracebackFile(service), inline=level.lower() == "debug"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    if level.lower() != "debug":
+        # httpx logs every request at info: the frontend's to its workers, discovery's probes of etcd every 2 s
+        for library in QUIET_LIBRARIES:
+            logging.getLogger(library).setLevel(logging.WARNING)
+
+
+QUIET_LIBRARIES = ("httpx", "httpcore")

@@ -30,6 +30,7 @@ from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.replicator import ReplicaSecurity, random_router_id
 from kvrouter.actors.peers.socket_budget import ListenerSlots
@@ -44,6 +45,7 @@ from kvrouter.api import data_dir
 from kvrouter.api.app import make_app
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.command_routes import with_command_routes
+from kvrouter.api.fleet_flags import worker_file_parser
 from kvrouter.api.http import Route
 from kvrouter.api.live_decisions import decisions_route
 from kvrouter.api.live_loads import partition_loads_route, slot_loads_route
@@ -181,6 +183,7 @@ async def select_service_objects(
     config: RouterConfig,
     peers: Sequence[str],
     listener_slots: ListenerSlots | None,
+    fleet: FleetOptions | None,
     options: ServiceOptions,
     system: ActorSystem,
     nursery: trio.Nursery,
@@ -194,6 +197,8 @@ async def select_service_objects(
         listener_slots,
         before_listeners=partial(recover_from_peers, peers=peers),
         writer_id=router_id,
+        fleet=fleet,
+        parse_worker_file=worker_file_parser(),
     )
     peer_service = await start_peer_service(
         options, system, nursery, router_id=router_id, session_ttl_ns=config.affinity_ttl_ns
@@ -218,16 +223,25 @@ def select_service_routes_of(objects: ServiceObjects, streams: StreamSettings = 
 
 
 def select_objects_builder(
-    config: RouterConfig, indexer_peers: Sequence[str] = (), listener_slots: ListenerSlots | None = None
+    config: RouterConfig,
+    indexer_peers: Sequence[str] = (),
+    listener_slots: ListenerSlots | None = None,
+    *,
+    fleet: FleetOptions | None = None,
 ) -> ObjectsBuilder:
-    return partial(select_service_objects, config, tuple(indexer_peers), listener_slots)
+    return partial(select_service_objects, config, tuple(indexer_peers), listener_slots, fleet)
 
 
 def select_service_builder(
-    config: RouterConfig, indexer_peers: Sequence[str] = (), listener_slots: ListenerSlots | None = None
+    config: RouterConfig,
+    indexer_peers: Sequence[str] = (),
+    listener_slots: ListenerSlots | None = None,
+    *,
+    fleet: FleetOptions | None = None,
 ) -> RouteBuilder:
-    """The selection service's composition; ``listener_slots`` defaults to what this process affords."""
-    build = select_objects_builder(config, indexer_peers, listener_slots)
+    """The selection service's composition; ``listener_slots`` defaults to what this process affords; ``fleet``:
+    discovery and Dynamo's event plane (``actors/fleet``), none by default."""
+    build = select_objects_builder(config, indexer_peers, listener_slots, fleet=fleet)
 
     async def select_service_app(options: ServiceOptions, system: ActorSystem, nursery: trio.Nursery) -> list[Route]:
         return select_service_routes_of(await build(options, system, nursery), options.streams)

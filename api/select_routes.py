@@ -226,7 +226,8 @@ async def ready(service: SelectService, request: Request) -> Response:
     statuses = await service.workers()
     count = sum(status.schedulable for status in statuses)
     rows = [worker_view(status) for status in statuses]
-    return json_response(200 if count else 503, {"ready": count > 0, "schedulable_workers": count, "workers": rows})
+    body = {"ready": count > 0, "schedulable_workers": count, "workers": rows, **await service.readiness()}
+    return json_response(200 if count else 503, body)
 
 
 async def health(service: SelectService, request: Request) -> Response:

@@ -60,6 +60,9 @@ class WorkerRecord:
     kv_transfer_enforcement: str | None = None
     kv_transfer_preferred_weight: float | None = None
     worker_role: str | None = None  # prefill / decode / both (None: both); see actors/core/constraints.py
+    # The discovery backend that owns this record ("etcd", "file"), or None for a worker registered over HTTP.
+    # Only its owner may change or remove it (``ownership_conflict``): a discovered worker follows its source.
+    discovered_by: str | None = None
 
     def to_plain(self) -> dict[str, Any]:
         """JSON-ready form for snapshots (tuples become lists)."""
@@ -150,6 +153,20 @@ class WorkerPatch:
         patched = attrs.evolve(current, **changes)
         problem = record_problem(patched)
         return patched if problem is None else problem
+
+
+def ownership_conflict(current: WorkerRecord | None, writer: str | None) -> str | None:
+    """Why ``writer`` (a discovery backend's name, or None for HTTP) may not change or remove ``current`` (a
+    409), or None. A discovered worker is its source's: an HTTP edit would be undone by the next change there,
+    and a discovery backend never takes over a worker someone registered."""
+    if current is None or current.discovered_by == writer:
+        return None
+    if current.discovered_by is not None:
+        return (
+            f"worker {current.worker_id} is discovered from {current.discovered_by}; change it there (it cannot "
+            "be registered, patched or removed over HTTP)"
+        )
+    return f"worker {current.worker_id} is registered over HTTP; discovery ({writer}) does not take it over"
 
 
 def record_problem(record: WorkerRecord) -> str | None:
@@ -253,6 +270,8 @@ def record_view(record: WorkerRecord, lifecycle: str, reasons: list[str]) -> dic
     )
     if record.worker_role is not None:  # shown only when set, like 1.6.1's optional router hints
         view["worker_role"] = record.worker_role
+    if record.discovered_by is not None:
+        view["discovered_by"] = record.discovered_by
     if reasons:
         view["not_schedulable_reasons"] = reasons
     return view

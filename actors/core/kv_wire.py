@@ -39,6 +39,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "HashedBlocksStored",
     "KvBatch",
     "KvEvent",
     "Tier",
@@ -91,7 +92,18 @@ class AllBlocksCleared:
     """Every block of the publishing (worker, dp_rank) is gone, in every tier."""
 
 
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@attrs.frozen
+class HashedBlocksStored:
+    """Blocks now resident on the worker, already hashed by the publisher: ``blocks`` are ``(external_hash,
+    local_hash)`` pairs, parent first, as Dynamo's event plane carries them (``block_hash``, ``tokens_hash``; no
+    token ids travel there, so nothing is re-hashed here: the publisher's local hash is the router's)."""
+
+    parent_hash: int | None
+    blocks: tuple[tuple[int, int], ...]
+    tier: Tier = Tier.DEVICE
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared | HashedBlocksStored
 
 
 @attrs.frozen
@@ -400,7 +412,14 @@ def _kind(value: Any) -> str:
 
 def stored_upper_bound(batch: KvBatch) -> int:
     """At most how many blocks the batch stores (what its stores name; conversion may keep fewer)."""
-    return sum(len(event.block_hashes) for event in batch.events if type(event) is BlockStored)
+    stored = 0
+    for event in batch.events:
+        kind = type(event)
+        if kind is BlockStored:
+            stored += len(event.block_hashes)  # type: ignore[union-attr]
+        elif kind is HashedBlocksStored:
+            stored += len(event.blocks)  # type: ignore[union-attr]
+    return stored
 
 
 def named_blocks(batch: KvBatch) -> int:
@@ -409,7 +428,18 @@ def named_blocks(batch: KvBatch) -> int:
     for event in batch.events:
         if isinstance(event, BlockStored | BlockRemoved):
             named += len(event.block_hashes)
+        elif isinstance(event, HashedBlocksStored):
+            named += len(event.blocks)
     return max(1, named)
+
+
+def hashed_blocks(event: HashedBlocksStored) -> tuple[tuple[int, int], ...]:
+    """The pairs of a pre-hashed store as the index takes them: u64, and none at all (a no-op, as for
+    ``stored_blocks``) when an external hash is named twice, the parent included."""
+    blocks = event.blocks
+    if not blocks or not distinct_hashes(event.parent_hash, [ext for ext, _ in blocks]):
+        return ()
+    return tuple((ext & U64_MASK, local & U64_MASK) for ext, local in blocks)
 
 
 def stored_blocks(

@@ -49,7 +49,14 @@ from kvrouter.actors.core.events import (
 from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import U64_MASK, WorkerRank
 from kvrouter.actors.core.index_bounds import fit_ops, incoming_blocks, make_room, refused_event
-from kvrouter.actors.core.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, stored_blocks
+from kvrouter.actors.core.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    HashedBlocksStored,
+    hashed_blocks,
+    stored_blocks,
+)
 from kvrouter.actors.core.limits import (
     MAX_ACTIVE_PROMPT_BLOCKS_PER_SCOPE,
     MAX_ACTIVE_REQUESTS_PER_SCOPE,
@@ -222,6 +229,11 @@ def decide_ingest(command: IngestKvBatch, state: ScopeState) -> Decision:
                     ops.append(KvRemovedOp(int(event.tier), event.block_hashes))
             elif isinstance(event, AllBlocksCleared):
                 ops.append(KvClearedOp())
+            elif isinstance(event, HashedBlocksStored):
+                blocks = hashed_blocks(event)
+                if blocks:
+                    ops.append(KvStoredOp(int(event.tier), event.parent_hash, blocks))
+                    incoming += len(blocks)
     if not runs:
         return NOTHING_CHANGED
     cap = command.max_index_blocks

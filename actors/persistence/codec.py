@@ -52,7 +52,7 @@ from kvrouter.actors.core.events import (
 )
 from kvrouter.actors.core.ids import ScopeKey
 
-RECORD_VERSION: Final = 2
+RECORD_VERSION: Final = 3
 
 EventUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # (event tag, version it reads) -> a function turning that event's fields into the next version's.
@@ -83,6 +83,12 @@ class RecordFormatError(ValueError):
 @event_upcaster("worker_upserted", from_version=1)
 def _worker_upserted_v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
     fields["record"]["worker_role"] = None
+    return fields
+
+
+@event_upcaster("worker_upserted", from_version=2)
+def _worker_upserted_v2_to_v3(fields: dict[str, Any]) -> dict[str, Any]:
+    fields["record"]["discovered_by"] = None  # every record before v3 was registered over HTTP
     return fields
 
 

@@ -36,7 +36,7 @@ from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import digest
 from kvrouter.journal.store import CorruptJournal
 
-SNAPSHOT_VERSION: Final = 4
+SNAPSHOT_VERSION: Final = 5
 
 SnapshotUpcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # version it reads -> a function turning that version's document into the next version's.
@@ -196,6 +196,15 @@ def _scopes_v3_to_v4(document: dict[str, Any]) -> dict[str, Any]:
         for record in scope["selection"]["catalog"]:
             record["worker_role"] = None
         scope["slots"]["requests"] = [[*row, None] for row in scope["slots"]["requests"]]
+    return document
+
+
+@snapshot_upcaster(from_version=4)
+def _scopes_v4_to_v5(document: dict[str, Any]) -> dict[str, Any]:
+    """v5: catalog records name the discovery source that owns them (none before: all registered over HTTP)."""
+    for scope in document["scopes"]:
+        for record in scope["selection"]["catalog"]:
+            record["discovered_by"] = None
     return document
 
 

@@ -25,8 +25,9 @@ from kvrouter.actors.core.worker_endpoints import (
 from kvrouter.api import log_setup
 from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
 from kvrouter.api.exposure import add_worker_endpoint_flag, worker_endpoint_allow
+from kvrouter.api.fleet_flags import add_fleet_flags, fleet_options
 from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
-from kvrouter.api.frontend.service import run_until_signal
+from kvrouter.api.frontend.service import file_workers, run_until_signal
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
 from kvrouter.api.http_flags import add_http_flags, check_exposure, http_options
 from kvrouter.api.one_line_parser import OneLineParser
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a whole proxied request (504; default {LIMITS.request_timeout:g})",
     )
     parser.add_argument("--seed", metavar="N", help="seed of the random tie-breaks (default: fresh per process)")
+    add_fleet_flags(parser)
     add_http_flags(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -192,6 +194,20 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
             problems.append(str(exc))
     if args.data_dir == "":
         problems.append("--data-dir='' is empty; give a directory or leave it out (journal in memory)")
+    fleet = fleet_options(
+        args,
+        env,
+        problems,
+        warnings,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        file_parser=file_workers(args.model_name, block_size or 16),
+    )
+    if fleet.discovery_backend == "etcd":
+        warnings.append(
+            "--discovery-backend etcd: Dynamo's workers answer on Dynamo's request plane, which the frontend does not "
+            "speak: a request routed to a worker without an http(s) endpoint fails there (route Dynamo workers with "
+            "kvrouter select-service; docs/fleet.md)"
+        )
     if problems or router is None:
         raise InvalidSettings(problems)
     for warning in warnings:
@@ -211,6 +227,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         http=http,
         auth=auth,
         seed=seed,
+        fleet=fleet,
     )
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import attrs
 
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.api.auth import BearerToken
 from kvrouter.api.server import HttpSettings
 from kvrouter.journal.store import Durability
@@ -78,3 +79,4 @@ class FrontendOptions:
     http: HttpSettings = attrs.Factory(HttpSettings)
     auth: BearerToken | None = None
     seed: int | None = None
+    fleet: FleetOptions = attrs.Factory(FleetOptions)  # discovery and Dynamo's event plane (docs/fleet.md)

@@ -20,11 +20,13 @@ import httpx
 import trio
 
 from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.runtime import running_actors, start_select_service
 from kvrouter.api.app import make_app
 from kvrouter.api.command_routes import with_command_routes
 from kvrouter.api.embedded import _opened_journal, as_router_errors
+from kvrouter.api.fleet_flags import worker_file_parser
 from kvrouter.api.frontend.app import FrontendApp
 from kvrouter.api.frontend.options import FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.proxy import Proxy
@@ -87,6 +89,19 @@ def worker_record(spec: WorkerSpec, options: FrontendOptions) -> WorkerRecord:
         return parse(WorkerBody, body).to_record()
 
 
+def file_workers(model_name: str, block_size: int) -> FileParser:
+    """A ``--discovery-file``'s entries read as ``--workers`` are: the frontend's model and block size unless an
+    entry names its own, and without a KV-events endpoint a worker is scored on its predicted cache."""
+    return worker_file_parser(
+        {
+            "model_name": model_name,
+            "tenant_id": TENANT,
+            "block_size": block_size,
+            "kv_events_endpoint": IN_PROCESS_KV_EVENTS,
+        }
+    )
+
+
 async def run_frontend(
     options: FrontendOptions, *, task_status: trio.TaskStatus[FrontendHandle] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -97,7 +112,13 @@ async def run_frontend(
         journal_opened as (journal, states),
         running_actors(journal, states, seed=seed, reply_deadline=REPLY_DEADLINE_SECONDS) as runtime,
     ):
-        service = await start_select_service(runtime.system, options.router, runtime.nursery)
+        service = await start_select_service(
+            runtime.system,
+            options.router,
+            runtime.nursery,
+            fleet=options.fleet,
+            parse_worker_file=file_workers(options.model_name, options.block_size),
+        )
         routing = Routing(service)
         # Before any traffic: the bookings of requests that were in flight when this frontend last stopped
         # (killed, crashed) would otherwise count as load until the stale-request expiry.

@@ -86,6 +86,7 @@ SAMPLES: dict[str, Event] = {
             kv_transfer_enforcement="prefer",
             kv_transfer_preferred_weight=0.75,
             worker_role="decode",
+            discovered_by="etcd",
         ),
         partition_block_size=32,
     ),
@@ -127,8 +128,17 @@ SAMPLES: dict[str, Event] = {
 def sample_written_by(tag: str, record_version: int) -> Event:
     """``SAMPLES[tag]`` as the build that wrote record version ``record_version`` held it: fields added since
     then decode to their defaults (version 2 added a record's ``worker_role`` and a booking's
-    ``expected_output_tokens``)."""
-    return _without_v2_fields(SAMPLES[tag]) if record_version < 2 else SAMPLES[tag]
+    ``expected_output_tokens``; version 3 a record's ``discovered_by``)."""
+    event = SAMPLES[tag]
+    if record_version < 3:
+        event = _without_v3_fields(event)
+    return _without_v2_fields(event) if record_version < 2 else event
+
+
+def _without_v3_fields(event: Event) -> Event:
+    if isinstance(event, WorkerUpserted):
+        return attrs.evolve(event, record=attrs.evolve(event.record, discovered_by=None))
+    return event
 
 
 def _without_v2_fields(event: Event) -> Event:
@@ -237,6 +247,8 @@ def sample_states_written_by(snapshot_version: int) -> list[ScopeState]:
     events = {
         scope: HISTORY[scope] + (LATER_HISTORY.get(scope, ()) if snapshot_version >= 3 else ()) for scope in HISTORY
     }
+    if snapshot_version < 5:  # v5 added discovered_by: it restores as None
+        events = {scope: tuple(map(_without_v3_fields, history)) for scope, history in events.items()}
     if snapshot_version < 4:  # v4 added worker_role and expected_output_tokens: they restore as defaults
         events = {scope: tuple(map(_without_v2_fields, history)) for scope, history in events.items()}
     states = sorted((fold(ScopeState(scope), history) for scope, history in events.items()), key=lambda s: s.scope)

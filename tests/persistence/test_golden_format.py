@@ -211,21 +211,23 @@ def test_the_v1_snapshot_splits_its_block_size_between_the_parts() -> None:
 
 
 def test_a_snapshot_upcaster_is_one_registered_function(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build reading v5: every older golden goes through each step up from its version, v4 through the last."""
-    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", 5)
-    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", {v: snapshots.SNAPSHOT_UPCASTERS[v] for v in (1, 2, 3)})
+    """A build reading the next version: every golden goes through each step up from its version, the current
+    one through the last."""
+    current = SNAPSHOT_VERSION
+    monkeypatch.setattr(snapshots, "SNAPSHOT_VERSION", current + 1)
+    monkeypatch.setattr(snapshots, "SNAPSHOT_UPCASTERS", dict(snapshots.SNAPSHOT_UPCASTERS))
 
-    @snapshot_upcaster(from_version=4)
-    def _scopes_v4_to_v5(document: dict[str, Any]) -> dict[str, Any]:
+    @snapshot_upcaster(from_version=current)
+    def _scopes_to_next(document: dict[str, Any]) -> dict[str, Any]:
         for scope in document["scopes"]:
             scope["tenant_id"] = scope["tenant_id"].upper()  # visible in the restored states
         return document
 
-    for version in (1, 2, 3, 4):
+    for version in range(1, current + 1):
         restored = restore_snapshot(snapshot_path(version).read_bytes())
         assert sorted(scope.tenant_id for scope in restored) == ["GOLDEN-TENANT", "SELECTION-TENANT"]
     with pytest.raises(ValueError, match="two snapshot upcasters"):
-        snapshot_upcaster(from_version=4)(_scopes_v4_to_v5)
+        snapshot_upcaster(from_version=current)(_scopes_to_next)
 
 
 def test_the_v2_snapshot_moves_booked_blocks_to_the_predicted_index() -> None:

@@ -1,0 +1,139 @@
+"""Real etcd and nats-server processes for the fleet tests: on free loopback ports, data in the test's directory,
+stopped by their PID. ``.ci/run`` installs both from Debian (``etcd-server``, ``nats-server``); a test that needs one
+that is absent skips, saying how to install it."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import trio
+
+from tests.support.processes import free_port, start_process
+
+ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+NATS_SERVER = shutil.which("nats-server") or next(
+    (p for p in ("/usr/sbin/nats-server", "/usr/bin/nats-server") if Path(p).exists()), None
+)
+ETCD_MISSING = "etcd is not installed (apt-get install etcd-server; .ci/run installs it)"
+NATS_MISSING = "nats-server is not installed (apt-get install nats-server; .ci/run installs it)"
+
+
+def require_etcd() -> str:
+    if ETCD is None:
+        pytest.skip(ETCD_MISSING)
+    return ETCD
+
+
+def require_nats() -> str:
+    if NATS_SERVER is None:
+        pytest.skip(NATS_MISSING)
+    return NATS_SERVER
+
+
+class EtcdServer:
+    """One etcd member; ``restart`` keeps its data (revisions, leases) as a real restart does."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: trio.Process | None = None
+
+    async def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        argv = [
+            require_etcd(),
+            "--name=n1",
+            f"--data-dir={self.directory / 'etcd'}",
+            f"--listen-client-urls={self.url}",
+            f"--advertise-client-urls={self.url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=n1={peer}",
+            "--log-level=error",
+        ]
+        self.process = await start_process(argv, self.port, self.directory / "etcd.log")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            with trio.fail_after(30):
+                while True:  # the port opens before the member serves
+                    try:
+                        if (await client.get(self.url + "/health", timeout=1)).status_code == 200:
+                            return
+                    except httpx.HTTPError:
+                        pass
+                    await trio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(10):
+                await self.process.wait()
+            if self.process.returncode is None:
+                self.process.kill()
+                await self.process.wait()
+        self.process = None
+
+    async def restart(self) -> None:
+        await self.stop()
+        await self.start()
+
+    # -- the v3 JSON gateway, as a test writes Dynamo's keys --
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            response = await client.post(self.url + path, content=orjson.dumps(body), timeout=5)
+            response.raise_for_status()
+            data: dict[str, Any] = response.json()
+            return data
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        body: dict[str, Any] = {"key": _b64(key.encode()), "value": _b64(value)}
+        if lease is not None:
+            body["lease"] = str(lease)
+        return int((await self.call("/v3/kv/put", body))["header"]["revision"])
+
+    async def delete(self, key: str) -> None:
+        await self.call("/v3/kv/deleterange", {"key": _b64(key.encode())})
+
+    async def grant(self, ttl: int) -> int:
+        return int((await self.call("/v3/lease/grant", {"TTL": str(ttl)}))["ID"])
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("/v3/lease/revoke", {"ID": str(lease)})
+
+
+class NatsServer:
+    def __init__(self, directory: Path, *, jetstream: bool = True) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.jetstream = jetstream
+        self.process: trio.Process | None = None
+
+    async def start(self) -> None:
+        argv = [require_nats(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.jetstream:
+            argv += ["-js", "-sd", str(self.directory / "jetstream")]
+        self.process = await start_process(argv, self.port, self.directory / "nats.log")
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(10):
+                await self.process.wait()
+            if self.process.returncode is None:
+                self.process.kill()
+                await self.process.wait()
+        self.process = None
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
