@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
-from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, Final, cast
 
 import attrs
 import httpx
@@ -144,7 +144,7 @@ class EtcdClient:
                     raise EtcdUnavailable(f"{url}: HTTP {response.status_code}")
                 buffer = b""
                 # Closed explicitly when the watch ends early (cancelled, or an error), not left to the collector.
-                async with contextlib.aclosing(response.aiter_bytes()) as chunks:
+                async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], response.aiter_bytes())) as chunks:
                     async for chunk in chunks:
                         buffer += chunk
                         while b"\n" in buffer:
