@@ -160,17 +160,34 @@ def make_app(
     (WebSocket routes hear of it and close their connections). A ``GET /metrics`` route in ``routes`` gets
     every HTTP request counted into its ``FrontMetrics`` (method, route template, status, time to respond).
     """
-    routes = list(routes)
-    table = RouteTable(routes)
-    open_methods = table.exact.get(OPEN_PATH)
-    endpoint = next((r.handler for r in routes if isinstance(r.handler, MetricsEndpoint)), None)
-    requests = endpoint.front.requests if endpoint is not None else None
+    return ServiceApp(list(routes), body_limit, body_timeout, auth, stopping)
 
-    async def app(scope: ASGIScope, receive: Any, send: Any) -> None:
+
+class ServiceApp:
+    """The ASGI app of a service's routes (``make_app``)."""
+
+    def __init__(
+        self,
+        routes: list[Route],
+        body_limit: int,
+        body_timeout: float | None,
+        auth: BearerToken | None,
+        stopping: trio.Event | None,
+    ) -> None:
+        self.table = RouteTable(routes)
+        self.open_methods = self.table.exact.get(OPEN_PATH)
+        endpoint = next((r.handler for r in routes if isinstance(r.handler, MetricsEndpoint)), None)
+        self.requests = endpoint.front.requests if endpoint is not None else None
+        self.body_limit = body_limit
+        self.body_timeout = body_timeout
+        self.auth = auth
+        self.stopping = stopping
+
+    async def __call__(self, scope: ASGIScope, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
-            started = perf_counter() if requests is not None or request_log.isEnabledFor(logging.DEBUG) else None
-            response, body_unread, template = await _respond(scope, receive)
+            started = perf_counter() if self.requests is not None or request_log.isEnabledFor(logging.DEBUG) else None
+            response, body_unread, template = await self._respond(scope, receive)
             headers = [(b"content-length", str(len(response.body)).encode())]
             if response.content_type is not None:
                 headers.append((b"content-type", response.content_type))
@@ -179,8 +196,10 @@ def make_app(
                 headers.append(CONNECTION_CLOSE)
             if started is not None:
                 # Before sending: counted and logged by the time the client reads the answer.
-                if requests is not None:
-                    requests.record(method_label(scope["method"]), template, response.status, perf_counter() - started)
+                if self.requests is not None:
+                    self.requests.record(
+                        method_label(scope["method"]), template, response.status, perf_counter() - started
+                    )
                 if request_log.isEnabledFor(logging.DEBUG):
                     _log_request(scope, response.status, started)
             # HEAD: same headers (content-length included), no body.
@@ -191,7 +210,7 @@ def make_app(
                 {"type": "http.response.body", "body": body},
             )
         elif kind == "websocket":
-            await _websocket(scope, receive, send)
+            await self._websocket(scope, receive, send)
         elif kind == "lifespan":
             # The actor system lives in the outer nursery, not in lifespan; just answer.
             while True:
@@ -202,17 +221,17 @@ def make_app(
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
-    def _route(scope: ASGIScope, method: str, headers: _Headers) -> tuple[Route, dict[str, str]] | Response:
+    def _route(self, scope: ASGIScope, method: str, headers: _Headers) -> tuple[Route, dict[str, str]] | Response:
         """The route and its path parameters, or the response refusing the request (bad path or token,
         unknown route, wrong method). The token is checked before revealing whether a route exists."""
         try:
-            found = table.lookup(raw_path_of(scope))
+            found = self.table.lookup(raw_path_of(scope))
         except HttpError as exc:
             return error_response(exc.status, exc.message)
-        if auth is not None and not auth.admits(headers.authorization):
-            public = found is not None and found[0] is open_methods and method in ("GET", "HEAD")
+        if self.auth is not None and not self.auth.admits(headers.authorization):
+            public = found is not None and found[0] is self.open_methods and method in ("GET", "HEAD")
             if not public:
-                return auth.refusal(headers.authorization)
+                return self.auth.refusal(headers.authorization)
         if found is None:
             return error_response(404, "route not found")
         methods, params = found
@@ -222,21 +241,21 @@ def make_app(
             return error_response(405, "method not allowed", ((b"allow", allowed.encode()),))
         return route, params
 
-    async def _respond(scope: ASGIScope, receive: Any) -> tuple[Response, bool, str]:
+    async def _respond(self, scope: ASGIScope, receive: Any) -> tuple[Response, bool, str]:
         """The response, whether the request body was left unread (then the connection closes), and the
         route's template (``unmatched`` if refused before a route was chosen)."""
         headers = _Headers(scope["headers"])
         body_unread = headers.has_body
         method = scope["method"]
-        found = _route(scope, method, headers)
+        found = self._route(scope, method, headers)
         if isinstance(found, Response):
             return found, body_unread, UNMATCHED
         route, params = found
-        response, body_unread = await _answer(scope, receive, headers, route, params)
+        response, body_unread = await self._answer(scope, receive, headers, route, params)
         return response, body_unread, route.path
 
     async def _answer(
-        scope: ASGIScope, receive: Any, headers: _Headers, route: Route, params: dict[str, str]
+        self, scope: ASGIScope, receive: Any, headers: _Headers, route: Route, params: dict[str, str]
     ) -> tuple[Response, bool]:
         body_unread = headers.has_body
         method = scope["method"]
@@ -245,9 +264,9 @@ def make_app(
             if route.json_body or route.optional_body or (route.json_body_if_typed and _is_json(headers.content_type)):
                 if route.json_body and not _is_json(headers.content_type):
                     return error_response(415, UNSUPPORTED_MEDIA), body_unread
-                if headers.content_length is not None and headers.content_length > body_limit:
+                if headers.content_length is not None and headers.content_length > self.body_limit:
                     return error_response(413, BODY_TOO_LARGE), body_unread  # refused before reading a byte
-                body = await _read_body(receive, body_limit, body_timeout)
+                body = await _read_body(receive, self.body_limit, self.body_timeout)
                 body_unread = False
                 if body and not _is_json(headers.content_type):
                     return error_response(415, UNSUPPORTED_MEDIA), body_unread
@@ -257,14 +276,14 @@ def make_app(
         request = Request(method, scope["path"], scope["query_string"], body, params)
         return await call_route(route, request), body_unread
 
-    async def _websocket(scope: ASGIScope, receive: Any, send: Any) -> None:
+    async def _websocket(self, scope: ASGIScope, receive: Any, send: Any) -> None:
         """Hand an authorised upgrade of a WebSocket route to it; refuse any other with a plain 4xx
         ``{"error"}`` (401 without the token, 404 for an unknown path, else 400), through ASGI's
         denial-response extension when the server has it (hypercorn does), else by closing before
         accepting (the server then answers 403)."""
-        found = _route(scope, "GET", _Headers(scope["headers"]))  # a WebSocket handshake is a GET
+        found = self._route(scope, "GET", _Headers(scope["headers"]))  # a WebSocket handshake is a GET
         if not isinstance(found, Response) and found[0].websocket is not None:
-            await found[0].websocket(scope, receive, send, stopping)
+            await found[0].websocket(scope, receive, send, self.stopping)
             return
         if isinstance(found, Response) and found.status in (400, 401, 404):
             response = found
@@ -277,8 +296,6 @@ def make_app(
         headers.extend(response.headers)
         await send({"type": "websocket.http.response.start", "status": response.status, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": response.body})
-
-    return app
 
 
 async def call_route(route: Route, request: Request) -> Response:

@@ -235,6 +235,18 @@ def _reference_flags(parser: argparse.ArgumentParser) -> None:
     compat.add_argument("--router-tracking-key-id", metavar="ID", help="the key's epoch id for keyed-xxh3-v1")
 
 
+# Subcommands with parsers of their own (``main`` hands them their arguments): name, what it is.
+DELEGATED_COMMANDS = (
+    ("simulate", "deterministic cluster simulation"),
+    ("journal", "inspect or repair a stopped service's journal"),
+    ("worker-topology", "publish a worker's topology files and KV-transfer policy"),
+    ("mock-worker", "an OpenAI-compatible mock inference worker publishing KV events"),
+    ("frontend", "an OpenAI-compatible KV-routing frontend in front of workers"),
+    ("demo", "mock workers behind a frontend, kv vs round-robin side by side"),
+    ("watch", "follow a service's loads or decisions live"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
@@ -255,78 +267,54 @@ def build_parser() -> argparse.ArgumentParser:
         description="KV-aware worker selection (Dynamo 1.6.1's select_service), journaled.",
     )
     _common_flags(select, SELECT_SERVICE)
-    select.add_argument(
+    _selection_flags(select)
+    _router_flags(select)
+    _affinity_flags(select)
+    add_fleet_flags(select)
+    _reference_flags(select)
+    for name, summary in DELEGATED_COMMANDS:
+        services.add_parser(name, help=f"{summary} (see kvrouter {name} --help)", add_help=False)
+    for subparser in (slot, select):
+        subparser.set_defaults(subparser=subparser)
+    add_keys_command(services)
+    return parser
+
+
+def _selection_flags(parser: argparse.ArgumentParser) -> None:
+    """The selection service's own: peers to seed from, the pending-selection cache, the index cap, workers, seed."""
+    parser.add_argument(
         "--indexer-peers",
         metavar="URLS",
         default="",
         help="comma-separated HTTP URLs: seed the index from the first peer's /dump before serving",
     )
-    select.add_argument(
+    parser.add_argument(
         "--selection-cache-ttl-secs",
         metavar="S",
         help=f"seconds a /select with a selection_id stays claimable, >= 0 (default {SELECTION_CACHE_TTL_SECS:g})",
     )
-    select.add_argument(
+    parser.add_argument(
         "--selection-cache-max-entries",
         metavar="N",
         help=f"pending selections kept per scope, oldest evicted first (default {SELECTION_CACHE_MAX_ENTRIES})",
     )
-    select.add_argument(
+    parser.add_argument(
         "--selection-cache-max-bytes",
         metavar="N",
-        help=f"byte budget of pending selections (default {SELECTION_CACHE_MAX_BYTES}); checked, not enforced yet",
+        help=f"byte budget of pending selections, oldest evicted first (default {SELECTION_CACHE_MAX_BYTES})",
     )
-    select.add_argument(
+    parser.add_argument(
         "--max-index-blocks-per-scope",
         metavar="N",
         help=f"KV-event index blocks per (model, tenant) scope, every rank and tier (default "
-        f"{MAX_INDEX_BLOCKS_PER_SCOPE}, ~2.6 GiB); beyond it the ranks holding the most lose their deepest blocks",
+        f"{MAX_INDEX_BLOCKS_PER_SCOPE}); beyond it the ranks holding the most lose their deepest blocks",
     )
-    add_worker_endpoint_flag(select)
-    select.add_argument(
+    add_worker_endpoint_flag(parser)
+    parser.add_argument(
         "--seed",
         metavar="N",
         help="seed (0 to 2**64-1) of the scopes' random sources (tie-breaks, softmax); default: fresh per process",
     )
-    _router_flags(select)
-    _affinity_flags(select)
-    add_fleet_flags(select)
-    _reference_flags(select)
-    services.add_parser(
-        "simulate", help="deterministic cluster simulation (see kvrouter simulate --help)", add_help=False
-    )
-    services.add_parser(
-        "journal", help="inspect or repair a stopped service's journal (see kvrouter journal --help)", add_help=False
-    )
-    services.add_parser(
-        "worker-topology",
-        help="publish a worker's topology files and KV-transfer policy (see kvrouter worker-topology --help)",
-        add_help=False,
-    )
-    services.add_parser(
-        "mock-worker",
-        help="an OpenAI-compatible mock inference worker publishing KV events (see kvrouter mock-worker --help)",
-        add_help=False,
-    )
-    services.add_parser(
-        "frontend",
-        help="an OpenAI-compatible KV-routing frontend in front of workers (see kvrouter frontend --help)",
-        add_help=False,
-    )
-    services.add_parser(
-        "demo",
-        help="mock workers behind a frontend, kv vs round-robin side by side (see kvrouter demo --help)",
-        add_help=False,
-    )
-    services.add_parser(
-        "watch",
-        help="follow a service's loads or decisions live (see kvrouter watch --help)",
-        add_help=False,
-    )
-    for subparser in (slot, select):
-        subparser.set_defaults(subparser=subparser)
-    add_keys_command(services)
-    return parser
 
 
 def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -12,9 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("actors", "api", "client", "journal", "simulations")
 LIMIT = 80
 STILL_LONG = {
-    "api/app.py:make_app": 135,
-    "api/cli.py:build_parser": 90,
-    "api/frontend/cli.py:build_parser": 91,
     "simulations/cluster.py:run": 86,
     "simulations/engine.py:step": 82,
 }

@@ -15,7 +15,15 @@ import attrs
 import trio
 
 from kvrouter import __version__
-from kvrouter.actors.core.router_config import InvalidSettings, Setting, env_settings, parse_float, parse_int, resolve
+from kvrouter.actors.core.router_config import (
+    InvalidSettings,
+    RouterConfig,
+    Setting,
+    env_settings,
+    parse_float,
+    parse_int,
+    resolve,
+)
 from kvrouter.actors.core.worker_endpoints import (
     EndpointAllowList,
     allow_list_problem,
@@ -50,25 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1; another address needs --auth-token-file or --insecure-no-auth)",
     )
-    parser.add_argument("--router-mode", default="kv", help=f"{' | '.join(ROUTER_MODES)} (default kv)")
-    parser.add_argument(
-        "--kv-overlap-score-weight",
-        metavar="W",
-        help="weight of the prefill blocks in the cost, >= 0 (default 1; 0: load balancing only)",
-    )
-    parser.add_argument(
-        "--router-temperature", metavar="T", help="softmax temperature of the choice, >= 0 (default 0: cheapest)"
-    )
-    parser.add_argument(
-        "--no-kv-events",
-        action="store_true",
-        help="do not listen to the workers' KV events: predict their caches from the routing decisions",
-    )
-    parser.add_argument(
-        "--busy-threshold",
-        metavar="F",
-        help="0-1: a worker whose active KV blocks exceed this fraction of its total is busy and skipped (default off)",
-    )
+    _add_routing_flags(parser)
     parser.add_argument(
         "--data-dir", metavar="DIR", help="journal of the catalog and bookings (default: in memory, nothing kept)"
     )
@@ -92,6 +82,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer", metavar="FILE", help="a Hugging Face tokenizer.json (needs kvrouter[hf]); default: built-in"
     )
+    _add_limit_flags(parser)
+    parser.add_argument("--seed", metavar="N", help="seed of the random tie-breaks (default: fresh per process)")
+    add_fleet_flags(parser)
+    add_http_flags(parser)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    """How a worker is chosen."""
+    parser.add_argument("--router-mode", default="kv", help=f"{' | '.join(ROUTER_MODES)} (default kv)")
+    parser.add_argument(
+        "--kv-overlap-score-weight",
+        metavar="W",
+        help="weight of the prefill blocks in the cost, >= 0 (default 1; 0: load balancing only)",
+    )
+    parser.add_argument(
+        "--router-temperature", metavar="T", help="softmax temperature of the choice, >= 0 (default 0: cheapest)"
+    )
+    parser.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="do not listen to the workers' KV events: predict their caches from the routing decisions",
+    )
+    parser.add_argument(
+        "--busy-threshold",
+        metavar="F",
+        help="0-1: a worker whose active KV blocks exceed this fraction of its total is busy and skipped (default off)",
+    )
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What a client may ask of the frontend, and how long a worker may take."""
     parser.add_argument(
         "--max-in-flight",
         metavar="N",
@@ -129,11 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"a whole proxied request (504; default {LIMITS.request_timeout:g})",
     )
-    parser.add_argument("--seed", metavar="N", help="seed of the random tie-breaks (default: fresh per process)")
-    add_fleet_flags(parser)
-    add_http_flags(parser)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return parser
 
 
 def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptions:
@@ -141,40 +159,9 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     problems: list[str] = []
     warnings: list[str] = []
     port = parse_int("--port", args.port, 0, 65535, problems)
-    flags: dict[str, Setting] = {"router_mode": ("--router-mode", args.router_mode)}
-    if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
-        problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
-        flags.pop("router_mode")
-    if args.kv_overlap_score_weight is not None:
-        flags["overlap_score_weight"] = ("--kv-overlap-score-weight", args.kv_overlap_score_weight)
-    if args.router_temperature is not None:
-        flags["router_temperature"] = ("--router-temperature", args.router_temperature)
-    if args.no_kv_events:
-        flags["use_kv_events"] = ("--no-kv-events", "false")
-    if args.busy_threshold is not None:
-        flags["active_decode_blocks_threshold"] = ("--busy-threshold", args.busy_threshold)
-    router = None
-    try:
-        router = resolve(env_settings(env), flags)
-    except InvalidSettings as exc:
-        problems.extend(exc.problems)
+    router = _router(args, env, problems)
     block_size = parse_int("--block-size", args.block_size, 1, 1 << 20, problems)
-    limits = FrontendLimits(
-        max_in_flight=_int(args.max_in_flight, "--max-in-flight", LIMITS.max_in_flight, problems),
-        body_limit=_int(args.max_body_bytes, "--max-body-bytes", LIMITS.body_limit, problems),
-        max_prompt_tokens=_int(args.max_prompt_tokens, "--max-prompt-tokens", LIMITS.max_prompt_tokens, problems),
-        tokenizer_threads=_threads(args.tokenizer_threads, problems),
-        tokenize_queue_chars=_int(
-            args.max_tokenizing_chars, "--max-tokenizing-chars", LIMITS.tokenize_queue_chars, problems
-        ),
-        connect_timeout=_secs(
-            args.upstream_connect_timeout_secs, "--upstream-connect-timeout-secs", LIMITS.connect_timeout, problems
-        ),
-        read_timeout=_secs(
-            args.upstream_read_timeout_secs, "--upstream-read-timeout-secs", LIMITS.read_timeout, problems
-        ),
-        request_timeout=_secs(args.request_timeout_secs, "--request-timeout-secs", LIMITS.request_timeout, problems),
-    )
+    limits = _limits(args, problems)
     http, auth = http_options(args, env, problems, warnings)
     if args.host:
         check_exposure(args.host, auth, args, problems, warnings)
@@ -228,6 +215,47 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         auth=auth,
         seed=seed,
         fleet=fleet,
+    )
+
+
+def _router(args: argparse.Namespace, env: dict[str, str], problems: list[str]) -> RouterConfig | None:
+    """The routing flags over the environment's settings (None, with problems named, if any is bad)."""
+    flags: dict[str, Setting] = {"router_mode": ("--router-mode", args.router_mode)}
+    if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
+        problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
+        flags.pop("router_mode")
+    if args.kv_overlap_score_weight is not None:
+        flags["overlap_score_weight"] = ("--kv-overlap-score-weight", args.kv_overlap_score_weight)
+    if args.router_temperature is not None:
+        flags["router_temperature"] = ("--router-temperature", args.router_temperature)
+    if args.no_kv_events:
+        flags["use_kv_events"] = ("--no-kv-events", "false")
+    if args.busy_threshold is not None:
+        flags["active_decode_blocks_threshold"] = ("--busy-threshold", args.busy_threshold)
+    try:
+        return resolve(env_settings(env), flags)
+    except InvalidSettings as exc:
+        problems.extend(exc.problems)
+        return None
+
+
+def _limits(args: argparse.Namespace, problems: list[str]) -> FrontendLimits:
+    """What a client may ask and how long a worker may take (the defaults for flags not given)."""
+    return FrontendLimits(
+        max_in_flight=_int(args.max_in_flight, "--max-in-flight", LIMITS.max_in_flight, problems),
+        body_limit=_int(args.max_body_bytes, "--max-body-bytes", LIMITS.body_limit, problems),
+        max_prompt_tokens=_int(args.max_prompt_tokens, "--max-prompt-tokens", LIMITS.max_prompt_tokens, problems),
+        tokenizer_threads=_threads(args.tokenizer_threads, problems),
+        tokenize_queue_chars=_int(
+            args.max_tokenizing_chars, "--max-tokenizing-chars", LIMITS.tokenize_queue_chars, problems
+        ),
+        connect_timeout=_secs(
+            args.upstream_connect_timeout_secs, "--upstream-connect-timeout-secs", LIMITS.connect_timeout, problems
+        ),
+        read_timeout=_secs(
+            args.upstream_read_timeout_secs, "--upstream-read-timeout-secs", LIMITS.read_timeout, problems
+        ),
+        request_timeout=_secs(args.request_timeout_secs, "--request-timeout-secs", LIMITS.request_timeout, problems),
     )
 
 
