@@ -15,11 +15,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import secrets
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, cast
 
 import attrs
 import httpx
@@ -383,14 +384,16 @@ class Exchange:
         scanner = FirstToken(self.limits.sse_scan_limit) if self.streaming else None
         prefill_done = False
         try:
-            async for chunk in response.aiter_bytes() if encoded else response.aiter_raw():
-                if not chunk:
-                    continue
-                await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if not prefill_done and (scanner is None or scanner.feed(chunk)):
-                    prefill_done = True
-                    with trio.CancelScope(shield=True):
-                        await self.routing.prefill_complete(target)
+            # Closed here whatever ends the relay (the client gone, a cancellation), not left to the collector.
+            async with _closing(response.aiter_bytes() if encoded else response.aiter_raw()) as chunks:
+                async for chunk in chunks:
+                    if not chunk:
+                        continue
+                    await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if not prefill_done and (scanner is None or scanner.feed(chunk)):
+                        prefill_done = True
+                        with trio.CancelScope(shield=True):
+                            await self.routing.prefill_complete(target)
         except httpx.HTTPError as exc:
             self.proxy.counters.worker_errors += 1
             return await self._fail(502, f"{worker} failed mid-answer: {_describe(exc)}")
@@ -483,11 +486,17 @@ async def _read_limited(response: httpx.Response, limit: int, seconds: float) ->
     chunks: list[bytes] = []
     size = 0
     with trio.move_on_after(seconds):
-        async for chunk in response.aiter_raw():
-            if size < limit:
-                chunks.append(chunk[: limit - size])
-            size += len(chunk)
+        async with _closing(response.aiter_raw()) as body:
+            async for chunk in body:
+                if size < limit:
+                    chunks.append(chunk[: limit - size])
+                size += len(chunk)
     return b"".join(chunks)
+
+
+def _closing(chunks: AsyncIterator[bytes]) -> contextlib.aclosing[AsyncGenerator[bytes, None]]:
+    """httpx's body iterators are async generators: closed on leaving the block, even half-read."""
+    return contextlib.aclosing(cast(AsyncGenerator[bytes, None], chunks))
 
 
 def _error_text(body: bytes) -> str:
