@@ -149,7 +149,7 @@ async def test_filters_and_a_plain_get(tmp_path: Path) -> None:
         assert response.status_code == 426
 
 
-async def test_a_slow_subscriber_loses_the_oldest_decisions_not_the_newest(
+async def test_a_slow_subscriber_gets_the_newest_decisions_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reader with a 4 KiB buffer that reads nothing while 40 selections of 64 candidates each (~16 KB per
