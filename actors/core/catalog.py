@@ -180,7 +180,9 @@ def record_problem(record: WorkerRecord) -> str | None:
         return f"data_parallel_size {size} exceeds the maximum of {MAX_RANKS_PER_WORKER} ranks per worker"
     if record.dp_start + size > U32_MAX + 1:
         return f"data parallel range overflows u32: start={record.dp_start} size={record.data_parallel_size}"
-    problem = http_endpoint_problem(record.endpoint)
+    # A discovered record's endpoint is where its discovery says the worker answers (Dynamo's request plane is
+    # tcp://...): the operator's own registry, not a client's registration; the frontend forwards only to http(s).
+    problem = http_endpoint_problem(record.endpoint) if record.discovered_by is None else None
     if problem is not None:
         return f"endpoint: {problem}"
     for field, endpoint in _zmq_endpoints(record):

@@ -157,7 +157,7 @@ SCOPE = ScopeKey("tiny", "default")
 def test_a_pre_hashed_store_is_indexed_under_the_publishers_local_hashes() -> None:
     """The mocker's tokens_hash is kvrouter's local block hash: a /select for the same tokens matches."""
     state = ScopeState(SCOPE)
-    record = WorkerRecord(WORKER, "tiny", "default", endpoint="tcp://w", kv_events_endpoint="inproc://x", block_size=4)
+    record = WorkerRecord(WORKER, "tiny", "default", endpoint="http://w", kv_events_endpoint="inproc://x", block_size=4)
     fold(state, decide(state, UpsertWorker(record, True)).events)  # type: ignore[union-attr]
     tokens = list(range(100, 112))
     local = block_hashes(tokens, 4)
@@ -173,7 +173,7 @@ def test_a_pre_hashed_store_is_indexed_under_the_publishers_local_hashes() -> No
 
 def test_a_pre_hashed_store_naming_a_hash_twice_is_a_no_op() -> None:
     state = ScopeState(SCOPE)
-    record = WorkerRecord(WORKER, "tiny", "default", endpoint="tcp://w", kv_events_endpoint="inproc://x", block_size=4)
+    record = WorkerRecord(WORKER, "tiny", "default", endpoint="http://w", kv_events_endpoint="inproc://x", block_size=4)
     fold(state, decide(state, UpsertWorker(record, True)).events)  # type: ignore[union-attr]
     batch = KvBatch(0.0, (HashedBlocksStored(5, ((5, 1), (6, 2))),), 0)
     decision = decide(state, IngestKvBatch(WORKER, 0, 0, batch))
