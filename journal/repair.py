@@ -253,7 +253,8 @@ def truncate_after(path: str | Path, lsn: int) -> Truncation:
 
     Refuses (``CannotTruncate``, nothing changed) when the log that would be left is not a clean run
     of records from a readable snapshot (or from the first record) up to ``lsn``: a damaged record at
-    or before ``lsn``, or records at or before ``lsn`` that only a newer snapshot still holds.
+    or before ``lsn`` (but a rebuildable one recovery skips), or records at or before ``lsn`` that only a
+    newer snapshot still holds.
 
     Crash-safe order: snapshots after ``lsn`` go first, then whole segments from the newest back, then
     the cut; an interruption leaves a shorter log that recovers, and running it again finishes.
