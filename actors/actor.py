@@ -69,7 +69,9 @@ MAX_TURN_KV_BLOCKS = 1024
 # Commands carrying a worker's KV events (from its listener): their records are never acknowledged to a client, and
 # a crash that loses them is repaired by the worker's replay (the reference keeps no index across a restart at all).
 # So a read may show their effect before it is durable: the read barrier waits only for the other records
-# (``last_write_lsn``), and a selection during a KV flood does not wait for the flood's fsyncs.
+# (``last_write_lsn``), and a selection during a KV flood does not wait for the flood's fsyncs. Their records are
+# journaled as rebuildable: found damaged at a restart, recovery skips them and the workers replay what they held
+# (``actors/persistence/recovery.py``) instead of the service refusing to start.
 WORKER_KV_COMMANDS = frozenset({IngestKvBatch, ResetKvStream})
 
 
@@ -280,13 +282,14 @@ class ScopeActor:
             lsn = 0
             if type(decision) is Accepted and decision.events:
                 events = decision.events
+                from_worker = type(command) in WORKER_KV_COMMANDS
                 try:
-                    lsn = append(encode_record(scope, events))
+                    lsn = append(encode_record(scope, events), from_worker)
                 except JOURNAL_GONE as exc:
                     batch.failure = exc  # this command and the rest are not applied; the asker learns why
                     break
                 last = lsn
-                if type(command) not in WORKER_KV_COMMANDS:
+                if not from_worker:
                     self.last_write_lsn = last_write.lsn = lsn
                 fold(state, events)
                 self._changed = True
@@ -414,8 +417,9 @@ class ScopeActor:
         decision = decide(self.state, command)
         lsn = 0
         if isinstance(decision, Accepted) and decision.events:
-            lsn = self._journal.append(encode_record(self.state.scope, decision.events))
-            if type(command) not in WORKER_KV_COMMANDS:
+            from_worker = type(command) in WORKER_KV_COMMANDS
+            lsn = self._journal.append(encode_record(self.state.scope, decision.events), from_worker)
+            if not from_worker:
                 self.last_write_lsn = self._ports.last_write.lsn = lsn
             fold(self.state, decision.events)
             self._changed = True

@@ -103,6 +103,12 @@ def journal_families(system: ActorSystem) -> list[Family]:
             {(): stats.peak_pending_bytes},
         ),
         gauge("kvrouter_journal_segments", "Segment files in the journal", (), {(): stats.segments}),
+        gauge(
+            "kvrouter_journal_damaged_records_skipped",
+            "Damaged records of workers' KV events that recovery skipped at startup (their workers replay them)",
+            (),
+            {(): stats.damaged_skipped},
+        ),
         counter("kvrouter_journal_batches", "Batches written by this process", (), {(): stats.batches_written}),
         counter("kvrouter_journal_fsyncs", "Segment fsyncs by this process", (), {(): stats.fsyncs}),
         counter(

@@ -273,7 +273,7 @@ class ServiceApp:
         except HttpError as exc:
             release(exc)
             return http_error_response(exc), body_unread
-        request = Request(method, scope["path"], scope["query_string"], body, params)
+        request = Request(method, scope["path"], scope["query_string"], body, params, body_type=route.body_type)
         return await call_route(route, request), body_unread
 
     async def _websocket(self, scope: ASGIScope, receive: Any, send: Any) -> None:

@@ -64,6 +64,7 @@ from kvrouter.api.commands import (
     render,
 )
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
+from kvrouter.api.json_keys import RepeatedKeys, find_repeated
 from kvrouter.api.operation_routes import route
 from kvrouter.api.write_bodies import add_fields, ref_fields
 from kvrouter.api.ws_direct import DirectSocket, binary_frame, direct_socket
@@ -105,8 +106,8 @@ class Malformed(Exception):
         self.reason = reason
 
 
-def parse_message(data: bytes | str) -> tuple[list[Any], list[Any], bool]:
-    """(ids, commands, ordered) of one client message; raises Malformed."""
+def parse_message(data: bytes | str) -> tuple[list[Any], list[Any], bool, RepeatedKeys | None]:
+    """(ids, commands, ordered, the keys the message repeated) of one client message; raises Malformed."""
     size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", "surrogatepass"))
     if size > MAX_MESSAGE_BYTES:
         raise Malformed(CLOSE_TOO_BIG, f"a message holds at most {MAX_MESSAGE_BYTES} bytes")
@@ -116,6 +117,9 @@ def parse_message(data: bytes | str) -> tuple[list[Any], list[Any], bool]:
         raise Malformed(CLOSE_INVALID, f"not JSON: {exc}") from None
     if type(message) is not dict or type(message.get("commands")) is not list:
         raise Malformed(CLOSE_INVALID, NOT_A_MESSAGE)
+    repeated = find_repeated(data, message)  # None nearly always
+    if repeated is not None and repeated.at(()):
+        raise Malformed(CLOSE_INVALID, f"{NOT_A_MESSAGE}; this one has `{repeated.at(())[0]}` twice")
     ordered = message.get("ordered", True)
     if type(ordered) is not bool:
         raise Malformed(CLOSE_INVALID, NOT_A_MESSAGE)
@@ -123,12 +127,14 @@ def parse_message(data: bytes | str) -> tuple[list[Any], list[Any], bool]:
     if len(commands) > MAX_BATCH_COMMANDS:
         raise Malformed(CLOSE_TOO_BIG, f"a message holds at most {MAX_BATCH_COMMANDS} commands")
     ids = []
-    for command in commands:
+    for index, command in enumerate(commands):
         found = command.get("id") if type(command) is dict else None
         if not (type(found) is int or (type(found) is str and not text_too_long(found))):
             raise Malformed(CLOSE_INVALID, BAD_ID)
+        if repeated is not None and "id" in repeated.at(("commands", index)):
+            raise Malformed(CLOSE_INVALID, f"{BAD_ID}, and only one")
         ids.append(found)
-    return ids, commands, ordered
+    return ids, commands, ordered, repeated
 
 
 class CompactReader:
@@ -516,8 +522,14 @@ class CommandStream:
                 if self.compact is not None:
                     ids, items, ordered = self.compact.parse(data)
                 else:
-                    ids, commands, ordered = parse_message(data)
-                    items = [self.runner.resolve(command) for command in commands]
+                    ids, commands, ordered, repeated = parse_message(data)
+                    if repeated is None:
+                        items = [self.runner.resolve(command) for command in commands]
+                    else:
+                        items = [
+                            self.runner.resolve(command, repeated.under(("commands", index)))
+                            for index, command in enumerate(commands)
+                        ]
             except Malformed as bad:
                 return bad.code, bad.reason
             await self.window.take(len(items))

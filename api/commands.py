@@ -37,6 +37,7 @@ import trio
 from kvrouter.api.answer_budget import DEFAULT_BUDGETS, AnswerBudgets, AnswerMetrics, BatchAnswer, StreamOutput
 from kvrouter.api.app import RouteTable, call_route, http_error_response
 from kvrouter.api.http import JSON, UNPARSED, HttpError, Request, Response, Route, error_response, release
+from kvrouter.api.json_keys import RepeatedKeys, find_repeated
 from kvrouter.api.operation_routes import route
 
 log = logging.getLogger("kvrouter.api")
@@ -47,6 +48,7 @@ NOT_A_COMMAND = (
     "a command is a JSON object with a string `method`, a string `path` starting with `/`, and an optional `body`"
 )
 NESTED_BATCH = "a batch cannot contain a batch"
+COMMAND_FIELDS = ("method", "path", "body", "id")  # a command's own keys (``id``: the command stream's)
 NOT_A_BATCH = "a batch is a JSON array of commands"
 
 Resolved = tuple[Route, Request]
@@ -137,20 +139,34 @@ class CommandRunner:
         """Dispatch to ``routes`` (the service's whole table, this runner's own routes included)."""
         self.table = RouteTable(routes)
 
-    def resolve(self, command: Any) -> Resolved | Response:
-        """The route and request ``command`` names, or the response refusing it (nothing runs)."""
+    def resolve(self, command: Any, repeated: RepeatedKeys | None = None) -> Resolved | Response:
+        """The route and request ``command`` names, or the response refusing it (nothing runs).
+
+        ``repeated``: the keys the command's JSON repeated (``find_repeated`` of the batch or message, under the
+        command); a repeated key of the command itself is refused, one of its body as its route refuses it."""
         if type(command) is not dict:
             return error_response(400, NOT_A_COMMAND)
+        if repeated is not None:
+            twice = [key for key in repeated.at(()) if key in COMMAND_FIELDS]
+            if twice:
+                return error_response(400, f"{NOT_A_COMMAND}; this one has `{twice[0]}` twice")
         method, target = command.get("method"), command.get("path")
         if "body" in command:
-            return self.resolve_target(method, target, parsed=command["body"])
+            body_keys = repeated.under(("body",)) if repeated is not None else None
+            return self.resolve_target(method, target, parsed=command["body"], repeated=body_keys)
         return self.resolve_target(method, target)
 
     def resolve_target(
-        self, method: Any, target: Any, body: bytes = b"", parsed: Any = UNPARSED
+        self,
+        method: Any,
+        target: Any,
+        body: bytes = b"",
+        parsed: Any = UNPARSED,
+        repeated: RepeatedKeys | None = None,
     ) -> Resolved | Response:
         """The route and request of ``method`` and ``target`` (a path with an optional query) with ``body``
-        (the request's bytes, parsed as JSON by the route as on its own) or ``parsed`` (a body already parsed)."""
+        (the request's bytes, parsed as JSON by the route as on its own) or ``parsed`` (a body already parsed,
+        whose repeated keys are ``repeated``)."""
         if type(method) is not str or type(target) is not str or not target.startswith("/"):
             return error_response(400, NOT_A_COMMAND)
         raw_path, _, query = target.partition("?")
@@ -169,7 +185,7 @@ class CommandRunner:
             return error_response(400, NESTED_BATCH)
         query_string = query.encode("utf-8", "surrogatepass")
         path = unquote(raw_path) if "%" in raw_path else raw_path
-        return route, Request(method, path, query_string, body, params, parsed)
+        return route, Request(method, path, query_string, body, params, parsed, route.body_type, repeated)
 
     async def run(self, commands: Sequence[Item], deliver: Deliver, *, ordered: bool, gate: Gate | None = None) -> None:
         """Run ``commands``; ``deliver(index, response)`` as each finishes (refusals at once).
@@ -356,7 +372,11 @@ def batch_route(
             raise HttpError(400, NOT_A_BATCH)
         if len(commands) > MAX_BATCH_COMMANDS:
             raise HttpError(413, too_many(len(commands)))
-        resolved = [runner.resolve(command) for command in commands]
+        repeated = find_repeated(request.body, commands)  # None nearly always
+        if repeated is None:
+            resolved = [runner.resolve(command) for command in commands]
+        else:
+            resolved = [runner.resolve(command, repeated.under((i,))) for i, command in enumerate(commands)]
         writes = [_writes(item) for item in resolved]
         results: list[bytes] = [b""] * len(resolved)
         answer = BatchAnswer(budgets.batch_answer_bytes, metrics)

@@ -19,8 +19,8 @@ import attrs
 import orjson
 
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK
-from kvrouter.api import schemas, select_schemas
 from kvrouter.api.http import Request, Response, Route
+from kvrouter.api.operation_routes import body_class
 from kvrouter.api.operation_routes import route as operation_route
 from kvrouter.api.schemas import PotentialLoadsBody, SequenceHashes
 from kvrouter.api.select_schemas import SelectBody, TokenIds
@@ -247,15 +247,6 @@ _PATH_PARAMS = {
     "worker_id": {"type": "string", "pattern": "^[0-9]+$", "description": "decimal u64"},
     "reservation_id": {"type": "string"},
 }
-
-
-def body_class(name: str) -> type:
-    """The body class an operation names (``Operation.request``), from the modules that define them."""
-    for module in (schemas, select_schemas):
-        found = getattr(module, name, None)
-        if isinstance(found, type) and attrs.has(found):
-            return found
-    raise LookupError(f"no body class {name!r} in api/schemas.py or api/select_schemas.py")
 
 
 def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:

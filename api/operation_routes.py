@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import attrs
+
 from kvrouter.api.http import Batched, Handler, Route, WebSocketHandler
 from kvrouter.client.table import BY_NAME, Body, served_by
 
@@ -15,9 +17,15 @@ def route(
     websocket: WebSocketHandler | None = None,
     pipelined: bool = False,
     batched: Batched | None = None,
+    body_type: type | None = None,
 ) -> Route:
-    """The route serving operation ``name`` with ``handler``: method, path and body rules from the table."""
+    """The route serving operation ``name`` with ``handler``: method, path and body rules from the table.
+
+    ``body_type``: the class the handler reads the body as, where the table names none (``Operation.request``:
+    a body that is no single class, e.g. ``/potential_loads``, whose class differs per service)."""
     op = BY_NAME[name]
+    if body_type is None and op.request is not None:
+        body_type = body_class(op.request)
     return Route(
         op.method,
         op.path,
@@ -29,7 +37,20 @@ def route(
         websocket=websocket,
         batched=batched,
         operation=op,
+        body_type=body_type,
     )
+
+
+def body_class(name: str) -> type:
+    """The body class an operation names (``Operation.request``), from the modules that define them."""
+    # Imported here: the schema modules import the HTTP types this module's callers build routes with.
+    from kvrouter.api import schemas, select_schemas
+
+    for module in (schemas, select_schemas):
+        found = getattr(module, name, None)
+        if isinstance(found, type) and attrs.has(found):
+            return found
+    raise LookupError(f"no body class {name!r} in api/schemas.py or api/select_schemas.py")
 
 
 class IncompleteService(Exception):

@@ -168,6 +168,6 @@ def slot_tracker_routes(service: SlotService) -> list[Route]:
         write_route(service, "prefill_complete", prepare_prefill_complete, batches),
         write_route(service, "free", prepare_free, batches),
         route("loads", bound(service, loads)),
-        route("potential_loads", bound(service, potential_loads)),
+        route("potential_loads", bound(service, potential_loads), body_type=PotentialLoadsBody),
         route("health", bound(service, health)),
     ]

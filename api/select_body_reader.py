@@ -10,8 +10,9 @@ It takes only a JSON object whose values are strings without escapes, ``null``, 
 from 0 to 10**18 - 1 and, as ``token_ids`` only, one array of integers from 0 to 2**32 - 1. Anything else (an
 escape, a float, a negative or larger number, a nested object, another array, invalid UTF-8, invalid JSON)
 returns None, and the route parses the body the general way, which also words the errors. So it never decides
-what is valid: when it answers, the fields are exactly what ``orjson.loads`` gives (a repeated key: the last
-one wins, as there), ``token_ids`` as an ``array("I")`` instead of a list; the tests hold it to orjson.
+what is valid: when it answers, the fields are exactly what ``orjson.loads`` gives, ``token_ids`` as an
+``array("I")`` instead of a list; the tests hold it to orjson. A repeated key also returns None: the general
+way refuses a repeated field, as 1.6.1 does (``api/json_keys.py``).
 
 Compiled, it runs in C (``select_body_reader.pxd``); as plain Python it is correct but much slower than
 orjson, so the routes use it only when compiled (``COMPILED``).
@@ -218,7 +219,7 @@ def read_select_body(data: bytes) -> dict[str, Any] | None:
             scanner.pos += 1
             scanner.skip_ws()
             value = scanner.value(key)
-            if value is _FAILED:
+            if value is _FAILED or key in fields:  # (a repeated key: the general way refuses or keeps the last)
                 return None
             fields[key] = value
             scanner.skip_ws()

@@ -385,4 +385,6 @@ def select_service_routes(service: SelectService) -> list[Route]:
         "overlap_scores": overlap_scores,
         "dump": dump,
     }
-    return [route(name, bound(service, handler)) for name, handler in handlers.items()]
+    # Bodies the table names no single class for: the class each is read as here.
+    body_types: dict[str, type] = {"patch_worker": WorkerBody, "potential_loads": SelectBody}
+    return [route(name, bound(service, handler), body_type=body_types.get(name)) for name, handler in handlers.items()]

@@ -37,7 +37,7 @@ import trio
 # trio's idle detector (public in trio.testing; where pytest is installed, importing it loads pytest too).
 from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
 
-from kvrouter.journal.frames import FRAME_OVERHEAD, HEAD, LSN, LSN_BYTES, MAX_PAYLOAD_BYTES
+from kvrouter.journal.frames import FRAME_OVERHEAD, HEAD, LSN, LSN_BYTES, MAX_PAYLOAD_BYTES, REBUILDABLE_BITS
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.io_thread import IoThread
 from kvrouter.journal.latency import BucketCounts
@@ -51,7 +51,7 @@ from kvrouter.journal.snapshot_files import (
     install_snapshot_file,
     stage_snapshot_file,
 )
-from kvrouter.journal.store import CorruptJournal, Durability, Snapshot, check_snapshot
+from kvrouter.journal.store import CorruptJournal, Durability, SkippedRecord, Snapshot, check_snapshot
 
 logger = logging.getLogger("kvrouter.journal")
 
@@ -92,6 +92,7 @@ class JournalStatistics:
     fsyncs: int  # of segment files (directory fsyncs are not counted)
     segments: int
     inline_batches: int = 0  # batches the event loop wrote itself (no I/O thread): see ``_writes_inline``
+    damaged_skipped: int = 0  # damaged rebuildable records the startup scan passed over (``skipped_records``)
 
 
 @final
@@ -120,6 +121,8 @@ class FileJournal:
         self._synced_lsn = scan.last_lsn
         self._snapshot_lsn: int | None = scan.snapshot_lsn
         self._previous_snapshot_lsn: int | None = scan.previous_snapshot_lsn  # kept by compaction
+        self._skipped = scan.skipped
+        self._skip = frozenset(record.lsn for record in scan.skipped if not record.quarantined)
 
         # Payload bytes since the snapshot: _cum[i] is the running total after record snapshot_lsn+1+i,
         # so a snapshot at any appended lsn knows exactly how many bytes remain after it.
@@ -183,7 +186,9 @@ class FileJournal:
         """Open (creating if needed) the journal in ``path`` and recover its end state.
 
         Blocking: run it before serving, or through ``trio.to_thread.run_sync``. It truncates a torn
-        tail (logged) and raises ``CorruptJournal`` for anything else that is damaged (see ``scan``).
+        tail (logged), passes over damaged records their writer marked rebuildable and quarantine
+        placeholders (``skipped_records``: the caller says so), and raises ``CorruptJournal`` for
+        anything else that is damaged (see ``scan``).
         ``fresh=True`` first deletes every segment and snapshot file in the directory.
         """
         if segment_bytes <= 0 or max_backlog_bytes < 0 or batch_interval < 0:
@@ -230,8 +235,14 @@ class FileJournal:
     def records_since_snapshot(self) -> int:
         return self._commit.last_lsn - (self._snapshot_lsn or 0)
 
-    def append(self, payload: bytes) -> int:
-        """Frame ``payload`` under the next LSN into the pending buffer and wake the writer."""
+    @property
+    def skipped_records(self) -> tuple[SkippedRecord, ...]:
+        return self._skipped
+
+    def append(self, payload: bytes, rebuildable: bool = False) -> int:
+        """Frame ``payload`` under the next LSN into the pending buffer and wake the writer.
+
+        ``rebuildable`` sets the frame's kind (``frames.FrameKind``): found damaged later, it is skipped."""
         commit = self._commit
         if commit.failure is not None:
             raise trio.BrokenResourceError("the journal writer failed") from commit.failure
@@ -253,7 +264,8 @@ class FileJournal:
         self._tail_size = tail
         lsn_bytes = LSN.pack(lsn)
         pending = self._pending
-        pending += HEAD.pack(LSN_BYTES + size, zlib.crc32(payload, zlib.crc32(lsn_bytes)))
+        word = (LSN_BYTES + size) | REBUILDABLE_BITS if rebuildable else LSN_BYTES + size
+        pending += HEAD.pack(word, zlib.crc32(payload, zlib.crc32(lsn_bytes)))
         pending += lsn_bytes
         pending += payload
         total = self._total_bytes = self._total_bytes + size
@@ -304,7 +316,7 @@ class FileJournal:
         Reads the files synchronously (startup, recovery, tests): do not call it on a hot path.
         """
         floor = max(after_lsn, self._snapshot_lsn or 0)
-        return read_range(self._dir, floor, self._commit.durable_lsn, lambda: self._snapshot_lsn or 0)
+        return read_range(self._dir, floor, self._commit.durable_lsn, lambda: self._snapshot_lsn or 0, self._skip)
 
     def latest_snapshot(self) -> Snapshot | None:
         """Read the latest snapshot back from its file (it is not kept in memory: it can be big)."""
@@ -455,6 +467,7 @@ class FileJournal:
             fsyncs=self._fsyncs,
             segments=len(self._segments),
             inline_batches=self._inline_batches,
+            damaged_skipped=len(self._skip),
         )
 
     async def _write_loop(self) -> None:

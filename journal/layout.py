@@ -5,6 +5,8 @@ Layout (anything else in the directory is left alone)::
     journal-<first lsn:020d>.log     segments, each a run of frames with consecutive LSNs
     snapshot-<lsn:020d>.snap         a snapshot: exactly one frame whose lsn is the snapshot's
     snapshot-<lsn:020d>.snap.tmp     a snapshot being written (ignored by recovery)
+    quarantine-<lsn:020d>.frame      a record ``kvrouter journal quarantine`` moved out of the log, exactly as it
+                                     was (ignored by recovery, kept by --fresh: for whoever looks into the damage)
 """
 
 from __future__ import annotations
@@ -36,11 +38,28 @@ def snapshot_name(lsn: int) -> str:
     return f"snapshot-{lsn:020d}.snap"
 
 
-def corrupt(path: Path, offset: int, lsn: int, problem: str) -> str:
-    """The message of a ``CorruptJournal`` about one place in one file."""
+def quarantine_name(lsn: int, attempt: int = 0) -> str:
+    """The file a quarantined record's bytes go to (``attempt`` > 0: the name is taken by another copy)."""
+    return f"quarantine-{lsn:020d}.frame" if attempt == 0 else f"quarantine-{lsn:020d}.{attempt}.frame"
+
+
+def corrupt(path: Path, offset: int, lsn: int, problem: str, *, quarantine: bool = False) -> str:
+    """The message of a ``CorruptJournal`` about one place in one file.
+
+    ``quarantine``: the records after this one are intact, so moving only this one out is the repair to name.
+    """
+    inspect = f"`kvrouter journal inspect --data-dir {path.parent}` shows the log"
+    if quarantine:
+        return (
+            f"journal corrupt: {path} at byte offset {offset} (lsn {lsn}): {problem}. Refusing to start: skipping "
+            f"this record could lose an acknowledged write. The records after it are intact: to move only this one "
+            f"out of the log (kept in a file beside it) and keep every other, run `kvrouter journal quarantine "
+            f"--data-dir {path.parent} --lsn {lsn} --yes` ({inspect} and what the record held), or restore the data "
+            f"directory from a backup."
+        )
     cut = (
         f"To keep the records before it, cut the log there: `kvrouter journal truncate-after --data-dir "
-        f"{path.parent} --lsn {lsn - 1} --yes` (`kvrouter journal inspect --data-dir {path.parent}` shows the log)."
+        f"{path.parent} --lsn {lsn - 1} --yes` ({inspect})."
     )
     return f"journal corrupt: {path} at byte offset {offset} (lsn {lsn}): {problem}. {OPERATOR_HINT} {cut}"
 

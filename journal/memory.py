@@ -13,7 +13,7 @@ from typing import final
 import trio
 
 from kvrouter.journal.group_commit import GroupCommit
-from kvrouter.journal.store import Snapshot, check_snapshot
+from kvrouter.journal.store import SkippedRecord, Snapshot, check_snapshot
 
 
 @final
@@ -48,7 +48,11 @@ class MemoryJournal:
     def records_since_snapshot(self) -> int:
         return self._commit.last_lsn - (self._snapshot.lsn if self._snapshot is not None else 0)
 
-    def append(self, payload: bytes) -> int:
+    @property
+    def skipped_records(self) -> tuple[SkippedRecord, ...]:
+        return ()  # nothing here is ever damaged
+
+    def append(self, payload: bytes, rebuildable: bool = False) -> int:
         if self._closed.is_set():
             raise trio.ClosedResourceError("the journal is closed")
         self._records.append(bytes(payload))

@@ -6,6 +6,10 @@ scan raises ``CorruptJournal`` instead and leaves every file untouched. A tail t
 frame failing its checksum is still cut (a torn write into preallocated space looks exactly like
 that), but reported as an ERROR naming the file, offset and lsn: it may have been an acknowledged
 record that rotted.
+
+Two kinds of frame in the middle of the log are passed over instead (``Scan.skipped``; ``read_range`` then
+skips the same ones): a damaged frame its writer marked rebuildable (``FrameKind.REBUILDABLE``) whose length
+the next frame confirms, and a quarantine placeholder. Saying so is the caller's job: it knows what they held.
 """
 
 from __future__ import annotations
@@ -17,10 +21,20 @@ from pathlib import Path
 
 import attrs
 
-from kvrouter.journal.frames import FRAME_OVERHEAD, BadFrame, Tear, parse_frame, torn_tail
+from kvrouter.journal.frames import (
+    FRAME_OVERHEAD,
+    HEAD,
+    Bad,
+    BadFrame,
+    Tear,
+    damaged_frame_end,
+    find_next_frame,
+    parse_frame,
+    torn_tail,
+)
 from kvrouter.journal.layout import OPERATOR_HINT, corrupt, list_segments, list_snapshots, truncate
 from kvrouter.journal.snapshot_files import find_snapshot
-from kvrouter.journal.store import CorruptJournal
+from kvrouter.journal.store import CorruptJournal, SkippedRecord
 
 logger = logging.getLogger("kvrouter.journal")
 
@@ -36,6 +50,7 @@ class Scan:
     tail_first: int | None  # the segment appends continue in, or None to start a new one
     tail_size: int
     sizes_after_snapshot: array.array[int]  # payload sizes of the records after the snapshot
+    skipped: tuple[SkippedRecord, ...] = ()  # damaged rebuildable records and quarantine placeholders, passed over
 
 
 @attrs.frozen
@@ -60,6 +75,7 @@ def scan_directory(directory: Path) -> Scan:
     tail_size = 0
     torn: _TornTail | None = None
     misnamed: Path | None = None
+    skipped: list[SkippedRecord] = []
     for i, (first, path) in enumerate(segments):
         is_last = i == len(segments) - 1
         if not is_last and segments[i + 1][0] - 1 <= floor:
@@ -72,12 +88,18 @@ def scan_directory(directory: Path) -> Scan:
             parsed = parse_frame(data, offset)
             if isinstance(parsed, BadFrame):
                 tear = torn_tail(data, offset, expected, parsed) if is_last else None
-                if tear is None:
-                    raise CorruptJournal(corrupt(path, offset, expected, parsed.detail))
-                torn = _TornTail(path, offset, tear, len(data) - offset, expected, previous)
-                data = data[:offset]
-                break
-            lsn, end = parsed
+                if tear is not None:
+                    torn = _TornTail(path, offset, tear, len(data) - offset, expected, previous)
+                    data = data[:offset]
+                    break
+                passed = _passed_over(data, path, offset, expected, parsed)
+                if passed is None:
+                    raise CorruptJournal(_damage(data, path, offset, expected, parsed))
+                (lsn, end), skip = passed
+                if lsn > floor:
+                    skipped.append(skip)
+            else:
+                lsn, end = parsed
             if lsn != expected:
                 raise CorruptJournal(corrupt(path, offset, expected, f"found lsn {lsn} instead"))
             if segment_last is None and lsn <= previous:
@@ -123,7 +145,29 @@ def scan_directory(directory: Path) -> Scan:
         tail_first=tail_first,
         tail_size=tail_size,
         sizes_after_snapshot=sizes,
+        skipped=tuple(skipped),
     )
+
+
+def _passed_over(
+    data: bytes, path: Path, offset: int, lsn: int, bad: BadFrame
+) -> tuple[tuple[int, int], SkippedRecord] | None:
+    """((lsn, end), what was skipped) when the bad frame at ``offset`` (expected to hold ``lsn``) is one recovery
+    passes over: a quarantine placeholder, or a damaged rebuildable frame whose length the next frame confirms."""
+    if bad.kind is Bad.QUARANTINED:
+        return (bad.lsn, offset + HEAD.size + bad.length), SkippedRecord(bad.lsn, path.name, offset, True)
+    if bad.rebuildable:
+        end = damaged_frame_end(data, offset, bad, lsn)
+        if end is not None:
+            return (lsn, end), SkippedRecord(lsn, path.name, offset, False)
+    return None
+
+
+def _damage(data: bytes, path: Path, offset: int, lsn: int, bad: BadFrame) -> str:
+    """The refusal for damage mid-log: naming the quarantine of that one record when the records after it can
+    be found (they are intact, and only this one is lost), else the cut before it."""
+    movable = damaged_frame_end(data, offset, bad, lsn) is not None or find_next_frame(data, offset, lsn) is not None
+    return corrupt(path, offset, lsn, bad.detail, quarantine=movable)
 
 
 def _log_tear(torn: _TornTail) -> None:
@@ -150,11 +194,14 @@ def _log_tear(torn: _TornTail) -> None:
         )
 
 
-def read_range(directory: Path, floor: int, limit: int, covered: Callable[[], int]) -> Iterator[tuple[int, bytes]]:
+def read_range(
+    directory: Path, floor: int, limit: int, covered: Callable[[], int], skip: frozenset[int] = frozenset()
+) -> Iterator[tuple[int, bytes]]:
     """Yield (lsn, payload) for floor < lsn <= limit from the segment files, checking each frame.
 
     ``covered()`` is the current snapshot lsn: a segment that vanished below it was compacted while
-    we read, which is not damage.
+    we read, which is not damage. Quarantine placeholders and the damaged rebuildable records in ``skip``
+    (the lsns the startup scan passed over) are not yielded; any other bad frame raises ``CorruptJournal``.
     """
     if floor >= limit:
         return
@@ -174,14 +221,21 @@ def read_range(directory: Path, floor: int, limit: int, covered: Callable[[], in
             raise
         offset = 0
         while offset < len(data):
+            here = first if expected is None else expected
             parsed = parse_frame(data, offset)
             if isinstance(parsed, BadFrame):
-                raise CorruptJournal(corrupt(path, offset, expected or first, parsed.detail))
-            lsn, end = parsed
+                passed = _passed_over(data, path, offset, here, parsed)
+                if passed is None or (not passed[1].quarantined and here not in skip):
+                    raise CorruptJournal(corrupt(path, offset, here, parsed.detail))
+                (lsn, end), _ = passed
+                payload = None
+            else:
+                lsn, end = parsed
+                payload = data[offset + FRAME_OVERHEAD : end]
             if expected is not None and lsn != expected:
                 raise CorruptJournal(corrupt(path, offset, expected, f"found lsn {lsn}"))
-            if lsn > floor:
-                yield lsn, data[offset + FRAME_OVERHEAD : end]
+            if lsn > floor and payload is not None:
+                yield lsn, payload
             if lsn >= limit:
                 return
             expected = lsn + 1

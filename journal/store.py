@@ -37,6 +37,17 @@ class CorruptJournal(Exception):
 
 
 @attrs.frozen
+class SkippedRecord:
+    """A record the log holds but ``read`` does not yield: damaged (its checksum fails) where its writer marked it
+    rebuildable, or a placeholder ``kvrouter journal quarantine`` left for a record it moved out."""
+
+    lsn: int
+    segment: str  # file name
+    offset: int  # of the frame in the segment
+    quarantined: bool  # False: damaged and rebuildable
+
+
+@attrs.frozen
 class Snapshot:
     lsn: int  # every record with lsn <= this one is folded into payload
     payload: bytes
@@ -57,8 +68,16 @@ class Journal(Protocol):
     @property
     def records_since_snapshot(self) -> int: ...
 
-    def append(self, payload: bytes) -> int:
-        """Assign the next LSN to ``payload`` and buffer it; never blocks, never awaits."""
+    @property
+    def skipped_records(self) -> tuple[SkippedRecord, ...]:
+        """The records ``read`` passes over (found when the journal was opened), oldest first."""
+
+    def append(self, payload: bytes, rebuildable: bool = False) -> int:
+        """Assign the next LSN to ``payload`` and buffer it; never blocks, never awaits.
+
+        ``rebuildable``: the writer can give this record back from another source, so if it is later found
+        damaged, opening the journal skips it (``skipped_records``) instead of refusing to start.
+        """
 
     def has_room(self) -> bool:
         """False while the unwritten backlog is over its bound (callers then ``wait_for_room``)."""

@@ -80,6 +80,27 @@ SCENARIO: list[tuple[str, str, Any]] = [
     ("GET", "/register", None),
     ("POST", "/health", {}),
     ("GET", "/health", None),
+    # A key written twice (bytes: a dict cannot hold it): a repeated field is refused, an unknown one ignored.
+    ("POST", "/register", b'{"model_name":"m","worker_id":11,"block_size":16,"dp_start":0,"dp_size":1,"worker_id":12}'),
+    (
+        "POST",
+        "/register",
+        b'{"model_name":"m","model\\u005fname":"n","worker_id":11,"block_size":16,"dp_start":0,"dp_size":1}',
+    ),
+    (
+        "POST",
+        "/register",
+        b'{"model_name":"m","worker_id":13,"block_size":16,"dp_start":0,"dp_size":1,"zz":1,"zz":{"a":1,"a":2}}',
+    ),
+    (
+        "POST",
+        "/add",
+        b'{"model_name":"m","request_id":"x","worker_id":13,"dp_rank":0,"sequence_hashes":[1],"request_id":"y"}',
+    ),
+    ("POST", "/potential_loads", b'{"model_name":"m","sequence_hashes":[1],"sequence_hashes":[2]}'),
+    ("POST", "/free", b'{"model_name" : "m", "request_id" : "x", "request_id" : "x"}'),
+    ("GET", "/workers", None),
+    ("GET", "/loads", None),
 ]
 
 
@@ -102,7 +123,10 @@ async def play(url: str) -> list[tuple[int, Any]]:
     results = []
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         for method, path, body in SCENARIO:
-            response = await http.request(method, path, json=body)
+            if isinstance(body, bytes):
+                response = await http.request(method, path, content=body, headers={"content-type": "application/json"})
+            else:
+                response = await http.request(method, path, json=body)
             results.append((response.status_code, normalise(response.content)))
     return results
 

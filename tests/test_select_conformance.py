@@ -31,6 +31,7 @@ class Raw:
     content_type: str | None = None
 
 
+JSON = "application/json"
 TOKENS = list(range(1, 41))
 M = {"model_name": "m"}
 SCENARIO: list[tuple[str, str, Any]] = [
@@ -99,6 +100,39 @@ SCENARIO: list[tuple[str, str, Any]] = [
     ("DELETE", "/workers/1", Raw(b"x", "text/plain")),
     ("DELETE", "/workers/1", None),
     ("GET", "/health", None),
+    # A key written twice: a field of a struct is refused at any depth; a map's key, an unknown field: the last wins.
+    ("POST", "/select", Raw(b'{"model_name":"m","token_ids":[1,2,3,4],"model_name":"m"}', JSON)),
+    ("POST", "/select", Raw(b'{"model_name":"m","token_ids":[1,2,3,4],"token_ids":[5]}', JSON)),
+    (
+        "POST",
+        "/select",
+        Raw(
+            b'{"model_name":"m","token_ids":[1],"router_config_override":{"router_temperature":0,"router_temperature":1}}',
+            JSON,
+        ),
+    ),
+    (
+        "POST",
+        "/select",
+        Raw(b'{"model_name":"m","token_ids":[1],"session_context":{"session_id":"a","session_id":"b"}}', JSON),
+    ),
+    (
+        "POST",
+        "/select",
+        Raw(b'{"model_name":"m","token_ids":[1,2,3,4],"router_config_override":{"zz":0,"zz":1}}', JSON),
+    ),
+    ("POST", "/select", Raw(b'{"model_name":"m","token_ids":[1,2,3,4],"extra":{"a":1,"a":2},"extra":3}', JSON)),
+    ("POST", "/workers", Raw(b'{"worker_id":3,"model_name":"m","endpoint":"http://w3","endpoint":"http://w4"}', JSON)),
+    (
+        "POST",
+        "/workers",
+        Raw(b'{"worker_id":3,"model_name":"m","endpoint":"http://w3","topology_domains":{"r":"a","r":"b"}}', JSON),
+    ),
+    ("PATCH", "/workers/3", Raw(b'{"block_size":4,"block_size":8}', JSON)),
+    ("PATCH", "/workers/3", Raw(b'{"block_size":4,"zz":1,"zz":2}', JSON)),
+    ("POST", "/reservations", Raw(b'{"model_name":"m","selection_id":"q","selection_id":"q"}', JSON)),
+    ("POST", "/overlap_scores", Raw(b'{"model_name":"m","token_ids":[1,2,3,4],"token_ids":[1,2,3,4]}', JSON)),
+    ("GET", "/workers", None),
 ]
 
 

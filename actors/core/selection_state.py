@@ -124,6 +124,24 @@ class SelectionState:
         self.predicted.remove_rank(rank)
         self.approx_count -= len(self.approx_expiry.pop(rank, {}))
 
+    def rewind_streams(self, before: dict[WorkerRank, int]) -> int:
+        """Recovery only, after it skipped a damaged KV record it cannot read: move each KV-event watermark back
+        to where ``before`` (the watermarks just before that record) had it, or drop it if ``before`` had none,
+        so the rank's listener asks its worker to replay from there and the lost batches come back. A watermark
+        below ``before``'s belongs to a stream that restarted since (the skipped batches died with the old one):
+        it stays. Returns how many moved."""
+        moved = 0
+        for rank, seq in list(self.kv_watermarks.items()):
+            earlier = before.get(rank)
+            if earlier is None:
+                del self.kv_watermarks[rank]
+            elif earlier < seq:
+                self.kv_watermarks[rank] = earlier
+            else:
+                continue
+            moved += 1
+        return moved
+
     def book_predicted(self, rank: WorkerRank, blocks: tuple[tuple[int, int], ...], expires_at: int) -> None:
         self.predicted.apply_stored(rank, Tier.DEVICE, None, blocks)
         expiry = self.approx_expiry.setdefault(rank, {})

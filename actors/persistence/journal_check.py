@@ -21,7 +21,7 @@ from kvrouter.actors.persistence.recovery import PoisonRecord, replay
 from kvrouter.actors.persistence.snapshots import UnreadableSnapshot, restore_snapshot
 from kvrouter.journal.frames import MAX_PAYLOAD_BYTES, BadFrame, parse_frame, torn_tail
 from kvrouter.journal.layout import list_segments, snapshot_name
-from kvrouter.journal.repair import DamagedFrame, RecordInfo, inspect_records, inspect_snapshots
+from kvrouter.journal.repair import DamagedFrame, QuarantinedRecord, inspect_records, inspect_snapshots
 from kvrouter.journal.snapshot_files import decode_snapshot_file
 from kvrouter.journal.store import Snapshot
 
@@ -35,6 +35,7 @@ class Stop:
     kind: str
     lsn: int
     problem: str
+    movable: bool = False  # only this record need go: the records after it are intact (``kvrouter journal quarantine``)
 
 
 @attrs.frozen
@@ -51,11 +52,12 @@ class TornTail:
 @attrs.frozen
 class RecoveryCheck:
     snapshot_lsn: int  # recovery starts from this snapshot (0: from the first record)
-    last_lsn: int  # the last record recovery would apply
+    last_lsn: int  # the last record recovery would apply (or pass over: ``skipped``)
     replayed: int  # records replayed after the snapshot
     scopes: int  # scopes recovered up to last_lsn
     stop: Stop | None
     torn_tail: TornTail | None
+    skipped: tuple[int, ...] = ()  # damaged rebuildable records and quarantine placeholders recovery passes over
 
 
 def describe_record(payload: bytes) -> str:
@@ -76,34 +78,40 @@ def check_recovery(path: str | Path, upto: int | None = None) -> RecoveryCheck:
     last = base
     replayed = 0
     torn: TornTail | None = None
+    skipped: list[int] = []
     if stop is None:
         segments = list_segments(directory)
         last_segment = segments[-1][1].name if segments else None
         for entry in inspect_records(directory, after_lsn=base, head_bytes=MAX_PAYLOAD_BYTES):
+            if entry.lsn <= base:
+                continue  # in a segment kept only for an older snapshot: recovery does not read it
+            if upto is not None and entry.lsn > upto:
+                break
             if isinstance(entry, DamagedFrame):
-                if entry.lsn <= base:
-                    continue  # in a segment kept only for an older snapshot: recovery does not read it
-                if upto is not None and entry.lsn > upto:
-                    break
                 torn = _torn_tail(directory, entry) if entry.segment == last_segment else None
+                if torn is None and entry.rebuildable and entry.lsn == last + 1:
+                    skipped.append(entry.lsn)  # as the startup scan: passed over
+                    last = entry.lsn
+                    continue
                 if torn is None:
                     problem = f"{entry.problem} in {entry.segment} at byte offset {entry.offset}"
-                    stop = Stop("damage", entry.lsn, problem)
-                break
-            assert isinstance(entry, RecordInfo)
-            if upto is not None and entry.lsn > upto:
+                    stop = Stop("damage", entry.lsn, problem, movable=entry.end is not None)
                 break
             if entry.lsn != last + 1:
                 stop = Stop("gap", last + 1, f"records {last + 1}..{entry.lsn - 1} are missing")
                 break
+            if isinstance(entry, QuarantinedRecord):
+                skipped.append(entry.lsn)
+                last = entry.lsn
+                continue
             try:
                 replay(states, [(entry.lsn, entry.head)])
             except PoisonRecord as exc:
-                stop = Stop("record", exc.lsn, exc.problem)
+                stop = Stop("record", exc.lsn, exc.problem, movable=True)
                 break
             last = entry.lsn
             replayed += 1
-    return RecoveryCheck(base, last, replayed, len(states), stop, torn)
+    return RecoveryCheck(base, last, replayed, len(states), stop, torn, tuple(skipped))
 
 
 def _restore_newest_snapshot(directory: Path, upto: int | None) -> tuple[int, dict[ScopeKey, ScopeState], Stop | None]:

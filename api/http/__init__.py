@@ -10,6 +10,8 @@ from urllib.parse import parse_qsl
 import attrs
 import orjson
 
+from kvrouter.api.json_keys import RepeatedKeys, find_repeated, repeated_field
+
 if TYPE_CHECKING:
     from kvrouter.client.table import Operation
 
@@ -47,6 +49,10 @@ class Request:
     path_params: dict[str, str] = attrs.Factory(dict)
     # A body already parsed as JSON (a command of a batch): ``json()`` returns it as it is.
     parsed: Any = attrs.field(default=UNPARSED, repr=False)
+    # The route's body class (``Route.body_type``): a repeated field of it is refused, as 1.6.1's serde does.
+    body_type: Any = attrs.field(default=None, repr=False)
+    # With ``parsed``: the keys its document repeated (found where the batch or message was read), if any.
+    repeated: RepeatedKeys | None = attrs.field(default=None, repr=False)
 
     def query(self, known: tuple[str, ...]) -> dict[str, str]:
         """The ``known`` query parameters; others are ignored, a repeated known one is a 400."""
@@ -59,14 +65,29 @@ class Request:
         return found
 
     def json(self) -> Any:
+        """The body as JSON; 400 if it is not JSON, 422 if it repeats a field of the route's body class."""
         if self.parsed is not UNPARSED:
+            if self.repeated is not None and self.body_type is not None:
+                refuse_repeated(self.body_type, self.repeated)
             return self.parsed
         if not self.body.strip():
             raise HttpError(400, "Failed to parse the request body as JSON: EOF while parsing a value")
         try:
-            return orjson.loads(self.body)
+            value = orjson.loads(self.body)
         except orjson.JSONDecodeError as exc:
             raise HttpError(400, f"Failed to parse the request body as JSON: {exc}") from None
+        if self.body_type is not None:
+            repeated = find_repeated(self.body, value)
+            if repeated is not None:
+                refuse_repeated(self.body_type, repeated)
+        return value
+
+
+def refuse_repeated(body_type: type, repeated: RepeatedKeys) -> None:
+    """Raise 422 with serde's words if ``repeated`` holds a field of ``body_type`` (or of a struct within it)."""
+    problem = repeated_field(body_type, repeated)
+    if problem is not None:
+        raise HttpError(422, f"Failed to deserialize the JSON body into the target type: {problem}")
 
 
 def release(exc: BaseException) -> None:
@@ -132,6 +153,8 @@ class Route:
     batched: Batched | None = None
     # The operation it serves (``client/table.py``): its documentation, whether it writes, its name.
     operation: Operation | None = None
+    # The attrs class its JSON body is read as: a repeated field of it (or of a struct within it) is refused.
+    body_type: Any = None
 
 
 @attrs.frozen

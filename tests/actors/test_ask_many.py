@@ -115,10 +115,10 @@ class BreaksAfter(MemoryJournal):
         super().__init__()
         self.limit = limit
 
-    def append(self, payload: bytes) -> int:
+    def append(self, payload: bytes, rebuildable: bool = False) -> int:
         if self.last_lsn >= self.limit:
             raise trio.BrokenResourceError("the journal writer failed")
-        return super().append(payload)
+        return super().append(payload, rebuildable)
 
 
 async def test_a_journal_failing_mid_batch_fails_that_write_and_the_rest_of_its_scope(

@@ -175,10 +175,10 @@ class BreakableJournal(MemoryJournal):
 
     broken = False
 
-    def append(self, payload: bytes) -> int:
+    def append(self, payload: bytes, rebuildable: bool = False) -> int:
         if self.broken:
             raise trio.BrokenResourceError("the journal writer failed")
-        return super().append(payload)
+        return super().append(payload, rebuildable)
 
 
 async def test_a_journal_that_cannot_be_written_fails_the_write_not_the_actor(

@@ -242,7 +242,7 @@ def startup_failures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
         ("data dir under a file", ["cannot use the data directory", "a-file is not a directory"]),
         ("replica-sync port in use", ["replica-sync port", "pass another --replica-sync-port"]),
         ("data dir locked", ["is in use by another kvrouter process", "another --data-dir"]),
-        ("corrupt journal", ["journal corrupt", "lsn 1", "--fresh"]),
+        ("corrupt journal", ["journal corrupt", "lsn 1", "kvrouter journal quarantine --data-dir", "--lsn 1 --yes"]),
         ("data dir not writable", ["cannot use the data directory /sys/kvrouter-test-data", "this user can write"]),
     ],
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trio
 
-from kvrouter.actors.core.events import PrefillCompleted, WorkerRegistered
+from kvrouter.actors.core.events import KvIndexed, KvStoredOp, PrefillCompleted, RequestAdded, WorkerRegistered
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.state import ScopeState
@@ -113,7 +113,7 @@ async def test_recovery_from_a_snapshot_replays_only_the_records_after_it(tmp_pa
 
     check = check_recovery(tmp_path)
     assert (check.snapshot_lsn, check.replayed, check.last_lsn, check.scopes) == (1, 1, 2, 1)
-    assert check.stop == Stop("record", 3, check.stop.problem if check.stop else "")
+    assert check.stop == Stop("record", 3, check.stop.problem if check.stop else "", movable=True)
     status, out, _ = run("inspect", "--data-dir", str(tmp_path))
     assert status == 1 and "snapshot lsn 1  " in out and out.count("  ok\n") == 1
 
@@ -121,3 +121,82 @@ async def test_recovery_from_a_snapshot_replays_only_the_records_after_it(tmp_pa
     assert status == 0 and out.splitlines()[-1] == (
         "recovery: ok, from snapshot lsn 1 plus 1 records to lsn 2 (1 scopes)"
     )
+
+
+# -- a damaged record with intact records after it: the cut counts and names what it drops; quarantine -------
+
+BOOKINGS = [encode_record(SCOPE, (RequestAdded(f"req-{n}", 1, 0, (n,), 4, 1_000 + n),)) for n in range(3)]  # lsns 3..5
+KV = encode_record(SCOPE, (KvIndexed(1, 0, 0, 7, (KvStoredOp(0, None, ((11, 12),)),)),))  # lsn 2, as older builds wrote
+
+
+async def damaged_history(path: Path) -> None:
+    """A registration, a KV record an older build wrote (not marked rebuildable) whose payload then took a bit
+    flip, and three bookings after it."""
+    await append_records(path, [GOOD, KV, *BOOKINGS])
+    flip_bit(path / "journal-00000000000000000001.log", 16 + len(GOOD) + 16 + 40)
+
+
+def flip_bit(segment: Path, offset: int) -> None:
+    data = bytearray(segment.read_bytes())
+    data[offset] ^= 0x04
+    segment.write_bytes(bytes(data))
+
+
+async def test_the_dry_run_counts_what_the_cut_removes_and_names_the_client_writes(tmp_path: Path) -> None:
+    await damaged_history(tmp_path)
+    before = contents(tmp_path)
+
+    status, out, _ = run("truncate-after", "--data-dir", str(tmp_path), "--lsn", "1")
+
+    assert status == 0 and contents(tmp_path) == before
+    lines = out.splitlines()
+    assert lines[0].startswith("would keep records up to lsn 1, remove 3 records and 1 damaged, ")  # before: 0
+    assert lines[1] == "among them, acknowledged client writes: 3 bookings (req-0, req-1, req-2)"
+    assert lines[2] == (
+        "record 2 is damaged and the records after it are intact: to lose only that one, run "
+        f"`kvrouter journal quarantine --data-dir {tmp_path} --lsn 2 --yes` instead"
+    )
+    status, out, _ = run("truncate-after", "--data-dir", str(tmp_path), "--lsn", "1", "--yes")
+    assert status == 0 and "among them, acknowledged client writes: 3 bookings (req-0, req-1, req-2)" in out
+    assert check_recovery(tmp_path).last_lsn == 1
+
+
+async def test_quarantine_moves_the_damaged_record_out_and_keeps_the_bookings(tmp_path: Path) -> None:
+    await damaged_history(tmp_path)
+    status, out, _ = run("inspect", "--data-dir", str(tmp_path))
+    assert status == 1 and "lsn 5  " in out  # inspect reads on past the damage
+    assert (
+        f"recovery: STOPS at lsn 2: record 2 is damaged (checksum mismatch in journal-00000000000000000001.log at "
+        f"byte offset {16 + len(GOOD)}); move only it out of the log: kvrouter journal quarantine --data-dir "
+        f"{tmp_path} --lsn 2 --yes"
+    ) in out
+    before = contents(tmp_path)
+
+    status, out, _ = run("quarantine", "--data-dir", str(tmp_path), "--lsn", "2")
+    assert status == 0 and contents(tmp_path) == before
+    kept = tmp_path / "quarantine-00000000000000000002.frame"
+    assert out.splitlines()[0] == (
+        f"would move record 2 (damaged: checksum mismatch; {16 + len(KV)} bytes in journal-00000000000000000001.log "
+        f"at byte offset {16 + len(GOOD)}) to {kept} and leave a placeholder in its place; every other record stays"
+    )
+    assert out.splitlines()[-1] == "dry run: nothing changed; add --yes to quarantine"
+
+    status, out, _ = run("quarantine", "--data-dir", str(tmp_path), "--lsn", "2", "--yes")
+    assert status == 0 and out.startswith(f"quarantined: moved record 2 (damaged: checksum mismatch; {16 + len(KV)}")
+    assert out.splitlines()[-1] == (
+        "recovery: ok, from the first record plus 4 records to lsn 5 (1 scopes); it passes over 1 damaged "
+        "rebuildable or quarantined records (lsn 2)"
+    )
+    assert kept.read_bytes() == before["journal-00000000000000000001.log"][16 + len(GOOD) : 32 + len(GOOD) + len(KV)]
+
+    status, _, err = run("quarantine", "--data-dir", str(tmp_path), "--lsn", "3", "--yes")
+    assert status == 2 and err.startswith("kvrouter journal quarantine: cannot quarantine lsn 3: record 3 is intact")
+
+
+async def test_quarantine_takes_a_record_recovery_cannot_use(tmp_path: Path) -> None:
+    await append_records(tmp_path, [GOOD, POISON, GOOD])
+
+    status, out, _ = run("quarantine", "--data-dir", str(tmp_path), "--lsn", "2", "--yes")
+
+    assert status == 0 and "(intact, but recovery cannot use it;" in out
+    assert out.splitlines()[-1].startswith("recovery: ok, from the first record plus 2 records to lsn 3")

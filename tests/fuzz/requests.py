@@ -27,6 +27,7 @@ from tests.fuzz.strategies import (
     encode,
     path_with,
     spoiled,
+    with_repeated_key,
 )
 
 JSON = "application/json"
@@ -38,6 +39,7 @@ SPOILS = [
     *["body"] * 4,
     *["param"] * 2,
     *["raw body", "content type", "method", "path", "query", "framing", "upgrade", "auth"],
+    *["repeat"] * 2,  # a key written twice in the body (a parser keeping the last value reads a plausible body)
 ]
 VALID_TOKEN = "valid"  # FuzzRequest.authorization: the service's own token, whatever it is
 # Authorization headers a service with a token must refuse (a service without one ignores them).
@@ -55,6 +57,7 @@ class FuzzRequest:
     route: FuzzRoute
     spoil: str
     authorization: str | None = VALID_TOKEN  # the header's value; None: no header
+    repeated: str | None = None  # "repeat": the key the body's top-level object holds twice
 
     def describe(self) -> str:
         body = (self.body or b"")[:300]
@@ -73,6 +76,7 @@ class RawResponse:
 
 def draw_request(route: FuzzRoute, data: st.DataObject, spoils: list[str]) -> FuzzRequest:
     spoil = data.draw(st.sampled_from(spoils), label="spoil")
+    repeated: str | None = None
     method = route.method
     params = {name: data.draw(strategy, label=name) for name, strategy in route.params.items()}
     path = path_with(route.path, params)
@@ -83,6 +87,8 @@ def draw_request(route: FuzzRoute, data: st.DataObject, spoils: list[str]) -> Fu
     if spoil == "body":
         raw = encode(spoiled(body, data) if body is not None else data.draw(NASTY))
         headers = [("content-type", JSON)]
+    elif spoil == "repeat" and body is not None and (repeat := with_repeated_key(body, data)) is not None:
+        raw, repeated = repeat
     elif spoil == "raw body":
         raw = data.draw(RAW_BODIES)
         headers = [("content-type", JSON)]
@@ -119,7 +125,7 @@ def draw_request(route: FuzzRoute, data: st.DataObject, spoils: list[str]) -> Fu
         headers = [*headers, *UPGRADE_HEADERS.items()]
     authorization = data.draw(BAD_AUTHORIZATION) if spoil == "auth" else VALID_TOKEN
     target = f"{path}?{query}" if query else path
-    return FuzzRequest(method, target, raw, tuple(headers), route, spoil, authorization)
+    return FuzzRequest(method, target, raw, tuple(headers), route, spoil, authorization, repeated)
 
 
 def known_request(rows: list[FuzzRoute], method: str, target: str, body: Any) -> FuzzRequest:

@@ -190,6 +190,42 @@ def spoiled(body: Any, data: st.DataObject) -> Any:
     return data.draw(NASTY)
 
 
+def with_repeated_key(body: Any, data: st.DataObject) -> tuple[bytes, str | None] | None:
+    """``body`` as JSON with one object (at any depth) holding one of its keys twice: first with another value
+    (a nasty one, or the same), then with its own, so that a parser keeping the last value reads ``body`` as it
+    was. Returns the bytes and the repeated key if the object is the body itself (else None); None if ``body``
+    holds no object with a key."""
+    objects = list(_objects(body, ()))
+    if not objects:
+        return None
+    path, found = data.draw(st.sampled_from(objects), label="repeated in")
+    key = data.draw(st.sampled_from(sorted(found)), label="repeated key")
+    first = data.draw(st.one_of(NASTY, st.just(found[key])), label="first value")
+    return _dump_repeating(body, path, key, first).encode(), key if path == () else None
+
+
+def _objects(value: Any, path: tuple[Any, ...]) -> Any:
+    if isinstance(value, dict):
+        if value:
+            yield path, value
+        for key, child in value.items():
+            yield from _objects(child, (*path, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            yield from _objects(child, (*path, index))
+
+
+def _dump_repeating(value: Any, target: tuple[Any, ...], key: str, first: Any, here: tuple[Any, ...] = ()) -> str:
+    if isinstance(value, dict):
+        items = [f"{json.dumps(k)}: {_dump_repeating(v, target, key, first, (*here, k))}" for k, v in value.items()]
+        if here == target:
+            items.insert(0, f"{json.dumps(key)}: {json.dumps(first, ensure_ascii=False)}")
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_dump_repeating(v, target, key, first, (*here, i)) for i, v in enumerate(value)) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def encode(body: Any) -> bytes:
     """JSON as a client may write it: integers of any size (orjson stops at 64 bits), UTF-8 text."""
     return json.dumps(body, ensure_ascii=False).encode()

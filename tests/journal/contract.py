@@ -61,6 +61,19 @@ class JournalContract:
         assert list(journal.read(after_lsn=2)) == list(enumerate(PAYLOADS, 1))[2:]
         assert list(journal.read(after_lsn=5)) == []
 
+    async def test_a_rebuildable_record_reads_like_any_other_and_survives_a_restart(
+        self, nursery: trio.Nursery
+    ) -> None:
+        journal = await self.started(nursery)
+        lsns = [journal.append(payload, index % 2 == 1) for index, payload in enumerate(PAYLOADS)]
+        with trio.fail_after(TIMEOUT):
+            await journal.wait_durable(lsns[-1])
+        assert list(journal.read()) == list(enumerate(PAYLOADS, 1))
+        await journal.aclose()
+        restarted = await self.restart(journal)
+        assert list(restarted.read()) == list(enumerate(PAYLOADS, 1))
+        assert restarted.skipped_records == ()
+
     async def test_wait_durable_returns_once_the_lsn_is_covered(self, nursery: trio.Nursery) -> None:
         journal = await self.started(nursery)
         for payload in PAYLOADS:
