@@ -411,10 +411,12 @@ class SelectService:
         if cached_tokens is not None and cached_tokens < 0:
             raise Refused(Reason.INVALID, "cached_tokens must be a non-negative integer")
         scope = await self._reservation_scope(reservation_id)
-        accepted(await self.system.ask(scope, CompleteReservationPrefill(reservation_id, at=self._now())))
+        at = self._now()
+        accepted(await self.system.ask(scope, CompleteReservationPrefill(reservation_id, at=at)))
         if cached_tokens is not None:
             self.hit_accuracy.realised(reservation_id, cached_tokens)
         if self.ttft.active:
+            self.ttft.completed(scope, reservation_id, at)
             self.ttft.reported(scope, reservation_id, cached_tokens)
 
     async def add_output_block(self, reservation_id: str, decay_fraction: float | None = None) -> None:

@@ -102,6 +102,14 @@ class TtftTracker:
         cacheable = (selection.isl_tokens - 1) // block * block
         model.predicted(selection.reservation_id, selection.predicted_ttft_ms, cached, cacheable)
 
+    def completed(self, scope: ScopeKey, reservation_id: str, at: int) -> None:
+        """A ``prefill_complete`` the service applied at ``at``. A booking with prefill tokens was already taken
+        from its event; one without (the router counted its whole prompt cached) journals none, so it is taken
+        here."""
+        state = self.system.state(scope)
+        if state is not None:
+            self._completed(state, reservation_id, at)
+
     def reported(self, scope: ScopeKey, reservation_id: str, cached_tokens: int | None) -> None:
         """A client's ``prefill_complete`` answered: what it said was cached (None: it did not say)."""
         model = self.models.get(scope)
