@@ -8,10 +8,11 @@ tokens takes about::
     passes(x) = ceil(x / batch_tokens)            (0 when x = 0)
 
 where ``decode_share`` is the part of the rank's KV capacity its live sequences fill. The three rates are
-fitted per rank from what the router is told: each ``prefill_complete`` ends a sample whose duration is the
-time since the request's prefill could start (its booking, or the rank's previous prefill completion if that
-came later) and whose size is the request's uncached tokens (``isl - cached_tokens`` when the client reported
-``cached_tokens``, else what the router booked). The fit is ridge regression towards :data:`PRIOR` (worth
+fitted per rank from what the router is told. The prefill completions a rank reports from one forward pass (at
+most :data:`SAME_PASS_NS` apart) make one sample: its size is their uncached tokens (``isl - cached_tokens``
+when the client reported ``cached_tokens``, else what the router booked), its duration runs from when the rank
+could start on them (the first one's booking, after the pass then in flight if the rank was busy, or the rank's
+previous completion if that came later). The fit is ridge regression towards :data:`PRIOR` (worth
 :data:`PRIOR_WEIGHT` samples) with old samples fading by :data:`FORGET` per sample, so a rank that slows down is
 followed within some tens of requests. Until a rank has samples its rates are the prior's.
 
