@@ -522,4 +522,5 @@ def drawn(command: SelectWorker, draw: float, reservation_id: str | None, turn: 
         writer_id=command.writer_id,
         turn=turn,
         explain=command.explain,
+        ttft=command.ttft,
     )

@@ -46,6 +46,7 @@ from kvrouter.actors.core.dump import dump_document
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad
 from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride, config_problem
+from kvrouter.actors.core.routing_modes import MODE_KV_TTFT
 from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
 from kvrouter.actors.core.selection_queries import (
     OverlapScore,
@@ -70,6 +71,7 @@ from kvrouter.actors.metric_families import Family, FamilySource
 from kvrouter.actors.service_metrics import index_families, listener_families, system_families
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.ttft_tracker import FULL, Ablation, TtftTracker
 
 
 @attrs.frozen
@@ -136,6 +138,7 @@ class SelectService:
         ingest: KvIngest | None = None,
         directory: Directory | None = None,
         writer_id: int = 0,
+        ttft_ablation: Ablation = FULL,
     ) -> None:
         self.system = system
         self.config = config
@@ -153,6 +156,8 @@ class SelectService:
         self.index_counters = IndexCounters()
         # Predicted vs engine-reported cache hits per reservation (actors/hit_accuracy.py; not journaled).
         self.hit_accuracy = HitAccuracy()
+        # kv_ttft's prefill-time model per scope (actors/ttft_tracker.py; not journaled), idle until kv_ttft is used.
+        self.ttft = TtftTracker(system, active=config.router_mode == MODE_KV_TTFT, ablation=ttft_ablation)
         # More figures for GET /metrics: each is called at scrape time and returns plain Family values.
         self.metric_sources: list[FamilySource] = []
         # More of GET /ready (discovery and event-plane state, actors/fleet), and per-rank KV-feed statuses for
@@ -172,6 +177,7 @@ class SelectService:
         system.observers.append(self.load_feed.observe)
         system.queue_observers.append(self.load_feed.bump)  # pending counts move without events
         self.metric_sources.append(system.decisions.families)  # explained selections by reason
+        self.metric_sources.append(self.ttft.families)
 
     async def run(self, *, task_status: trio.TaskStatus[SelectService] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the catalog writer and follow applied events; ``await nursery.start(service.run)``."""
@@ -193,6 +199,7 @@ class SelectService:
                 self.system.observers.remove(self.index_counters.observe)
             if self.health is not None and self.health.observe in self.system.observers:
                 self.system.observers.remove(self.health.observe)
+            self.ttft.stop()
 
     # -- the catalog ----------------------------------------------------------------------------------
 
@@ -274,6 +281,8 @@ class SelectService:
         decision = await self._book(request.scope, command, booking)
         selection: Selection = decision.reply
         self.hit_accuracy.predicted(selection)
+        if self.ttft.active:
+            self.ttft.predicted(request.scope, selection)
         return selection
 
     async def select_disaggregated(self, request: SelectionRequest) -> DisaggregatedSelection:
@@ -286,7 +295,13 @@ class SelectService:
         now = self._now()
         predicted = self._predicted_ranks(request.scope, now)
         command = SelectDisaggregated(
-            request.prompt, config, booking, request.options, at=now, predicted_ranks=predicted
+            request.prompt,
+            config,
+            booking,
+            request.options,
+            at=now,
+            predicted_ranks=predicted,
+            ttft=self.ttft.view(request.scope) if config.router_mode == MODE_KV_TTFT else None,
         )
         # A generated id (the actor draws it) is unique; a given one is claimed, both parts, service-wide.
         parts = () if booking is None else (part_id(booking, PREFILL_PART), part_id(booking, DECODE_PART))
@@ -332,6 +347,7 @@ class SelectService:
             predicted_ranks=self._predicted_ranks(request.scope, now),
             writer_id=self.writer_id,
             explain=request.explain,
+            ttft=self.ttft.view(request.scope) if config.router_mode == MODE_KV_TTFT else None,
         )
 
     def _predicted_ranks(self, scope: ScopeKey, now: int) -> frozenset[WorkerRank]:
@@ -416,9 +432,13 @@ class SelectService:
         if cached_tokens is not None and cached_tokens < 0:
             raise Refused(Reason.INVALID, "cached_tokens must be a non-negative integer")
         scope = await self._reservation_scope(reservation_id)
-        accepted(await self.system.ask(scope, CompleteReservationPrefill(reservation_id, at=self._now())))
+        at = self._now()
+        accepted(await self.system.ask(scope, CompleteReservationPrefill(reservation_id, at=at)))
         if cached_tokens is not None:
             self.hit_accuracy.realised(reservation_id, cached_tokens)
+        if self.ttft.active:
+            self.ttft.completed(scope, reservation_id, at)
+            self.ttft.reported(scope, reservation_id, cached_tokens)
 
     async def add_output_block(self, reservation_id: str, decay_fraction: float | None = None) -> None:
         """One more output block (weight 1.0), or with ``decay_fraction`` f in [0, 1] every block weighs f."""

@@ -10,7 +10,7 @@ from typing import Any
 from kvrouter.actors.core.catalog import WorkerPatch, record_view
 from kvrouter.actors.core.disaggregation import DisaggregatedSelection
 from kvrouter.actors.core.endpoints import parse_decimal
-from kvrouter.actors.core.explanation import Explanation
+from kvrouter.actors.core.explanation import Explanation, TtftBreakdown
 from kvrouter.actors.core.ids import U64_MASK, to_i64
 from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.selection_rules import Selection
@@ -108,9 +108,27 @@ def explanation_view(explanation: Explanation) -> dict[str, Any]:
                 "potential_decode_blocks": c.potential_decode_blocks,
                 "cost": c.cost,
                 "excluded": c.excluded,
+                **({"ttft_ms": ttft_view(c.ttft)} if c.ttft is not None else {}),
             }
             for c in explanation.candidates
         ],
+    }
+
+
+def ttft_view(terms: TtftBreakdown) -> dict[str, Any]:
+    """A ``kv_ttft`` candidate's predicted time to first token, term by term, and its cost (milliseconds)."""
+    return {
+        "queue": terms.queue_ms,
+        "prefill": terms.prefill_ms,
+        "decode": terms.decode_ms,
+        "ttft": terms.ttft_ms,
+        "load": terms.load_ms,
+        "cost": terms.cost_ms,
+        "cached_tokens": terms.cached_tokens,
+        "queued_tokens": terms.queued_tokens,
+        "prefill_tokens_per_s": terms.tokens_per_s,
+        "fit_samples": terms.fit_samples,
+        "overlap_factor": terms.overlap_factor,
     }
 
 

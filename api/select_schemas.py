@@ -238,7 +238,7 @@ class SelectBody(PromptBody):
     session_context: SessionContext | None = None
     affinity_target: AffinityTarget | None = None
     priority_jump: float | None = None
-    router_mode: str | None = None  # kvrouter's: kv, round_robin, random, direct, least_loaded
+    router_mode: str | None = None  # kvrouter's: kv, round_robin, random, direct, least_loaded, kv_ttft
     explain: bool = False  # kvrouter's: the reply says why (candidates, costs, reason); without it, unchanged
 
     def mode(self) -> str | None:

@@ -31,7 +31,7 @@ import trio.testing
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.simulations.cluster import ClusterOptions, InvariantViolation
-from kvrouter.simulations.faults import CacheReset, KvLoss, RouterCrash, WorkerCrash, parse_faults
+from kvrouter.simulations.faults import CacheReset, KvLoss, KvNoRemovals, RouterCrash, WorkerCrash, parse_faults
 from kvrouter.simulations.generators import synthetic
 from kvrouter.simulations.harness import SimulationOptions, simulate
 from kvrouter.simulations.policies import POLICIES
@@ -147,7 +147,7 @@ def configure(args: argparse.Namespace) -> tuple[Trace, ClusterOptions, tuple[st
     for fault in faults.timed:
         if isinstance(fault, RouterCrash) and fault.router >= args.replicas:
             raise OptionError(f"router-crash names router {fault.router}; routers are 0..{args.replicas - 1}")
-        if isinstance(fault, WorkerCrash | CacheReset | KvLoss) and fault.worker > args.workers:
+        if isinstance(fault, WorkerCrash | CacheReset | KvLoss | KvNoRemovals) and fault.worker > args.workers:
             raise OptionError(f"a fault names worker {fault.worker}; workers are 1..{args.workers}")
     if args.trace:
         trace = load_mooncake(args.trace, args.trace_block_size)

@@ -32,7 +32,7 @@ import trio.testing
 
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
-from kvrouter.actors.core.kv_wire import KvBatch, KvEvent, decode_batch, encode_batch
+from kvrouter.actors.core.kv_wire import BlockRemoved, KvBatch, KvEvent, decode_batch, encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import EXPIRY_AGE_NS
@@ -45,8 +45,17 @@ from kvrouter.simulations.checkers import (
     replicas_disagree,
 )
 from kvrouter.simulations.engine import EngineRequest, PassResult, WorkerEngine
-from kvrouter.simulations.faults import NO_FAULTS, CacheReset, FaultPlan, KvLoss, RouterCrash, TimedFault, WorkerCrash
-from kvrouter.simulations.policies import make_policy
+from kvrouter.simulations.faults import (
+    NO_FAULTS,
+    CacheReset,
+    FaultPlan,
+    KvLoss,
+    KvNoRemovals,
+    RouterCrash,
+    TimedFault,
+    WorkerCrash,
+)
+from kvrouter.simulations.policies import make_policy, ttft_ablation
 from kvrouter.simulations.prompts import PromptHasher
 from kvrouter.simulations.router import RouterRefused, RouterReplica
 from kvrouter.simulations.timing import EngineParams
@@ -119,6 +128,7 @@ class SimWorker:
         "kv_seq",
         "lose",
         "rank",
+        "removals_lost",
         "replay",
         "requests",
         "reset_pending",
@@ -134,6 +144,7 @@ class SimWorker:
         self.kv_seq = -1  # last published batch sequence number
         self.replay: deque[tuple[int, KvBatch]] = deque(maxlen=REPLAY_BUFFER)
         self.lose = 0  # batches still to lose in transit (kv-loss fault)
+        self.removals_lost = False  # kv-no-removals fault: its BlockRemoved events are never published
         self.unreplayable: set[int] = set()  # lost batches the replay endpoint will not serve (replay=no)
         self.reset_pending = False  # cache-reset fault: reset the prefix cache when next idle
         self.busy_ms = 0.0
@@ -210,7 +221,7 @@ class Cluster:
         self.step = 0
         self._owner: dict[str, RouterReplica] = {}  # reservation -> the replica that booked it
         self._live: dict[str, EngineRequest] = {}  # requests inside some worker
-        self._held_calls: dict[str, list[tuple[str, str]]] = {}  # replica -> lifecycle calls waiting for it
+        self._held_calls: dict[str, list[tuple[str, str, int | None]]] = {}  # replica -> calls waiting for it
         self._deferred: list[int] = []  # arrivals waiting for any router to be up
         self._listened: dict[tuple[str, WorkerRank], int] = {}  # (replica, rank) -> last seq it applied
         self.routers: list[RouterReplica] = []
@@ -253,6 +264,7 @@ class Cluster:
                     f"{root}:router-{i}",
                     TrioClock(),
                     replica_id=i + 1 if replicated else None,
+                    ttft_ablation=ttft_ablation(options.policy),
                 )
                 await router.start(nursery)
                 self.routers.append(router)
@@ -421,8 +433,10 @@ class Cluster:
             await self._publish(worker, result.events)
         for request in result.emitted:
             if request.generated == 1:
-                self.records[request.index].first_token_ms = now
-                await self._call(request.request_id, "prefill_complete")
+                record = self.records[request.index]
+                record.first_token_ms = now
+                # As vLLM's usage.prompt_tokens_details.cached_tokens, which a client passes on.
+                await self._call(request.request_id, "prefill_complete", record.cached_tokens)
         for request in result.finished:
             self.records[request.index].end_ms = now
             del self._live[request.request_id]
@@ -443,19 +457,31 @@ class Cluster:
         await self._publish(worker, worker.engine.cache.take_events())
         await self._expect_no_blocks(worker.rank.worker_id, "reset its prefix cache")
 
-    async def _call(self, request_id: str, call: str) -> None:
-        """A lifecycle call to the replica that booked the request; held while that replica is down."""
+    async def _call(self, request_id: str, call: str, cached_tokens: int | None = None) -> None:
+        """A lifecycle call to the replica that booked the request; held while that replica is down.
+        ``cached_tokens``: what ``prefill_complete`` reports the worker found cached."""
         router = self._owner[request_id]
         if call == "release":
             del self._owner[request_id]
         if not router.running:
-            self._held_calls.setdefault(router.name, []).append((request_id, call))
+            self._held_calls.setdefault(router.name, []).append((request_id, call, cached_tokens))
             return
-        await getattr(router, call)(request_id)
+        await self._send(router, request_id, call, cached_tokens)
+
+    @staticmethod
+    async def _send(router: RouterReplica, request_id: str, call: str, cached_tokens: int | None) -> None:
+        if call == "prefill_complete":
+            await router.prefill_complete(request_id, cached_tokens)
+        else:
+            await getattr(router, call)(request_id)
 
     # -- KV events --------------------------------------------------------------------------------
 
     async def _publish(self, worker: SimWorker, events: list[KvEvent]) -> None:
+        if worker.removals_lost:
+            events = [event for event in events if not isinstance(event, BlockRemoved)]
+            if not events:
+                return
         worker.kv_seq += 1
         seq = worker.kv_seq
         batch = KvBatch(self.now_ms / 1000.0, tuple(events))
@@ -547,6 +573,10 @@ class Cluster:
                     worker.lose += fault.batches
                     if not fault.replay:
                         worker.unreplayable.update(range(worker.kv_seq + 1, worker.kv_seq + 1 + fault.batches))
+        elif isinstance(fault, KvNoRemovals):
+            for rank, worker in self.workers.items():
+                if rank.worker_id == fault.worker:
+                    worker.removals_lost = True
         else:
             await self._crash_router(fault)
 
@@ -616,8 +646,8 @@ class Cluster:
             if worker.kv_seq > last:
                 await self._replay_range(router, rank, last, worker.kv_seq + 1)
                 self._listened[(router.name, rank)] = worker.kv_seq
-        for request_id, call in self._held_calls.pop(router.name, []):
-            await getattr(router, call)(request_id)
+        for request_id, call, cached_tokens in self._held_calls.pop(router.name, []):
+            await self._send(router, request_id, call, cached_tokens)
         deferred, self._deferred = self._deferred, []
         for waiting in deferred:  # clients retry what they held, in arrival order
             self._push(self.now_ms, ARRIVAL, (waiting, False))

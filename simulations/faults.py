@@ -13,6 +13,10 @@ A spec is a ``;``-separated list; times are virtual, in ms, or with an ``ms``/``
     The next N KV-event batches of worker W published from T on are lost on the way to every router.
     With ``replay=yes`` (default) the listener sees the sequence gap at the next batch and fetches the
     missing ones from the worker's replay buffer, as the KV listener does; ``no`` leaves the index stale.
+``kv-no-removals@T:worker=W``
+    From T on, worker W publishes no ``BlockRemoved`` events (a publisher that loses its evictions): the
+    router goes on predicting blocks the worker no longer holds, and the ``cached_tokens`` its clients report
+    fall short of the predictions.
 ``router-crash@T[:router=R,down=D]``
     Router replica R (default 0) dies at T and restarts D later (default 1s) from its journal alone.
     Meanwhile clients send new requests to another replica, or hold them until it is back; lifecycle
@@ -60,6 +64,12 @@ class KvLoss:
 
 
 @attrs.frozen
+class KvNoRemovals:
+    at_ms: float
+    worker: int
+
+
+@attrs.frozen
 class RouterCrash:
     at_ms: float
     router: int = 0
@@ -78,7 +88,7 @@ class SyncFaults:
         return self.drop > 0 or self.delay_ms > 0 or self.reorder > 0
 
 
-TimedFault = WorkerCrash | CacheReset | KvLoss | RouterCrash
+TimedFault = WorkerCrash | CacheReset | KvLoss | KvNoRemovals | RouterCrash
 
 
 @attrs.frozen
@@ -190,8 +200,14 @@ def _timed(kind: str, at: float, params: dict[str, str], item: str) -> TimedFaul
         if replay not in ("yes", "no"):
             raise FaultSpecError(f"{item}: replay must be yes or no")
         return KvLoss(at, _int(params["worker"], item, 1), _int(params.get("batches", "1"), item, 1), replay == "yes")
+    if kind == "kv-no-removals":
+        take({"worker"})
+        if "worker" not in params:
+            raise FaultSpecError(f"{item}: worker=W is required")
+        return KvNoRemovals(at, _int(params["worker"], item, 1))
     if kind == "router-crash":
         take({"router", "down"})
         down = parse_time(params["down"], item) if "down" in params else 1000.0
         return RouterCrash(at, _int(params.get("router", "0"), item, 0), down)
-    raise FaultSpecError(f"{item}: unknown fault {kind!r} (worker-crash, cache-reset, kv-loss, router-crash, sync-*)")
+    known = "worker-crash, cache-reset, kv-loss, kv-no-removals, router-crash, sync-*"
+    raise FaultSpecError(f"{item}: unknown fault {kind!r} ({known})")

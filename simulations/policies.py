@@ -5,6 +5,9 @@
 * ``random``: the client draws a rank uniformly (seeded).
 * ``least_loaded``: the client reads ``GET /loads`` and takes the rank with the fewest active requests,
   then the fewest prefill tokens, then the fewest decode blocks; ties are drawn (seeded).
+* ``kv_ttft``: the router picks with the ``kv_ttft`` mode (predicted time to first token, ``docs/routing.md``);
+  ``kv_ttft_no_queue``, ``kv_ttft_no_fit`` and ``kv_ttft_no_drift`` leave one of its terms out (the ablation):
+  the queued prefill ahead, the online throughput fit (the prior's rates stay), the drift discount.
 * ``router:<mode>``: the router picks with the service's routing mode ``<mode>`` (``router_mode`` in the
   ``/select_and_reserve`` body): ``round_robin``, ``random``, ``least_loaded`` (the service's own, on its
   eligible non-busy ranks and its seeded source), ``kv`` (as ``kv``), or ``direct`` (the client pins the rank
@@ -28,12 +31,23 @@ import trio.testing
 from kvrouter.actors.core.commands import Prompt, SelectionOptions
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.router_config import ROUTER_MODES
+from kvrouter.actors.core.routing_modes import MODE_KV_TTFT
+from kvrouter.actors.ttft_tracker import FULL, Ablation
 from kvrouter.simulations.prompts import PromptBlocks
 from kvrouter.simulations.router import RouterReplica
 
 ROUTER_MODE_PREFIX = "router:"
+# kv_ttft and its ablations: the router's kv_ttft mode with a term left out of the prediction.
+TTFT_POLICIES: dict[str, Ablation] = {
+    MODE_KV_TTFT: FULL,
+    "kv_ttft_no_queue": Ablation(queue_term=False),
+    "kv_ttft_no_fit": Ablation(fit=False),
+    "kv_ttft_no_drift": Ablation(drift=False),
+    "kv_ttft_no_load": Ablation(load_term=False),
+}
 POLICIES = (
     "kv",
+    *TTFT_POLICIES,
     "round_robin",
     "random",
     "least_loaded",
@@ -134,9 +148,18 @@ class LeastLoadedPolicy(ClientPolicy):
         return tied[self.rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
 
 
+def ttft_ablation(name: str) -> Ablation:
+    """The router's kv_ttft terms for policy ``name`` (all of them unless it is an ablation)."""
+    return TTFT_POLICIES.get(name, FULL)
+
+
 def make_policy(name: str, ranks: list[WorkerRank], rng: random.Random) -> KvPolicy | ClientPolicy:
     if name == "kv":
         return KvPolicy()
+    if name in TTFT_POLICIES:
+        policy = KvPolicy(MODE_KV_TTFT)
+        policy.name = name
+        return policy
     mode = name.removeprefix(ROUTER_MODE_PREFIX)
     if name.startswith(ROUTER_MODE_PREFIX) and mode in ROUTER_MODES:
         return KvPolicy(mode, RoundRobinPolicy(ranks, rng) if mode == "direct" else None)

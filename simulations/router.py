@@ -28,6 +28,7 @@ from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.select_service import SelectionRequest, SelectService
 from kvrouter.actors.service_support import Refused
 from kvrouter.actors.system import EXPIRY_AGE_NS, ActorSystem
+from kvrouter.actors.ttft_tracker import FULL, Ablation
 from kvrouter.journal.memory import MemoryJournal
 from kvrouter.simulations.replication import SimReplicator
 
@@ -47,8 +48,10 @@ class RouterReplica:
         seed: str,
         clock: TrioClock,
         replica_id: int | None = None,
+        ttft_ablation: Ablation = FULL,
     ) -> None:
         self.name = name
+        self.ttft_ablation = ttft_ablation
         self.replica_id = replica_id  # replica-sync router id; None: no replica sync
         self.scope = scope
         self.config = config
@@ -92,7 +95,9 @@ class RouterReplica:
                     seed=self.seed,
                 )
                 await nursery.start(system.run)
-                service: SelectService = await nursery.start(SelectService(system, self.config).run)
+                service: SelectService = await nursery.start(
+                    SelectService(system, self.config, ttft_ablation=self.ttft_ablation).run
+                )
                 task_status.started((system, service))
 
     async def crash(self) -> None:
@@ -158,10 +163,10 @@ class RouterReplica:
         with _refusals():
             await self._service().reserve(self.scope, reservation_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
 
-    async def prefill_complete(self, reservation_id: str) -> None:
-        """``POST /reservations/{id}/prefill_complete``."""
+    async def prefill_complete(self, reservation_id: str, cached_tokens: int | None = None) -> None:
+        """``POST /reservations/{id}/prefill_complete``, with the prompt tokens the worker found cached."""
         with _refusals():
-            await self._service().complete_prefill(reservation_id)
+            await self._service().complete_prefill(reservation_id, cached_tokens)
 
     async def release(self, reservation_id: str) -> None:
         """``DELETE /reservations/{id}``."""

@@ -14,6 +14,7 @@ from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.kv_wire import KvBatch
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.ttft_model import TtftView
 from kvrouter.actors.core.worker_endpoints import EndpointAllowList
 
 
@@ -180,6 +181,8 @@ class SelectWorker:
     writer_id: int = 0  # this replica's id, the version of the session bindings it writes
     turn: int = 0  # round-robin position, counted per scope by the actor (round-robin selections only)
     explain: bool = False  # the reply carries why (actors/core/explain.py); derived data, never journaled
+    # kv_ttft only: the shell's prefill-time model of the scope's ranks (actors/core/ttft_model.py); None: prior.
+    ttft: TtftView | None = None
 
 
 @attrs.frozen
@@ -198,6 +201,7 @@ class SelectDisaggregated:
     turn: int = 0
     at: int = 0
     predicted_ranks: frozenset[WorkerRank] = frozenset()  # as for SelectWorker
+    ttft: TtftView | None = None  # as for SelectWorker (the prefill stage uses it)
 
 
 @attrs.frozen

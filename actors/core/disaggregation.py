@@ -36,7 +36,7 @@ from kvrouter.actors.core.constraints import (
 from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.core.routing_modes import MODE_DIRECT
+from kvrouter.actors.core.routing_modes import MODE_DIRECT, MODE_KV, MODE_KV_TTFT
 from kvrouter.actors.core.selection import NO_ENDPOINTS
 from kvrouter.actors.core.selection_queries import SelectionInput, candidates, selection_input
 from kvrouter.actors.core.selection_rules import (
@@ -75,9 +75,11 @@ def prefill_stage_config(config: RouterConfig) -> RouterConfig:
 
 
 def decode_stage_config(config: RouterConfig) -> RouterConfig:
-    """The decode stage: load only. No overlap credit from any tier and no prefill tokens tracked."""
+    """The decode stage: load only. No overlap credit from any tier and no prefill tokens tracked; ``kv_ttft``
+    (a prediction of the prefill) decodes with ``kv``'s load terms."""
     return attrs.evolve(
         config,
+        router_mode=MODE_KV if config.router_mode == MODE_KV_TTFT else config.router_mode,
         overlap_score_credit=0.0,
         overlap_score_credit_decay=0.0,
         host_cache_hit_weight=0.0,
@@ -193,6 +195,7 @@ def _select_stage(
         draw=draw,
         turn=command.turn,
         at=command.at,
+        ttft=command.ttft,
     )
     if isinstance(chosen, Rejected):
         return chosen

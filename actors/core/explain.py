@@ -25,9 +25,9 @@ from kvrouter.actors.core.admission import not_busy
 from kvrouter.actors.core.commands import SelectWorker
 from kvrouter.actors.core.constraints import RoutingConstraints, can_decode
 from kvrouter.actors.core.decisions import Rejected
-from kvrouter.actors.core.explanation import CACHE, CONSTRAINT, LOAD, TIE, CandidateTerms, Explanation
+from kvrouter.actors.core.explanation import CACHE, CONSTRAINT, LOAD, TIE, CandidateTerms, Explanation, TtftBreakdown
 from kvrouter.actors.core.ids import WorkerRank
-from kvrouter.actors.core.routing_modes import MODE_KV
+from kvrouter.actors.core.routing_modes import COST_MODES, MODE_KV_TTFT
 from kvrouter.actors.core.selection import (
     RankCandidate,
     cost,
@@ -40,6 +40,8 @@ from kvrouter.actors.core.selection_queries import candidates, selection_input
 from kvrouter.actors.core.selection_rules import _affinity_target, with_workers
 from kvrouter.actors.core.session_rules import preferred_rank
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.core.ttft_cost import predict
+from kvrouter.actors.core.ttft_model import NO_VIEW
 
 
 def explain_selection(state: ScopeState, command: SelectWorker) -> Explanation | None:
@@ -65,14 +67,18 @@ def explain_selection(state: ScopeState, command: SelectWorker) -> Explanation |
     prompt = serving.prompt
     isl, block_size = prompt.isl_tokens, serving.block_size
     num_seq_hashes = len(prompt.sequence_hashes) if config.router_track_active_blocks else 0
-    scored = config.router_mode == MODE_KV and bool(free)
+    scored = config.router_mode in COST_MODES and bool(free)
     min_prefill = min((c.active_prefill_tokens for c in free), default=0)
     preferred = dict(constraints.preferred)
     rows = []
     for c in found:
         cached = effective_cached_tokens(c.overlap, config, block_size)
-        rank_cost = None
-        if scored and c.rank in free_ranks:
+        rank_cost: float | None = None
+        breakdown: TtftBreakdown | None = None
+        if scored and c.rank in free_ranks and config.router_mode == MODE_KV_TTFT:
+            breakdown = _ttft_breakdown(state, c, command, isl, block_size)
+            rank_cost = breakdown.cost_ms
+        elif scored and c.rank in free_ranks:
             rank_cost = cost(
                 c,
                 isl=isl,
@@ -98,9 +104,40 @@ def explain_selection(state: ScopeState, command: SelectWorker) -> Explanation |
                 potential_decode_blocks(c.active_decode_blocks, num_seq_hashes, c.prompt_overlap_depth),
                 rank_cost,
                 None if c.rank in free_ranks else _exclusion(c, targeted, kept, pinned, allowed, constraints),
+                breakdown,
             )
         )
     return Explanation(config.router_mode, config.router_temperature, isl, block_size, rows, rule)
+
+
+def _ttft_breakdown(
+    state: ScopeState, candidate: RankCandidate, command: SelectWorker, isl: int, block_size: int
+) -> TtftBreakdown:
+    """``kv_ttft``'s terms for one rank, as the selection computes them (``actors/core/ttft_cost.py``)."""
+    view = command.ttft or NO_VIEW
+    terms = predict(
+        state,
+        candidate,
+        view.timing(candidate.rank),
+        isl=isl,
+        block_size=block_size,
+        config=command.config,
+        at=command.at,
+        view=view,
+    )
+    return TtftBreakdown(
+        queue_ms=round(terms.queue_ms, 3),
+        prefill_ms=round(terms.prefill_ms, 3),
+        decode_ms=round(terms.decode_ms, 3),
+        ttft_ms=round(terms.ttft_ms, 3),
+        load_ms=round(terms.load_ms, 3),
+        cost_ms=round(terms.cost_ms, 3),
+        cached_tokens=terms.cached_tokens,
+        queued_tokens=terms.queued_tokens,
+        tokens_per_s=round(terms.tokens_per_s, 1),
+        fit_samples=terms.samples,
+        overlap_factor=round(terms.overlap_factor, 4),
+    )
 
 
 def _rule(
@@ -121,7 +158,7 @@ def _rule(
     bound = preferred_rank(state.selection, session_id, command.at, state.slots.requests)
     if bound is not None and any(c.rank == bound for c in free):
         return "session"
-    if command.config.router_mode != MODE_KV:
+    if command.config.router_mode not in COST_MODES:
         return "router_mode"
     if len(free) == 1:
         return "only_eligible"

@@ -135,7 +135,7 @@ _BOOL_FIELDS = frozenset(
 )
 _MODE_FIELD = "router_mode"
 # Spelled as Dynamo's --router-mode does (dashes); underscores are accepted too.
-ROUTER_MODES = ("kv", "round_robin", "random", "direct", "least_loaded")
+ROUTER_MODES = ("kv", "round_robin", "random", "direct", "least_loaded", "kv_ttft")
 # Deprecated: x sets prefill_load_scale = x (over the scale given alongside it), and x == 0 also zeroes the credit.
 OVERLAP_SCORE_WEIGHT = "overlap_score_weight"
 

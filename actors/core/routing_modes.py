@@ -7,6 +7,7 @@ pins and roles are applied before), and every mode books the same way, so load a
 routes do not depend on the mode.
 
 * ``kv``: minimum cost (``actors/core/selection.py``), the caller's job here.
+* ``kv_ttft``: minimum predicted time to first token (``actors/core/ttft_cost.py``), the caller's job too.
 * ``round_robin``: ranks in (worker_id, dp_rank) order, the ``turn``-th modulo their number; the shell counts
   turns per scope (only round-robin selections advance it), so the cycle is deterministic.
 * ``random``: uniform over the ranks, from the shell's seeded ``draw``.
@@ -14,7 +15,8 @@ routes do not depend on the mode.
 * ``least_loaded``: fewest active requests, then fewest active prefill tokens, then fewest active decode
   blocks (the simulator's ``least_loaded`` policy); exact ties drawn uniformly.
 
-Names may be written with dashes (``round-robin``, ``least-loaded``), as Dynamo's ``--router-mode`` spells them.
+Names may be written with dashes (``round-robin``, ``least-loaded``, ``kv-ttft``), as Dynamo's ``--router-mode``
+spells them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ MODE_ROUND_ROBIN = "round_robin"
 MODE_RANDOM = "random"
 MODE_DIRECT = "direct"
 MODE_LEAST_LOADED = "least_loaded"
+MODE_KV_TTFT = "kv_ttft"
+COST_MODES = (MODE_KV, MODE_KV_TTFT)  # the modes that weigh cached blocks (and are explained term by term)
 MODES = ROUTER_MODES  # the same names, in this order (the config parses them)
 parse_mode = parse_router_mode
 

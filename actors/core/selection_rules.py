@@ -65,7 +65,13 @@ from kvrouter.actors.core.limits import (
     MAX_WORKERS_PER_SCOPE,
 )
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.core.routing_modes import DIRECT_NEEDS_PIN, MODE_DIRECT, MODE_KV, choose_without_cost
+from kvrouter.actors.core.routing_modes import (
+    DIRECT_NEEDS_PIN,
+    MODE_DIRECT,
+    MODE_KV,
+    MODE_KV_TTFT,
+    choose_without_cost,
+)
 from kvrouter.actors.core.selection import (
     NO_ENDPOINTS,
     RankCandidate,
@@ -81,6 +87,8 @@ from kvrouter.actors.core.selection_queries import SelectionInput, candidates, s
 from kvrouter.actors.core.session_rules import preferred_rank
 from kvrouter.actors.core.slots import NO_OUTPUTS, expected_decay, output_block_count
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.core.ttft_cost import fastest, predict
+from kvrouter.actors.core.ttft_model import NO_VIEW, RankTiming, TtftView
 from kvrouter.actors.core.worker_endpoints import EndpointAllowList
 
 REFUSAL_REASON = {Refusal.INVALID: Reason.INVALID, Refusal.UNAVAILABLE: Reason.UNAVAILABLE}
@@ -111,6 +119,7 @@ class Selection:
     predicted_prune_target: int = 838_860
     track_active_blocks: bool = True  # False: the booking holds no decode blocks
     explanation: Explanation | None = None  # only when the request asked ("explain": true); never journaled
+    predicted_ttft_ms: float | None = None  # kv_ttft: the chosen rank's predicted time to first token
 
 
 def partition_block_size_after(state: ScopeState, record: WorkerRecord, use_kv_events: bool) -> int | None:
@@ -312,6 +321,7 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         turn=command.turn,
         at=command.at,
         session_id=session_id,
+        ttft=command.ttft,
     )
     if isinstance(chosen, Rejected):
         booked = command.reservation_id or ""
@@ -329,6 +339,8 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         session_id=session_id,
         writer_id=command.writer_id,
     )
+    if config.router_mode == MODE_KV_TTFT:
+        selection = attrs.evolve(selection, predicted_ttft_ms=predicted_ttft(state, serving, chosen, command))
     if not command.reserve:
         return Accepted(reply=selection)
     reservation_id = command.reservation_id or ""
@@ -388,10 +400,12 @@ def choose_rank(
     turn: int,
     at: int,
     session_id: str | None = None,
+    ttft: TtftView | None = None,
 ) -> RankCandidate | Rejected:
     """The rank a selection takes (spec §2.4-§2.6, §5), or why there is none: the eligible ranks (allowed ids,
     required taints, pin, affinity target), minus busy ones; then a session's pinned rank while it is among them;
-    else the router mode's pick (the cost function for ``kv``)."""
+    else the router mode's pick (the cost function for ``kv``, the predicted time to first token for
+    ``kv_ttft`` with the shell's prefill model ``ttft``)."""
     found, allowed = _affinity_target(found, options, constraints)
     kept = eligible(found, allowed_worker_ids=allowed, required_taints=constraints.required, pinned=pinned)
     if not isinstance(kept, list):
@@ -405,6 +419,9 @@ def choose_rank(
         if chosen is not None:
             return chosen
     if config.router_mode != MODE_KV:
+        if config.router_mode == MODE_KV_TTFT:
+            isl, block_size = request.prompt.isl_tokens, request.block_size
+            return fastest(state, free, isl=isl, block_size=block_size, config=config, view=ttft, at=at, draw=draw)[0]
         chosen_rank = choose_without_cost(config.router_mode, free, draw=draw, turn=turn)
         return next(c for c in free if c.rank == chosen_rank)
     prompt = request.prompt
@@ -419,6 +436,23 @@ def choose_rank(
         preferred_taints=dict(constraints.preferred),
         draw=draw,
     )
+
+
+def predicted_ttft(state: ScopeState, request: SelectionInput, chosen: RankCandidate, command: SelectWorker) -> float:
+    """The ``kv_ttft`` prediction for the rank a selection took (whatever rule took it), in milliseconds."""
+    view = command.ttft
+    timing = view.timing(chosen.rank) if view is not None else RankTiming(chosen.rank)
+    terms = predict(
+        state,
+        chosen,
+        timing,
+        isl=request.prompt.isl_tokens,
+        block_size=request.block_size,
+        config=command.config,
+        at=command.at,
+        view=view if view is not None else NO_VIEW,
+    )
+    return terms.ttft_ms
 
 
 def _affinity_target(

@@ -29,7 +29,7 @@ from kvrouter.api.server import HttpSettings
 from kvrouter.journal.store import Durability
 
 DEFAULT_PORT = 8000  # the seed's frontend port
-ROUTER_MODES = ("kv", "round-robin", "random")  # the seed's --router-mode choices
+ROUTER_MODES = ("kv", "round-robin", "random", "kv-ttft")  # the seed's --router-mode choices, and kv-ttft
 # The most characters a prompt may have per token of --max-prompt-tokens, checked before tokenizing. Real text
 # averages 3 to 5 characters per token with a model's tokenizer; 16 refuses nothing a tokenizer would pass
 # except prompts made of unusually long tokens.

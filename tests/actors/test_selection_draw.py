@@ -9,6 +9,7 @@ from kvrouter.actors.actor import drawn
 from kvrouter.actors.core.commands import Prompt, SelectionOptions, SelectWorker
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.actors.core.ttft_model import RankTiming, TtftView
 
 # Every field, none at its default: a field SelectWorker gains must be added here (and to ``drawn``).
 NOT_DEFAULT = {
@@ -24,6 +25,7 @@ NOT_DEFAULT = {
     "writer_id": 3,
     "turn": 4,
     "explain": True,
+    "ttft": TtftView((RankTiming(WorkerRank(1, 0), samples=2),)),
 }
 
 

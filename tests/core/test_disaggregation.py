@@ -215,3 +215,15 @@ def test_busy_prefill_workers_fall_back_to_decode_only_and_busy_decode_workers_r
     # now the decode worker that took it is busy too, and so is the other one
     s.ok(Reserve("load4", 4 if reply.decode.worker_id == 3 else 3, 0, (), isl_tokens=64))
     assert s.rejected(disaggregated("r2", config=busy_prefill), Reason.OVERLOADED)
+
+
+def test_kv_ttft_predicts_the_prefill_stage_and_decodes_with_kvs_load_terms() -> None:
+    s = cluster()
+    s.ok(Reserve("old", 3, 0, (1, 2, 3), isl_tokens=4, effective_prefill_tokens=0))  # decode 3 is busier
+    reply, _ = bookings(s, disaggregated(config=RouterConfig(router_mode="kv_ttft"), draw=0.99))
+    assert reply.prefill is not None and (reply.prefill.worker_id, reply.decode.worker_id) == (1, 4)
+    assert decode_stage_config(RouterConfig(router_mode="kv_ttft")).router_mode == "kv"
+    # A long queue on the warm prefill worker sends the prefill to the cold one.
+    s.ok(Reserve("queue", 1, 0, (1,), isl_tokens=20_000))
+    reply, _ = bookings(s, disaggregated("r2", config=RouterConfig(router_mode="kv_ttft")))
+    assert reply.prefill is not None and reply.prefill.worker_id == 2

@@ -76,7 +76,7 @@ def test_mode_names_accept_dynamos_dashes() -> None:
         "random",
     ]
     assert parse_mode("fastest") is None
-    assert MODES == ("kv", "round_robin", "random", "direct", "least_loaded")
+    assert MODES == ("kv", "round_robin", "random", "direct", "least_loaded", "kv_ttft")
 
 
 # -- through decide -----------------------------------------------------------------------------------

@@ -25,7 +25,10 @@ CLI = [sys.executable, "-m", "kvrouter.api.cli"]
 @pytest.mark.parametrize(
     ("flags", "text"),
     [
-        (["--router-mode", "fastest"], "--router-mode='fastest' is not a router mode (use kv, round-robin, random)"),
+        (
+            ["--router-mode", "fastest"],
+            "--router-mode='fastest' is not a router mode (use kv, round-robin, random, kv-ttft)",
+        ),
         (["--router-mode", "direct"], "--router-mode='direct' is not a router mode"),
         (["--kv-overlap-score-weight", "-1"], "--kv-overlap-score-weight='-1' must be >= 0"),
         (["--router-temperature", "hot"], "--router-temperature='hot' is not a number"),

@@ -188,7 +188,7 @@ SELECT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     ),
     "affinity_target": st.fixed_dictionaries({"worker_id": WORKER_IDS}, optional={"dp_rank": st.integers(0, 3)}),
     "priority_jump": st.floats(-10, 10),
-    "router_mode": st.sampled_from(["kv", "round_robin", "random", "direct", "least_loaded"]),
+    "router_mode": st.sampled_from(["kv", "round_robin", "random", "direct", "least_loaded", "kv_ttft", "kv-ttft"]),
     "explain": st.booleans(),
 }
 SELECT = st.tuples(PROMPT, optional(SELECT_FIELDS)).map(lambda parts: {**parts[0], **parts[1]})

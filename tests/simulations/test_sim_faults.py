@@ -12,7 +12,15 @@ from kvrouter.actors.core.kv_wire import AllBlocksCleared, KvBatch
 from kvrouter.actors.peers.replica_wire import Free, decode
 from kvrouter.simulations import cli
 from kvrouter.simulations.cluster import Cluster, ClusterOptions, ClusterRun, InvariantViolation, simulate_policy
-from kvrouter.simulations.faults import FaultSpecError, KvLoss, RouterCrash, SyncFaults, WorkerCrash, parse_faults
+from kvrouter.simulations.faults import (
+    FaultSpecError,
+    KvLoss,
+    KvNoRemovals,
+    RouterCrash,
+    SyncFaults,
+    WorkerCrash,
+    parse_faults,
+)
 from kvrouter.simulations.generators import synthetic
 from kvrouter.simulations.replication import SimReplicator
 from kvrouter.simulations.router import RouterReplica
@@ -43,6 +51,7 @@ def test_a_spec_parses_into_a_plan() -> None:
     )
     assert parse_faults("sync-drop=0.1;sync-delay=5ms;sync-until=10s").sync == SyncFaults(0.1, 5.0, 0.0, 10_000.0)
     assert parse_faults("").empty
+    assert parse_faults("kv-no-removals@3s:worker=2").timed == (KvNoRemovals(3000.0, 2),)
 
 
 @pytest.mark.parametrize(
@@ -54,6 +63,7 @@ def test_a_spec_parses_into_a_plan() -> None:
         ("sync-drop=2", "must be between 0 and 1"),
         ("kv-loss@x:worker=1", "is not a time"),
         ("router-crash@1s:colour=red", "unknown parameter"),
+        ("kv-no-removals@1s", "worker=W is required"),
     ],
 )
 def test_a_bad_spec_names_the_item(spec: str, message: str) -> None:
@@ -103,6 +113,23 @@ def test_lost_kv_batches_are_replayed_from_the_gap(monkeypatch: pytest.MonkeyPat
     stale, result = index_digest(monkeypatch, "kv-loss@1s:worker=1,batches=4,replay=no")
     assert result.faults.kv_gaps_unrepaired == 4
     assert stale != clean
+
+
+def test_a_publisher_that_loses_its_evictions_leaves_the_router_predicting_blocks_that_are_gone() -> None:
+    def over_predicted(faults: str) -> int:
+        options = ClusterOptions(workers=3, seed=1, engine=EngineParams(num_blocks=256), faults=parse_faults(faults))
+        result = simulate_policy(synthetic("shared-prefix:requests=300,rate=20,prompts=6", 7), options)
+        assert result.kv_blocks_evicted > 0  # small caches: there are evictions to lose
+        cap = 64  # the engine block size: compare whole blocks, as the report does
+        return sum(
+            1
+            for r in result.records
+            if r.predicted_tokens is not None
+            and r.cached_tokens is not None
+            and min(r.predicted_tokens, (r.input_tokens - 1) // cap * cap) > r.cached_tokens
+        )
+
+    assert over_predicted("kv-no-removals@0s:worker=1") > over_predicted("")
 
 
 def test_router_crash_recovers_from_its_journal_and_catches_up() -> None:
