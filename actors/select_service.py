@@ -40,12 +40,13 @@ from kvrouter.actors.core.commands import (
     SelectWorker,
 )
 from kvrouter.actors.core.decisions import Accepted, Reason, Rejected
+from kvrouter.actors.core.desk import nowhere_schedulable, streams_predicted
 from kvrouter.actors.core.disaggregation import DECODE_PART, PREFILL_PART, DisaggregatedSelection, part_id
 from kvrouter.actors.core.dump import dump_document
-from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.kv_modes import HEALTHY, StreamView
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad
 from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride, config_problem
-from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
 from kvrouter.actors.core.selection_queries import (
     OverlapScore,
     SelectionInput,
@@ -53,7 +54,6 @@ from kvrouter.actors.core.selection_queries import (
     overlap_scores,
     partition_loads,
     potential_loads,
-    schedulable,
     selection_input,
 )
 from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
@@ -143,7 +143,7 @@ class SelectService:
         self.writer_id = writer_id
         # Per-rank fallback to predicted blocks while a rank's KV events are absent or stale (KV-event mode).
         self.health = (
-            KvHealth(ingest.connected, config.kv_events_stale_secs, ingest.all_connected)
+            KvHealth(ingest, config.kv_events_stale_secs)
             if ingest is not None and config.use_kv_events and config.kv_events_stale_secs > 0
             else None
         )
@@ -260,14 +260,11 @@ class SelectService:
         (``actors/core/disaggregation.py``); ``<id>`` is ``reservation_id``, else ``selection_id``, else
         generated. Either both parts are booked or neither."""
         config = self._config(request)
-        self._require_any_schedulable(request.scope)
         booking = request.reservation_id if request.reservation_id is not None else request.selection_id
         now = self._now()
-        predicted = self._predicted_ranks(request.scope, now)
-        command = SelectDisaggregated(
-            request.prompt, config, booking, request.options, at=now, predicted_ranks=predicted
-        )
-        # A generated id (the actor draws it) is unique; a given one is claimed, both parts, service-wide.
+        streams = self._streams(request.scope, now)
+        command = SelectDisaggregated(request.prompt, config, booking, request.options, at=now, streams=streams)
+        # A generated id (the scope's desk draws it) is unique; a given one is claimed, both parts, service-wide.
         parts = () if booking is None else (part_id(booking, PREFILL_PART), part_id(booking, DECODE_PART))
         claimed: list[str] = []
         for part in parts:
@@ -297,8 +294,9 @@ class SelectService:
         return config
 
     def _selection(self, request: SelectionRequest, *, reserve: bool) -> SelectWorker:
+        """The selection command: what the request asks and what only this shell knows (the time, the KV
+        streams' health); what the scope knows (its workers, the other scopes) is read when it is decided."""
         config = self._config(request)
-        self._require_any_schedulable(request.scope)
         now = self._now()
         return SelectWorker(
             request.prompt,
@@ -308,26 +306,14 @@ class SelectService:
             reservation_id=request.reservation_id if reserve else None,
             selection_id=request.selection_id,
             at=now,
-            predicted_ranks=self._predicted_ranks(request.scope, now),
             writer_id=self.writer_id,
             explain=request.explain,
+            streams=self._streams(request.scope, now),
         )
 
-    def _predicted_ranks(self, scope: ScopeKey, now: int) -> frozenset[WorkerRank]:
-        state = self.system.state(scope)
-        if self.health is None or state is None:
-            return frozenset()
-        return self.health.predicted_ranks(state, schedulable(state, True, self.config.queueing), now)
-
-    def _require_any_schedulable(self, scope: ScopeKey | None = None) -> None:
-        """1.6.1 answers differently when the whole service has no schedulable worker. ``scope``: the
-        request's own, looked at first (a selection usually finds one there, without a pass over every scope)."""
-        use_kv_events, queueing = self.config.use_kv_events, self.config.queueing
-        own = self.system.state(scope) if scope is not None else None
-        if own is not None and schedulable(own, use_kv_events, queueing):
-            return
-        if not any(schedulable(state, use_kv_events, queueing) for state in self.system.states()):
-            raise Refused(Reason.UNAVAILABLE, NO_SCHEDULABLE_WORKERS_ANYWHERE)
+    def _streams(self, scope: ScopeKey, now: int) -> StreamView:
+        """What the KV-event streams look like now, for a selection in ``scope`` (``kv_health.py``)."""
+        return self.health.view(scope, now) if self.health is not None else HEALTHY
 
     # -- reservations ---------------------------------------------------------------------------------
 
@@ -468,15 +454,18 @@ class SelectService:
         return scores
 
     def _prompt_read(self, scope: ScopeKey, prompt: Prompt) -> tuple[SelectionInput, list[Any]]:
-        self._require_any_schedulable(scope)
+        """A read of the scope's state (between awaits, so consistent), weighed as a selection would be."""
+        config = self.config
         state = self.system.state(scope) or ScopeState(scope)
-        prepared = selection_input(state, prompt, self.config.use_kv_events, queueing=self.config.queueing)
+        nowhere = nowhere_schedulable(state, config, self.system)
+        if nowhere is not None:
+            raise Refused.because(nowhere)
+        prepared = selection_input(state, prompt, config.use_kv_events, queueing=config.queueing)
         if not isinstance(prepared, SelectionInput):
             raise Refused.because(prepared)
-        predicted = self._predicted_ranks(scope, self._now())
-        return prepared, candidates(
-            state, prepared, predicted_ranks=predicted, all_predicted=not self.config.use_kv_events
-        )
+        now = self._now()
+        predicted = streams_predicted(state, config, self._streams(scope, now), now)
+        return prepared, candidates(state, prepared, predicted_ranks=predicted, all_predicted=not config.use_kv_events)
 
     async def dump(self) -> dict[str, Any]:
         """The index of every scope in the standalone indexer's recovery format."""

@@ -655,8 +655,8 @@ def no_pending_selection(state: ScopeState, selection_id: str) -> Rejected:
 
 
 def decide_reserve_selection(command: ReserveSelection, state: ScopeState) -> Decision:
-    """Pending selections live in the scope's actor, which books them itself (``actors/actor.py``); a
-    scope without an actor (no worker was ever registered there) has none."""
+    """Pending selections live in the scope's desk, which turns a replay into the booking it describes
+    (``actors/core/desk.py``); a scope without one (no worker was ever registered there) has none."""
     return no_pending_selection(state, command.selection_id)
 
 
