@@ -56,7 +56,7 @@ from kvrouter.actors.core.selection_queries import (
     potential_loads,
     selection_input,
 )
-from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
+from kvrouter.actors.core.selection_rules import Booked, Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.decision_feed import DecisionBatch
 from kvrouter.actors.directory import Directory
@@ -110,6 +110,12 @@ class Booking:
     worker_id: int | None
     dp_rank: int | None
     endpoint: str | None
+
+
+def _booking(scope: ScopeKey, reservation_id: str, decision: Accepted) -> Booking:
+    """Where the booking went, as its decision says (``selection_rules.Booked``)."""
+    booked: Booked = decision.reply
+    return Booking(scope, reservation_id, booked.worker_id, booked.dp_rank, booked.endpoint)
 
 
 @attrs.frozen
@@ -343,18 +349,18 @@ class SelectService:
             expected_output_tokens=tracked_output(self.config, expected_output_tokens),
             track_active_blocks=self.config.router_track_active_blocks,
         )
-        await self._book(scope, command, reservation_id)
+        decision = await self._book(scope, command, reservation_id)
         if effective_prefill_tokens is not None:  # the caller's own prediction of what is cached
             cached = isl_tokens - effective_prefill_tokens
             self.hit_accuracy.predicted_tokens(reservation_id, worker_id, dp_rank, cached, isl_tokens)
-        return self._booking(scope, reservation_id, worker_id, dp_rank)
+        return _booking(scope, reservation_id, decision)
 
     async def reserve_selection(self, scope: ScopeKey, selection_id: str) -> Booking:
         """Book exactly what an earlier ``select`` with this ``selection_id`` chose (1.6.1's replay form)."""
         decision = await self._book(scope, ReserveSelection(selection_id, at=self._now()), selection_id)
         if isinstance(decision.reply, Selection):
             self.hit_accuracy.predicted(decision.reply)
-        return self._booking(scope, selection_id, None, None)
+        return _booking(scope, selection_id, decision)
 
     async def _book(
         self, scope: ScopeKey, command: SelectWorker | Reserve | ReserveSelection, booking: str | None
@@ -366,14 +372,6 @@ class SelectService:
                 raise Refused.because(conflict)
             release = partial(self.directory.release_claim, booking)
         return accepted(await self.system.ask(scope, command, on_settled=release))
-
-    def _booking(self, scope: ScopeKey, reservation_id: str, worker_id: int | None, dp_rank: int | None) -> Booking:
-        state = self.system.state(scope)
-        booked = state.slots.requests.get(reservation_id) if state is not None else None
-        if booked is not None:  # (it may already be released again by a concurrent call)
-            worker_id, dp_rank = booked.rank
-        record = state.selection.catalog.get(worker_id) if state is not None and worker_id is not None else None
-        return Booking(scope, reservation_id, worker_id, dp_rank, record.endpoint if record else None)
 
     async def complete_prefill(self, reservation_id: str, cached_tokens: int | None = None) -> None:
         """The reservation's prefill is done; ``cached_tokens``: what the engine found cached, compared
