@@ -28,7 +28,7 @@ import trio
 from kvrouter.actors.core.commands import Command, IngestKvBatch, ResetKvStream, SelectWorker
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted, Decision, Rejected
-from kvrouter.actors.core.desk import ALONE, ScopeDesk, Surroundings
+from kvrouter.actors.core.desk import ALONE, CONCLUDED, PREPARED, ScopeDesk, Surroundings
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.explain import explain_selection, finish
@@ -210,8 +210,9 @@ class ScopeActor:
         asked = envelope.command
         if asked.at > self._last_at:
             self._last_at = asked.at
+        kind = asked.__class__
         desk = self.desk
-        command = desk.prepare(asked)
+        command = desk.prepare(asked) if kind in PREPARED else asked
         if isinstance(command, Rejected):  # answered without being decided (a replay of nothing pending, ...)
             self._settle(envelope, command, 0)
             return
@@ -221,6 +222,9 @@ class ScopeActor:
         except JOURNAL_GONE as exc:
             desk.unapplied(asked, command)
             self._fail(envelope, exc)
+            return
+        if kind not in CONCLUDED:
+            self._settle(envelope, decision, lsn)
             return
         queued = len(desk.room)
         answer = desk.decided(asked, command, decision, None if envelope.abandoned else envelope)
@@ -245,14 +249,16 @@ class ScopeActor:
         last_write = ports.last_write
         observers = ports.observers
         append = self._journal.append
-        prepare = self.desk.prepare  # (of what a batch holds, it fills in only a registration's ranks elsewhere)
+        prepare = self.desk.prepare  # (of what a batch holds, it changes only a registration: its ranks elsewhere)
         last_at = self._last_at
         last = 0
-        for asked in batch.commands:
-            if asked.at > last_at:
-                last_at = self._last_at = asked.at
-            command = prepare(asked)
-            assert not isinstance(command, Rejected), "a batch holds only commands that are decided"
+        for command in batch.commands:
+            if command.at > last_at:
+                last_at = self._last_at = command.at
+            if command.__class__ in PREPARED:
+                prepared = prepare(command)
+                assert not isinstance(prepared, Rejected), "a batch holds only commands that are decided"
+                command = prepared
             decision = decide(state, command)
             lsn = 0
             if type(decision) is Accepted and decision.events:

@@ -248,3 +248,7 @@ _PREPARE: dict[type, Callable[[Any, Any], Any]] = {
     UpsertWorker: ScopeDesk._register,
     ReserveSelection: ScopeDesk._replay,
 }
+# The commands ``prepare`` changes, and those ``decided`` looks at: any other goes past the desk as it is, so a
+# caller on a hot path (the actor's batches of lifecycle commands) may skip the calls for them.
+PREPARED = frozenset(_PREPARE)
+CONCLUDED = frozenset({SelectWorker, ReserveSelection, Reserve})
