@@ -1,58 +1,47 @@
 """ScopeActor: one trio task per (model, tenant) scope, the only writer of that scope's state.
 
-(``apply_now`` lets KV ingest run a turn from its own task while the actor's task waits on an empty mailbox:
-still one turn at a time, in mailbox order.)
-
-For each envelope: decide (pure) -> append events to the journal (sync: assigns the LSN) -> fold
-(pure) -> tell the observers -> settle the envelope. There is no await between append and fold, so
-the journal and the state can never disagree, and cancellation cannot split them. The client's reply
-is held by the requesting task until the journal reports the LSN durable (``ActorSystem.ask``), which
-lets the actor go on deciding the next commands while the disk works: fsyncs are shared by everything
-queued meanwhile (group commit) without ever acknowledging a write the journal could lose.
+Everything reaches the scope through its mailbox (``ActorSystem`` is the only sender). For each envelope: the
+scope's desk prepares the command (pure: draws, templates, what the other scopes count, ``core/desk.py``) ->
+decide (pure) -> append events to the journal (sync: assigns the LSN) -> fold (pure) -> tell the observers ->
+the desk says what the asker is answered (or parks it in the waiting room) -> settle the envelope. There is
+no await between append and fold, so the journal and the state can never disagree, and cancellation cannot
+split them. The client's reply is held by the requesting task until the journal reports the LSN durable
+(``ActorSystem.ask``), which lets the actor go on deciding the next commands while the disk works: fsyncs are
+shared by everything queued meanwhile (group commit) without ever acknowledging a write the journal could lose.
 
 The actor is handed its ports (``ActorPorts``: the journal, the observers, the system's turn and
-retirement callbacks) and its random source, never the system itself, so it can be driven by any
-owner and imports nothing above it.
+retirement callbacks, what it knows of the other scopes) and its random source, never the system itself, so
+it can be driven by any owner and imports nothing above it. When its mailbox is empty and its task waits, the
+system may run a worker's KV-event command as the actor's next turn from the sender's own task
+(``apply_now``): still one turn at a time, in mailbox order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
-import uuid
 from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
-from kvrouter.actors.core.commands import (
-    Command,
-    IngestKvBatch,
-    RegisterWorker,
-    Reserve,
-    ReserveSelection,
-    ResetKvStream,
-    SelectDisaggregated,
-    SelectWorker,
-    UpsertWorker,
-)
+from kvrouter.actors.core.commands import Command, IngestKvBatch, ResetKvStream, SelectWorker
 from kvrouter.actors.core.decide import decide
-from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
+from kvrouter.actors.core.decisions import Accepted, Decision, Rejected
+from kvrouter.actors.core.desk import ALONE, CONCLUDED, PREPARED, ScopeDesk, Surroundings
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.explain import explain_selection, finish
 from kvrouter.actors.core.explanation import Explanation
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_wire import named_blocks
-from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.core.routing_modes import MODE_ROUND_ROBIN
-from kvrouter.actors.core.selection_rules import Selection, no_pending_selection, tracked_output
+from kvrouter.actors.core.pending import PendingSelections
+from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.core.waiting_room import WaitingRoom
 from kvrouter.actors.decision_feed import DecisionFeed, DecisionRecord
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Batch, Envelope
-from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.persistence.codec import encode_record
-from kvrouter.actors.waiting_room import WaitingRoom
 from kvrouter.journal.store import Journal
 
 # Commands taken from the mailbox per scheduling turn (a batch counts its commands, and is never split). Bounds
@@ -97,9 +86,10 @@ class ActorPorts:
     observers: Sequence[Observer]  # the owner's live list: observers added later are seen at once
     after_turn: Callable[[], None]  # after each batch of commands (the owner's snapshot policy)
     retire: Callable[[ScopeActor], None]  # the scope dissolved and its mailbox is empty
-    # What the owner's other scopes count toward limits.MAX_RANKS_PER_SERVICE (read right before a registration
-    # is decided, so the check and the fold are one step); an owner of one scope leaves the default.
-    ranks_elsewhere: Callable[[ScopeKey], int] = lambda scope: 0
+    # What the owner knows of its other scopes (their weight toward limits.MAX_RANKS_PER_SERVICE, whether any
+    # has a schedulable worker), read by the desk right before a command is decided, so the check and the fold
+    # are one step; an owner of one scope leaves the default.
+    surroundings: Surroundings = ALONE
     # Explained selections go here while someone reads them (GET /ws/decisions); None: never explained.
     decisions: DecisionFeed | None = None
     # Told (synchronously, must not block) when the scope's queue of waiting selections grew or shrank: its
@@ -116,14 +106,11 @@ class ScopeActor:
         "_journal",
         "_last_at",
         "_ports",
+        "desk",
         "last_write_lsn",
         "outbox",
         "peak_depth",
-        "pending",
-        "rng",
         "state",
-        "turns",
-        "waiting",
     )
 
     def __init__(
@@ -138,21 +125,17 @@ class ScopeActor:
         self._ports = ports
         self._journal = ports.journal
         self.outbox, self._inbox = trio.open_memory_channel[Envelope | Batch](MAILBOX_SIZE)
-        # The scope's own random source (selection tie-breaks, softmax, generated reservation ids),
-        # seeded by the owner from its seed and the scope so that a simulation replays exactly.
-        self.rng = rng
-        self.pending = pending
-        # Round-robin selections taken in this scope: the next one's position (not journaled; a restart
-        # starts the cycle over, which spreads load just as well).
-        self.turns = 0
+        # What the scope keeps beside its state (core/desk.py): ``rng`` is its own random source (selection
+        # tie-breaks, softmax, generated reservation ids), seeded by the owner from its seed and the scope so that
+        # a simulation replays exactly; the waiting room holds envelopes of selections waiting for a rank to stop
+        # being busy (queueing on), asked again after a turn that changed the state.
+        self.desk: ScopeDesk[Envelope] = ScopeDesk(state, rng, pending, WaitingRoom(_gone), ports.surroundings)
         # The LSN of this scope's last record other than a worker's KV events: a read of this scope is safe to
         # answer once it is durable (the per-scope read barrier; see WORKER_KV_COMMANDS). Starts at what the
         # owner says may be unseen.
         self.last_write_lsn = last_write_lsn
-        # Selections waiting for a rank to stop being busy (queueing on); asked again after a turn that
-        # changed the state, at the latest time a command brought in (the core never reads a clock).
-        self.waiting = WaitingRoom()
         self._changed = False
+        # The latest time a command brought in: waiting selections are asked again at it (the core reads no clock).
         self._last_at = 0
         # The most commands ever waiting in the mailbox (for metrics): the depth is largest when a turn
         # starts, since a turn takes commands without awaiting, so it is what the turn took plus what it left.
@@ -202,7 +185,7 @@ class ScopeActor:
         """What follows every turn: the peak depth, the waiting selections a change may admit, the owner's hook."""
         if taken > self.peak_depth:
             self.peak_depth = taken
-        if self._changed and len(self.waiting):
+        if self._changed and len(self.desk.room):
             self._admit_waiting()
         self._ports.after_turn()
 
@@ -224,40 +207,37 @@ class ScopeActor:
         return True
 
     def _handle(self, envelope: Envelope) -> None:
-        command = envelope.command
-        self._last_at = max(self._last_at, command.at)
-        explanation = None
+        """One command's turn: prepare (desk) -> decide, journal, fold, observers (``_apply``) -> the answer the
+        desk gives (or the waiting room) -> settle."""
+        asked = envelope.command
+        if asked.at > self._last_at:
+            self._last_at = asked.at
+        kind = asked.__class__
+        desk = self.desk
+        command = desk.prepare(asked) if kind in PREPARED else asked
+        if isinstance(command, Rejected):  # answered without being decided (a replay of nothing pending, ...)
+            self._settle(envelope, command, 0)
+            return
+        explanation = self._explanation(command) if type(command) is SelectWorker else None
         try:
-            if isinstance(command, SelectWorker):
-                command = self._with_draw(command)
-                explanation = self._explanation(command)
-            elif isinstance(command, SelectDisaggregated):
-                command = self._with_draws(command)
-            elif isinstance(command, ReserveSelection):
-                self._replay_selection(envelope, command)
-                return
-            elif isinstance(command, RegisterWorker | UpsertWorker):
-                command = attrs.evolve(command, ranks_elsewhere=self._ports.ranks_elsewhere(self.state.scope))
             decision, lsn = self._apply(command)
         except JOURNAL_GONE as exc:
+            desk.unapplied(asked, command)
             self._fail(envelope, exc)
             return
-        if isinstance(command, SelectWorker):
-            if isinstance(decision, Accepted):
-                self._remember_selection(command, decision)
-                if explanation is not None:
-                    decision = self._explained(command, decision, explanation)
-            elif self._overloaded(decision, command) and not envelope.abandoned:
-                queued = len(self.waiting)
-                refusal = self.waiting.park(envelope, command, _isl_tokens(command))
-                if len(self.waiting) != queued:
-                    self._queue_changed()
-                if refusal is None:
-                    return  # answered when a rank frees up (or the asker's deadline passes)
-                decision = Rejected(Reason.OVERLOADED, refusal)
-        elif isinstance(command, Reserve):
-            self.pending.discard(command.reservation_id)
-        self._settle(envelope, decision, lsn)
+        if kind not in CONCLUDED:
+            self._settle(envelope, decision, lsn)
+            return
+        queued = len(desk.room)
+        answer = desk.decided(asked, command, decision, None if envelope.abandoned else envelope)
+        if len(desk.room) != queued:
+            self._queue_changed()
+        if answer is None:
+            envelope.queued = True  # answered when a rank frees up (or the asker's deadline passes)
+            return
+        if explanation is not None and type(answer) is Accepted:
+            answer = self._explained(command, answer, explanation)  # type: ignore[arg-type]
+        self._settle(envelope, answer, lsn)
 
     def _handle_batch(self, batch: Batch) -> None:
         """Apply a batch's commands in order (as envelopes sent one after another would be), then wake its
@@ -271,13 +251,16 @@ class ScopeActor:
         last_write = ports.last_write
         observers = ports.observers
         append = self._journal.append
+        prepare = self.desk.prepare  # (of what a batch holds, it changes only a registration: its ranks elsewhere)
         last_at = self._last_at
         last = 0
         for command in batch.commands:
             if command.at > last_at:
                 last_at = self._last_at = command.at
-            if type(command) is RegisterWorker:
-                command = attrs.evolve(command, ranks_elsewhere=ports.ranks_elsewhere(scope))
+            if command.__class__ in PREPARED:
+                prepared = prepare(command)
+                assert not isinstance(prepared, Rejected), "a batch holds only commands that are decided"
+                command = prepared
             decision = decide(state, command)
             lsn = 0
             if type(decision) is Accepted and decision.events:
@@ -302,38 +285,32 @@ class ScopeActor:
         else:
             batch.done.set()
 
-    @staticmethod
-    def _overloaded(decision: Decision, command: SelectWorker) -> bool:
-        return isinstance(decision, Rejected) and decision.reason is Reason.OVERLOADED and command.config.queueing
-
     def _admit_waiting(self) -> None:
         """Ask the core again for the waiting selections, in policy order, until one still finds every rank
         busy: the rest wait for the next change. Overlaps and loads are the current ones."""
         self._changed = False
-        queued = len(self.waiting)
-        for waiter in self.waiting.in_order():
-            envelope = waiter.envelope
-            if envelope.timed_out or envelope.abandoned:
-                self.waiting.remove(waiter)  # its asker has answered already; never applied
-                continue
-            command = attrs.evolve(waiter.command, at=max(waiter.command.at, self._last_at))
+        desk = self.desk
+        queued = len(desk.room)
+        for waiter in desk.waiting():
+            envelope = waiter.ticket
+            command = desk.readmitted(waiter, self._last_at)
             explanation = self._explanation(command)
             try:
                 decision, lsn = self._apply(command)
             except JOURNAL_GONE as exc:
-                self.waiting.remove(waiter)
+                desk.dropped(waiter)
+                envelope.queued = False
                 self._fail(envelope, exc)
                 continue
-            if self._overloaded(decision, command):
+            answer = desk.admitted(waiter, command, decision)
+            if answer is None:
                 break
-            self.waiting.remove(waiter)
-            if isinstance(decision, Accepted):
-                self._remember_selection(command, decision)
-                if explanation is not None:
-                    decision = self._explained(command, decision, explanation)
-            self._settle(envelope, decision, lsn)
+            envelope.queued = False
+            if explanation is not None and type(answer) is Accepted:
+                answer = self._explained(command, answer, explanation)
+            self._settle(envelope, answer, lsn)
         self._changed = False
-        if len(self.waiting) != queued:
+        if len(desk.room) != queued:
             self._queue_changed()
 
     def _queue_changed(self) -> None:
@@ -342,25 +319,30 @@ class ScopeActor:
 
     def pending_loads(self) -> tuple[int, int]:
         """``(pending_count, pending_isl_tokens)`` of the scope's queue, as ``/loads`` shows them."""
-        return len(self.waiting), self.waiting.isl_tokens
+        room = self.desk.room
+        return len(room), room.isl_tokens
 
-    def query(self, command: SelectWorker) -> Decision:
+    def query(self, asked: SelectWorker) -> Decision:
         """A selection that books nothing, answered at once from the current state.
 
         Trio runs one task at a time, so this is atomic with respect to the mailbox: it sees every
         applied (and so every acknowledged) command. It draws from the same seeded source as queued
         selections, and remembers the choice for a later replayed reservation.
         """
-        assert not command.reserve, "bookings go through the mailbox and the journal"
-        command = self._with_draw(command)
+        assert not asked.reserve, "bookings go through the mailbox and the journal"
+        desk = self.desk
+        command = desk.prepare(asked)
+        if isinstance(command, Rejected):
+            return command
+        assert type(command) is SelectWorker
         explanation = self._explanation(command)
         decision = decide(self.state, command)
         assert not (isinstance(decision, Accepted) and decision.events), "a query must not change state"
-        if isinstance(decision, Accepted):
-            self._remember_selection(command, decision)
-            if explanation is not None:
-                decision = self._explained(command, decision, explanation)
-        return decision
+        answer = desk.decided(asked, command, decision, None)
+        assert answer is not None, "a query never waits in the room"
+        if explanation is not None and type(answer) is Accepted:
+            answer = self._explained(command, answer, explanation)
+        return answer
 
     def _explanation(self, command: SelectWorker) -> Explanation | None:
         """Why this selection will choose what it chooses, taken before it is decided; only when asked for
@@ -427,70 +409,6 @@ class ScopeActor:
                 observe(self.state, command, decision.events)
         return decision, lsn
 
-    def _with_draw(self, command: SelectWorker) -> SelectWorker:
-        reservation_id = command.reservation_id
-        if command.reserve and reservation_id is None:
-            reservation_id = command.selection_id or str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
-        return drawn(command, self.rng.random(), reservation_id, self._turn(command.config))
-
-    def _with_draws(self, command: SelectDisaggregated) -> SelectDisaggregated:
-        reservation_id = command.reservation_id
-        if reservation_id is None:
-            reservation_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
-        draw, decode_draw = self.rng.random(), self.rng.random()
-        return attrs.evolve(
-            command, reservation_id=reservation_id, draw=draw, decode_draw=decode_draw, turn=self._turn(command.config)
-        )
-
-    def _turn(self, config: RouterConfig) -> int:
-        """The round-robin position of this selection; only round-robin selections advance it."""
-        if config.router_mode != MODE_ROUND_ROBIN:
-            return 0
-        turn, self.turns = self.turns, self.turns + 1
-        return turn
-
-    def _remember_selection(self, command: SelectWorker, decision: Accepted) -> None:
-        if command.reserve:
-            if command.selection_id:
-                self.pending.discard(command.selection_id)
-            return
-        if not command.selection_id:
-            return
-        chosen = decision.reply
-        template = Reserve(
-            "",
-            chosen.worker_id,
-            chosen.dp_rank,
-            chosen.sequence_hashes,
-            chosen.isl_tokens,
-            effective_prefill_tokens=chosen.effective_prefill_tokens if chosen.track_prefill_tokens else None,
-            track_prefill_tokens=chosen.track_prefill_tokens,
-            local_hashes=chosen.local_hashes,
-            approx_ttl_ns=chosen.approx_ttl_ns,
-            expected_output_tokens=tracked_output(command.config, command.options.expected_output_tokens),
-            track_active_blocks=chosen.track_active_blocks,
-            session_id=chosen.session_id,
-            session_ttl_ns=chosen.session_ttl_ns,
-            writer_id=chosen.writer_id,
-            max_predicted_blocks=chosen.max_predicted_blocks,
-            predicted_prune_target=chosen.predicted_prune_target,
-        )
-        self.pending.put(command.selection_id, template, command.at)
-
-    def _replay_selection(self, envelope: Envelope, command: ReserveSelection) -> None:
-        template = self.pending.take(command.selection_id, command.at)
-        if template is None:
-            self._settle(envelope, no_pending_selection(self.state, command.selection_id), 0)
-            return
-        try:
-            decision, lsn = self._apply(attrs.evolve(template, reservation_id=command.selection_id, at=command.at))
-        except JOURNAL_GONE:
-            self.pending.give_back(command.selection_id, template, command.at)
-            raise
-        if not isinstance(decision, Accepted):
-            self.pending.give_back(command.selection_id, template, command.at)
-        self._settle(envelope, decision, lsn)
-
     def mailbox_statistics(self) -> trio.MemoryChannelStatistics:
         return self._inbox.statistics()
 
@@ -500,27 +418,6 @@ def _ingest_blocks(command: IngestKvBatch) -> int:
     return named_blocks(command.batch) + sum(named_blocks(batch) for _, batch in command.following)
 
 
-def _isl_tokens(command: SelectWorker) -> int:
-    prompt = command.prompt
-    return len(prompt.token_ids) if prompt.token_ids is not None else prompt.isl_tokens or 0
-
-
-def drawn(command: SelectWorker, draw: float, reservation_id: str | None, turn: int) -> SelectWorker:
-    """``attrs.evolve(command, draw=draw, reservation_id=reservation_id, turn=turn)``, spelled out: every
-    selection pays it, and evolve (which walks the fields) costs about three times as much. Every other field is
-    copied (``tests/actors/test_selection_draw.py`` fails when SelectWorker gains one this does not copy)."""
-    return SelectWorker(
-        prompt=command.prompt,
-        config=command.config,
-        options=command.options,
-        reserve=command.reserve,
-        reservation_id=reservation_id,
-        selection_id=command.selection_id,
-        draw=draw,
-        at=command.at,
-        predicted_ranks=command.predicted_ranks,
-        writer_id=command.writer_id,
-        turn=turn,
-        explain=command.explain,
-        ttft=command.ttft,
-    )
+def _gone(envelope: Envelope) -> bool:
+    """Whether a waiting selection's asker has been answered already (its deadline passed) or left."""
+    return envelope.timed_out or envelope.abandoned

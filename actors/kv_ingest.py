@@ -31,8 +31,9 @@ flood), held from a run's decoding through its hand-over until the actor has app
 most the ONE piece running when it arrived: a run of at most ``INGEST_RUN_BLOCKS`` blocks decoded, or applied, and
 at most one decoded run waits for the actor. (Without the lock, one idle moment woke every listener waiting for it:
 a run decoded and runs handed over in the same round, then applied together in the actor's next turn, up to
-``actor.MAX_TURN_KV_BLOCKS`` and more.) When the actor is idle (its mailbox empty), the listener's task applies the
-run itself, as the actor's turn would (``ScopeActor.apply_now``): no hand-over to the actor's task and back.
+``actor.MAX_TURN_KV_BLOCKS`` and more.) Runs enter the actor through the system's one door for them
+(``ActorSystem.apply_kv``), which, when the actor is idle (its mailbox empty), has the listener's task take the
+actor's turn itself: no hand-over to the actor's task and back.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from kvrouter.actors.core.kv_wire import KvBatch, WireError, decode_batch, named
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatches, OnRestart
 from kvrouter.actors.loop_idle import when_loop_idle
-from kvrouter.actors.mailbox import Envelope
 from kvrouter.actors.peers.socket_budget import ListenerCapacityError, ListenerSlots
 from kvrouter.actors.system import ActorSystem
 
@@ -175,6 +175,13 @@ class KvIngest:
                 return False
         return True
 
+    def listening(self) -> list[tuple[int, int]]:
+        """The (worker id, dp rank) of every rank with a listener."""
+        statuses = self._statuses
+        if statuses is None:
+            statuses = self._statuses = self._statuses_by_rank()
+        return list(statuses)
+
     def _statuses_by_rank(self) -> dict[tuple[int, int], ListenerStatus]:
         """The status of each rank's listener (its first, should a rank have two for a moment)."""
         found: dict[tuple[int, int], ListenerStatus] = {}
@@ -295,13 +302,11 @@ class KvIngest:
         return on_batches
 
     async def _apply(self, key: ListenerKey, run: list[tuple[int, KvBatch]], cap: int, named: int) -> None:
-        """Queue the run as one command and wait until the actor has applied it (not until it is durable: see
-        the module doc). Returns at once if the scope is gone (its worker left). Called holding ``pieces``, so the
-        actor's turn that applies the run is the one piece of ingest work running, and at most one decoded run
-        waits between all the listeners. ``named``: the blocks the run's batches name (the actor's turn budget)."""
-        actor = self._system.actors.get(key.scope)
-        if actor is None:
-            return
+        """Hand the run over as one command and wait until the actor has applied it (not until it is durable: see
+        the module doc); ``ActorSystem.apply_kv`` drops it if the scope is gone (its worker left). Called holding
+        ``pieces``, so the actor's turn that applies the run is the one piece of ingest work running, and at most
+        one decoded run waits between all the listeners. ``named``: the blocks the run's batches name (the
+        actor's turn budget)."""
         (seq, batch), *following = run
         command = IngestKvBatch(
             key.rank.worker_id,
@@ -312,24 +317,8 @@ class KvIngest:
             max_index_blocks=cap,
             following=tuple(following),
         )
-        envelope = Envelope(command, kv_blocks=named, awaited=False)
         await when_loop_idle(INGEST_WAITS_AT_MOST)  # the actor applies it in its next turn: requests first
-        if actor.apply_now(envelope):
-            return  # the actor was idle: applied here, as its turn (no hand-over to its task and back)
-        applied = trio.Event()
-        envelope.on_settled = applied.set
-        try:
-            # Without the yield of ``send`` when the mailbox has room (the wait below yields anyway): one
-            # scheduling pass of this task fewer per run.
-            actor.outbox.send_nowait(envelope)
-        except trio.WouldBlock:
-            try:
-                await actor.outbox.send(envelope)
-            except trio.ClosedResourceError:
-                return  # retired while we waited
-        except trio.ClosedResourceError:
-            return  # retired while we waited
-        await applied.wait()
+        await self._system.apply_kv(key.scope, command, named)
 
     def _on_restart(self, key: ListenerKey) -> OnRestart:
         system = self._system

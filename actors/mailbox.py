@@ -61,7 +61,7 @@ class Envelope:
         self.failure: BaseException | None = None  # the journal refused the events: nothing was applied
         self.deadline = 0.0  # trio time after which the asker stops waiting (see actors/deadlines.py)
         self.timed_out = False
-        self.queued = False  # waiting in the scope's queue for a rank to stop being busy (actors/waiting_room.py)
+        self.queued = False  # parked in the scope's queue for a rank to stop being busy (core/waiting_room.py)
         self.abandoned = False  # the asker went away: a queued envelope is dropped, never applied
 
     def settle(self, decision: Decision, lsn: int) -> None:

@@ -41,13 +41,14 @@ from kvrouter.actors.core.commands import (
     SelectWorker,
 )
 from kvrouter.actors.core.decisions import Accepted, Reason, Rejected
+from kvrouter.actors.core.desk import nowhere_schedulable, streams_predicted
 from kvrouter.actors.core.disaggregation import DECODE_PART, PREFILL_PART, DisaggregatedSelection, part_id
 from kvrouter.actors.core.dump import dump_document
-from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.kv_modes import HEALTHY, StreamView
 from kvrouter.actors.core.queries import PotentialLoad, RankLoad
 from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride, config_problem
 from kvrouter.actors.core.routing_modes import MODE_KV_TTFT
-from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
 from kvrouter.actors.core.selection_queries import (
     OverlapScore,
     SelectionInput,
@@ -55,10 +56,9 @@ from kvrouter.actors.core.selection_queries import (
     overlap_scores,
     partition_loads,
     potential_loads,
-    schedulable,
     selection_input,
 )
-from kvrouter.actors.core.selection_rules import Selection, reservation_not_found, tracked_output
+from kvrouter.actors.core.selection_rules import Booked, Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.decision_feed import DecisionBatch
 from kvrouter.actors.directory import Directory
@@ -115,6 +115,12 @@ class Booking:
     endpoint: str | None
 
 
+def _booking(scope: ScopeKey, reservation_id: str, decision: Accepted) -> Booking:
+    """Where the booking went, as its decision says (``selection_rules.Booked``)."""
+    booked: Booked = decision.reply
+    return Booking(scope, reservation_id, booked.worker_id, booked.dp_rank, booked.endpoint)
+
+
 @attrs.frozen
 class PartitionLoads:
     scope: ScopeKey
@@ -147,7 +153,7 @@ class SelectService:
         self.writer_id = writer_id
         # Per-rank fallback to predicted blocks while a rank's KV events are absent or stale (KV-event mode).
         self.health = (
-            KvHealth(ingest.connected, config.kv_events_stale_secs, ingest.all_connected)
+            KvHealth(ingest, config.kv_events_stale_secs)
             if ingest is not None and config.use_kv_events and config.kv_events_stale_secs > 0
             else None
         )
@@ -290,20 +296,19 @@ class SelectService:
         (``actors/core/disaggregation.py``); ``<id>`` is ``reservation_id``, else ``selection_id``, else
         generated. Either both parts are booked or neither."""
         config = self._config(request)
-        self._require_any_schedulable(request.scope)
         booking = request.reservation_id if request.reservation_id is not None else request.selection_id
         now = self._now()
-        predicted = self._predicted_ranks(request.scope, now)
+        streams = self._streams(request.scope, now)
         command = SelectDisaggregated(
             request.prompt,
             config,
             booking,
             request.options,
             at=now,
-            predicted_ranks=predicted,
+            streams=streams,
             ttft=self.ttft.view(request.scope) if config.router_mode == MODE_KV_TTFT else None,
         )
-        # A generated id (the actor draws it) is unique; a given one is claimed, both parts, service-wide.
+        # A generated id (the scope's desk draws it) is unique; a given one is claimed, both parts, service-wide.
         parts = () if booking is None else (part_id(booking, PREFILL_PART), part_id(booking, DECODE_PART))
         claimed: list[str] = []
         for part in parts:
@@ -333,8 +338,9 @@ class SelectService:
         return config
 
     def _selection(self, request: SelectionRequest, *, reserve: bool) -> SelectWorker:
+        """The selection command: what the request asks and what only this shell knows (the time, the KV
+        streams' health); what the scope knows (its workers, the other scopes) is read when it is decided."""
         config = self._config(request)
-        self._require_any_schedulable(request.scope)
         now = self._now()
         return SelectWorker(
             request.prompt,
@@ -344,27 +350,15 @@ class SelectService:
             reservation_id=request.reservation_id if reserve else None,
             selection_id=request.selection_id,
             at=now,
-            predicted_ranks=self._predicted_ranks(request.scope, now),
             writer_id=self.writer_id,
             explain=request.explain,
             ttft=self.ttft.view(request.scope) if config.router_mode == MODE_KV_TTFT else None,
+            streams=self._streams(request.scope, now),
         )
 
-    def _predicted_ranks(self, scope: ScopeKey, now: int) -> frozenset[WorkerRank]:
-        state = self.system.state(scope)
-        if self.health is None or state is None:
-            return frozenset()
-        return self.health.predicted_ranks(state, schedulable(state, True, self.config.queueing), now)
-
-    def _require_any_schedulable(self, scope: ScopeKey | None = None) -> None:
-        """1.6.1 answers differently when the whole service has no schedulable worker. ``scope``: the
-        request's own, looked at first (a selection usually finds one there, without a pass over every scope)."""
-        use_kv_events, queueing = self.config.use_kv_events, self.config.queueing
-        own = self.system.state(scope) if scope is not None else None
-        if own is not None and schedulable(own, use_kv_events, queueing):
-            return
-        if not any(schedulable(state, use_kv_events, queueing) for state in self.system.states()):
-            raise Refused(Reason.UNAVAILABLE, NO_SCHEDULABLE_WORKERS_ANYWHERE)
+    def _streams(self, scope: ScopeKey, now: int) -> StreamView:
+        """What the KV-event streams look like now, for a selection in ``scope`` (``kv_health.py``)."""
+        return self.health.view(scope, now) if self.health is not None else HEALTHY
 
     # -- reservations ---------------------------------------------------------------------------------
 
@@ -394,18 +388,18 @@ class SelectService:
             expected_output_tokens=tracked_output(self.config, expected_output_tokens),
             track_active_blocks=self.config.router_track_active_blocks,
         )
-        await self._book(scope, command, reservation_id)
+        decision = await self._book(scope, command, reservation_id)
         if effective_prefill_tokens is not None:  # the caller's own prediction of what is cached
             cached = isl_tokens - effective_prefill_tokens
             self.hit_accuracy.predicted_tokens(reservation_id, worker_id, dp_rank, cached, isl_tokens)
-        return self._booking(scope, reservation_id, worker_id, dp_rank)
+        return _booking(scope, reservation_id, decision)
 
     async def reserve_selection(self, scope: ScopeKey, selection_id: str) -> Booking:
         """Book exactly what an earlier ``select`` with this ``selection_id`` chose (1.6.1's replay form)."""
         decision = await self._book(scope, ReserveSelection(selection_id, at=self._now()), selection_id)
         if isinstance(decision.reply, Selection):
             self.hit_accuracy.predicted(decision.reply)
-        return self._booking(scope, selection_id, None, None)
+        return _booking(scope, selection_id, decision)
 
     async def _book(
         self, scope: ScopeKey, command: SelectWorker | Reserve | ReserveSelection, booking: str | None
@@ -417,14 +411,6 @@ class SelectService:
                 raise Refused.because(conflict)
             release = partial(self.directory.release_claim, booking)
         return accepted(await self.system.ask(scope, command, on_settled=release))
-
-    def _booking(self, scope: ScopeKey, reservation_id: str, worker_id: int | None, dp_rank: int | None) -> Booking:
-        state = self.system.state(scope)
-        booked = state.slots.requests.get(reservation_id) if state is not None else None
-        if booked is not None:  # (it may already be released again by a concurrent call)
-            worker_id, dp_rank = booked.rank
-        record = state.selection.catalog.get(worker_id) if state is not None and worker_id is not None else None
-        return Booking(scope, reservation_id, worker_id, dp_rank, record.endpoint if record else None)
 
     async def complete_prefill(self, reservation_id: str, cached_tokens: int | None = None) -> None:
         """The reservation's prefill is done; ``cached_tokens``: what the engine found cached, compared
@@ -509,15 +495,18 @@ class SelectService:
         return scores
 
     def _prompt_read(self, scope: ScopeKey, prompt: Prompt) -> tuple[SelectionInput, list[Any]]:
-        self._require_any_schedulable(scope)
+        """A read of the scope's state (between awaits, so consistent), weighed as a selection would be."""
+        config = self.config
         state = self.system.state(scope) or ScopeState(scope)
-        prepared = selection_input(state, prompt, self.config.use_kv_events, queueing=self.config.queueing)
+        nowhere = nowhere_schedulable(state, config, self.system)
+        if nowhere is not None:
+            raise Refused.because(nowhere)
+        prepared = selection_input(state, prompt, config.use_kv_events, queueing=config.queueing)
         if not isinstance(prepared, SelectionInput):
             raise Refused.because(prepared)
-        predicted = self._predicted_ranks(scope, self._now())
-        return prepared, candidates(
-            state, prepared, predicted_ranks=predicted, all_predicted=not self.config.use_kv_events
-        )
+        now = self._now()
+        predicted = streams_predicted(state, config, self._streams(scope, now), now)
+        return prepared, candidates(state, prepared, predicted_ranks=predicted, all_predicted=not config.use_kv_events)
 
     async def dump(self) -> dict[str, Any]:
         """The index of every scope in the standalone indexer's recovery format."""

@@ -34,12 +34,12 @@ def scope_labels(scope: ScopeKey) -> Labels:
 
 def system_families(system: ActorSystem) -> list[Family]:
     """Scopes, mailboxes, the journal and snapshots."""
-    actors = system.actors
-    depth = {scope_labels(s): float(a.mailbox_statistics().current_buffer_used) for s, a in actors.items()}
-    peak = {scope_labels(s): float(a.peak_depth) for s, a in actors.items()}
+    mailboxes = system.mailboxes()
+    depth = {scope_labels(s): float(waiting) for s, waiting, _ in mailboxes}
+    peak = {scope_labels(s): float(most) for s, _, most in mailboxes}
     rejected = {scope_labels(s): float(n) for s, n in system.mailbox_rejections.items()}
     families = [
-        gauge("kvrouter_scopes", "(model, tenant) scopes with a running actor", (), {(): float(len(actors))}),
+        gauge("kvrouter_scopes", "(model, tenant) scopes with a running actor", (), {(): float(len(mailboxes))}),
         gauge("kvrouter_mailbox_capacity", "Commands a scope's mailbox holds", (), {(): float(MAILBOX_SIZE)}),
         gauge("kvrouter_mailbox_depth", "Commands waiting in the scope's mailbox now", SCOPE, depth),
         gauge("kvrouter_mailbox_peak_depth", "Most commands ever waiting in the scope's mailbox", SCOPE, peak),

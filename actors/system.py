@@ -24,6 +24,7 @@ from kvrouter.actors.core.commands import (
     SCOPE_CREATING,
     Command,
     ExpireStale,
+    IngestKvBatch,
     RegisterWorker,
     RemoveWorker,
     SelectWorker,
@@ -32,16 +33,17 @@ from kvrouter.actors.core.commands import (
 )
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Decision, Reason, Rejected
+from kvrouter.actors.core.desk import without_scope
 from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE, MAX_SCOPES
+from kvrouter.actors.core.pending import PendingSelections
 from kvrouter.actors.core.selection_rules import service_weight
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.deadlines import Deadlines
 from kvrouter.actors.decision_feed import DecisionFeed
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Batch, Envelope, JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.operator_log import log_operator_events
-from kvrouter.actors.pending import PendingSelections
 from kvrouter.actors.ports import Clock
 from kvrouter.actors.snapshotter import (
     SnapshotFailed,
@@ -59,8 +61,12 @@ EXPIRY_AGE_NS = 300 * 1_000_000_000  # the reference's stale-request age
 EXPIRY_SWEEP_SECONDS = 30.0  # sweep twice per reference interval: stale requests go by ~330 s
 SNAPSHOT_EVERY_RECORDS = 50_000
 SNAPSHOT_EVERY_BYTES = 64 * 1024 * 1024
-# The only commands that change a scope's ranks (what it counts toward the service's rank limit).
+# The only commands that change a scope's ranks (what it counts toward the service's rank limit) or its
+# schedulable workers (whether it counts toward "a schedulable worker anywhere").
 _RANK_COMMANDS = (RegisterWorker, UnregisterWorker, UpsertWorker, RemoveWorker)
+# Every (use_kv_events, queueing) pair a selection can be asked under: the scopes with a schedulable worker are
+# kept for each.
+_SCHEDULING = ((False, False), (False, True), (True, False), (True, True))
 
 
 def queue_timeout(seconds: float) -> str:
@@ -88,7 +94,7 @@ class ActorSystem:
     ) -> None:
         self.journal = journal
         self.clock = clock
-        self.actors: dict[ScopeKey, ScopeActor] = {}
+        self._actors: dict[ScopeKey, ScopeActor] = {}
         self._recovered = states or {}
         self._nursery: trio.Nursery | None = None
         self._snapshot_due = trio.Event()
@@ -108,6 +114,12 @@ class ActorSystem:
         # kept from applied decisions; a registration is checked against it in the actor, before journaling.
         self._rank_weights: dict[ScopeKey, int] = {s: service_weight(st) for s, st in self._recovered.items()}
         self._ranks_total = sum(self._rank_weights.values())
+        # The scopes with a schedulable worker, per (use_kv_events, queueing), kept from applied decisions as the
+        # weights are: a selection in a scope without one asks it (in the actor, right before deciding) whether
+        # any other scope has one, instead of reading every scope's state from the request's task.
+        self._schedulable: dict[tuple[bool, bool], set[ScopeKey]] = {key: set() for key in _SCHEDULING}
+        for state in self._recovered.values():
+            self._set_schedulable(state)
         # The KV-event index cap of each scope (actors/core/index_bounds.py), carried by each KV command.
         self.max_index_blocks_per_scope = max_index_blocks_per_scope
         self.pending_options = pending_options or {}
@@ -125,7 +137,7 @@ class ActorSystem:
             self.observers,
             self.after_turn,
             self.retire,
-            self.ranks_elsewhere,
+            surroundings=self,
             decisions=self.decisions,
             queue_observers=self.queue_observers,
             last_write=LastWrite(journal.last_lsn),  # what was there before this process started: all of it
@@ -241,16 +253,16 @@ class ActorSystem:
         the scope exists (from an empty state, as ``_enqueue`` does); the batch (or None) and its indices."""
         if self.failure is not None:
             raise JournalUnavailable(self.failure)
-        actor = self.actors.get(scope)
+        actor = self._actors.get(scope)
         start = 0
         while actor is None and start < len(commands):
             command = commands[start]
             if not isinstance(command, SCOPE_CREATING):
-                results[indices[start]] = decide(ScopeState(scope), command)
-            elif len(self.actors) >= MAX_SCOPES:
+                results[indices[start]] = self._decide_alone(scope, command)
+            elif len(self._actors) >= MAX_SCOPES:
                 results[indices[start]] = Rejected(
                     Reason.CONFLICT,
-                    f"the service holds {len(self.actors)} (model, tenant) scopes, the limit of {MAX_SCOPES} "
+                    f"the service holds {len(self._actors)} (model, tenant) scopes, the limit of {MAX_SCOPES} "
                     f"scopes per service; {scope.describe()} is not created",
                 )
             else:
@@ -314,16 +326,15 @@ class ActorSystem:
     async def _enqueue(self, scope: ScopeKey, envelope: Envelope) -> Decision | None:
         if self.failure is not None:
             raise JournalUnavailable(self.failure)
-        actor = self.actors.get(scope)
+        actor = self._actors.get(scope)
         command = envelope.command
         if actor is None:
             if not isinstance(command, SCOPE_CREATING):
-                # No scope: the core answers from an empty state (not found, or a no-op).
-                return decide(ScopeState(scope), command)
-            if len(self.actors) >= MAX_SCOPES:
+                return self._decide_alone(scope, command)
+            if len(self._actors) >= MAX_SCOPES:
                 return Rejected(
                     Reason.CONFLICT,
-                    f"the service holds {len(self.actors)} (model, tenant) scopes, the limit of {MAX_SCOPES} "
+                    f"the service holds {len(self._actors)} (model, tenant) scopes, the limit of {MAX_SCOPES} "
                     f"scopes per service; {scope.describe()} is not created",
                 )
             actor = self._start(ScopeState(scope), last_write_lsn=self._ports.last_write.lsn)
@@ -338,13 +349,66 @@ class ActorSystem:
                 raise Overloaded(f"mailbox of {scope.describe()} is full") from None
         return None
 
+    def _decide_alone(self, scope: ScopeKey, command: Command) -> Decision:
+        """No scope: the core answers from an empty state (not found, a no-op, or no schedulable worker)."""
+        state = ScopeState(scope)
+        prepared = without_scope(state, command, self)
+        return prepared if isinstance(prepared, Rejected) else decide(state, prepared)
+
+    async def apply_kv(self, scope: ScopeKey, command: IngestKvBatch, kv_blocks: int = 0) -> None:
+        """Apply a worker's KV events (one run, one command) in ``scope`` and return once the actor has applied
+        them: decided, journaled, folded. Never waits for durability, and asks the journal for no durability
+        callback (``Envelope.awaited``): a crash loses the records and the watermark together, and the listener
+        replays them. Dropped when the scope has no actor (its worker left). Waits while the mailbox is full
+        (policy: block the listener; zmq's high-water mark then pushes back on the publisher).
+
+        ``kv_blocks``: the blocks the run's batches name (its share of the actor's turn), if counted already.
+        When the actor's task waits on an empty mailbox, the run is applied as its next turn from this task
+        (``ScopeActor.apply_now``): the same turn, without the hand-over to the actor's task and back."""
+        actor = self._actors.get(scope)
+        if actor is None:
+            return
+        envelope = Envelope(command, kv_blocks=kv_blocks, awaited=False)
+        if actor.apply_now(envelope):
+            return
+        applied = trio.Event()
+        envelope.on_settled = applied.set
+        try:
+            # Without the yield of ``send`` when the mailbox has room (the wait below yields anyway): one
+            # scheduling pass of the caller fewer per run.
+            actor.outbox.send_nowait(envelope)
+        except trio.WouldBlock:
+            try:
+                await actor.outbox.send(envelope)
+            except trio.ClosedResourceError:
+                return  # retired while we waited
+        except trio.ClosedResourceError:
+            return  # retired meanwhile
+        await applied.wait()
+
+    # -- what the scopes know of each other (the actors' ``Surroundings``) -----------------------------
+
     def ranks_elsewhere(self, scope: ScopeKey) -> int:
         """What the service's scopes other than ``scope`` count toward ``MAX_RANKS_PER_SERVICE``."""
         return self._ranks_total - self._rank_weights.get(scope, 0)
 
+    def schedulable_elsewhere(self, scope: ScopeKey, use_kv_events: bool, queueing: bool) -> bool:
+        """Whether a scope other than ``scope`` has a schedulable worker (under these settings)."""
+        scopes = self._schedulable[use_kv_events, queueing]
+        return len(scopes) > (scope in scopes)
+
     def _count_ranks(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
         if isinstance(command, _RANK_COMMANDS):
             self._set_weight(state.scope, service_weight(state))
+            self._set_schedulable(state)
+
+    def _set_schedulable(self, state: ScopeState) -> None:
+        scope = state.scope
+        for key, scopes in self._schedulable.items():
+            if state.exists and state.selection.schedulable(*key):
+                scopes.add(scope)
+            else:
+                scopes.discard(scope)
 
     def _set_weight(self, scope: ScopeKey, weight: int) -> None:
         self._ranks_total += weight - self._rank_weights.pop(scope, 0)
@@ -353,32 +417,43 @@ class ActorSystem:
 
     def pending_loads(self, scope: ScopeKey) -> tuple[int, int]:
         """``(pending_count, pending_isl_tokens)``: selections waiting in the scope's queue."""
-        actor = self.actors.get(scope)
+        actor = self._actors.get(scope)
         return actor.pending_loads() if actor is not None else (0, 0)
 
     def query(self, scope: ScopeKey, command: SelectWorker) -> Decision:
         """Answer a non-booking selection without a mailbox round trip (see ScopeActor.query)."""
-        actor = self.actors.get(scope)
+        actor = self._actors.get(scope)
         if actor is None:
-            return decide(ScopeState(scope), command)
+            return self._decide_alone(scope, command)
         return actor.query(command)
 
     async def submit(self, scope: ScopeKey, command: Command) -> None:
         """Enqueue without waiting for the decision; waits while the mailbox is full (policy:
         block the producer). Dropped if the scope is gone (its worker left)."""
-        actor = self.actors.get(scope)
+        actor = self._actors.get(scope)
         if actor is not None:
             with contextlib.suppress(trio.ClosedResourceError):  # retired while we waited
                 await actor.outbox.send(Envelope(command))
 
     # -- reads ------------------------------------------------------------------------------------
 
+    def scopes(self) -> list[ScopeKey]:
+        """The scopes that have an actor now, sorted."""
+        return sorted(self._actors)
+
+    def mailboxes(self) -> list[tuple[ScopeKey, int, int]]:
+        """``(scope, commands waiting in its mailbox now, the most ever waiting)`` per live scope (metrics)."""
+        return [
+            (scope, actor.mailbox_statistics().current_buffer_used, actor.peak_depth)
+            for scope, actor in self._actors.items()
+        ]
+
     def state(self, scope: ScopeKey) -> ScopeState | None:
-        actor = self.actors.get(scope)
+        actor = self._actors.get(scope)
         return actor.state if actor is not None and actor.state.exists else None
 
     def states(self) -> list[ScopeState]:
-        return sorted((a.state for a in self.actors.values() if a.state.exists), key=lambda s: s.scope)
+        return sorted((a.state for a in self._actors.values() if a.state.exists), key=lambda s: s.scope)
 
     async def read_barrier(self, scope: ScopeKey | None = None) -> None:
         """Wait until every write a read may have seen is durable (reads never show lost writes).
@@ -388,7 +463,7 @@ class ActorSystem:
         A worker's KV events are not writes here (``actor.WORKER_KV_COMMANDS``): a read does not wait for
         their fsync, so selections during a KV flood wait for no disk at all.
         """
-        actor = self.actors.get(scope) if scope is not None else None
+        actor = self._actors.get(scope) if scope is not None else None
         lsn = actor.last_write_lsn if actor is not None else self._ports.last_write.lsn
         if lsn > self.journal.durable_lsn:
             await self.wait_durable(lsn)
@@ -407,15 +482,17 @@ class ActorSystem:
         scope = state.scope
         rng = random.Random(f"{self.seed}:{scope.model_name}:{scope.tenant_id}")
         actor = ScopeActor(state, self._ports, rng, PendingSelections(**self.pending_options), last_write_lsn)
-        self.actors[scope] = actor  # inserted before any await: starting cannot race
+        self._actors[scope] = actor  # inserted before any await: starting cannot race
         self._nursery.start_soon(actor.run)
         return actor
 
     def retire(self, actor: ScopeActor) -> None:
-        if self.actors.get(actor.state.scope) is actor:
-            del self.actors[actor.state.scope]
+        if self._actors.get(actor.state.scope) is actor:
+            del self._actors[actor.state.scope]
             self.mailbox_rejections.pop(actor.state.scope, None)
             self._set_weight(actor.state.scope, 0)
+            for scopes in self._schedulable.values():
+                scopes.discard(actor.state.scope)
         actor.outbox.close()
 
     def after_turn(self) -> None:
@@ -436,7 +513,7 @@ class ActorSystem:
             at = self.clock.now_ns()
             # One scope at a time, in a fixed order, so the journal's interleaving is a pure
             # function of the inputs (simulations compare journals byte for byte).
-            for scope in sorted(self.actors):
+            for scope in sorted(self._actors):
                 try:
                     await self.ask(scope, ExpireStale(EXPIRY_AGE_NS, at=at))
                 except Overloaded:

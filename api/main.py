@@ -29,13 +29,13 @@ from kvrouter.actors.core.commands import RecoveredRun
 from kvrouter.actors.core.dump import DumpError, parse_dump
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
+from kvrouter.actors.core.pending import DEFAULT_MAX_BYTES as DEFAULT_SELECTION_CACHE_MAX_BYTES
+from kvrouter.actors.core.pending import SelectionCacheBudget
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.actors.peers.replicator import ReplicaSecurity, random_router_id
 from kvrouter.actors.peers.socket_budget import ListenerSlots
-from kvrouter.actors.pending import DEFAULT_MAX_BYTES as DEFAULT_SELECTION_CACHE_MAX_BYTES
-from kvrouter.actors.pending import SelectionCacheBudget
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import ActorRuntime, running_actors, start_select_service
 from kvrouter.actors.select_service import SelectService

@@ -28,18 +28,16 @@ from kvrouter.actors.actor import ActorPorts, ScopeActor
 from kvrouter.actors.core.commands import Prompt, SelectWorker
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted
+from kvrouter.actors.core.pending import PendingSelections
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.decision_feed import DecisionFeed
-from kvrouter.actors.pending import PendingSelections
 
 
 def query_before(actor: ScopeActor, command: SelectWorker) -> Any:
-    """``ScopeActor.query`` as it was before the explanation hook."""
-    command = actor._with_draw(command)
-    decision = decide(actor.state, command)
-    if isinstance(decision, Accepted):
-        actor._remember_selection(command, decision)
-    return decision
+    """``ScopeActor.query`` without the explanation hook: the desk's steps around ``decide`` alone."""
+    prepared = actor.desk.prepare(command)
+    assert isinstance(prepared, SelectWorker)
+    return actor.desk.decided(command, prepared, decide(actor.state, prepared), None)
 
 
 def prompts(rng: random.Random, chains: list[list[int]], explain: bool) -> list[SelectWorker]:

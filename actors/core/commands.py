@@ -11,6 +11,7 @@ import attrs
 
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.kv_modes import HEALTHY, StreamView
 from kvrouter.actors.core.kv_wire import KvBatch
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import RouterConfig
@@ -25,7 +26,7 @@ class RegisterWorker:
     dp_start: int
     dp_size: int
     at: int = 0
-    # Ranks the service holds in its other scopes (limits.MAX_RANKS_PER_SERVICE), filled in by the actor.
+    # Ranks the service holds in its other scopes (limits.MAX_RANKS_PER_SERVICE), filled in by the scope's desk.
     ranks_elsewhere: int = 0
 
 
@@ -163,8 +164,9 @@ class SelectionOptions:
 class SelectWorker:
     """Pick a rank for a prompt; with ``reserve`` also book it under ``reservation_id``.
 
-    ``draw`` is a uniform number in [0, 1) from the scope's seeded random source, supplied by the
-    actor, so the core stays deterministic.
+    ``draw`` is a uniform number in [0, 1) from the scope's seeded random source, ``turn`` its round-robin
+    position and ``predicted_ranks`` the ranks scored on predicted blocks: the scope's desk fills them in right
+    before deciding (``actors/core/desk.py``), so the core stays deterministic and reads no other task's view.
     """
 
     prompt: Prompt
@@ -175,14 +177,16 @@ class SelectWorker:
     selection_id: str | None = None
     draw: float = 0.0
     at: int = 0
-    # Ranks the shell scores on predicted (booked) blocks although KV events are on: their stream is absent or
-    # stale (actors/core/kv_modes.py). Bookings on them are predicted too.
+    # Ranks scored on predicted (booked) blocks although KV events are on: their stream is absent or stale
+    # (actors/core/kv_modes.py), as ``streams`` says and the scope's state decides. Bookings on them are predicted.
     predicted_ranks: frozenset[WorkerRank] = frozenset()
     writer_id: int = 0  # this replica's id, the version of the session bindings it writes
-    turn: int = 0  # round-robin position, counted per scope by the actor (round-robin selections only)
+    turn: int = 0  # round-robin position, counted per scope by its desk (round-robin selections only)
     explain: bool = False  # the reply carries why (actors/core/explain.py); derived data, never journaled
     # kv_ttft only: the shell's prefill-time model of the scope's ranks (actors/core/ttft_model.py); None: prior.
     ttft: TtftView | None = None
+    # What the shell knows of the KV-event streams when the selection was asked (stamped with ``at``).
+    streams: StreamView = HEALTHY
 
 
 @attrs.frozen
@@ -190,11 +194,11 @@ class SelectDisaggregated:
     """Pick a prefill rank (KV-aware) and then a decode rank (load only) and book both, atomically, as the two
     parts ``<reservation_id>:prefill`` and ``<reservation_id>:decode``; decode only when no prefill rank is
     eligible (see ``actors/core/disaggregation.py``). ``draw`` and ``decode_draw`` (one per stage) and ``turn``
-    (both stages' round-robin position) come from the actor, as for :class:`SelectWorker`."""
+    (both stages' round-robin position) come from the scope's desk, as for :class:`SelectWorker`."""
 
     prompt: Prompt
     config: RouterConfig
-    reservation_id: str | None = None  # None: the actor generates one from the scope's random source
+    reservation_id: str | None = None  # None: the desk generates one from the scope's random source
     options: SelectionOptions = SelectionOptions()
     draw: float = 0.0
     decode_draw: float = 0.0
@@ -202,6 +206,7 @@ class SelectDisaggregated:
     at: int = 0
     predicted_ranks: frozenset[WorkerRank] = frozenset()  # as for SelectWorker
     ttft: TtftView | None = None  # as for SelectWorker (the prefill stage uses it)
+    streams: StreamView = HEALTHY  # as for SelectWorker
 
 
 @attrs.frozen

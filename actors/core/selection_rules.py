@@ -638,6 +638,15 @@ def already_reserved(reservation_id: str) -> Rejected:
     return Rejected(Reason.CONFLICT, f"selection {reservation_id} is already reserved or being reserved")
 
 
+@attrs.frozen
+class Booked:
+    """What a booking on a chosen rank (``Reserve``, or a replayed selection) answers: where it went."""
+
+    worker_id: int
+    dp_rank: int
+    endpoint: str | None
+
+
 def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
     if command.effective_prefill_tokens is not None and command.effective_prefill_tokens > command.isl_tokens:
         return Rejected(
@@ -694,7 +703,8 @@ def decide_reserve(command: Reserve, state: ScopeState) -> Decision:
             ttl_ns=command.session_ttl_ns,
             writer_id=command.writer_id,
         )
-    return Accepted((event, *booked, *pinned_session), created=True)
+    where = Booked(command.worker_id, command.dp_rank, state.selection.catalog[command.worker_id].endpoint)
+    return Accepted((event, *booked, *pinned_session), created=True, reply=where)
 
 
 def no_pending_selection(state: ScopeState, selection_id: str) -> Rejected:
@@ -705,8 +715,8 @@ def no_pending_selection(state: ScopeState, selection_id: str) -> Rejected:
 
 
 def decide_reserve_selection(command: ReserveSelection, state: ScopeState) -> Decision:
-    """Pending selections live in the scope's actor, which books them itself (``actors/actor.py``); a
-    scope without an actor (no worker was ever registered there) has none."""
+    """Pending selections live in the scope's desk, which turns a replay into the booking it describes
+    (``actors/core/desk.py``); a scope without one (no worker was ever registered there) has none."""
     return no_pending_selection(state, command.selection_id)
 
 

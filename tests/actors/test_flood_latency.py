@@ -116,7 +116,7 @@ def assert_indexed(flood: Flood) -> None:
     """The flood is indexed: the last chain of the last rank is found whole on that rank (overlap in tokens)."""
     assert flood.work() == 2 * TOTAL  # every block decoded once and applied once
     last_rank, last_batch = RANKS - 1, GROUPS * GROUP_MAX_BATCHES - 1
-    decision = flood.system.actors[SCOPE].query(SelectWorker(Prompt(chain(last_rank, last_batch)[1]), RouterConfig()))
+    decision = flood.system.query(SCOPE, SelectWorker(Prompt(chain(last_rank, last_batch)[1]), RouterConfig()))
     assert isinstance(decision, Accepted)
     assert (decision.reply.worker_id, decision.reply.dp_rank) == (1, last_rank)
     assert decision.reply.overlap["dp"][str(last_rank)] == BATCH_BLOCKS * BLOCK

@@ -104,26 +104,25 @@ async def test_mailbox_peak_depth_is_what_waited_when_a_turn_started(
     system = await start(nursery, journal)
     nursery.start_soon(system.ask, SCOPE, RegisterWorker(1, 16, 0, 1))
     await trio.testing.wait_all_tasks_blocked()
-    assert system.actors[SCOPE].peak_depth == 1
+    assert system.mailboxes() == [(SCOPE, 0, 1)]
     for i in range(300):
         nursery.start_soon(system.ask, SCOPE, FreeRequest(f"x{i}"))
     await trio.testing.wait_all_tasks_blocked()
-    assert system.actors[SCOPE].mailbox_statistics().current_buffer_used == 300
+    assert system.mailboxes() == [(SCOPE, 300, 1)]
     journal.caught_up.set()
     journal.release()
     await trio.testing.wait_all_tasks_blocked()
-    assert system.actors[SCOPE].mailbox_statistics().current_buffer_used == 0
-    assert system.actors[SCOPE].peak_depth == 300
+    assert system.mailboxes() == [(SCOPE, 0, 300)]
     assert system.mailbox_rejections == {}
 
 
 async def test_dissolved_scope_retires_its_actor(autojump_clock: trio.abc.Clock, nursery: trio.Nursery) -> None:
     system = await start(nursery)
     await system.ask(SCOPE, RegisterWorker(1, 16, 0, 1))
-    assert SCOPE in system.actors
+    assert system.scopes() == [SCOPE]
     await system.ask(SCOPE, UnregisterWorker(1))
     await trio.testing.wait_all_tasks_blocked()
-    assert SCOPE not in system.actors and system.state(SCOPE) is None
+    assert system.scopes() == [] and system.state(SCOPE) is None
     rejected = await system.ask(SCOPE, FreeRequest("r"))
     assert isinstance(rejected, Rejected) and rejected.message.startswith("no slot tracker")
     assert isinstance(await system.ask(SCOPE, RegisterWorker(1, 32, 0, 1)), Accepted)

@@ -54,7 +54,7 @@ def test_the_selection_cache_flags_reach_the_service_options() -> None:
 def test_selection_cache_max_bytes_is_checked_and_carried() -> None:
     started = launch("--selection-cache-max-bytes", "1048576")
     assert started.options.selection_cache_max_bytes == 1_048_576
-    assert started.warnings == ()  # enforced now (actors/pending.py), so nothing to warn about
+    assert started.warnings == ()  # enforced now (actors/core/pending.py), so nothing to warn about
 
 
 def test_assume_kv_reuse_flag_sets_the_config_and_the_ignored_form_is_warned() -> None:

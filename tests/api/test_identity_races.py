@@ -44,7 +44,7 @@ async def selector(mock_clock: trio.abc.Clock, nursery: trio.Nursery) -> tuple[A
 async def hold_actors(system: ActorSystem, journal: RoomJournal) -> None:
     """Let every actor take one (empty) turn and then wait for room: what is sent from now on stays queued."""
     journal.close_room()
-    for scope in sorted(system.actors):
+    for scope in system.scopes():
         await system.submit(scope, ExpireStale(1, at=0))
     await trio.testing.wait_all_tasks_blocked()
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import trio
 
-import kvrouter.actors.waiting_room as waiting_room
+import kvrouter.actors.core.waiting_room as waiting_room
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
 from tests.conftest import start_select_service

@@ -16,7 +16,6 @@ from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_wire import BlockStored, KvBatch, encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS, KvIngest, ListenerKey
-from kvrouter.actors.mailbox import Envelope
 from kvrouter.actors.system import ActorSystem
 from kvrouter.api.main import select_service_builder, slot_tracker_app
 from tests.support.asgi import ASGIApp, Reply, call, service_app
@@ -232,23 +231,3 @@ async def test_a_kv_run_for_an_idle_actor_is_applied_in_the_listeners_task(
         trio.lowlevel.remove_instrument(steps)
     assert journal.last_lsn == before + 1 and steps.steps == 0
     assert system.states()[0].selection.kv_watermarks[WorkerRank(1, 0)] == 2
-
-
-async def test_a_kv_run_goes_through_the_mailbox_when_a_command_is_on_its_way(
-    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
-) -> None:
-    # Something was sent to the actor and not yet taken: applying the run first would reorder them.
-    journal = GatedJournal()
-    _, system = await kv_service(nursery, journal)
-    await trio.testing.wait_all_tasks_blocked()
-    actor = system.actors[ScopeKey(A["model_name"], A["tenant_id"])]
-    cap = system.max_index_blocks_per_scope
-    batch = KvBatch(0.0, (BlockStored((10,), None, PROMPT[:BLOCK], BLOCK),))
-    first = Envelope(IngestKvBatch(1, 0, 0, batch, max_index_blocks=cap), awaited=False)
-    second = Envelope(IngestKvBatch(1, 0, 1, batch, max_index_blocks=cap), awaited=False)
-    actor.outbox.send_nowait(first)  # handed to the actor's task, which has not run yet
-    assert not actor.apply_now(second)
-    assert first.decision is None and second.decision is None
-    actor.outbox.send_nowait(second)
-    await trio.testing.wait_all_tasks_blocked()
-    assert 0 < first.lsn < second.lsn

@@ -11,8 +11,8 @@ from kvrouter.actors.core.commands import Reserve
 from kvrouter.actors.core.hashing import block_hashes, sequence_hashes
 from kvrouter.actors.core.ids import to_i64
 from kvrouter.actors.core.kv_wire import encode_batch
+from kvrouter.actors.core.pending import entry_bytes
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.pending import entry_bytes
 from kvrouter.api.main import ServiceOptions, run_service, select_service_builder
 from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
 from tests.support.kv_publisher import open_kv_publisher

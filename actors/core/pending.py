@@ -1,5 +1,5 @@
 """The pending-selection cache: what a ``/select`` with a ``selection_id`` would book, kept for a
-later ``POST /reservations`` that names only the id (the 1.6.1 replay form).
+later ``POST /reservations`` that names only the id (the 1.6.1 replay form). Pure.
 
 Per scope, owned by its actor, never journaled (a cache: after a restart a replay answers 404, as
 the reference's does after its restart). Bounded by count and age per scope, and in bytes across the
@@ -7,13 +7,18 @@ whole service (one ``SelectionCacheBudget`` shared by every scope's cache, ``--s
 256 MiB as in the reference). Overflow policy: the scope that stores evicts its own oldest entries
 until the service is within budget, the new entry last; an entry bigger than the whole budget is not
 kept (its replay answers 404, as an evicted one does).
+
+What is kept is a template: the ``Reserve`` that books exactly what the selection chose (``template``), with
+an empty reservation id; the replay fills in the id and its time (``replayed``). Booked right away, it books
+what ``/select_and_reserve`` would have booked with the same draw.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from kvrouter.actors.core.commands import Reserve
+from kvrouter.actors.core.commands import Reserve, SelectWorker
+from kvrouter.actors.core.selection_rules import Selection, tracked_output
 
 DEFAULT_TTL_SECONDS = 120.0
 DEFAULT_MAX_ENTRIES = 4096
@@ -91,3 +96,31 @@ class PendingSelections:
         if entry is not None:
             self._budget.used -= entry.size
         return entry
+
+
+def template(command: SelectWorker, chosen: Selection) -> Reserve:
+    """The booking a later replay of this selection makes: the chosen rank, the prompt's hashes and loads as
+    the selection weighed them, its session and prediction settings. The reservation id is the replay's."""
+    return Reserve(
+        "",
+        chosen.worker_id,
+        chosen.dp_rank,
+        chosen.sequence_hashes,
+        chosen.isl_tokens,
+        effective_prefill_tokens=chosen.effective_prefill_tokens if chosen.track_prefill_tokens else None,
+        track_prefill_tokens=chosen.track_prefill_tokens,
+        local_hashes=chosen.local_hashes,
+        approx_ttl_ns=chosen.approx_ttl_ns,
+        expected_output_tokens=tracked_output(command.config, command.options.expected_output_tokens),
+        track_active_blocks=chosen.track_active_blocks,
+        session_id=chosen.session_id,
+        session_ttl_ns=chosen.session_ttl_ns,
+        writer_id=chosen.writer_id,
+        max_predicted_blocks=chosen.max_predicted_blocks,
+        predicted_prune_target=chosen.predicted_prune_target,
+    )
+
+
+def replayed(kept: Reserve, selection_id: str, at: int) -> Reserve:
+    """The template booked under the replay's id (the selection id) at the replay's time."""
+    return attrs.evolve(kept, reservation_id=selection_id, at=at)

@@ -1,13 +1,19 @@
-"""``actors.actor.drawn``: the actor's copy of a selection with its draw, reservation id and round-robin turn is
-``attrs.evolve`` spelled out, so it must copy every other field of ``SelectWorker``, including one added later."""
+"""``actors.core.draws``: the desk's copy of a selection with its draw, reservation id, round-robin turn and
+predicted ranks is ``attrs.evolve`` spelled out, so it must copy every other field of ``SelectWorker``, including
+one added later; the generated reservation ids are the version-4 UUIDs ``uuid`` makes of the same bits."""
 
 from __future__ import annotations
 
-import attrs
+import uuid
 
-from kvrouter.actors.actor import drawn
+import attrs
+from hypothesis import given
+from hypothesis import strategies as st
+
 from kvrouter.actors.core.commands import Prompt, SelectionOptions, SelectWorker
+from kvrouter.actors.core.draws import drawn, uuid4_text
 from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.kv_modes import StreamView
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.ttft_model import RankTiming, TtftView
 
@@ -26,6 +32,7 @@ NOT_DEFAULT = {
     "turn": 4,
     "explain": True,
     "ttft": TtftView((RankTiming(WorkerRank(1, 0), samples=2),)),
+    "streams": StreamView(((WorkerRank(2, 0), 5),)),
 }
 
 
@@ -38,8 +45,14 @@ def test_every_field_of_a_selection_is_listed_here() -> None:
     )
 
 
-def test_drawn_is_evolve_of_the_draw_reservation_id_and_turn() -> None:
+def test_drawn_is_evolve_of_the_draw_reservation_id_turn_and_predicted_ranks() -> None:
     command = SelectWorker(**NOT_DEFAULT)  # type: ignore[arg-type]
+    predicted = frozenset({WorkerRank(3, 1)})
     for reservation_id in ("other", None):
-        expected = attrs.evolve(command, draw=0.75, reservation_id=reservation_id, turn=9)
-        assert drawn(command, 0.75, reservation_id, 9) == expected
+        expected = attrs.evolve(command, draw=0.75, reservation_id=reservation_id, turn=9, predicted_ranks=predicted)
+        assert drawn(command, 0.75, reservation_id, 9, predicted) == expected
+
+
+@given(st.integers(0, 2**128 - 1))
+def test_a_generated_id_is_the_version_4_uuid_of_its_bits(bits: int) -> None:
+    assert uuid4_text(bits) == str(uuid.UUID(int=bits, version=4))

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from kvrouter.actors.core.commands import Reserve
-from kvrouter.actors.pending import PendingSelections, SelectionCacheBudget, entry_bytes
+from kvrouter.actors.core.pending import PendingSelections, SelectionCacheBudget, entry_bytes
 
 
 def prompt(blocks: int) -> Reserve:
