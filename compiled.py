@@ -31,7 +31,7 @@ COMPILED_MODULES = (
     "kvrouter.actors.core.hashing",
     "kvrouter.actors.core.selection",
     "kvrouter.actors.core.kv_batch_reader",
-    "kvrouter.api.select_body_reader",
+    "kvrouter.api.bodies.select_body_reader",
 )
 # Compiled modules that call another's C functions (cimported through its .pxd): they can run compiled only
 # while it does, and their pure twins import its pure twin (``load_pure``).

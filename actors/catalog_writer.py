@@ -37,9 +37,9 @@ from kvrouter.actors.core.worker_endpoints import EndpointAllowList
 from kvrouter.actors.directory import Directory
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.mailbox import ENQUEUE_TIMEOUT, Overloaded
-from kvrouter.actors.peers.socket_budget import ListenerCapacityError
 from kvrouter.actors.service_support import Refused, accepted
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.socket_budget import ListenerCapacityError
 
 log = logging.getLogger("kvrouter.catalog")
 

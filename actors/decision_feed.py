@@ -3,7 +3,7 @@
 Selections are explained only while someone reads the feed (a reader's poll takes a lease of
 ``LEASE_SECONDS``) or the request asked for it (``"explain": true``): with nobody reading, a selection pays
 one attribute check (``wanted``). The actor publishes each explained, accepted selection (O(candidates):
-its record is built once); readers (one hub per process, ``api/live_decisions.py``) hold a cursor and take
+its record is built once); readers (one hub per process, ``api/streams/decisions.py``) hold a cursor and take
 what came after it.
 
 Bounds: the records kept are bounded in count (``max_records``) and estimated bytes (``max_bytes``); policy:

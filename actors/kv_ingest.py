@@ -54,8 +54,8 @@ from kvrouter.actors.core.kv_wire import KvBatch, WireError, decode_batch, named
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.kv_listener import KvListener, ListenerStatus, OnBatches, OnRestart
 from kvrouter.actors.loop_idle import when_loop_idle
-from kvrouter.actors.peers.socket_budget import ListenerCapacityError, ListenerSlots
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.socket_budget import ListenerCapacityError, ListenerSlots
 
 log = logging.getLogger("kvrouter.kv_ingest")
 

@@ -47,7 +47,7 @@ the host again and reconnects itself -- once the old connection's backlog is dra
 ``disconnect`` discards it. That is why the monitor (two inproc PAIR sockets) stays: nothing else
 reports a connection lost for good, a reconnection (catch-up, restart detection) or a handshake
 failure. Budget: 3 zmq sockets and 4 descriptors per listener, plus a DEALER and 2 descriptors
-while a replay runs (see actors/peers/socket_budget.py).
+while a replay runs (see actors/transport/socket_budget.py).
 
 Hand-over in groups: batches go to ``on_batches`` as a list of ``(seq, payload)`` in stream order. What
 is already queued on the socket when the listener looks (up to ``GROUP_MAX_BATCHES`` batches or
@@ -86,8 +86,8 @@ from kvrouter.actors.peers.endpoints import (
     parse_connect_endpoint,
     resolve,
 )
-from kvrouter.actors.peers.socket_budget import replay_limiter
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.actors.transport.socket_budget import replay_limiter
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
 
 log = logging.getLogger("kvrouter.kv_listener")
 

@@ -1,7 +1,7 @@
 """LoadFeed: which scopes' loads changed, and when, for the live load streams (``GET /ws/loads``).
 
 The actors do O(1) per applied change: an observer bumps the scope's version and wakes one trio Event,
-with no work per subscriber and nothing that can block. Readers (one hub per process, ``api/live_loads.py``)
+with no work per subscriber and nothing that can block. Readers (one hub per process, ``api/streams/loads.py``)
 hold a cursor, the feed's change count when they last read, and ask for the scopes changed since it
 (``changed_since``): the scopes are kept in order of their last change, so that walk touches only the
 changed ones. Many changes of one scope between two reads are one entry: conflated, by design.

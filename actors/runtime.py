@@ -1,6 +1,6 @@
 """The shared composition of a running router: journal writer, actor system, selection service.
 
-Both owners build on it: the HTTP services (``api/main.py``, which adds hypercorn and replication) and the
+Both owners build on it: the HTTP services (``api/process/main.py``, which adds hypercorn and replication) and the
 in-process router (``api/embedded.py``, which adds nothing). Keeping the order in one place keeps them alike:
 the journal starts first and closes last, the actors run between, and a journal that can no longer be
 written halts the actor system (every later command fails with ``JournalUnavailable``) and tells the owner to
@@ -22,10 +22,10 @@ from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import KvIngest
-from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.ports import WallClock
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.socket_budget import ListenerSlots
 from kvrouter.journal.store import Journal
 
 

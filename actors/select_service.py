@@ -1,6 +1,6 @@
 """SelectService: the selection service's commands and queries, in plain data, over the actor system.
 
-What the HTTP routes (``api/select_routes.py``) call, and what anything else that drives the service
+What the HTTP routes (``api/routes/selection.py``) call, and what anything else that drives the service
 calls: each method takes plain values, returns plain values, and raises ``Refused`` (with a reason),
 ``Overloaded``, ``ReplyTimeout`` or ``JournalUnavailable``. It stamps commands with the clock, applies
 the router configuration (and per-request overrides), and keeps service-wide identity:

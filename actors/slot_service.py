@@ -1,6 +1,6 @@
 """SlotService: the slot tracker's commands and queries, in plain data, over the actor system.
 
-What ``api/routes.py`` calls. Every write goes to its scope's actor (journaled, durable before the
+What ``api/routes/slot_tracker.py`` calls. Every write goes to its scope's actor (journaled, durable before the
 method returns); a rejection raises ``Refused``. In the slot tracker worker and request ids belong to
 their (model, tenant) scope, as in 1.6.1, so there is no service-wide directory here.
 """

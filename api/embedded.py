@@ -29,19 +29,19 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.kv_wire import KvBatch, KvEvent, WireError, decode_batch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
-from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import running_actors, start_select_service
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.service_support import Refused, ScopeFilter, accepted
 from kvrouter.actors.snapshotter import SnapshotMethod
-from kvrouter.api import data_dir as data_dirs
+from kvrouter.actors.transport.socket_budget import ListenerSlots
+from kvrouter.api.bodies.schemas import parse
+from kvrouter.api.bodies.select_schemas import SelectBody, WorkerBody
 from kvrouter.api.http import HttpError
-from kvrouter.api.main import REPLY_DEADLINE_SECONDS, lock_data_dir
-from kvrouter.api.route_support import REASON_STATUS, RETRY_AFTER
-from kvrouter.api.schemas import parse
-from kvrouter.api.select_routes import disaggregated_answer, potential_load_view, selection_request, worker_view
-from kvrouter.api.select_schemas import SelectBody, WorkerBody
+from kvrouter.api.process import data_dir as data_dirs
+from kvrouter.api.process.main import REPLY_DEADLINE_SECONDS, lock_data_dir
+from kvrouter.api.routes.selection import disaggregated_answer, potential_load_view, selection_request, worker_view
+from kvrouter.api.routes.support import REASON_STATUS, RETRY_AFTER
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.memory import MemoryJournal
 from kvrouter.journal.store import Durability, Journal

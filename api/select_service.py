@@ -1,7 +1,7 @@
 """``python -m api.select_service`` mirrors the reference's ``python -m dynamo.select_service``.
 
-Only the entry point: the service is composed in ``api/main.py`` (``select_service_builder``), so the
-command line (``api/cli.py``) and this module do not import each other in a circle.
+Only the entry point: the service is composed in ``api/process/main.py`` (``select_service_builder``), so the
+command line (``api/cli/main.py``) and this module do not import each other in a circle.
 """
 
 from __future__ import annotations
@@ -9,6 +9,6 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    from kvrouter.api.cli import main
+    from kvrouter.api.cli.main import main
 
     sys.exit(main(["select-service", *sys.argv[1:]]))

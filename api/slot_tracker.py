@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from kvrouter.api.cli import main
+from kvrouter.api.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["slot-tracker", *sys.argv[1:]]))

@@ -57,7 +57,7 @@ class Service:
     def __init__(self, python: str, service: str, extra: list[str]) -> None:
         self.port = free_port()
         self.data = Path(tempfile.mkdtemp(prefix="kvrouter-attack-"))
-        argv = [python, "-m", "kvrouter.api.cli", service, "--port", str(self.port), "--data-dir", str(self.data)]
+        argv = [python, "-m", "kvrouter.api.cli.main", service, "--port", str(self.port), "--data-dir", str(self.data)]
         argv += ["--fresh", "--log-level", "error", *extra]
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
         self.peak = 0

@@ -29,7 +29,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port
 
-from kvrouter.api.demo import SPEEDUP, report, run_demo
+from kvrouter.api.cli.demo import SPEEDUP, report, run_demo
 
 PROMPT = list(range(1000, 1064))
 
@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--no-demo", action="store_true")
     args = parser.parse_args()
-    kvrouter = [sys.executable, "-m", "kvrouter.api.cli"]
+    kvrouter = [sys.executable, "-m", "kvrouter.api.cli.main"]
     worker_port, kv_port, frontend_port = free_port(), free_port(), free_port()
     print(f"before: {load()} ({os.cpu_count()} cores)")
     worker_flags = ["--port", str(worker_port), "--kv-events-port", str(kv_port), "--speedup", "1000"]

@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--trace", metavar="OUT.json", help="record the frontend's long loop steps (loop_trace.py)")
     parser.add_argument("--frontend-flags", default="", help="more frontend flags, space-separated")
     args = parser.parse_args()
-    kvrouter = [args.python, "-m", "kvrouter.api.cli"]
+    kvrouter = [args.python, "-m", "kvrouter.api.cli.main"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     flags = ["--port", str(port), "--log-level", "error", *args.frontend_flags.split()]

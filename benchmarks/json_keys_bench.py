@@ -1,4 +1,4 @@
-"""What looking for a repeated JSON key costs on the API's body paths (``api/json_keys.py``), next to orjson's
+"""What looking for a repeated JSON key costs on the API's body paths (``api/http/json_keys.py``), next to orjson's
 parse of the same body: microseconds of CPU time per call (best of 7 repeats; CPU time, so other work on a
 shared machine moves it less than wall time).
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from kvrouter.api.json_keys import find_repeated
+from kvrouter.api.http.json_keys import find_repeated
 
 ADD = {"model_name": "m", "request_id": "req-1", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1, 2, 3, 4]}
 BODIES: dict[str, bytes] = {

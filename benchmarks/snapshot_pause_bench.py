@@ -112,8 +112,8 @@ def own_rss() -> int:
 async def _serve(port: int, data: Path) -> None:
     from kvrouter.actors.core.router_config import RouterConfig
     from kvrouter.actors.snapshotter import SnapshotMethod, Snapshotter
-    from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
-    from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+    from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
+    from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
     from kvrouter.journal.store import Durability
 
     probe = LoopProbe()

@@ -27,7 +27,7 @@ Phases, each printed as it ends:
    listener status).
 5. beyond capacity (unless ``--no-beyond``): a second service whose open-files limit is pinned at 1,024
    (hard and soft, so it cannot raise it), which affords ``listener_capacity(1024)`` = 64 listeners
-   (actors/peers/socket_budget.py); registrations fill it, then more workers ask for more ranks, up to
+   (actors/transport/socket_budget.py); registrations fill it, then more workers ask for more ranks, up to
    twice what its descriptors could hold or until one gets no answer: what they get, and whether the
    service stays up and keeps answering.
 """
@@ -57,7 +57,7 @@ from common import REPO, free_port, repo_env, rss_bytes, select_service_argv
 from http_client import Connection
 from select_service_bench import Latencies, Service, call, wait_status
 
-from kvrouter.actors.peers.socket_budget import FDS_PER_LISTENER, listener_capacity
+from kvrouter.actors.transport.socket_budget import FDS_PER_LISTENER, listener_capacity
 
 HOST = "127.0.0.1"
 MODEL = "scale"

@@ -151,7 +151,7 @@ def main() -> None:
     port = free_port()
     data = Path(f"/tmp/kvrouter-ws-bench-{port}")
     profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-    argv = [sys.executable, *profile, "-m", "kvrouter.api.cli", "slot-tracker", "--port", str(port), "--fresh"]
+    argv = [sys.executable, *profile, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", str(port), "--fresh"]
     argv += ["--data-dir", str(data), "--durability", args.durability, "--log-level", "warning"]
     argv += ["--fronts", str(args.fronts)]
     server = Server(argv, port, fronts=args.fronts)

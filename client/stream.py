@@ -8,7 +8,7 @@ the first (the service then orders them by its reply). Results come back matched
 
 Bounds: at most ``max_in_flight`` commands waiting for a result; beyond it a caller waits for room
 (policy: block the caller), so the client never exceeds the service's window (``MAX_IN_FLIGHT`` of
-``api/command_stream.py``, which would otherwise stop reading: the same effect, later).
+``api/streams/command_stream.py``, which would otherwise stop reading: the same effect, later).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ offers the API derives from this table:
 - the HTTP routes: a service binds a handler to each of its operations by name (``bind``), and the route's
   method, path and body rules come from the operation; a service that leaves one of its operations unbound,
   or binds a name the table lacks, fails at start-up;
-- ``GET /openapi.json`` (``api/openapi.py``) and the docs' API reference, generated from the bound routes;
+- ``GET /openapi.json`` (``api/routes/openapi.py``) and the docs' API reference, generated from the bound routes;
 - ``POST /batch`` and the command stream, which dispatch through the same routes; the stream's compact codes
   (``Operation.compact``) are the table's;
 - the fronts' wire (the service objects' methods the routes call, forwarded as they are);
@@ -78,7 +78,7 @@ class Operation:
     summary: str
     served_by: frozenset[str]
     body: Body = Body.NONE
-    request: str | None = None  # the name of the body class it parses (api/openapi.py derives its JSON Schema)
+    request: str | None = None  # the name of the body class it parses (api/routes/openapi.py derives its JSON Schema)
     request_schema: dict[str, Any] | None = None  # a body that is no single class
     responses: dict[int, Any] = attrs.Factory(lambda: {200: {}})  # status -> schema (None: no body)
     query: tuple[str, ...] = ()

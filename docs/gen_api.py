@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvrouter.api.openapi import RESPONSES, body_class, class_schema
+from kvrouter.api.routes.openapi import RESPONSES, body_class, class_schema
 from kvrouter.client.table import (
     FRONTEND,
     OPENAI,

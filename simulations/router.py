@@ -1,6 +1,6 @@
 """One kvrouter replica inside a simulation: the selection service on an in-memory journal.
 
-Client calls go through ``SelectService``, the service object the HTTP routes call (``api/select_routes.py``
+Client calls go through ``SelectService``, the service object the HTTP routes call (``api/routes/selection.py``
 is a thin layer of handlers over it), so a simulated ``/select_and_reserve`` is the route's code path minus
 HTTP parsing. KV-event batches enter as the KV listener hands them over (``IngestKvBatch`` into the scope's
 mailbox, ``ResetKvStream`` on a publisher restart). Time comes from trio's clock, which only the cluster

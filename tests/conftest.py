@@ -11,10 +11,10 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
-from kvrouter.api.main import (
+from kvrouter.actors.transport.socket_budget import ListenerSlots
+from kvrouter.api.process.main import (
     ServiceHandle,
     ServiceOptions,
     run_service,
@@ -25,7 +25,7 @@ from kvrouter.api.main import (
     slot_tracker_objects,
     slot_tracker_routes_of,
 )
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.support.proxied import run_proxied_service
 

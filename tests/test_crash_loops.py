@@ -23,7 +23,7 @@ from tests.support.processes import free_port
 
 pytestmark = pytest.mark.slow
 
-KVROUTER = [sys.executable, "-m", "kvrouter.api.cli"]
+KVROUTER = [sys.executable, "-m", "kvrouter.api.cli.main"]
 
 
 class Service:

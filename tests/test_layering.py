@@ -162,7 +162,7 @@ def test_import_circles_are_found() -> None:
 def test_no_import_circles() -> None:
     modules = module_names()
     graph = {name: kvrouter_imports(path, modules) - {name} for name, path in modules.items()}
-    assert "kvrouter.actors.system" in graph["kvrouter.api.main"]  # the graph is really built
+    assert "kvrouter.actors.system" in graph["kvrouter.api.process.main"]  # the graph is really built
     assert import_circles(graph) == []
 
 
@@ -248,3 +248,24 @@ def test_no_product_module_uses_private_names_of_trio_hypercorn_or_wsproto_or_pa
     sources = [p for d in PRODUCT for p in (ROOT / d).rglob("*.py")] + sorted(ROOT.glob("*.py"))
     offenders = {str(p.relative_to(ROOT)): private_uses(p.read_text()) for p in sources}
     assert {path: found for path, found in offenders.items() if found} == {}
+
+
+def _api_room_imports(room: str) -> set[str]:
+    """The api rooms (``kvrouter.api.<room>``) that the modules of ``api/<room>/`` import."""
+    found = set()
+    for path in (ROOT / "api" / room).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvrouter.api."):
+                found.add(node.module.split(".")[2])
+    return found - {room}
+
+
+def test_the_frontend_and_the_mock_worker_do_not_import_each_other() -> None:
+    """What both need (the OpenAI protocol, the endpoint's default id) lives below them, not in either."""
+    assert "mock_worker" not in _api_room_imports("frontend")
+    assert "frontend" not in _api_room_imports("mock_worker")
+
+
+def test_the_openai_protocol_and_the_request_bodies_know_no_route_stream_or_process() -> None:
+    for room in ("openai", "bodies"):
+        assert _api_room_imports(room) <= {"http", "bodies", "openai"}, room

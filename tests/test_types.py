@@ -79,7 +79,7 @@ UNTYPED_DEF = ("def _planted(value):\n    return value\n", 1, "no-untyped-def")
 @pytest.mark.parametrize(
     ("module", "planted"),
     [
-        ("api/app.py", PLAIN_ERROR),
+        ("api/http/app.py", PLAIN_ERROR),
         ("actors/kv_ingest.py", PLAIN_ERROR),
         ("actors/core/slots.py", UNTYPED_DEF),
         ("journal/frames.py", UNTYPED_DEF),

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from typing import Final
 
 import attrs
+from xxhash import xxh3_64_intdigest
 
 from kvrouter.actors.core.endpoints import MAX_PORT, InvalidEndpoint, parse_port, parse_zmq_endpoint
 
@@ -283,3 +284,9 @@ def _not_allowed(field: str, host: str, allow: EndpointAllowList) -> str:
         f"{field}: host `{host}` is not in the operator's allow-list of worker hosts "
         f"(--worker-endpoint-allow {allow.describe()})"
     )
+
+
+def default_worker_id(endpoint: str) -> int:
+    """A stable worker id per advertised endpoint, below 2**63 (some clients read ids as signed): what the mock
+    worker registers under, and what the frontend and discovery give a worker that names none."""
+    return xxh3_64_intdigest(endpoint.encode()) >> 1

@@ -22,7 +22,7 @@ import zmq
 from kvrouter.actors.fleet.dynamo_events import Envelope, EnvelopeError, decode_zmq_message
 from kvrouter.actors.fleet.event_ingest import EventPlaneIngest
 from kvrouter.actors.peers.endpoints import EndpointError, ResolveError, parse_connect_endpoint, resolve
-from kvrouter.actors.peers.zmq_socket import open_socket
+from kvrouter.actors.transport.zmq_socket import open_socket
 
 log = logging.getLogger("kvrouter.event_plane")
 

@@ -45,7 +45,7 @@ from zmq.auth import load_certificate
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from kvrouter.actors.peers.zmq_socket import zmq_context
+from kvrouter.actors.transport.zmq_socket import zmq_context
 
 log = logging.getLogger("kvrouter.replica")
 

@@ -23,7 +23,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvrouter.actors.peers.peer_limits import PeerLimits, TokenBucket
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
 
 log = logging.getLogger("kvrouter.replica")
 

@@ -79,8 +79,8 @@ from kvrouter.actors.peers.replica_wire import (
     encode,
     encode_affinity,
 )
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
 
 log = logging.getLogger("kvrouter.replica")
 

@@ -3,7 +3,7 @@
 A record that cannot be used stops recovery with a ``PoisonRecord`` naming its LSN and what is wrong
 (never a traceback): the CLI prints it on one line and exits 2. The operator then runs the build that
 wrote it, restores a backup, moves that one record out (``kvrouter journal quarantine``) or cuts the log
-before it (``kvrouter journal truncate-after``, ``api/journal_cli.py``).
+before it (``kvrouter journal truncate-after``, ``api/cli/journal.py``).
 
 A damaged record of a worker's KV events (journaled as rebuildable: ``actors/actor.py``) does not stop it: the
 journal passes over it (``Journal.skipped_records``), and recovery moves the KV-event watermarks back to where

@@ -1,7 +1,7 @@
 """The frontend's ASGI app: the OpenAI routes (streamed by ``Proxy``) in front of the selection service's app.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /frontend/stats`` are
-answered here; every other request goes to the selection service's own app (``kvrouter.api.app.make_app``:
+answered here; every other request goes to the selection service's own app (``kvrouter.api.http.app.make_app``:
 ``POST /workers``, ``/loads``, ``/health``, ...), so workers register on the port clients use. The bearer token,
 when set, guards the OpenAI routes as it guards the service's.
 """
@@ -13,9 +13,9 @@ from typing import Any
 
 import attrs
 
-from kvrouter.api.auth import BearerToken
 from kvrouter.api.frontend.proxy import Proxy, send_response
 from kvrouter.api.http import error_response, json_response
+from kvrouter.api.http.auth import BearerToken
 from kvrouter.client.table import OPENAI, served_by
 
 ASGIScope = dict[str, Any]

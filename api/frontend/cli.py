@@ -30,15 +30,15 @@ from kvrouter.actors.core.worker_endpoints import (
     http_endpoint_problem,
     zmq_allow_list_problem,
 )
-from kvrouter.api import log_setup
-from kvrouter.api.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
-from kvrouter.api.exposure import add_worker_endpoint_flag, worker_endpoint_allow
-from kvrouter.api.fleet_flags import add_fleet_flags, fleet_options
+from kvrouter.api.cli.fleet_flags import add_fleet_flags, fleet_options
+from kvrouter.api.cli.http_flags import add_http_flags, check_exposure, http_options
+from kvrouter.api.cli.one_line_parser import OneLineParser
 from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.service import file_workers, run_until_signal
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
-from kvrouter.api.http_flags import add_http_flags, check_exposure, http_options
-from kvrouter.api.one_line_parser import OneLineParser
+from kvrouter.api.process import log_setup
+from kvrouter.api.process.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
+from kvrouter.api.process.exposure import add_worker_endpoint_flag, worker_endpoint_allow
 from kvrouter.journal.store import Durability
 
 log = logging.getLogger("kvrouter.frontend")

@@ -24,8 +24,8 @@ import attrs
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.options import FleetOptions
-from kvrouter.api.auth import BearerToken
-from kvrouter.api.server import HttpSettings
+from kvrouter.api.http.auth import BearerToken
+from kvrouter.api.http.server import HttpSettings
 from kvrouter.journal.store import Durability
 
 DEFAULT_PORT = 8000  # the seed's frontend port

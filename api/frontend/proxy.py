@@ -35,7 +35,7 @@ from kvrouter.api.frontend.routing import BOOKING_PREFIX, Plan, Routing, Target
 from kvrouter.api.frontend.tokenizers import Tokenize
 from kvrouter.api.frontend.tokenizing import Tokenizing
 from kvrouter.api.http import Response, error_response
-from kvrouter.api.openai_body import Refusal, read_json_body
+from kvrouter.api.openai.body import Refusal, read_json_body
 
 log = logging.getLogger("kvrouter.frontend")
 

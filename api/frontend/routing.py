@@ -12,10 +12,10 @@ import attrs
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.select_service import SelectService
+from kvrouter.api.bodies.schemas import parse
+from kvrouter.api.bodies.select_schemas import SelectBody
 from kvrouter.api.embedded import RouterError, as_router_errors
-from kvrouter.api.schemas import parse
-from kvrouter.api.select_routes import selection_request
-from kvrouter.api.select_schemas import SelectBody
+from kvrouter.api.routes.selection import selection_request
 
 TENANT = "default"
 # Every booking the frontend's proxy makes has an id starting with this (``fe-<process>-<n>``, with ``:retry``,

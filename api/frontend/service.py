@@ -20,24 +20,24 @@ import httpx
 import trio
 
 from kvrouter.actors.core.catalog import WorkerRecord
+from kvrouter.actors.core.worker_endpoints import default_worker_id
 from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.runtime import running_actors, start_select_service
-from kvrouter.api.app import make_app
-from kvrouter.api.command_routes import with_command_routes
+from kvrouter.api.bodies.schemas import parse
+from kvrouter.api.bodies.select_schemas import WorkerBody
+from kvrouter.api.cli.fleet_flags import worker_file_parser
 from kvrouter.api.embedded import _opened_journal, as_router_errors
-from kvrouter.api.fleet_flags import worker_file_parser
 from kvrouter.api.frontend.app import FrontendApp
 from kvrouter.api.frontend.options import FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.proxy import Proxy
 from kvrouter.api.frontend.routing import TENANT, Routing
 from kvrouter.api.frontend.tokenizers import load_tokenizer
-from kvrouter.api.main import REPLY_DEADLINE_SECONDS
-from kvrouter.api.mock_worker.service import default_worker_id
-from kvrouter.api.schemas import parse
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT, select_service_routes
-from kvrouter.api.select_schemas import WorkerBody
-from kvrouter.api.server import hypercorn_config, serve_http
+from kvrouter.api.http.app import make_app
+from kvrouter.api.http.server import hypercorn_config, serve_http
+from kvrouter.api.process.main import REPLY_DEADLINE_SECONDS
+from kvrouter.api.routes.commands import with_command_routes
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT, select_service_routes
 from kvrouter.client.table import FRONTEND
 
 log = logging.getLogger("kvrouter.frontend")

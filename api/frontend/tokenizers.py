@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrouter.api.mock_worker.tokenizer import tokenize as builtin_tokenize
+from kvrouter.api.openai.tokenizer import tokenize as builtin_tokenize
 
 Tokenize = Callable[[str], list[int]]
 BUILTIN = "built-in"

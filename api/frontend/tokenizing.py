@@ -28,10 +28,10 @@ import trio
 from kvrouter.api.frontend.options import PROMPT_CHARS_PER_TOKEN, FrontendLimits
 from kvrouter.api.frontend.tokenizers import Tokenize
 from kvrouter.api.http import error_response
-from kvrouter.api.mock_worker.requests import GenerateRequest, RequestProblem, parse_request
-from kvrouter.api.mock_worker.tokenizer import slices
-from kvrouter.api.mock_worker.tokenizer import tokenize as builtin_tokenize
-from kvrouter.api.openai_body import Refusal, prompt_size
+from kvrouter.api.openai.body import Refusal, prompt_size
+from kvrouter.api.openai.requests import GenerateRequest, RequestProblem, parse_request
+from kvrouter.api.openai.tokenizer import slices
+from kvrouter.api.openai.tokenizer import tokenize as builtin_tokenize
 
 INLINE_CHARS = 4096
 FREE_STEP = 65536  # ids dropped per step when a long prompt is refused (freeing a million ints takes ~30 ms)

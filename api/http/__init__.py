@@ -10,7 +10,7 @@ from urllib.parse import parse_qsl
 import attrs
 import orjson
 
-from kvrouter.api.json_keys import RepeatedKeys, find_repeated, repeated_field
+from kvrouter.api.http.json_keys import RepeatedKeys, find_repeated, repeated_field
 
 if TYPE_CHECKING:
     from kvrouter.client.table import Operation
@@ -145,11 +145,11 @@ class Route:
     # kvrouter extension on a reference route that ignores bodies: the reference's behaviour stays).
     json_body_if_typed: bool = False
     # Its handler puts its one command into its scope's mailbox before its first wait and reads no state
-    # before that: a batch may start the next command as soon as this one waits (``api/commands.py``).
+    # before that: a batch may start the next command as soon as this one waits (``api/streams/command_runner.py``).
     pipelined: bool = False
     # A WebSocket endpoint: the app hands an authorised upgrade of this path to this handler.
     websocket: WebSocketHandler | None = None
-    # A pipelined route whose commands a batch may run many at a time (``api/commands.py``).
+    # A pipelined route whose commands a batch may run many at a time (``api/streams/command_runner.py``).
     batched: Batched | None = None
     # The operation it serves (``client/table.py``): its documentation, whether it writes, its name.
     operation: Operation | None = None

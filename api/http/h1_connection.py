@@ -84,7 +84,7 @@ class H1Connection:
         response_headers: ResponseHeaders,
         max_head_bytes: int,
     ) -> None:
-        self._stream = stream  # kvrouter's connection stream (api/server.py ``ConnectionStream``)
+        self._stream = stream  # kvrouter's connection stream (api/http/server.py ``ConnectionStream``)
         self._fd = stream.socket.fileno()
         self._app = app
         self._config = config

@@ -12,7 +12,7 @@ handshake, and a bound on a message.
   wsproto names (1002, 1007) before the connection closes.
 * The app's ``receive`` reads the socket (no reader task); a client silent for ``read_timeout`` is gone
   (``websocket.disconnect`` 1006), as under hypercorn.
-* ``write_now``: a frame written without a task switch (``api/ws_direct.py``), only while open.
+* ``write_now``: a frame written without a task switch (``api/streams/ws_direct.py``), only while open.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class WebSocketConnection:
         trailing: bytes,
         max_message_bytes: int,
     ) -> None:
-        self._stream = stream  # kvrouter's connection stream (api/server.py ``ConnectionStream``)
+        self._stream = stream  # kvrouter's connection stream (api/http/server.py ``ConnectionStream``)
         self._fd = stream.socket.fileno()
         self._app = app
         self._config = config

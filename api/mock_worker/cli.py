@@ -19,10 +19,8 @@ import trio
 import zmq
 
 from kvrouter import __version__
-from kvrouter.api import log_setup
-from kvrouter.api.auth import BearerToken, TokenFileError
-from kvrouter.api.exit_reasons import BAD_CONFIGURATION, INTERRUPTED, STOPPED
-from kvrouter.api.exposure import INSECURE_NO_AUTH, add_insecure_flag, is_loopback
+from kvrouter.api.cli.one_line_parser import OneLineParser
+from kvrouter.api.http.auth import BearerToken, TokenFileError
 from kvrouter.api.mock_worker.kv_publisher import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
 from kvrouter.api.mock_worker.openai_app import (
     DEFAULT_BODY_LIMIT,
@@ -32,7 +30,9 @@ from kvrouter.api.mock_worker.openai_app import (
 )
 from kvrouter.api.mock_worker.registration import RegistrationFailed
 from kvrouter.api.mock_worker.service import MockWorkerOptions, run_until_signal
-from kvrouter.api.one_line_parser import OneLineParser
+from kvrouter.api.process import log_setup
+from kvrouter.api.process.exit_reasons import BAD_CONFIGURATION, INTERRUPTED, STOPPED
+from kvrouter.api.process.exposure import INSECURE_NO_AUTH, add_insecure_flag, is_loopback
 from kvrouter.simulations.timing import ENGINE_PRESETS
 
 log = logging.getLogger("kvrouter.mock_worker")

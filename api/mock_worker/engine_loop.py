@@ -17,7 +17,7 @@ import trio
 
 from kvrouter.actors.core.hashing import block_hashes, sequence_hashes
 from kvrouter.actors.core.kv_wire import KvEvent
-from kvrouter.api.mock_worker.tokenizer import OutputText
+from kvrouter.api.openai.tokenizer import OutputText
 from kvrouter.simulations.engine import EngineRequest, PassResult, WorkerEngine
 from kvrouter.simulations.timing import EngineParams
 

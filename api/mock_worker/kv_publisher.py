@@ -26,7 +26,7 @@ from typing import Final
 import zmq
 
 from kvrouter.actors.core.kv_wire import KvEvent, encode_batch
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
 
 log = logging.getLogger("kvrouter.mock_worker.kv")
 

@@ -1,7 +1,7 @@
 """The mock worker's HTTP routes as a raw ASGI app: ``/v1/completions``, ``/v1/chat/completions`` (both
 streaming with SSE or not), ``/v1/models``, ``/health`` and ``/stats``.
 
-Its own small app rather than ``kvrouter.api.app.make_app``, which sends each response as one body: a
+Its own small app rather than ``kvrouter.api.http.app.make_app``, which sends each response as one body: a
 streamed completion goes out a chunk per token (``data: {...}\\n\\n``, then ``data: [DONE]\\n\\n``). Errors are
 ``{"error": "..."}`` with a 4xx, decided before the request reaches the engine.
 
@@ -25,8 +25,8 @@ import trio
 from kvrouter.api.http import JSON, Response, error_response, json_response
 from kvrouter.api.mock_worker.engine_loop import EngineLoop, Generation
 from kvrouter.api.mock_worker.kv_publisher import KvEventPublisher
-from kvrouter.api.mock_worker.requests import GenerateRequest, RequestProblem, parse_request
-from kvrouter.api.openai_body import Refusal, read_json_body
+from kvrouter.api.openai.body import Refusal, read_json_body
+from kvrouter.api.openai.requests import GenerateRequest, RequestProblem, parse_request
 
 log = logging.getLogger("kvrouter.mock_worker")
 

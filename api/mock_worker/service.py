@@ -15,13 +15,13 @@ from functools import partial
 
 import attrs
 import trio
-from xxhash import xxh3_64_intdigest
 
+from kvrouter.actors.core.worker_endpoints import default_worker_id
+from kvrouter.api.http.server import HttpSettings, hypercorn_config, serve_http
 from kvrouter.api.mock_worker.engine_loop import EngineLoop
 from kvrouter.api.mock_worker.kv_publisher import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES, KvEventPublisher
 from kvrouter.api.mock_worker.openai_app import AppLimits, MockWorkerApp
 from kvrouter.api.mock_worker.registration import Registration, register, unregister
-from kvrouter.api.server import HttpSettings, hypercorn_config, serve_http
 from kvrouter.simulations.timing import EngineParams
 
 log = logging.getLogger("kvrouter.mock_worker")
@@ -57,11 +57,6 @@ class MockWorkerHandle:
     loop: EngineLoop
     publisher: KvEventPublisher
     stop: Callable[[], None]
-
-
-def default_worker_id(endpoint: str) -> int:
-    """A stable id per advertised endpoint, below 2**63 (some clients read ids as signed)."""
-    return xxh3_64_intdigest(endpoint.encode()) >> 1
 
 
 async def run_mock_worker(

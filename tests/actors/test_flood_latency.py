@@ -25,9 +25,9 @@ from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.kv_ingest import INGEST_RUN_BLOCKS, INGEST_WAITS_AT_MOST, KvIngest, ListenerKey
 from kvrouter.actors.kv_listener import GROUP_MAX_BATCHES
-from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.socket_budget import ListenerSlots
 from kvrouter.journal.memory import MemoryJournal
 
 SCOPE = ScopeKey("m", "t")

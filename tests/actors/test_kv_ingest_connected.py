@@ -15,9 +15,9 @@ from kvrouter.actors.core.commands import RemoveWorker, UpsertWorker
 from kvrouter.actors.core.decisions import Accepted
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.kv_ingest import KvIngest
-from kvrouter.actors.peers.socket_budget import ListenerSlots
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.socket_budget import ListenerSlots
 from kvrouter.journal.memory import MemoryJournal
 
 SCOPE = ScopeKey("m", "t")

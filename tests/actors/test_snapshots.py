@@ -38,7 +38,7 @@ from kvrouter.actors.snapshotter import (
     serialize_states,
 )
 from kvrouter.actors.system import ActorSystem
-from kvrouter.api.main import ServiceHandle
+from kvrouter.api.process.main import ServiceHandle
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.memory import MemoryJournal
 from kvrouter.journal.scan import read_range
@@ -117,7 +117,7 @@ class Traffic:
 async def with_system(
     journal: FileJournal, body: Callable[[ActorSystem, trio.Nursery], Awaitable[T]], **options: Any
 ) -> T:
-    """Run ``body`` against a system on ``journal``, then stop as the service does (api/main.py): the
+    """Run ``body`` against a system on ``journal``, then stop as the service does (api/process/main.py): the
     actors and whatever ``body`` started first, then the journal."""
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as outer:

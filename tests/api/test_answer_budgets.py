@@ -1,4 +1,4 @@
-"""Answer budgets (api/answer_budget.py): a POST /batch answer is bounded in bytes, and a command stream whose
+"""Answer budgets (api/streams/answer_budget.py): a POST /batch answer is bounded in bytes, and a command stream whose
 client does not read stops reading its commands once its unsent answers reach the connection's budget."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import orjson
 import trio
 import trio.testing
 
-from kvrouter.api.answer_budget import AnswerBudgets, AnswerMetrics, StreamOutput, Unsent
-from kvrouter.api.command_stream import CommandStream
-from kvrouter.api.commands import CommandRunner
 from kvrouter.api.http import Request, Response, Route, json_response
-from kvrouter.api.live_streams import StreamSettings
+from kvrouter.api.streams.answer_budget import AnswerBudgets, AnswerMetrics, StreamOutput, Unsent
+from kvrouter.api.streams.command_runner import CommandRunner
+from kvrouter.api.streams.command_stream import CommandStream
+from kvrouter.api.streams.live import StreamSettings
 from tests.api.test_batch import add, cmd
 from tests.support.services import running
 

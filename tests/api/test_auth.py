@@ -13,8 +13,8 @@ import httpx
 import pytest
 import trio
 
-from kvrouter.api.auth import BearerToken, TokenFileError
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
+from kvrouter.api.http.auth import BearerToken, TokenFileError
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
 from tests.api.test_http_front import WEBSOCKET_UPGRADE
 from tests.support.raw_http import exchange, request_bytes
 

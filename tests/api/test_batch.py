@@ -10,8 +10,8 @@ import httpx
 import orjson
 import trio
 
-from kvrouter.api.commands import MAX_BATCH_COMMANDS
-from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, ServiceHandle
+from kvrouter.api.process.main import SLOT_TRACKER_BODY_LIMIT, ServiceHandle
+from kvrouter.api.streams.command_runner import MAX_BATCH_COMMANDS
 from tests.support.services import running
 
 JsonCommand = dict[str, Any]

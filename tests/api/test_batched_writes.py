@@ -13,7 +13,7 @@ import msgpack
 import orjson
 import trio
 
-from kvrouter.api.main import ServiceHandle
+from kvrouter.api.process.main import ServiceHandle
 from kvrouter.client import StreamClient
 from kvrouter.client.compact import FIELDS, OPTIONAL, PATHS, ROUTE, SUBPROTOCOL
 from kvrouter.client.stream import open_websocket

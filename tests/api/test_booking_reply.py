@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.main import select_service_builder
+from kvrouter.api.process.main import select_service_builder
 from tests.support.asgi import ASGIApp, Reply, call, service_app
 from tests.support.journals import GatedJournal
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvrouter.api.cli import build_parser, main
-from kvrouter.api.main import lock_data_dir
+from kvrouter.api.cli.main import build_parser, main
+from kvrouter.api.process.main import lock_data_dir
 from kvrouter.journal.frames import encode_frame
 from kvrouter.journal.layout import segment_name
 
-CLI = [sys.executable, "-m", "kvrouter.api.cli"]
+CLI = [sys.executable, "-m", "kvrouter.api.cli.main"]
 TIMEOUT = 60
 
 
@@ -278,7 +278,7 @@ FILE_SIZE_LIMITED = """
 import resource, runpy, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
-runpy.run_module("kvrouter.api.cli", run_name="__main__")
+runpy.run_module("kvrouter.api.cli.main", run_name="__main__")
 """
 
 
@@ -351,7 +351,7 @@ def test_a_sigterm_while_the_service_starts_stops_it_gracefully_once_started(tmp
 
 BROKEN_ROUTES = """
 import sys
-from kvrouter.api import cli
+from kvrouter.api.cli.main import main as cli
 
 async def broken_routes(options, system, nursery):
     raise RuntimeError("a bug in the route table")
@@ -465,7 +465,7 @@ def test_every_flag_has_help_text() -> None:
 
 @pytest.mark.parametrize(("service", "default"), [("slot-tracker", 8091), ("select-service", 8092)])
 def test_each_service_defaults_to_its_own_data_directory(service: str, default: int) -> None:
-    from kvrouter.api.cli_settings import settings_from
+    from kvrouter.api.cli.settings import settings_from
 
     args = build_parser().parse_args([service])
     launch = settings_from(args, {})
@@ -487,6 +487,6 @@ def test_a_journal_left_in_the_old_shared_default_directory_is_not_silently_set_
 
 
 def test_startup_line_says_one_scope_not_one_scopes() -> None:
-    from kvrouter.api.main import counted
+    from kvrouter.api.process.main import counted
 
     assert [counted(n, "scope") for n in (0, 1, 2)] == ["0 scopes", "1 scope", "2 scopes"]

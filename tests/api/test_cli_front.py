@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.api.cli import build_parser
-from kvrouter.api.cli_settings import settings_from
-from kvrouter.api.server import HttpSettings
+from kvrouter.api.cli.main import build_parser
+from kvrouter.api.cli.settings import settings_from
+from kvrouter.api.http.server import HttpSettings
 from tests.api.test_cli import CLI, Service, run_cli, the_error_line
 
 

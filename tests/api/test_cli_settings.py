@@ -11,8 +11,8 @@ import pytest
 
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import InvalidSettings, RouterConfig
-from kvrouter.api.cli import build_parser
-from kvrouter.api.cli_settings import SELECTION_CACHE_MAX_BYTES, Launch, settings_from
+from kvrouter.api.cli.main import build_parser
+from kvrouter.api.cli.settings import SELECTION_CACHE_MAX_BYTES, Launch, settings_from
 
 
 def launch(*flags: str, env: dict[str, str] | None = None, service: str = "select-service") -> Launch:

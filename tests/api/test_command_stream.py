@@ -15,9 +15,9 @@ import trio
 import trio.testing
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
-from kvrouter.api.command_stream import MAX_MESSAGE_BYTES, MAX_RESULTS_BYTES, CommandStream
-from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner
 from kvrouter.api.http import OK, Request, Response, Route, json_response
+from kvrouter.api.streams.command_runner import MAX_BATCH_COMMANDS, CommandRunner
+from kvrouter.api.streams.command_stream import MAX_MESSAGE_BYTES, MAX_RESULTS_BYTES, CommandStream
 from kvrouter.client.stream import open_websocket
 from tests.api.test_batch import add, cmd, ref, register
 from tests.support.services import running

@@ -19,8 +19,10 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES
-from kvrouter.api import routes
-from kvrouter.api.command_stream import (
+from kvrouter.api.http import CREATED, OK, Response, error_response, json_response
+from kvrouter.api.routes.slot_tracker import slot_tracker as routes
+from kvrouter.api.streams.command_runner import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
+from kvrouter.api.streams.command_stream import (
     MAX_MESSAGE_BYTES,
     SPLIT_MIN_COMMANDS,
     CommandStream,
@@ -29,9 +31,7 @@ from kvrouter.api.command_stream import (
     Malformed,
     render_compact,
 )
-from kvrouter.api.commands import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
-from kvrouter.api.http import CREATED, OK, Response, error_response, json_response
-from kvrouter.api.ws_direct import DirectSocket
+from kvrouter.api.streams.ws_direct import DirectSocket
 from kvrouter.client import CommandError, StreamClient
 from kvrouter.client.compact import (
     ADD,
@@ -431,7 +431,7 @@ async def test_a_large_message_is_split_only_when_it_is_all_the_service_has_in_f
 
 async def test_results_are_written_to_the_socket_directly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the real server, each message of results goes to the socket as one frame written by the stream's own
-    task (``api/ws_direct.py``), not through hypercorn's WebSocket stream; the client reads them as usual."""
+    task (``api/streams/ws_direct.py``), not through hypercorn's WebSocket stream; the client reads them as usual."""
     written: list[bool] = []
     write = DirectSocket.write
 

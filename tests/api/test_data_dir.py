@@ -11,8 +11,14 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.data_dir import MARKER, DataDirectoryOwned
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder, slot_tracker_app
+from kvrouter.api.process.data_dir import MARKER, DataDirectoryOwned
+from kvrouter.api.process.main import (
+    ServiceHandle,
+    ServiceOptions,
+    run_service,
+    select_service_builder,
+    slot_tracker_app,
+)
 from tests.api.test_select_http import worker
 
 REGISTER = {"worker_id": 1, "model_name": "m", "block_size": 4, "dp_start": 0, "dp_size": 1}

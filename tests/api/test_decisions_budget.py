@@ -1,4 +1,4 @@
-"""The decisions stream's service-wide budget (api/live_decisions.py): however many subscribers, the hub hands them
+"""The decisions stream's service-wide budget (api/streams/decisions.py): however many subscribers, the hub hands them
 at most its fan-out budget of decisions, conflated per filter into one shared chunk per read."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from kvrouter.actors.core.explanation import CandidateTerms, Explanation
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.decision_feed import DecisionBatch, DecisionRecord
 from kvrouter.actors.service_support import ScopeFilter
-from kvrouter.api import live_decisions
-from kvrouter.api.live_decisions import DecisionHub
-from kvrouter.api.live_streams import DEFAULT_STREAMS, Sender
+from kvrouter.api.streams import decisions as live_decisions
+from kvrouter.api.streams.decisions import DecisionHub
+from kvrouter.api.streams.live import DEFAULT_STREAMS, Sender
 
 
 def decision_records(first_seq: int, count: int) -> list[DecisionRecord]:

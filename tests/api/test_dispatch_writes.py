@@ -13,12 +13,12 @@ import zmq
 
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.peers.zmq_socket import open_socket
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, decode_failure
 from kvrouter.actors.slot_service import SlotService
-from kvrouter.api.fronts import ACTOR_SOCKET, FRONT_SOCKET, ipc, open_dispatcher
-from kvrouter.api.main import ServiceOptions, recovered_runtime, slot_tracker_objects
-from kvrouter.api.service_wire import encode_args, method_table, pack, pack_message, unpack
+from kvrouter.actors.transport.zmq_socket import open_socket
+from kvrouter.api.process.fronts import ACTOR_SOCKET, FRONT_SOCKET, ipc, open_dispatcher
+from kvrouter.api.process.main import ServiceOptions, recovered_runtime, slot_tracker_objects
+from kvrouter.api.process.wire import encode_args, method_table, pack, pack_message, unpack
 from kvrouter.journal.store import Durability
 
 A = ScopeKey("a", "default")

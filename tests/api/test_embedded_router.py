@@ -23,7 +23,7 @@ from kvrouter import (
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.actors.core.selection import NO_SCHEDULABLE_WORKERS_ANYWHERE
 from kvrouter.actors.snapshotter import SnapshotMethod
-from kvrouter.api import data_dir as data_dirs
+from kvrouter.api.process import data_dir as data_dirs
 from kvrouter.journal.store import DataDirectoryInUse
 from tests.conftest import start_select_service
 from tests.support.kv_publisher import open_kv_publisher

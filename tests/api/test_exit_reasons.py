@@ -11,7 +11,7 @@ import pytest
 import trio
 import zmq
 
-from kvrouter.api.exit_reasons import ServiceContext, explain
+from kvrouter.api.process.exit_reasons import ServiceContext, explain
 from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse
 
 CONTEXT = ServiceContext(host="127.0.0.1", port=8092, data_dir=Path("/srv/kvrouter"), replica_sync_port=9000)

@@ -15,14 +15,14 @@ import pytest
 
 from kvrouter.actors.core.router_config import InvalidSettings
 from kvrouter.actors.core.worker_endpoints import parse_allow_list
-from kvrouter.api.cli import build_parser
-from kvrouter.api.cli import main as kvrouter_main
-from kvrouter.api.cli_settings import Launch, settings_from
-from kvrouter.api.exposure import is_loopback
+from kvrouter.api.cli.main import build_parser
+from kvrouter.api.cli.main import main as kvrouter_main
+from kvrouter.api.cli.settings import Launch, settings_from
 from kvrouter.api.frontend.cli import build_parser as frontend_parser
 from kvrouter.api.frontend.cli import main as frontend_main
 from kvrouter.api.frontend.cli import options_from
 from kvrouter.api.mock_worker.cli import main as mock_worker_main
+from kvrouter.api.process.exposure import is_loopback
 
 EXPOSED = ["0.0.0.0", "::", "10.1.2.3", "192.0.2.1", "[::]", "my-host.example", "fe80::1"]
 REFUSAL = "is reachable from other machines and no --auth-token-file"

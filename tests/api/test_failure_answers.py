@@ -15,8 +15,14 @@ import trio
 import trio.testing
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.exit_reasons import STOPPED, ServiceContext, explain
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder, slot_tracker_app
+from kvrouter.api.process.exit_reasons import STOPPED, ServiceContext, explain
+from kvrouter.api.process.main import (
+    ServiceHandle,
+    ServiceOptions,
+    run_service,
+    select_service_builder,
+    slot_tracker_app,
+)
 from kvrouter.journal import segment_writer
 from kvrouter.journal.store import Durability
 from tests.support.asgi import call, service_app

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-CLI = [sys.executable, "-m", "kvrouter.api.cli"]
+CLI = [sys.executable, "-m", "kvrouter.api.cli.main"]
 TIMEOUT = 90
 LISTENING = re.compile(r" listening on http://127\.0\.0\.1:(\d+) \(")
 M = {"model_name": "m", "tenant_id": "t"}

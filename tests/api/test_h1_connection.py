@@ -24,10 +24,10 @@ import orjson
 import pytest
 import trio
 
-import kvrouter.api.server as server_module
+import kvrouter.api.http.server as server_module
 from kvrouter.api.http import h1_connection
 from kvrouter.api.http.h1_connection import send_whole_response
-from kvrouter.api.server import HttpSettings, hypercorn_config, serve_http
+from kvrouter.api.http.server import HttpSettings, hypercorn_config, serve_http
 from tests.support.raw_http import connect, request_bytes
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]

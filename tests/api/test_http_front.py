@@ -17,10 +17,10 @@ import orjson
 import pytest
 import trio
 
-from kvrouter.api.app import make_app
+from kvrouter.api.bodies.schemas import AddBody, parse
 from kvrouter.api.http import OK, Request, Response, Route
-from kvrouter.api.main import ServiceHandle
-from kvrouter.api.schemas import AddBody, parse
+from kvrouter.api.http.app import make_app
+from kvrouter.api.process.main import ServiceHandle
 from tests.support.raw_http import ResponseReader, connect, exchange, request_bytes
 
 JSON = {"content-type": "application/json"}

@@ -22,7 +22,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Request, TextMessage
 from wsproto.extensions import PerMessageDeflate
 
-from kvrouter.api.server import HttpSettings, hypercorn_config, serve_http
+from kvrouter.api.http.server import HttpSettings, hypercorn_config, serve_http
 
 MAX_MESSAGE = 1 << 20  # the server's websocket_max_message_size
 HANG_GUARD = 20  # seconds: a case waiting this long is a failure (the server's read timeout is an hour)

@@ -15,8 +15,8 @@ import attrs
 import pytest
 import trio
 
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
-from kvrouter.api.server import HttpSettings
+from kvrouter.api.http.server import HttpSettings
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
 from tests.support.kv_publisher import free_tcp_port
 from tests.support.raw_http import ResponseReader, connect, request_bytes
 
@@ -165,7 +165,7 @@ GRACE = "120"  # far longer than any test waits: a service that waited out its g
 
 
 async def start_process(tmp_path: Path, port: int) -> trio.Process:
-    argv = [sys.executable, "-m", "kvrouter.api.cli", "slot-tracker", "--port", str(port), "--data-dir", "data"]
+    argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", str(port), "--data-dir", "data"]
     argv += ["--shutdown-grace-secs", GRACE, "--log-level", "info"]
     log = tmp_path / "service.log"
     with log.open("wb") as stderr:

@@ -18,7 +18,7 @@ from kvrouter.actors.core.commands import ExpireStale
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.system import ActorSystem
-from kvrouter.api.main import select_service_builder
+from kvrouter.api.process.main import select_service_builder
 from tests.support.asgi import ASGIApp, Reply, call, service_app
 from tests.support.journals import RoomJournal
 

@@ -10,8 +10,8 @@ import trio
 
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.main import ServiceOptions, run_service, select_service_builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.process.main import ServiceOptions, run_service, select_service_builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.support.kv_publisher import open_kv_publisher
 

@@ -15,7 +15,7 @@ import trio
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import RemoveWorker, UpsertWorker
 from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.peers.socket_budget import ListenerSlots
+from kvrouter.actors.transport.socket_budget import ListenerSlots
 from tests.conftest import start_select_service
 
 LIMIT = "limited by this test's budget; raise it"

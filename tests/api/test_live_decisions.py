@@ -15,11 +15,11 @@ import pytest
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api import live_decisions
-from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
-from kvrouter.api.main import (
+from kvrouter.api.process.main import (
     ServiceHandle,
 )
+from kvrouter.api.streams import decisions as live_decisions
+from kvrouter.api.streams.live import DEFAULT_STREAMS, StreamSettings
 from kvrouter.client.live import open_stream, stream_url
 from tests.support.stream_services import SELECT, serving
 

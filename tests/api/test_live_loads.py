@@ -14,10 +14,10 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.live_streams import StreamSettings
-from kvrouter.api.main import (
+from kvrouter.api.process.main import (
     ServiceHandle,
 )
+from kvrouter.api.streams.live import StreamSettings
 from kvrouter.client.live import open_stream, stream_url
 from tests.support.stream_services import SELECT, SLOT, serving
 

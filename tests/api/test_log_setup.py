@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kvrouter.api.log_setup import OneLineFormatter, TracebackFile, describe
+from kvrouter.api.process.log_setup import OneLineFormatter, TracebackFile, describe
 
 
 def record_with(exc: BaseException, message: str = "request failed") -> logging.LogRecord:

@@ -9,7 +9,7 @@ import httpx
 from openapi_spec_validator import validate
 
 from kvrouter.actors.peers.peer_service import PeerService
-from kvrouter.api.main import ServiceObjects, select_service_routes_of, slot_tracker_routes_of
+from kvrouter.api.process.main import ServiceObjects, select_service_routes_of, slot_tracker_routes_of
 
 METHODS = {"get", "post", "put", "patch", "delete"}
 

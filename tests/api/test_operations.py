@@ -13,12 +13,12 @@ import pytest
 
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.api import embedded_thread
-from kvrouter.api.command_routes import with_command_routes
 from kvrouter.api.embedded import Router
-from kvrouter.api.main import ServiceObjects, select_service_routes_of, slot_tracker_routes_of
-from kvrouter.api.openapi import body_class, openapi_document
-from kvrouter.api.operation_routes import IncompleteService, check_served
-from kvrouter.api.select_routes import select_service_routes
+from kvrouter.api.process.main import ServiceObjects, select_service_routes_of, slot_tracker_routes_of
+from kvrouter.api.routes.commands import with_command_routes
+from kvrouter.api.routes.openapi import body_class, openapi_document
+from kvrouter.api.routes.operations import IncompleteService, check_served
+from kvrouter.api.routes.selection import select_service_routes
 from kvrouter.client import live
 from kvrouter.client.operations import Operations
 from kvrouter.client.stream import StreamClient

@@ -17,7 +17,7 @@ from kvrouter.actors.core.kv_wire import BlockStored, KvBatch, encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS, KvIngest, ListenerKey
 from kvrouter.actors.system import ActorSystem
-from kvrouter.api.main import select_service_builder, slot_tracker_app
+from kvrouter.api.process.main import select_service_builder, slot_tracker_app
 from tests.support.asgi import ASGIApp, Reply, call, service_app
 from tests.support.journals import GatedJournal
 

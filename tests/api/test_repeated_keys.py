@@ -16,10 +16,10 @@ import orjson
 import pytest
 from trio_websocket import ConnectionClosed
 
-from kvrouter.api import select_body_reader
-from kvrouter.api.json_keys import find_repeated, repeated_field
-from kvrouter.api.schemas import AddBody, RegisterBody
-from kvrouter.api.select_schemas import SelectBody, WorkerBody
+from kvrouter.api.bodies import select_body_reader
+from kvrouter.api.bodies.schemas import AddBody, RegisterBody
+from kvrouter.api.bodies.select_schemas import SelectBody, WorkerBody
+from kvrouter.api.http.json_keys import find_repeated, repeated_field
 from kvrouter.client.stream import open_websocket
 from tests.api.test_command_stream import results, ws_url
 from tests.support.services import running

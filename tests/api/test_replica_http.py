@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
 from kvrouter.journal.store import Durability
 from tests.support.kv_publisher import free_tcp_port
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from kvrouter.actors.core.ids import U32_MAX, U64_MASK
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES
+from kvrouter.api.bodies.schemas import parse
+from kvrouter.api.bodies.select_schemas import SelectBody, fast_select_body, select_body
 from kvrouter.api.http import HttpError
-from kvrouter.api.schemas import parse
-from kvrouter.api.select_schemas import SelectBody, fast_select_body, select_body
 
 INTS = st.sampled_from([0, 1, -1, 2, U32_MAX, U32_MAX + 1, U64_MASK, U64_MASK + 1, -(2**63)])
 TEXTS = st.sampled_from(

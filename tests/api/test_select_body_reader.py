@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvrouter.actors.core.ids import U32_MAX
-from kvrouter.api import select_body_reader
+from kvrouter.api.bodies import select_body_reader
+from kvrouter.api.bodies.select_schemas import SelectBody, request_select_body, select_body
 from kvrouter.api.http import HttpError, Request
-from kvrouter.api.select_schemas import SelectBody, request_select_body, select_body
 from kvrouter.compiled import load_pure
 from tests.support.select_body_bytes import body_bytes
 
-PURE = load_pure("kvrouter.api.select_body_reader", "kvrouter_pure_reader.select_body_reader")
+PURE = load_pure("kvrouter.api.bodies.select_body_reader", "kvrouter_pure_reader.select_body_reader")
 READERS = [pytest.param(select_body_reader, id="running"), pytest.param(PURE, id="pure")]
 
 
@@ -75,7 +75,7 @@ def test_routes_read_every_body_as_before(monkeypatch: pytest.MonkeyPatch, compi
     # (The pure reader stands in where nothing is compiled: the same source, the same answers. The patches are
     # the same for every example, so the fixture's lifetime does not matter.)
     module = select_body_reader if select_body_reader.COMPILED else PURE
-    monkeypatch.setattr("kvrouter.api.select_schemas.body_reader", module)
+    monkeypatch.setattr("kvrouter.api.bodies.select_schemas.body_reader", module)
     monkeypatch.setattr(module, "COMPILED", compiled)
     assert route_answer(data) == answer_before(data)
 
@@ -84,7 +84,7 @@ def test_a_typical_prompt_is_read_into_packed_tokens(monkeypatch: pytest.MonkeyP
     tokens = [*range(512), *range(2**31, 2**31 + 512), 0, 4294967295]
     data = orjson.dumps({"model_name": "bench", "token_ids": tokens, "selection_id": "s", "explain": False})
     module = select_body_reader if select_body_reader.COMPILED else PURE
-    monkeypatch.setattr("kvrouter.api.select_schemas.body_reader", module)
+    monkeypatch.setattr("kvrouter.api.bodies.select_schemas.body_reader", module)
     monkeypatch.setattr(module, "COMPILED", True)
     body = request_select_body(Request("POST", "/select", b"", data))
     assert type(body.token_ids) is array and body.token_ids.tolist() == tokens

@@ -13,8 +13,8 @@ from kvrouter.actors.core.ids import to_i64
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.actors.core.pending import entry_bytes
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.main import ServiceOptions, run_service, select_service_builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.process.main import ServiceOptions, run_service, select_service_builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from tests.support.kv_publisher import open_kv_publisher
 
 BLOCK = 4

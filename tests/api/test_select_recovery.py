@@ -11,9 +11,9 @@ import trio
 
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service
-from kvrouter.api.main import select_service_builder as builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service
+from kvrouter.api.process.main import select_service_builder as builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.conftest import start_select_service
 from tests.support.kv_publisher import open_kv_publisher

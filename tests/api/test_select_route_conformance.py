@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.main import select_service_builder
+from kvrouter.api.process.main import select_service_builder
 from tests.support.asgi import ASGIApp, call, service_app
 
 M = {"model_name": "m"}

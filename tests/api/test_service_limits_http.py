@@ -12,7 +12,7 @@ import trio
 from kvrouter.actors import system as actor_system
 from kvrouter.actors.core import selection_rules
 from kvrouter.actors.core.limits import MAX_RANKS_PER_SCOPE, MAX_RANKS_PER_SERVICE, MAX_RANKS_PER_WORKER
-from kvrouter.api.main import ServiceOptions, run_service, slot_tracker_app
+from kvrouter.api.process.main import ServiceOptions, run_service, slot_tracker_app
 from kvrouter.journal.store import Durability
 
 REGISTER = {"block_size": 4, "dp_start": 0, "dp_size": MAX_RANKS_PER_WORKER}

@@ -1,4 +1,4 @@
-"""The front/actor wire (api/service_wire.py, api/service_proxy.py): every service method's arguments and
+"""The front/actor wire (api/process/wire.py, api/process/proxy.py): every service method's arguments and
 results round-trip as plain data, failures come back as the same exception with the same message, and a
 front's calls in flight are bounded (one more is refused at once, 503 in the API) and never wait forever."""
 
@@ -22,12 +22,12 @@ from kvrouter.actors.load_feed import LoadChange, LoadChanges
 from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.metric_families import counter, histogram
 from kvrouter.actors.peers.peer_service import PeerService
-from kvrouter.actors.peers.zmq_socket import open_socket
 from kvrouter.actors.select_service import SelectionRequest, SelectService
 from kvrouter.actors.service_support import Refused, ScopeFilter
 from kvrouter.actors.slot_service import SlotService
-from kvrouter.api.service_proxy import RemoteService, ServiceLink
-from kvrouter.api.service_wire import (
+from kvrouter.actors.transport.zmq_socket import open_socket
+from kvrouter.api.process.proxy import RemoteService, ServiceLink
+from kvrouter.api.process.wire import (
     decode_args,
     decode_failure,
     decode_result,

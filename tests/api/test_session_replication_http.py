@@ -11,8 +11,8 @@ import httpx
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.support.kv_publisher import free_tcp_port
 

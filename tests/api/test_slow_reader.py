@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import trio
 
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
-from kvrouter.api.server import HttpSettings
+from kvrouter.api.http.server import HttpSettings
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
 from tests.support.raw_http import ResponseReader, address, connect, request_bytes
 
 LOADS = request_bytes("GET", "/loads")

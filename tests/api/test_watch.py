@@ -16,10 +16,10 @@ import orjson
 import trio
 from rich.console import Console
 
-from kvrouter.api.watch import LoadTable, decision_line, main
+from kvrouter.api.cli.watch import LoadTable, decision_line, main
 from tests.support.services import running
 
-WATCH = [sys.executable, "-m", "kvrouter.api.cli", "watch"]
+WATCH = [sys.executable, "-m", "kvrouter.api.cli.main", "watch"]
 
 
 class Lines:

@@ -24,7 +24,7 @@ from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.worker_endpoints import parse_allow_list
 from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.api.embedded import Router, RouterError
-from kvrouter.api.main import ServiceHandle
+from kvrouter.api.process.main import ServiceHandle
 from kvrouter.client.stream import open_websocket
 from tests.conftest import start_select_service
 from tests.support.journal_files import append_records
@@ -156,7 +156,7 @@ async def test_re_pointing_a_worker_is_logged_with_old_and_new(
 
 
 async def test_with_a_token_re_pointing_a_worker_needs_it(tmp_path: Path) -> None:
-    """Every catalog write needs the token when one is set (``api/auth.py``): a re-registration that would send
+    """Every catalog write needs the token when one is set (``api/http/auth.py``): a re-registration that would send
     the model's prompts elsewhere is a 401 without it, on every surface, and changes nothing."""
     good = {"authorization": f"Bearer {TOKEN}"}
     async with serving(tmp_path / "data", token=TOKEN) as (service, http):

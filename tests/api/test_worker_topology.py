@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.cli import main as cli_main
-from kvrouter.api.worker_topology import TopologyMissing, main, read_topology, wait_for_domain
+from kvrouter.api.cli.main import main as cli_main
+from kvrouter.api.cli.worker_topology import TopologyMissing, main, read_topology, wait_for_domain
 from tests.conftest import start_select_service
 from tests.support.processes import free_port
 

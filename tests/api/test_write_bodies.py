@@ -1,4 +1,4 @@
-"""api/write_bodies.py against the strict converter (api/schemas.parse) on generated bodies: whatever the fast
+"""api/bodies/write_bodies.py against the strict converter (api/schemas.parse) on generated bodies: whatever the fast
 reader accepts, the converter accepts with the very same values; typical bodies are accepted fast."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U32_MAX, U64_MASK
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES
+from kvrouter.api.bodies.schemas import AddBody, RequestRefBody, parse
+from kvrouter.api.bodies.write_bodies import add_request, request_ref
 from kvrouter.api.http import HttpError
-from kvrouter.api.schemas import AddBody, RequestRefBody, parse
-from kvrouter.api.write_bodies import add_request, request_ref
 
 # Values around every boundary the converter checks, and of every JSON kind.
 INTS = st.sampled_from([0, 1, -1, U32_MAX, U32_MAX + 1, U64_MASK, U64_MASK + 1, I64_MIN, I64_MAX, I64_MIN - 1])

@@ -1,4 +1,4 @@
-"""A load hub writing its frames straight to subscribers' sockets (``api/ws_direct.py``), on a real server.
+"""A load hub writing its frames straight to subscribers' sockets (``api/streams/ws_direct.py``), on a real server.
 
 The hub here follows a feed the test drives (one change per item), with a tiny update interval, so what
 reaches the wire can be checked message by message: the same messages as the ASGI path, in order, a frame
@@ -25,12 +25,12 @@ from wsproto.frame_protocol import FrameProtocol, Opcode
 
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.load_feed import LoadChange, LoadChanges
-from kvrouter.api import server as server_module
-from kvrouter.api.app import make_app
-from kvrouter.api.live_loads import LoadHub
-from kvrouter.api.live_streams import StreamSettings
-from kvrouter.api.server import hypercorn_config, serve_http
-from kvrouter.api.ws_direct import binary_frame, text_frame
+from kvrouter.api.http import server as server_module
+from kvrouter.api.http.app import make_app
+from kvrouter.api.http.server import hypercorn_config, serve_http
+from kvrouter.api.streams.live import StreamSettings
+from kvrouter.api.streams.loads import LoadHub
+from kvrouter.api.streams.ws_direct import binary_frame, text_frame
 from kvrouter.client.live import open_stream
 
 FAST = StreamSettings(interval_seconds=0.001, fan_out_per_second=1e9)

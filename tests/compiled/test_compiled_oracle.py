@@ -29,7 +29,7 @@ import kvrouter.actors.core.kv_index as compiled_kv_index
 import kvrouter.actors.core.node_table as compiled_node_table
 import kvrouter.actors.core.selection as compiled_selection
 import kvrouter.actors.core.trie as compiled_trie
-import kvrouter.api.select_body_reader as compiled_select_body_reader
+import kvrouter.api.bodies.select_body_reader as compiled_select_body_reader
 from kvrouter.actors.core.ids import WorkerRank
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.compiled import COMPILED_MODULES, is_compiled, load_pure, status
@@ -312,7 +312,7 @@ def test_kv_batch_reader_map_events(events: list[dict[str, Any]], damage: tuple[
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=body_bytes())
 def test_select_body_reader(data: bytes) -> None:
-    compiled, pure = pair("kvrouter.api.select_body_reader")
+    compiled, pure = pair("kvrouter.api.bodies.select_body_reader")
     assert outcome(lambda: compiled.read_select_body(data)) == outcome(lambda: pure.read_select_body(data))
 
 

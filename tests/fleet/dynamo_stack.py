@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         wait("etcd", lambda: urllib.request.urlopen(etcd_url + "/health", timeout=1).status == 200)
         kvrouter = [
-            sys.executable, "-m", "kvrouter.api.cli", "select-service", "--port", str(kv_port),
+            sys.executable, "-m", "kvrouter.api.cli.main", "select-service", "--port", str(kv_port),
             "--data-dir", str(workdir / "kvrouter"), "--discovery-backend", "etcd", "--etcd-endpoints", etcd_url,
             "--event-plane", args.plane, "--nats-server", nats_url,
         ]  # fmt: skip

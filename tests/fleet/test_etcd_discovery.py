@@ -15,8 +15,8 @@ import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.options import FleetOptions
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.support.dynamo_keys import instance_key, worker_keys
 from tests.support.fleet_servers import EtcdServer, require_etcd

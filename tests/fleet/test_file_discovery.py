@@ -19,12 +19,12 @@ from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.select_service import SelectService
-from kvrouter.api.cli import build_parser, main
-from kvrouter.api.cli_settings import settings_from
+from kvrouter.api.cli.main import build_parser, main
+from kvrouter.api.cli.settings import settings_from
 from kvrouter.api.frontend.cli import main as frontend_main
 from kvrouter.api.frontend.options import FrontendOptions
 from kvrouter.api.frontend.service import FrontendHandle, run_frontend
-from kvrouter.api.main import (
+from kvrouter.api.process.main import (
     ServiceHandle,
     ServiceOptions,
     run_service,
@@ -32,7 +32,7 @@ from kvrouter.api.main import (
     select_service_builder,
     select_service_routes_of,
 )
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.support.proxied import run_proxied_service
 

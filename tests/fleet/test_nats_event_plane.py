@@ -19,8 +19,8 @@ from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.asyncio_bridge import AsyncioThread
 from kvrouter.actors.fleet.dynamo_events import encode_envelope, encode_router_events
 from kvrouter.actors.fleet.options import FleetOptions, JetStreamSettings
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.support.dynamo_keys import NS, worker_keys
 from tests.support.fleet_servers import EtcdServer, NatsServer, require_etcd, require_nats

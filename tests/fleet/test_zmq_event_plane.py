@@ -16,9 +16,9 @@ from kvrouter.actors.core.kv_wire import HashedBlocksStored
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.dynamo_events import encode_envelope, encode_router_events, zmq_frames
 from kvrouter.actors.fleet.options import FleetOptions
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, select_service_builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.journal.store import Durability
 from tests.support.dynamo_keys import worker_keys, zmq_channel_value
 from tests.support.fleet_servers import EtcdServer, require_etcd

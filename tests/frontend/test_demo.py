@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.api.demo import ModeResult, Outcome, percentile, report, workload
+from kvrouter.api.cli.demo import ModeResult, Outcome, percentile, report, workload
 
 
 def test_the_demo_runs_both_modes_and_prints_them_side_by_side(tmp_path: Path) -> None:
     # Four workers: round robin then keeps about a quarter of the reuse kv mode finds (two workers and 24
     # requests left it a coin toss per turn, and under load it once matched kv mode's share).
-    command = [sys.executable, "-m", "kvrouter.api.cli", "demo", "--workers", "4", "--requests", "48"]
+    command = [sys.executable, "-m", "kvrouter.api.cli.main", "demo", "--workers", "4", "--requests", "48"]
     command += ["--plots", str(tmp_path / "plots")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -37,7 +37,7 @@ def test_the_demo_runs_both_modes_and_prints_them_side_by_side(tmp_path: Path) -
 )
 def test_a_bad_flag_is_one_line_and_exit_2(flags: list[str], text: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvrouter.api.cli", "demo", *flags], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvrouter.api.cli.main", "demo", *flags], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -19,7 +19,7 @@ from kvrouter.api.frontend.cli import main
 from tests.support.frontends import loads
 from tests.support.processes import free_port, start_process
 
-CLI = [sys.executable, "-m", "kvrouter.api.cli"]
+CLI = [sys.executable, "-m", "kvrouter.api.cli.main"]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import orjson
 import trio
 
 from kvrouter import IN_PROCESS_KV_EVENTS
-from kvrouter.api.mock_worker.tokenizer import render_chat, tokenize
+from kvrouter.api.openai.tokenizer import render_chat, tokenize
 from tests.support.frontends import loads, small_limits, start_frontend, start_workers, wait_idle
 from tests.support.mock_workers import start_mock_worker
 from tests.support.raw_http import connect, exchange, request_bytes

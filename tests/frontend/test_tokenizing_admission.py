@@ -12,7 +12,7 @@ import trio
 
 from kvrouter.api.frontend.options import FrontendLimits
 from kvrouter.api.frontend.tokenizing import INLINE_CHARS, Tokenizing
-from kvrouter.api.openai_body import Refusal
+from kvrouter.api.openai.body import Refusal
 
 LONG = "word " * (INLINE_CHARS // 2)  # over INLINE_CHARS: goes to a tokenizer thread
 

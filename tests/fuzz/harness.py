@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.auth import BearerToken
 from kvrouter.api.http import Route
-from kvrouter.api.main import RouteBuilder, ServiceHandle, ServiceOptions, run_service, select_service_builder
-from kvrouter.api.main import slot_tracker_app as slot_tracker_builder
+from kvrouter.api.http.auth import BearerToken
+from kvrouter.api.process.main import RouteBuilder, ServiceHandle, ServiceOptions, run_service, select_service_builder
+from kvrouter.api.process.main import slot_tracker_app as slot_tracker_builder
 from kvrouter.journal.store import Durability
 from tests.fuzz.requests import (
     SPOILS,

@@ -69,7 +69,8 @@ def batch_of(rows: list[FuzzRoute]) -> st.SearchStrategy[JsonBody]:
 SCOPE_QUERY = optional({"model_name": ANY_MODEL, "tenant_id": TENANTS, "routing_group": TENANTS})
 # Served by both services next to their own: the command stream and the live load stream.
 COMMAND_ROUTES = [FuzzRoute("GET", "/ws/commands"), FuzzRoute("GET", "/ws/loads", query=SCOPE_QUERY)]
-# What every service serves about itself: its figures (api/metrics.py) and its API description (api/openapi.py).
+# What every service serves about itself: its figures (api/routes/metrics.py) and its API description
+# (api/routes/openapi.py).
 SELF_DESCRIPTION_ROUTES = [FuzzRoute("GET", "/metrics"), FuzzRoute("GET", "/openapi.json")]
 PEER = st.fixed_dictionaries({"endpoint": st.sampled_from(["tcp://127.0.0.1:9", "tcp://127.0.0.1:11"])})
 WORKER_ID_PARAM = {"worker_id": WORKER_IDS.map(str)}

@@ -9,8 +9,8 @@ import attrs
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.core.worker_endpoints import parse_allow_list
-from kvrouter.api.main import SLOT_TRACKER_BODY_LIMIT, RouteBuilder, select_service_builder
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.process.main import SLOT_TRACKER_BODY_LIMIT, RouteBuilder, select_service_builder
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from tests.fuzz.harness import ServiceUnderTest, fuzz_service, selection_service, slot_tracker
 from tests.fuzz.routes import SELECTION_KNOWN, SELECTION_ROUTES, SLOT_TRACKER_KNOWN, SLOT_TRACKER_ROUTES
 

@@ -483,7 +483,7 @@ async def test_a_write_error_stops_the_writer_for_good(
 
     assert len(calls) == 1  # fail-stop: no retry
     assert journal.durable_lsn == 0  # never acknowledged
-    # Said once, by the service that stops on it (api/exit_reasons.py): the journal itself stays quiet.
+    # Said once, by the service that stops on it (api/process/exit_reasons.py): the journal itself stays quiet.
     assert not any(r.levelno >= logging.WARNING for r in caplog.records)
     with pytest.raises(trio.BrokenResourceError):
         await journal.wait_durable(1)

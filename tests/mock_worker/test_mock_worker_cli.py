@@ -23,7 +23,7 @@ from kvrouter.api.mock_worker.cli import main
 from tests.conftest import start_select_service
 from tests.support.kv_publisher import free_tcp_port
 
-CLI = [sys.executable, "-m", "kvrouter.api.cli", "mock-worker"]
+CLI = [sys.executable, "-m", "kvrouter.api.cli.main", "mock-worker"]
 TIMEOUT = 60
 LISTENING = re.compile(r" listening on http://127\.0\.0\.1:(\d+) \(model \S+, worker id (\d+), KV events (\S+),")
 

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import trio
 
-from kvrouter.api.mock_worker.tokenizer import render_chat, tokenize
+from kvrouter.api.openai.tokenizer import render_chat, tokenize
 from tests.support.mock_workers import BLOCK, limits, start_mock_worker
 from tests.support.raw_http import connect, request_bytes
 

@@ -12,7 +12,7 @@ import trio
 import zmq
 
 from kvrouter.actors.core.kv_wire import BlockStored, decode_batch
-from kvrouter.actors.peers.zmq_socket import open_socket
+from kvrouter.actors.transport.zmq_socket import open_socket
 from kvrouter.api.mock_worker.registration import Registration, RegistrationFailed, register
 from tests.conftest import start_select_service
 from tests.support.kv_publisher import free_tcp_port

@@ -23,7 +23,7 @@ from kvrouter.actors.kv_listener import (
     each_batch,
 )
 from kvrouter.actors.peers.endpoints import _system_resolver
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket, zmq_context
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket, zmq_context
 from tests.support.kv_publisher import KvPublisher, free_tcp_port, open_kv_publisher, sample_payload
 
 

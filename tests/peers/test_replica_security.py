@@ -43,9 +43,9 @@ from kvrouter.actors.peers.replicator import (
     ReplicaSecurity,
     Replicator,
 )
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
 from kvrouter.actors.ports import WallClock
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
 from kvrouter.journal.memory import MemoryJournal
 from tests.peers.test_replicator import SCOPE, WORKER, eventually, running, within
 
@@ -486,7 +486,7 @@ async def test_forged_unknown_ids_change_nothing(caplog: pytest.LogCaptureFixtur
 
 
 async def test_register_peer_route_answers_409_beyond_the_cap_and_400_without_a_certificate(tmp_path: Path) -> None:
-    from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
+    from kvrouter.api.process.main import ServiceHandle, ServiceOptions, run_service, slot_tracker_app
 
     keys = Keys(tmp_path)
     keys.make("me")
@@ -519,8 +519,8 @@ async def test_register_peer_route_answers_409_beyond_the_cap_and_400_without_a_
 
 def test_security_flags_are_checked(tmp_path: Path) -> None:
     from kvrouter.actors.core.router_config import InvalidSettings
-    from kvrouter.api.cli import build_parser
-    from kvrouter.api.cli_settings import settings_from
+    from kvrouter.api.cli.main import build_parser
+    from kvrouter.api.cli.settings import settings_from
 
     keys = Keys(tmp_path)
     keys.make("me")
@@ -590,7 +590,7 @@ def test_security_flags_are_checked(tmp_path: Path) -> None:
 
 
 def test_keys_generate_writes_a_usable_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvrouter.api.cli import main
+    from kvrouter.api.cli.main import main
 
     assert main(["keys", "generate", "--name", "r1", "--dir", str(tmp_path), "--endpoint", "tcp://10.0.0.1:5555"]) == 0
     identity = load_identity(tmp_path / "r1.key_secret")

@@ -33,9 +33,9 @@ from kvrouter.actors.peers.replica_wire import (
     encode,
 )
 from kvrouter.actors.peers.replicator import DropReason, Replicator, random_router_id, validate_endpoint
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
 from kvrouter.actors.ports import WallClock
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
 from kvrouter.journal.memory import MemoryJournal
 from tests.peers.test_replica_wire import (
     GOLDEN_ADD,

@@ -27,10 +27,10 @@ from kvrouter.actors.peers.replica_wire import (
     encode_affinity,
 )
 from kvrouter.actors.peers.replicator import DropReason, ReplicaSecurity, Replicator
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.ports import WallClock
 from kvrouter.actors.system import ActorSystem
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket
 from kvrouter.journal.memory import MemoryJournal
 from tests.peers.test_replica_security import Keys, free_port, prove, raw_publisher
 from tests.peers.test_replicator import SCOPE, WORKER, eventually, running

@@ -17,7 +17,7 @@ import trio
 
 from kvrouter.actors.kv_listener import KvListener
 from kvrouter.actors.peers import socket_budget
-from kvrouter.actors.peers.socket_budget import (
+from kvrouter.actors.transport.socket_budget import (
     FD_RESERVE,
     FD_TARGET,
     FDS_PER_LISTENER,
@@ -84,7 +84,7 @@ def test_slots_for_this_process_raise_the_limit_and_name_it() -> None:
         import json, resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-        from kvrouter.actors.peers.socket_budget import ListenerSlots, raise_open_files_limit
+        from kvrouter.actors.transport.socket_budget import ListenerSlots, raise_open_files_limit
         slots = ListenerSlots.for_this_process()
         after = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         lowered = raise_open_files_limit(target=100)
@@ -108,8 +108,8 @@ def test_the_context_holds_more_sockets_than_libzmqs_default() -> None:
     result = run_python(
         """
         import json, zmq
-        from kvrouter.actors.peers.socket_budget import raise_open_files_limit
-        from kvrouter.actors.peers.zmq_socket import open_socket
+        from kvrouter.actors.transport.socket_budget import raise_open_files_limit
+        from kvrouter.actors.transport.zmq_socket import open_socket
         limit = raise_open_files_limit()
         wanted = 1_500
         sockets = []

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 import zmq
 
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket, zmq_context
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket, zmq_context
 
 # A safety timeout this long cannot rescue a lost wakeup within a test's deadline: a test that
 # finishes proves the FD edge did the work.

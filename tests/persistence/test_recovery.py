@@ -27,7 +27,7 @@ from kvrouter.actors.persistence.recovery import (
     recover,
 )
 from kvrouter.actors.persistence.snapshots import SNAPSHOT_VERSION, UnreadableSnapshot, encode_snapshot
-from kvrouter.api.cli import main as cli_main
+from kvrouter.api.cli.main import main as cli_main
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.layout import snapshot_name
 from kvrouter.journal.memory import MemoryJournal

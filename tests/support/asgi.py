@@ -16,8 +16,8 @@ import trio
 
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import ActorSystem
-from kvrouter.api.app import make_app
-from kvrouter.api.main import ServiceOptions
+from kvrouter.api.http.app import make_app
+from kvrouter.api.process.main import ServiceOptions
 from kvrouter.journal.memory import MemoryJournal
 
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]

@@ -29,7 +29,7 @@ import msgpack
 import trio
 import zmq
 
-from kvrouter.actors.peers.zmq_socket import TrioZmqSocket, open_socket
+from kvrouter.actors.transport.zmq_socket import TrioZmqSocket, open_socket
 
 END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
 

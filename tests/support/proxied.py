@@ -11,11 +11,11 @@ from pathlib import Path
 
 import trio
 
-from kvrouter.api.app import make_app
-from kvrouter.api.fronts import open_dispatcher, open_front_link, remote_objects
 from kvrouter.api.http import Route
-from kvrouter.api.main import ObjectsBuilder, ServiceHandle, ServiceObjects, ServiceOptions, recovered_runtime
-from kvrouter.api.server import hypercorn_config, serve_http
+from kvrouter.api.http.app import make_app
+from kvrouter.api.http.server import hypercorn_config, serve_http
+from kvrouter.api.process.fronts import open_dispatcher, open_front_link, remote_objects
+from kvrouter.api.process.main import ObjectsBuilder, ServiceHandle, ServiceObjects, ServiceOptions, recovered_runtime
 
 
 async def run_proxied_service(

@@ -10,10 +10,16 @@ import attrs
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.auth import BearerToken
-from kvrouter.api.live_streams import StreamSettings
-from kvrouter.api.main import ServiceHandle, ServiceOptions, run_service, select_service_builder, slot_tracker_app
-from kvrouter.api.server import HttpSettings
+from kvrouter.api.http.auth import BearerToken
+from kvrouter.api.http.server import HttpSettings
+from kvrouter.api.process.main import (
+    ServiceHandle,
+    ServiceOptions,
+    run_service,
+    select_service_builder,
+    slot_tracker_app,
+)
+from kvrouter.api.streams.live import StreamSettings
 from kvrouter.journal.store import Durability
 
 

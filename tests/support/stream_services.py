@@ -13,8 +13,7 @@ import trio
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
-from kvrouter.api.live_streams import DEFAULT_STREAMS, StreamSettings
-from kvrouter.api.main import (
+from kvrouter.api.process.main import (
     ServiceHandle,
     ServiceOptions,
     run_service,
@@ -25,7 +24,8 @@ from kvrouter.api.main import (
     slot_tracker_objects,
     slot_tracker_routes_of,
 )
-from kvrouter.api.select_routes import SELECTION_BODY_LIMIT
+from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
+from kvrouter.api.streams.live import DEFAULT_STREAMS, StreamSettings
 from kvrouter.journal.store import Durability
 from tests.support.proxied import run_proxied_service
 

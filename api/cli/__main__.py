@@ -1,0 +1,5 @@
+"""``python -m kvrouter.api.cli``: the ``kvrouter`` command."""
+
+from kvrouter.api.cli.main.main import main
+
+raise SystemExit(main())

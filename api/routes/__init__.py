@@ -1,0 +1,1 @@
+"""The routes of both services, bound to their operations: handlers that parse, call the service object, render."""
