@@ -1,4 +1,4 @@
-"""KvListener: the shell task that hears one worker rank's KV events over ZMQ (spec §4).
+"""KvListener: the shell task that hears one worker rank's KV events over ZMQ (behaviour.md#kv-events).
 
 Live traffic is ``[topic, seq (8 BE), payload]`` on a SUB socket. The listener keeps a watermark
 (the last seq handed on) and repairs the stream before handing anything on:

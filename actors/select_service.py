@@ -274,7 +274,8 @@ class SelectService:
         command = self._selection(request, reserve=False)
         decision = self.system.query(request.scope, command)
         if isinstance(decision, Rejected) and decision.reason is Reason.OVERLOADED and command.config.queueing:
-            decision = await self.system.ask(request.scope, command)  # waits in the scope's queue (spec §2.6)
+            # It waits in the scope's queue (behaviour.md#eligibility-busy-ranks-and-queueing).
+            decision = await self.system.ask(request.scope, command)
         decision = accepted(decision)
         await self.system.read_barrier(request.scope)
         selection: Selection = decision.reply

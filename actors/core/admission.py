@@ -1,4 +1,5 @@
-"""Overload and queueing rules (spec §2.6): which ranks are busy, and in which order waiting requests go.
+"""Overload and queueing rules (behaviour.md#eligibility-busy-ranks-and-queueing): which ranks are busy, and in which
+order waiting requests go.
 
 Pure. A rank is *busy* when it exceeds any configured load threshold; busy ranks are left out of a selection,
 and when every eligible rank is busy the selection is refused as overloaded. The shell then either answers

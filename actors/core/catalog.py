@@ -24,7 +24,8 @@ from kvrouter.actors.core.worker_endpoints import (
     zmq_allow_list_problem,
 )
 
-# Topology domains are routing taints too (spec §5); the prefix is reserved for them.
+# Topology domains are routing taints too (behaviour.md#constraints-and-disaggregation); the prefix is reserved for
+# them.
 TOPOLOGY_TAINT_PREFIX = "dynamo.topology/"
 
 

@@ -139,7 +139,7 @@ class ResetKvStream:
 
 @attrs.frozen
 class Prompt:
-    """Either ``token_ids`` (hashed here) or precomputed hashes with ``isl_tokens`` (spec §2.2)."""
+    """Either ``token_ids`` (hashed here) or precomputed hashes with ``isl_tokens`` (behaviour.md#prompt-inputs)."""
 
     token_ids: tuple[int, ...] | None = None
     lora_name: str | None = None

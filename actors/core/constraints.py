@@ -1,6 +1,6 @@
 """Routing constraints and worker topology: taints, the preferred-taint factor, catalog rules. Pure.
 
-Spec §5 and the seed ``topology-aware-kv-transfer.md``:
+behaviour.md#constraints-and-disaggregation and the seed ``topology-aware-kv-transfer.md``:
 
 * A request's ``routing_constraints`` has ``required_taints`` (a rank is eligible only if its worker carries
   every one, exact strings) and ``preferred_taints`` (taint -> weight; every rank stays eligible and its cost is

@@ -1,6 +1,6 @@
 """decide(state, command) -> Accepted(events) | Rejected: validation and rules, pure.
 
-It never mutates ``state``. Rules and messages follow the reference slot tracker (spec §1), with
+It never mutates ``state``. Rules and messages follow the reference slot tracker (behaviour.md#slot-accounting), with
 ``tenant_id`` naming the scope field.
 """
 

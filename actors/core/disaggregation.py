@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode selection: one request, a prefill rank and a decode rank, booked together. Pure.
 
-The seed's "Disaggregated Serving" and ``topology-aware-kv-transfer.md``, spec §5:
+The seed's "Disaggregated Serving" and ``topology-aware-kv-transfer.md``, behaviour.md#constraints-and-disaggregation:
 
 1. The prefill stage picks among the workers that can prefill (``worker_role`` prefill or both) with the
    KV-aware cost; its booking tracks prefill tokens and holds no decode blocks (a prefill worker does not

@@ -1,6 +1,7 @@
 """``GET /dump``: the KV index as the reference's recovery format, and its parsing.
 
-Format (spec §2.8, the standalone indexer's): ``{"<model>:<tenant>": {"block_size": N, "events":
+Format (behaviour.md#loads-dump-and-session-affinity, the standalone indexer's): ``{"<model>:<tenant>": {"block_size":
+N, "events":
 [RouterEvent]}}`` where each RouterEvent is ``{worker_id, storage_tier, residency_domain, event:
 {event_id, data: {"stored": {parent_hash, start_position, blocks: [{block_hash, tokens_hash,
 mm_extra_info}]}}, dp_rank}}``; hashes are unsigned 64-bit here (unlike the rest of the API,

@@ -1,4 +1,4 @@
-"""Block and sequence hashes, bit for bit as the reference computes them (spec §0).
+"""Block and sequence hashes, bit for bit as the reference computes them (behaviour.md#hashing).
 
 The KV index keys prompt positions by these hashes, and engines' KV events are re-hashed with the
 same function, so any difference here silently turns every cache hit into a miss. Hence the

@@ -1,7 +1,7 @@
 # cython: annotation_typing=False
 """The per-scope KV block index: which (worker, dp_rank) holds which prompt prefixes, per storage tier.
 
-Semantics (spec §3.1, §2.3, and black-box probes of the 1.6.1 indexer):
+Semantics (behaviour.md#the-kv-index, #overlap-and-tiers, and black-box probes of the 1.6.1 indexer):
 
 * **Device tier** is a radix tree of *positions*: a position is a path of local block hashes from
   the root, so the same local hash under two different prefixes is two positions. A rank covers a
@@ -20,7 +20,7 @@ Semantics (spec §3.1, §2.3, and black-box probes of the 1.6.1 indexer):
   starts where the host walk stopped, from the last external hash reached so far, and yields
   ``disk_ext``; the external tier continues after disk the same way for ``external_ext``. Each
   tier only ever extends the match, so ``device + host_ext + disk_ext + external_ext`` is the
-  rank's deepest position. (Spec §2.3 says "continuing the prefix beyond the device match"; the
+  rank's deepest position. (behaviour.md#overlap-and-tiers says "continuing the prefix beyond the device match"; the
   chaining through host then disk then external, and keying by the previous tier's *external*
   hash, was confirmed on 1.6.1: a host chain that re-names A-B with other external hashes does
   not extend a device A-B match.)
@@ -73,7 +73,7 @@ _MIN_SLOTS = 8  # smallest node table (a power of two)
 
 
 class Tier(enum.IntEnum):
-    """Where a block lives on its worker; lower tiers only extend a device match (spec §2.3)."""
+    """Where a block lives on its worker; lower tiers only extend a device match (behaviour.md#overlap-and-tiers)."""
 
     DEVICE = 0
     HOST = 1

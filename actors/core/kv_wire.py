@@ -1,4 +1,4 @@
-"""Worker KV-event batches (the msgpack payload of a ZMQ message, spec §4): decode, encode, convert.
+"""Worker KV-event batches (the msgpack payload of a ZMQ message, behaviour.md#kv-events): decode, encode, convert.
 
 Engines disagree on the encoding, so the decoder takes all of them: the batch as an array
 ``[ts, events, dp_rank?]`` or as a map, each event as a tagged array (positional, and older
@@ -224,7 +224,7 @@ def decode_batch_generally(payload: bytes) -> KvBatch:
     return KvBatch(float(ts), tuple(decoded), dp_rank, tuple(dropped))
 
 
-# BlockStored array slots (spec §4), after the tag at 0.
+# BlockStored array slots (behaviour.md#kv-events), after the tag at 0.
 _S_HASHES, _S_PARENT, _S_TOKENS, _S_BLOCK_SIZE, _S_LORA_ID, _S_MEDIUM, _S_LORA_NAME = 1, 2, 3, 4, 5, 6, 7
 _S_LOCALITY = 12  # after extra_keys(8), group_idx(9), kv_cache_spec_kind(10), kv_cache_spec_sliding_window(11)
 # BlockRemoved array slots.
@@ -445,9 +445,9 @@ def hashed_blocks(event: HashedBlocksStored) -> tuple[tuple[int, int], ...]:
 def stored_blocks(
     event: BlockStored, registered_block_size: int, lora_name: str | None = None
 ) -> tuple[tuple[int, int], ...]:
-    """``(external_hash, local_hash)`` pairs of a store, as the index takes them (spec §4 "Conversion").
+    """``(external_hash, local_hash)`` pairs of a store, as the index takes them (behaviour.md#kv-events "Conversion").
 
-    Block ``i`` takes the next ``block_size`` tokens and is re-hashed locally (§0). Nothing is kept
+    Block ``i`` takes the next ``block_size`` tokens and is re-hashed locally (behaviour.md#hashing). Nothing is kept
     from the first block the registered block size cannot describe: an event ``block_size`` other
     than the registered one stops at block 0, too few tokens stops at the first short block.
     Any external hash named twice (including the parent) makes the whole event a no-op (``()``),

@@ -1,4 +1,5 @@
-"""Predicted blocks (spec §3.2): a booking on a rank scored without KV events counts as cached there.
+"""Predicted blocks (behaviour.md#approximate-mode): a booking on a rank scored without KV events counts as cached
+there.
 
 Pure. Each booked block lives ``router_ttl_secs`` (expired by the sweep, ``decide.ExpireStale``), and when the
 scope holds more than ``router_max_tree_size`` predicted blocks the oldest are pruned (oldest expiry first, in

@@ -42,7 +42,7 @@ def loads(state: ScopeState) -> list[RankLoad]:
 
 
 def potential_loads(state: ScopeState, sequence_hashes: Sequence[int], isl_tokens: int) -> list[PotentialLoad]:
-    """Loads each rank would carry if it took the request (spec §1.5 projection formulas).
+    """Loads each rank would carry if it took the request (docs/slot-tracker.md projection formulas).
 
     Prefill grows uniformly by ``isl_tokens`` (the tracker knows nothing of the KV cache); decode
     blocks grow by the blocks the rank's live prompts do not already hold.

@@ -1,6 +1,7 @@
 """Router knobs that shape worker selection: defaults, ``DYN_*`` environment parsing, per-request overrides.
 
-Spec §2.4, §2.5 and §2.9. Only the knobs the cost function and booking need live here; queueing, replica sync
+behaviour.md#cost, #selection-endpoints-and-overrides, #router-configuration. Only the knobs the cost function and
+booking need live here; queueing, replica sync
 and the rest belong to the shell. The caller passes ``os.environ`` to :func:`from_env` (and the command
 line's flags, as text, to :func:`resolve`), so this module stays pure (no ``os`` import).
 
@@ -40,7 +41,7 @@ _FALSE = frozenset({"false", "0", "no", "off"})
 
 @attrs.frozen
 class RouterConfig:
-    """Service-wide selection knobs with the reference's defaults (spec §2.9)."""
+    """Service-wide selection knobs with the reference's defaults (behaviour.md#router-configuration)."""
 
     overlap_score_credit: float = 1.0
     overlap_score_credit_decay: float = 0.0
@@ -54,11 +55,13 @@ class RouterConfig:
     router_track_prefill_tokens: bool = True
     shared_cache_multiplier: float = 0.0
     router_ttl_secs: float = 120.0
-    # Approximate mode (spec §3.2): predicted blocks beyond this many are pruned, oldest expiry first, down to
+    # Approximate mode (behaviour.md#approximate-mode): predicted blocks beyond this many are pruned, oldest expiry
+    # first, down to
     # router_prune_target_ratio of it.
     router_max_tree_size: int = 2**20
     router_prune_target_ratio: float = 0.8
-    # Overload (spec §2.6); None disables each rule. See actors/core/admission.py.
+    # Overload (behaviour.md#eligibility-busy-ranks-and-queueing); None disables each rule. See
+    # actors/core/admission.py.
     active_decode_blocks_threshold: float | None = None
     active_prefill_tokens_threshold: float | None = None
     active_prefill_tokens_threshold_frac: float | None = None
@@ -228,7 +231,7 @@ def resolve(*layers: Mapping[str, Setting]) -> RouterConfig:
 
 
 def config_problem(config: RouterConfig) -> str | None:
-    """A combination of knobs that cannot work together (spec §2.9's validation), or None."""
+    """A combination of knobs that cannot work together (behaviour.md#router-configuration's validation), or None."""
     if config.router_track_output_blocks and not config.router_track_active_blocks:
         return "output-block tracking requires active-block tracking"
     return None
@@ -345,7 +348,8 @@ SHARED_MULTIPLIER_INVALID = "shared_cache_multiplier must be between 0 and 1"
 
 @attrs.frozen
 class RouterConfigOverride:
-    """The per-request ``router_config_override`` (spec §2.5); ``None`` means "use the service value"."""
+    """The per-request ``router_config_override`` (behaviour.md#selection-endpoints-and-overrides); ``None`` means "use
+    the service value"."""
 
     overlap_score_credit: float | None = None
     prefill_load_scale: float | None = None

@@ -1,6 +1,7 @@
 """Worker selection arithmetic: cached tokens, projected loads, the cost of each rank, and the pick.
 
-Pure functions over plain values (spec §2.3-§2.6); the shell gathers overlaps from the KV index and loads from
+Pure functions over plain values (behaviour.md#overlap-and-tiers, #eligibility-busy-ranks-and-queueing); the shell
+gathers overlaps from the KV index and loads from
 the active-request state, calls these, and draws the random number that :func:`pick` consumes. Every formula
 here was checked against Dynamo 1.6.1 (see tests/core/test_selection.py); where 1.6.1 and the spec's newer
 source disagree, 1.6.1 wins and the docstring says so.
@@ -21,7 +22,7 @@ from kvrouter.actors.core.router_config import RouterConfig
 
 
 class TierOverlap(NamedTuple):
-    """How many leading query blocks a rank holds per tier (spec §2.3).
+    """How many leading query blocks a rank holds per tier (behaviour.md#overlap-and-tiers).
 
     ``device`` is the GPU prefix match; the ``*_ext`` counts continue the prefix beyond it in the lower tiers.
     ``shared_beyond_device`` counts shared-cache hits past the device match (0 unless a shared cache is used).
@@ -93,7 +94,8 @@ def potential_prefill_tokens(active_prefill_tokens: int, isl: int, cached: int, 
 
 
 def overlap_summary(per_rank: Mapping[int, TierOverlap], block_size: int) -> dict[str, object]:
-    """The ``overlap`` object of a select response, in tokens, with Mooncake's cumulative tiers (spec §2.3).
+    """The ``overlap`` object of a select response, in tokens, with Mooncake's cumulative tiers
+    (behaviour.md#overlap-and-tiers).
 
     ``per_rank`` must hold **every** dp rank of the chosen worker, unmatched ones as :data:`NO_OVERLAP`: 1.6.1
     lists all of them in ``dp`` (a 3-rank worker with nothing cached reports ``{"0": 0, "1": 0, "2": 0}``). Per
@@ -136,7 +138,7 @@ def cost(
     preferred_taints: Mapping[str, float] | None = None,
     decode_pool: bool = False,
 ) -> float:
-    """The rank's cost in blocks, lower is better (spec §2.4, as 1.6.1 computes it).
+    """The rank's cost in blocks, lower is better (behaviour.md#cost, as 1.6.1 computes it).
 
     ``config`` is the effective config (per-request override already applied, deprecated weight folded in).
     ``min_active_prefill`` is the least active prefill among the eligible ranks; it matters only with a
@@ -274,7 +276,7 @@ def cheapest(
     preferred_taints: Mapping[str, float],
     draw: float,
 ) -> RankCandidate:
-    """The cost function's pick among the eligible ranks (spec §2.4): each rank's ``cost`` (computed once per
+    """The cost function's pick among the eligible ranks (behaviour.md#cost): each rank's ``cost`` (computed once per
     distinct situation: idle, cold ranks all cost the same), then ``pick`` at the configured temperature."""
     min_prefill = kept[0].active_prefill_tokens
     for c in kept:
@@ -354,7 +356,8 @@ def eligible(
     required_taints: Collection[str] = (),
     pinned: WorkerRank | None = None,
 ) -> list[RankCandidate] | Ineligible:
-    """The candidates the request may use, in input order, or why there are none (spec §2.6, §5).
+    """The candidates the request may use, in input order, or why there are none
+    (behaviour.md#eligibility-busy-ranks-and-queueing, #constraints-and-disaggregation).
 
     ``candidates`` are the partition's schedulable ranks; the caller answers :func:`no_schedulable_workers`
     itself when there are none, before calling this (1.6.1 checks that first). Overload thresholds are the

@@ -64,7 +64,7 @@ def schedulable(state: ScopeState, use_kv_events: bool, queueing: bool = False) 
 
 
 def normalize(prompt: Prompt, block_size: int) -> NormalizedPrompt | str:
-    """Token ids are hashed here; precomputed hashes are checked (spec §2.2). A string is a 400."""
+    """Token ids are hashed here; precomputed hashes are checked (behaviour.md#prompt-inputs). A string is a 400."""
     if prompt.token_ids is not None:
         blocks = len(prompt.token_ids) // block_size
         if blocks > MAX_PROMPT_BLOCKS:
@@ -131,7 +131,8 @@ def candidates(
 
 
 def potential_loads(found: list[RankCandidate], request: SelectionInput, config: RouterConfig) -> list[PotentialLoad]:
-    """What each candidate would carry with this prompt (spec §2.8): prefill beyond its cache, if tracked,
+    """What each candidate would carry with this prompt (behaviour.md#loads-dump-and-session-affinity): prefill beyond
+    its cache, if tracked,
     and the prompt blocks its live requests do not already hold."""
     prompt = request.prompt
     track = config.router_track_prefill_tokens

@@ -402,7 +402,8 @@ def choose_rank(
     session_id: str | None = None,
     ttft: TtftView | None = None,
 ) -> RankCandidate | Rejected:
-    """The rank a selection takes (spec §2.4-§2.6, §5), or why there is none: the eligible ranks (allowed ids,
+    """The rank a selection takes (behaviour.md#cost, #eligibility-busy-ranks-and-queueing,
+    #constraints-and-disaggregation), or why there is none: the eligible ranks (allowed ids,
     required taints, pin, affinity target), minus busy ones; then a session's pinned rank while it is among them;
     else the router mode's pick (the cost function for ``kv``, the predicted time to first token for
     ``kv_ttft`` with the shell's prefill model ``ttft``)."""
@@ -410,7 +411,8 @@ def choose_rank(
     kept = eligible(found, allowed_worker_ids=allowed, required_taints=constraints.required, pinned=pinned)
     if not isinstance(kept, list):
         return Rejected(REFUSAL_REASON[kept.reason], kept.message)
-    free = not_busy(kept, state.selection.catalog, config)  # spec §2.6: busy ranks are left out
+    free = not_busy(kept, state.selection.catalog, config)  # behaviour.md#eligibility-busy-ranks-and-queueing: busy
+    # ranks are left out
     if isinstance(free, Rejected):
         return free
     preferred = preferred_rank(state.selection, session_id, at, state.slots.requests)

@@ -39,7 +39,8 @@ class SelectionState:
         self.index = KvIndex()
         # Per rank, the last KV-event sequence number applied (a restarted service resumes each stream there).
         self.kv_watermarks: dict[WorkerRank, int] = {}
-        # Predicted blocks (spec §3.2): what was booked on a rank scored without KV events, kept apart from the
+        # Predicted blocks (behaviour.md#approximate-mode): what was booked on a rank scored without KV events, kept
+        # apart from the
         # event-fed index so that the two never rename each other's blocks.
         self.predicted = KvIndex()
         # When each predicted block stops counting as cached, per rank, in booking order (a re-booked block

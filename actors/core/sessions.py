@@ -1,4 +1,5 @@
-"""Session affinity: a session id pinned to the rank that served it (spec §2.8, 1.6.1's behaviour).
+"""Session affinity: a session id pinned to the rank that served it (behaviour.md#loads-dump-and-session-affinity,
+1.6.1's behaviour).
 
 A booking with a ``session_id`` pins the session to the chosen (worker, dp_rank); later selections of the
 session prefer that rank while it is eligible. The pin holds while any booking of the session is live and for

@@ -1,4 +1,4 @@
-"""The Dynamo 1.6.1 replica-sync message, encoded and decoded exactly (spec §1.6). Pure: no I/O.
+"""The Dynamo 1.6.1 replica-sync message, encoded and decoded exactly (docs/operations/replicas.md). Pure: no I/O.
 
 A message is two ZMQ frames, ``[TOPIC, payload]``. The payload is what 1.6.1 writes with
 ``rmp_serde::to_vec_named``: a msgpack map with named fields and minimal integer encodings::

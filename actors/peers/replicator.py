@@ -1,4 +1,4 @@
-"""Replica sync with Dynamo 1.6.1 peers (spec §1.6): publish local lifecycle decisions, apply peers'.
+"""Replica sync with Dynamo 1.6.1 peers (docs/operations/replicas.md): publish local lifecycle decisions, apply peers'.
 
 Outbound: an observer of the actor system turns every *local* applied admission, prefill completion
 and free into a 1.6.1 message and drops it into a bounded outbox; one task owns the PUB socket and

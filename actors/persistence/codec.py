@@ -22,7 +22,7 @@ in ``tests/persistence/golden`` fail until the change is made deliberately, like
    are how the tests prove old journals still decode.
 
 The journal converter is built whole by ``make_journal_converter`` (never derived from the API's with
-``Converter.copy()``, ARCHITECTURE.md pitfall 3.5.1) with ``detailed_validation=False``: replay is the
+``Converter.copy()``, docs/architecture/index.md#serialisation) with ``detailed_validation=False``: replay is the
 hot path and the data is our own.
 """
 

@@ -1,4 +1,4 @@
-"""A single-owner trio adapter for one pyzmq socket (ARCHITECTURE §3.4, A8).
+"""A single-owner trio adapter for one pyzmq socket (docs/architecture/index.md#zeromq-under-trio).
 
 There is no maintained trio binding for pyzmq, and ``zmq.asyncio`` is asyncio-only, so we own this
 small adapter. The rules it relies on:

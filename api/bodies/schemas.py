@@ -21,7 +21,7 @@ from kvrouter.api.http import HttpError
 
 DEFAULT_TENANT = "default"
 
-# Signed 64-bit hashes on the wire, reinterpreted as unsigned inside (spec §0).
+# Signed 64-bit hashes on the wire, reinterpreted as unsigned inside (behaviour.md#hashing).
 SequenceHashes = NewType("SequenceHashes", tuple)
 
 

@@ -3,7 +3,7 @@
 ``make_strict_converter`` builds the converter for untrusted input (HTTP bodies): exact JSON types,
 range-checked integers, detailed validation errors that ``api/bodies/schemas.py`` turns into serde's
 messages. The journal's own converter is built separately in ``actors/persistence/codec.py``;
-neither is derived from the other with ``Converter.copy()`` (ARCHITECTURE.md pitfall 3.5.1: a
+neither is derived from the other with ``Converter.copy()`` (docs/architecture/index.md#serialisation: a
 copied converter stops structuring tagged unions), so each is built whole by its own factory.
 """
 

@@ -1,7 +1,7 @@
 """Replica sync for both services: starting the replicator and its ``/replica_sync/*`` routes (which call
 ``PeerService``, never the replicator itself).
 
-Same paths, bodies, statuses and messages as 1.6.1 (spec §1.5, §1.6): without
+Same paths, bodies, statuses and messages as 1.6.1 (docs/slot-tracker.md, docs/operations/replicas.md): without
 ``--replica-sync-port`` the write routes answer 409 ``replica sync is disabled`` and the peer
 list is ``[]``. Dynamic peers are in memory: after a restart only ``--replica-sync-peers`` return.
 kvrouter's additions: a registration beyond ``--replica-max-peers`` answers 409, and with CURVE an

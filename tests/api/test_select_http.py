@@ -205,7 +205,8 @@ async def test_approximate_mode_counts_bookings_as_cached(nursery: trio.Nursery,
 
 
 async def test_output_blocks_keep_their_own_weight(selector: httpx.AsyncClient) -> None:
-    """1.6.1 (spec §1.2): an output block without a fraction weighs 1.0; one with a fraction f sets every
+    """1.6.1 (behaviour.md#slot-accounting): an output block without a fraction weighs 1.0; one with a fraction f sets
+    every
     output block of the reservation to f. Probed on 1.6.1 with a 4-block reservation: 3, 4, 5, 2."""
     await selector.post("/workers", json=worker(1, "tcp://127.0.0.1:1"))
     prompt = {"model_name": "m", "token_ids": list(range(16)), "reservation_id": "r1"}

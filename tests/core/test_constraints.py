@@ -1,4 +1,5 @@
-"""Routing constraints and topology (spec §5, seed topology-aware-kv-transfer.md): taints, the preferred-taint
+"""Routing constraints and topology (behaviour.md#constraints-and-disaggregation, seed topology-aware-kv-transfer.md):
+taints, the preferred-taint
 factor, the decode constraint derived from a prefill worker, and the catalog rules, on the pure core."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Disaggregated prefill/decode selection on the pure core (seed "Disaggregated Serving", topology seed, spec
-§5): the prefill stage KV-aware, the decode stage load-only, the derived KV-transfer constraint (required fails
+behaviour.md#constraints-and-disaggregation): the prefill stage KV-aware, the decode stage load-only, the derived
+KV-transfer constraint (required fails
 closed before anything is booked; preferred weighs), both bookings in one decision, the decode-only fallback,
 worker roles in aggregated selections."""
 

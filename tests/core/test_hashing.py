@@ -1,7 +1,7 @@
 """Block and sequence hashes must equal the reference's bit for bit, or every cache hit becomes a miss.
 
 Where each vector comes from:
-* "spec §0" / "spec Appendix": vectors printed in reference-behaviour.md (themselves 1.6.1 probes).
+* behaviour.md#hashing (docs/architecture): vectors 1.6.1 computes, probed on the released services.
 * "1.6.1 select": obtained for this test from ai-dynamo-runtime 1.6.1 ``dynamo.select_service``
   (``DYN_USE_KV_EVENTS=false``): ``POST /select_and_reserve`` with ``token_ids`` returns the chained
   sequence hashes (signed i64; listed here as u64). The local block hashes listed with them were
@@ -20,8 +20,9 @@ from kvrouter.actors.core.hashing import block_hashes, lora_seed, next_sequence_
 from kvrouter.actors.core.ids import U64_MASK, to_i64, to_u64
 
 TOKENS_1_16 = list(range(1, 17))
-BLOCKS_1_16 = [14643705804678351452, 16777012769546811212, 483935686894639516, 135165725823939817]  # spec §0
-SEQ_1_16 = [14643705804678351452, 4945711292740353085, 12583592247330656132, 1921452330601040443]  # spec §0
+# behaviour.md#hashing
+BLOCKS_1_16 = [14643705804678351452, 16777012769546811212, 483935686894639516, 135165725823939817]
+SEQ_1_16 = [14643705804678351452, 4945711292740353085, 12583592247330656132, 1921452330601040443]
 
 
 def test_spec_vectors_tokens_1_to_16_block_4() -> None:
@@ -41,7 +42,7 @@ def test_partial_trailing_block_is_not_hashed() -> None:
 
 
 def test_lora_name_changes_the_seed() -> None:
-    # spec §0 gives the first block; 1.6.1 select gave the whole chain and confirmed the locals.
+    # behaviour.md#hashing gives the first block; 1.6.1 select gave the whole chain and confirmed the locals.
     assert block_hashes(TOKENS_1_16, 4, lora_name="alpha") == [
         4059692062493597942,
         15935668989504354300,

@@ -1,4 +1,5 @@
-"""The KV block index: spec §3.1 tree semantics, §2.3 tier extensions, §7 edge cases 50-54 and 58.
+"""The KV block index: behaviour.md#the-kv-index tree semantics, behaviour.md#overlap-and-tiers tier extensions and the
+reference's edge cases.
 
 Cases marked "1.6.1 probe" were observed on the reference indexer (``dynamo.indexer`` 1.6.1, fed
 by a ZMQ publisher) while writing this module.
@@ -220,7 +221,8 @@ def test_another_hash_at_a_held_position_renames_it() -> None:
 
 
 def test_spec_tier_example() -> None:
-    """Spec §2.3: rank0 (2 dev, 1 host, 2 disk), rank1 (1 dev, 1 disk) at block 16 (1.6.1 probe agrees)."""
+    """behaviour.md#overlap-and-tiers: rank0 (2 dev, 1 host, 2 disk), rank1 (1 dev, 1 disk) at block 16 (1.6.1 probe
+    agrees)."""
     index = KvIndex()
     index.apply_stored(R0, DEV, None, [(1, A), (2, B)])
     index.apply_stored(R0, HOST, 2, [(3, C)])

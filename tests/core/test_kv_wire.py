@@ -1,4 +1,4 @@
-"""Decoding every KV-event encoding engines publish (spec §4), and converting stores for the index."""
+"""Decoding every KV-event encoding engines publish (behaviour.md#kv-events), and converting stores for the index."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Table tests of overload thresholds and queue ordering (spec §2.6), on the pure core."""
+"""Table tests of overload thresholds and queue ordering (behaviour.md#eligibility-busy-ranks-and-queueing), on the
+pure core."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Predicted blocks (spec §3.2) and the per-rank fallback to them, on the pure core."""
+"""Predicted blocks (behaviour.md#approximate-mode) and the per-rank fallback to them, on the pure core."""
 
 from __future__ import annotations
 

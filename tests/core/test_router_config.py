@@ -30,7 +30,7 @@ from kvrouter.actors.core.router_config import (
 
 
 def test_defaults_are_the_reference_defaults() -> None:
-    # spec §2.9; verified against 1.6.1 (startup log with an empty environment).
+    # behaviour.md#router-configuration; verified against 1.6.1 (startup log with an empty environment).
     assert attrs.asdict(RouterConfig()) == {
         "overlap_score_credit": 1.0,
         "overlap_score_credit_decay": 0.0,
@@ -53,7 +53,8 @@ def test_defaults_are_the_reference_defaults() -> None:
         "router_queue_policy": "fcfs",
         "session_affinity_ttl_secs": None,
         "kv_events_stale_secs": 10.0,  # kvrouter's own (per-rank fallback); not a 1.6.1 knob
-        "router_mode": "kv",  # spec §2.9 and the seed: kv routing, active blocks tracked, output blocks not
+        "router_mode": "kv",  # behaviour.md#router-configuration and the seed: kv routing, active blocks tracked,
+        # output blocks not
         "router_track_active_blocks": True,
         "router_track_output_blocks": False,
         "worker_endpoint_allow": None,  # kvrouter's catalog policy (--worker-endpoint-allow): any host

@@ -138,7 +138,8 @@ def test_direct_mode_needs_a_pin_and_the_pin_must_be_eligible() -> None:
 
 def test_overlap_score_weight_zero_is_pure_load_balancing() -> None:
     """Worker 1 holds 3 of the 8 prompt blocks but 2 booked blocks: with the cache it wins, without it the idle
-    worker 2 does: 10 decode blocks against 8 (spec §2.4: weight 0 sets prefill_load_scale 0 and the credit 0)."""
+    worker 2 does: 10 decode blocks against 8 (behaviour.md#cost: weight 0 sets prefill_load_scale 0 and the credit
+    0)."""
     s = two_workers()
     assert chosen(s, select(RouterConfig())) == 1
     pure_load = RouterConfigOverride(overlap_score_weight=0.0).apply(RouterConfig())

@@ -1,6 +1,7 @@
 """The scope's two parts on the pure core: each part's snapshot and invariants, the selection read models
 shared by ``decide_select`` and the inspection routes, reservation commands, output-block weights (spec
-§1.2) and partitions that outlive their last worker (spec §2.8)."""
+behaviour.md#slot-accounting) and partitions that outlive their last worker
+(behaviour.md#loads-dump-and-session-affinity)."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def warm() -> Scope:
     return s
 
 
-# -- output blocks (spec §1.2, checked on 1.6.1) -----------------------------------------------------
+# -- output blocks (behaviour.md#slot-accounting, checked on 1.6.1) ----------------------------------------------------
 
 
 def test_output_blocks_keep_their_own_weight() -> None:
@@ -122,7 +123,8 @@ def test_output_blocks_keep_their_own_weight() -> None:
 
 
 def test_spec_fractional_decay_example() -> None:
-    """Spec §1.2's worked example: r1=[1,2,3] -> 3; output(0.5) -> 2; add r2=[1,2] -> 2; output(r1, 0.0) -> 1."""
+    """behaviour.md#slot-accounting's worked example: r1=[1,2,3] -> 3; output(0.5) -> 2; add r2=[1,2] -> 2; output(r1,
+    0.0) -> 1."""
     s = Scope()
     s.ok(UpsertWorker(record(1)))
     s.ok(Reserve("r1", 1, 0, (1, 2, 3), isl_tokens=12))
@@ -159,7 +161,7 @@ def test_free_request_no_longer_speaks_for_reservations() -> None:
         FreeRequest("r", reservation=True)  # type: ignore[call-arg]
 
 
-# -- partitions outlive their last worker (spec §2.8, checked on 1.6.1) -------------------------------
+# -- partitions outlive their last worker (behaviour.md#loads-dump-and-session-affinity, checked on 1.6.1) -------------
 
 
 def test_a_partition_keeps_its_block_size_after_its_last_worker_leaves() -> None:

@@ -65,7 +65,7 @@ def costs_of(
     }
 
 
-# --- effective cached tokens and effective prefill (spec §2.3) ---------------------------------------------------
+# --- effective cached tokens and effective prefill (behaviour.md#overlap-and-tiers) -----------------------------------
 
 
 def test_effective_cached_tokens_spec_example() -> None:
@@ -196,7 +196,7 @@ def test_overlap_summary_lower_tier_only() -> None:
     assert overlap_summary({0: TierOverlap(disk_ext=1)}, 2)["cpu"] == 0
 
 
-# --- projections (spec §2.5, §2.8) ----------------------------------------------------------------------------------
+# --- projections (behaviour.md#selection-endpoints-and-overrides, #loads-dump-and-session-affinity) -------------------
 
 
 @pytest.mark.parametrize(
@@ -212,7 +212,7 @@ def test_overlap_summary_lower_tier_only() -> None:
         (0, 1, 17, 0, 5, 1),
         (0, 4, 1, 0, 4, 4),  # 4 hashes, isl 1
         (0, 0, 9, 0, 3, 0),
-        (4, 3, 12, 2, 5, 5),  # §2.8 probe: 4 active blocks; 3 blocks sharing 2
+        (4, 3, 12, 2, 5, 5),  # behaviour.md#loads-dump-and-session-affinity probe: 4 active blocks; 3 blocks sharing 2
         (4, 3, 13, 2, 6, 5),
         (4, 6, 24, 4, 6, 6),
         (0, 6, 24, 0, 6, 6),  # the same prompt after the booking was freed (its KV overlap stays, its blocks go)
@@ -234,7 +234,8 @@ def test_decode_block_projections(active: int, seq: int, isl: int, depth: int, r
     ("active", "isl", "cached", "track", "expected"),
     [
         # All verified against 1.6.1 (/potential_loads, block size 4).
-        (17, 12, 8, True, 21),  # §2.8 probe: active 17 tokens; 3 blocks sharing 2
+        (17, 12, 8, True, 21),  # behaviour.md#loads-dump-and-session-affinity probe: active 17 tokens; 3 blocks
+        # sharing 2
         (0, 17, 0, True, 17),
         (0, 24, 16, True, 8),  # after the booking was freed, its 4 blocks still cached
         (0, 4, 16, True, 0),  # hash path, cached beyond isl
@@ -253,7 +254,7 @@ def test_request_blocks() -> None:
     assert [request_blocks(n, 4) for n in (0, 1, 4, 5, 17)] == [0, 1, 1, 2, 5]
 
 
-# --- cost (spec §2.4) -----------------------------------------------------------------------------------------------
+# --- cost (behaviour.md#cost) -----------------------------------------------------------------------------------------
 
 
 def test_classic_cost_with_defaults() -> None:
@@ -403,7 +404,7 @@ def test_shared_cache_hits_earn_the_multiplier() -> None:
 
 
 def test_decode_pool_formula() -> None:
-    # spec §2.4: decode pool, prefill untracked, positive credit => max(0, decode - credit) + request weight.
+    # behaviour.md#cost: decode pool, prefill untracked, positive credit => max(0, decode - credit) + request weight.
     config = RouterConfig(router_track_prefill_tokens=False, decode_active_request_weight=0.5)
     candidate = RankCandidate(W20, TierOverlap(device=3), active_decode_blocks=5, active_requests=2)
     kwargs = {"isl": 16, "num_seq_hashes": 4, "block_size": 4, "config": config, "min_active_prefill": 0}
@@ -503,7 +504,7 @@ def test_case_37_warm_beats_cold_by_its_device_blocks(
         assert pick(list(costs.items()), temperature=0.0, draw=0.999) == W20
 
 
-# --- pick (spec §2.4) -----------------------------------------------------------------------------------------------
+# --- pick (behaviour.md#cost) -----------------------------------------------------------------------------------------
 
 
 def test_pick_minimum() -> None:
@@ -601,7 +602,7 @@ def test_pick_ignores_input_order(
     assert pick(shuffled, temperature=temperature, draw=draw) == pick(costs, temperature=temperature, draw=draw)
 
 
-# --- eligibility (spec §2.6, §5) ------------------------------------------------------------------------------------
+# --- eligibility (behaviour.md#eligibility-busy-ranks-and-queueing, #constraints-and-disaggregation) ------------------
 
 # The catalog of the verified probes: worker 10 (taints gpu=a100, zone=x) and worker 11 with 2 dp ranks.
 R10, R11_0, R11_1 = WorkerRank(10, 0), WorkerRank(11, 0), WorkerRank(11, 1)

@@ -1,4 +1,5 @@
-"""Session affinity (spec §2.8, 1.6.1's behaviour as probed), on the pure core: pin, TTL, leases, replication."""
+"""Session affinity (behaviour.md#loads-dump-and-session-affinity, 1.6.1's behaviour as probed), on the pure core: pin,
+TTL, leases, replication."""
 
 from __future__ import annotations
 

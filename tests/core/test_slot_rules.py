@@ -1,4 +1,4 @@
-"""Table tests of the slot tracker rules (spec §1 and §7 edge cases 1-25), on the pure core."""
+"""Table tests of the slot tracker rules (behaviour.md#slot-accounting edge cases 1-25), on the pure core."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A stand-in for a vLLM/SGLang KV-event publisher (``ZmqEventPublisher``), for listener tests.
 
-Wire (spec §4): live messages are ``[topic, seq (8 bytes BE), payload]`` on a PUB-compatible socket;
+Wire (behaviour.md#kv-events): live messages are ``[topic, seq (8 bytes BE), payload]`` on a PUB-compatible socket;
 seq starts at 0 and grows by one per batch. An optional replay ROUTER answers ``[identity, b"",
 start (8 BE)]`` with one reply per buffered batch whose seq >= start, either 3-frame ``[b"", seq,
 payload]`` (SGLang, older vLLM) or 4-frame ``[b"", topic, seq, payload]`` (newer vLLM), then an end
