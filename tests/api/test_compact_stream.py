@@ -20,7 +20,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from kvrouter.actors.core.ids import I64_MAX, I64_MIN, U64_MASK
 from kvrouter.actors.core.limits import MAX_TEXT_BYTES
 from kvrouter.api.http import CREATED, OK, Response, error_response, json_response
-from kvrouter.api.routes.slot_tracker import slot_tracker as routes
+from kvrouter.api.routes import slot_tracker as routes
 from kvrouter.api.streams.command_runner import MAX_BATCH_COMMANDS, CommandRunner, Ready, _prepare
 from kvrouter.api.streams.command_stream import (
     MAX_MESSAGE_BYTES,

@@ -15,7 +15,7 @@ from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.actors.persistence.journal_check import Stop, check_recovery
 from kvrouter.actors.persistence.snapshots import encode_snapshot
-from kvrouter.api.cli.main import journal as journal_cli
+from kvrouter.api.cli import journal as journal_cli
 from kvrouter.api.process.main import lock_data_dir
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import Durability, Snapshot

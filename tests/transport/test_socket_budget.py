@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from kvrouter.actors.kv_listener import KvListener
-from kvrouter.actors.peers import socket_budget
+from kvrouter.actors.transport import socket_budget
 from kvrouter.actors.transport.socket_budget import (
     FD_RESERVE,
     FD_TARGET,
