@@ -32,7 +32,7 @@ import trio
 SUPPORTED_RANKS: Final = 4_096
 # SUB + the monitor's two PAIR sockets (one inside libzmq, one we read).
 SOCKETS_PER_LISTENER: Final = 3
-# One eventfd per socket (3) + the SUB's TCP connection; measured by tests/peers/test_socket_budget.py.
+# One eventfd per socket (3) + the SUB's TCP connection; measured by tests/transport/test_socket_budget.py.
 FDS_PER_LISTENER: Final = 4
 # Replay DEALERs open at once, process-wide. A mass reconnect (service restart) asks every rank for a
 # catch-up; they take turns instead of opening 4,096 DEALERs at once. Each replay takes one permit
