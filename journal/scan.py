@@ -100,17 +100,9 @@ def scan_directory(directory: Path) -> Scan:
                     skipped.append(skip)
             else:
                 lsn, end = parsed
-            if lsn != expected:
-                raise CorruptJournal(corrupt(path, offset, expected, f"found lsn {lsn} instead"))
-            if segment_last is None and lsn <= previous:
-                problem = f"the segment overlaps the previous one, which ends at lsn {previous}"
-                raise CorruptJournal(corrupt(path, offset, lsn, problem))
-            if segment_last is None and lsn != previous + 1 and lsn > floor + 1:
-                # A gap is only allowed where the snapshot covers it.
-                problem = f"records {previous + 1}..{lsn - 1} are missing"
-                if unreadable:
-                    problem += f" (only the unreadable snapshot {unreadable[0][1].name} covered them)"
-                raise CorruptJournal(corrupt(path, offset, lsn, problem))
+            problem = _out_of_order(lsn, expected, previous if segment_last is None else None, floor, unreadable)
+            if problem is not None:
+                raise CorruptJournal(corrupt(path, offset, expected if lsn != expected else lsn, problem))
             if lsn > floor:
                 sizes.append(end - offset - FRAME_OVERHEAD)
             previous = segment_last = lsn
@@ -147,6 +139,26 @@ def scan_directory(directory: Path) -> Scan:
         sizes_after_snapshot=sizes,
         skipped=tuple(skipped),
     )
+
+
+def _out_of_order(
+    lsn: int, expected: int, previous: int | None, floor: int, unreadable: list[tuple[int, Path]]
+) -> str | None:
+    """Why a record's lsn cannot follow what came before, or None. ``previous``: the last lsn of the previous
+    segments, given for a segment's first record only (where segments may overlap or leave a gap)."""
+    if lsn != expected:
+        return f"found lsn {lsn} instead"
+    if previous is None:
+        return None
+    if lsn <= previous:
+        return f"the segment overlaps the previous one, which ends at lsn {previous}"
+    if lsn != previous + 1 and lsn > floor + 1:
+        # A gap is only allowed where the snapshot covers it.
+        problem = f"records {previous + 1}..{lsn - 1} are missing"
+        if unreadable:
+            problem += f" (only the unreadable snapshot {unreadable[0][1].name} covered them)"
+        return problem
+    return None
 
 
 def _passed_over(

@@ -256,20 +256,7 @@ class Cluster:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             replicated = options.replicas > 1
-            for i in range(options.replicas):
-                router = RouterReplica(
-                    f"router-{i}",
-                    self.scope,
-                    options.router,
-                    f"{root}:router-{i}",
-                    TrioClock(),
-                    replica_id=i + 1 if replicated else None,
-                    ttft_ablation=ttft_ablation(options.policy),
-                )
-                await router.start(nursery)
-                self.routers.append(router)
-                for worker_id in range(1, options.workers + 1):
-                    await router.upsert_worker(self._record(worker_id))
+            await self._start_routers(nursery, root)
             policy = make_policy(options.policy, sorted(self.workers), random.Random(f"{root}:policy"))
             requests = self.trace.requests
             if requests:
@@ -302,11 +289,7 @@ class Cluster:
                 elif kind == SYNC:
                     await self._sync_deliver(*payload)
                 elif kind == SWEEP:
-                    for replica in self.routers:
-                        if replica.running:
-                            await replica.expire_stale()
-                    if any(k not in (SWEEP,) for _, k, _, _ in heap):
-                        self._push(at_ms + SWEEP_EVERY_MS, SWEEP, None)
+                    await self._sweep(at_ms)
                 elif kind == FAULT:
                     await self._fault(payload)
                 elif kind == RESTART:
@@ -332,6 +315,34 @@ class Cluster:
             self.counters,
             self.failures,
         )
+
+    async def _start_routers(self, nursery: trio.Nursery, root: str) -> None:
+        """One router replica per ``options.replicas`` (replica ids only when there are several), each told of
+        every worker."""
+        options = self.options
+        replicated = options.replicas > 1
+        for i in range(options.replicas):
+            router = RouterReplica(
+                f"router-{i}",
+                self.scope,
+                options.router,
+                f"{root}:router-{i}",
+                TrioClock(),
+                replica_id=i + 1 if replicated else None,
+                ttft_ablation=ttft_ablation(options.policy),
+            )
+            await router.start(nursery)
+            self.routers.append(router)
+            for worker_id in range(1, options.workers + 1):
+                await router.upsert_worker(self._record(worker_id))
+
+    async def _sweep(self, at_ms: float) -> None:
+        """Expire stale bookings on every running replica; sweep again while anything else is scheduled."""
+        for replica in self.routers:
+            if replica.running:
+                await replica.expire_stale()
+        if any(k != SWEEP for _, k, _, _ in self._heap):
+            self._push(at_ms + SWEEP_EVERY_MS, SWEEP, None)
 
     def _record(self, worker_id: int) -> WorkerRecord:
         dp = self.options.dp_size

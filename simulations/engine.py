@@ -198,27 +198,32 @@ class WorkerEngine:
             if request.computed == request.length:
                 emitted.append(request)
         duration = params.prefill_time(params.timed_prefill_tokens(chunks, ends, starts))
-        finished: list[EngineRequest] = []
         share = 0.0
         if decoding:
             share = decoding / (params.num_blocks * bs)
             duration += params.decode_time(share)
-        if emitted:
-            for request in emitted:
-                request.generated += 1
-                if request.generated >= request.output_length:
-                    finished.append(request)
-                else:
-                    request.length += 1
-            if finished:
-                for request in finished:
-                    self.cache.release(request.held, request.private)
-                    request.held, request.private = [], 0
-                done = set(map(id, finished))
-                self.running = [r for r in running if id(r) not in done]
+        finished = self._emit(emitted) if emitted else []
         return PassResult(duration, prefill, share, admitted, emitted, finished, preempted, self.cache.take_events())
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _emit(self, emitted: list[EngineRequest]) -> list[EngineRequest]:
+        """Each request in ``emitted`` produced a token this pass; the ones now done release their blocks and
+        leave ``running``. Returns those."""
+        finished: list[EngineRequest] = []
+        for request in emitted:
+            request.generated += 1
+            if request.generated >= request.output_length:
+                finished.append(request)
+            else:
+                request.length += 1
+        if finished:
+            for request in finished:
+                self.cache.release(request.held, request.private)
+                request.held, request.private = [], 0
+            done = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in done]
+        return finished
 
     def _admit(self, request: EngineRequest, budget: int) -> int | None:
         """Take the cached prefix and the first chunk's blocks; None (nothing changed) if they do not fit."""
