@@ -213,7 +213,11 @@ class DecisionFeed:
     def take(self, scope: ScopeKey) -> bool:
         """Whether to explain this selection of ``scope`` (a reader holds a lease): within the budget. If not,
         and it is accepted, ``skip`` numbers it."""
-        return self.wanted and self.budget.take(scope, trio.current_time())
+        now = trio.current_time()
+        if now >= self._lease_until:
+            self.leased = False
+            return False
+        return self.budget.take(scope, now)
 
     def skip(self) -> None:
         """An accepted selection that was not explained: it takes a ``seq`` (a gap readers count as missed)."""
