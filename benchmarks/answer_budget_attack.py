@@ -53,6 +53,13 @@ WORKERS = 16
 PROMPT_TOKENS = 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Service:
     """A kvrouter service subprocess and a thread sampling its RSS (peak since ``mark``)."""
 
@@ -95,9 +102,7 @@ class Service:
 
     def cpu(self) -> float:
         """User + system CPU seconds of the service so far."""
-        with open(f"/proc/{self.process.pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.process.pid)
 
     def mark(self) -> int:
         """The RSS now, and the peak restarted from it."""
@@ -380,8 +385,11 @@ def measure(service: Service, seconds: float, count: int, seed: int) -> tuple[fl
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError("the subscribers did not start")
     before, cpu = service.mark(), service.cpu()
+    child_cpu = cpu_seconds(child.pid) if child is not None else 0.0
     rate, samples = trio.run(lifecycles, service.port, seconds, seed)
     cpu = (service.cpu() - cpu) / (rate * seconds) * 1e3
+    if child is not None:
+        child_cpu = (cpu_seconds(child.pid) - child_cpu) / seconds
     text = (
         f"decisions: {count} subscribers: {rate:.0f} lifecycles/s, service CPU {cpu:.2f} ms per lifecycle; "
         f"{health_text(samples)}; {rss_text(before, service.peak, service.rss())}"
@@ -391,16 +399,17 @@ def measure(service: Service, seconds: float, count: int, seed: int) -> tuple[fl
         child.stdin.close()
         received = int(child.stdout.readline())
         child.wait(timeout=10)
-        text += f"; the subscribers read {received / 1e6:.0f} MB"
+        text += f"; the subscribers read {received / 1e6:.0f} MB, their process used {child_cpu:.0%} of a core"
     return rate, cpu, text
 
 
-def run_decisions(python: str, seconds: float, count: int, durability: str, rounds: int) -> None:
+def run_decisions(python: str, seconds: float, count: int, durability: str, rounds: int, skip_one: bool) -> None:
     """``rounds`` rounds of: lifecycles without subscribers, with one (what explaining each selection costs), with
-    ``count``; then the medians, and the median of the rounds' rate ratios (with ``count`` over without)."""
+    ``count`` (not one with ``skip_one``); then the medians, and the median of the rounds' ratios (with ``count``
+    over without: rates, and CPU per lifecycle)."""
     extra = ["--no-use-kv-events", "--durability", durability]  # bookings are the cache: no KV publishers
     service = Service(python, "select-service", extra)
-    counts = sorted({0, 1, count})
+    counts = sorted({0, count} if skip_one else {0, 1, count})
     figures: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
     try:
         trio.run(selection_workers, service.port)
@@ -421,9 +430,10 @@ def run_decisions(python: str, seconds: float, count: int, durability: str, roun
                   f"({min(rates):.0f}..{max(rates):.0f}), service CPU {median(cpus):.2f} ms per lifecycle "
                   f"({min(cpus):.2f}..{max(cpus):.2f})", flush=True)  # fmt: skip
         for n in counts[1:]:
-            ratios = [with_n[0] / without[0] for with_n, without in zip(figures[n], figures[0], strict=True)]
-            print(f"decisions: {n} subscribers / 0, per round: {' '.join(f'{r:.2f}' for r in ratios)}; "
-                  f"median {median(ratios):.2f}", flush=True)  # fmt: skip
+            for what, at in (("rate", 0), ("CPU per lifecycle", 1)):
+                ratios = [with_n[at] / without[at] for with_n, without in zip(figures[n], figures[0], strict=True)]
+                print(f"decisions: {n} subscribers / 0, {what}, per round: {' '.join(f'{r:.2f}' for r in ratios)}; "
+                      f"median {median(ratios):.2f}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -437,6 +447,7 @@ def main() -> None:
         "--decisions-durability", default="off", help="the selection service's --durability (the cost measured is CPU)"
     )
     parser.add_argument("--rounds", type=int, default=1, help="decisions: rounds of 0 / 1 / N subscribers")
+    parser.add_argument("--skip-one", action="store_true", help="decisions: rounds of 0 / N subscribers only")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -449,7 +460,9 @@ def main() -> None:
     if "stream" in only:
         run_stream(args.python, args.stream_seconds)
     if "decisions" in only:
-        run_decisions(args.python, args.seconds, args.subscribers, args.decisions_durability, args.rounds)
+        run_decisions(
+            args.python, args.seconds, args.subscribers, args.decisions_durability, args.rounds, args.skip_one
+        )
 
 
 if __name__ == "__main__":
