@@ -39,7 +39,7 @@ from kvrouter.actors.core.pending import PendingSelections
 from kvrouter.actors.core.selection_rules import Selection
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.core.waiting_room import WaitingRoom
-from kvrouter.actors.decision_feed import DecisionFeed, DecisionRecord
+from kvrouter.actors.decision_feed import UNEXPLAINED, DecisionFeed, DecisionRecord
 from kvrouter.actors.mailbox import MAILBOX_SIZE, Batch, Envelope
 from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.journal.store import Journal
@@ -346,14 +346,23 @@ class ScopeActor:
 
     def _explanation(self, command: SelectWorker) -> Explanation | None:
         """Why this selection will choose what it chooses, taken before it is decided; only when asked for
-        (the request's ``explain``, or a reader of the decision feed): otherwise selections pay nothing."""
-        decisions = self._ports.decisions
-        if command.explain or (decisions is not None and decisions.wanted):
+        (the request's ``explain``, or a reader of the decision feed within its explanation budget: past it,
+        ``UNEXPLAINED``): otherwise selections pay one attribute check."""
+        if command.explain:
             return explain_selection(self.state, command)
+        decisions = self._ports.decisions
+        if decisions is not None and decisions.leased:
+            return explain_selection(self.state, command) if decisions.take(self.state.scope) else UNEXPLAINED
         return None
 
     def _explained(self, command: SelectWorker, decision: Accepted, explanation: Explanation) -> Accepted:
-        """Publish an accepted selection's explanation, and attach it to the reply if the request asked."""
+        """Publish an accepted selection's explanation, and attach it to the reply if the request asked
+        (``UNEXPLAINED``: only numbered, ``actors/decision_feed.py``)."""
+        if explanation is UNEXPLAINED:
+            decisions = self._ports.decisions
+            assert decisions is not None
+            decisions.skip()
+            return decision
         selection: Selection = decision.reply
         finished = finish(explanation, WorkerRank(selection.worker_id, selection.dp_rank))
         decisions = self._ports.decisions

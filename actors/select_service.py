@@ -60,7 +60,7 @@ from kvrouter.actors.core.selection_queries import (
 )
 from kvrouter.actors.core.selection_rules import Booked, Selection, reservation_not_found, tracked_output
 from kvrouter.actors.core.state import ScopeState
-from kvrouter.actors.decision_feed import DecisionBatch
+from kvrouter.actors.decision_feed import DecisionBatch, Want
 from kvrouter.actors.directory import Directory
 from kvrouter.actors.hit_accuracy import HitAccuracy
 from kvrouter.actors.index_counters import IndexCounters
@@ -471,11 +471,14 @@ class SelectService:
 
         return await read_changes(self.load_feed, self.system, epoch, cursor, wait_seconds, measure)
 
-    async def decision_changes(self, epoch: str, cursor: int, wait_seconds: float) -> DecisionBatch:
+    async def decision_changes(
+        self, epoch: str, cursor: int, wait_seconds: float, wants: list[Want] | None = None, reader: str = ""
+    ) -> DecisionBatch:
         """Explained selections after ``cursor`` of feed ``epoch``, waiting up to ``wait_seconds`` (at most 2)
-        for one; a cursor of another epoch starts from now. Each call keeps selections explained a while
-        (``actors/decision_feed.py``). Answered after a read barrier (a booking shown is durable)."""
-        batch = await self.system.decisions.read(epoch, cursor, wait_seconds)
+        for one; a cursor of another epoch starts from now. Each call keeps selections explained a while, at most
+        as many as ``wants`` asks for ``reader`` (``actors/decision_feed.py``). Answered after a read barrier (a
+        booking shown is durable)."""
+        batch = await self.system.decisions.read(epoch, cursor, wait_seconds, wants, reader)
         await self.system.read_barrier()
         return batch
 

@@ -1,7 +1,7 @@
 """Answers that amplify: big batch answers, a command stream that never reads, many /ws/decisions subscribers.
 
     python benchmarks/answer_budget_attack.py [--python PY] [--only batch,stream,decisions] [--subscribers 250]
-        [--seconds 10] [--stream-seconds 35]
+        [--seconds 10] [--stream-seconds 35] [--rounds 1]
 
 Each attack runs against a fresh service (a subprocess, journal in a temporary directory; ``--durability always``
 but for ``decisions``):
@@ -12,8 +12,9 @@ but for ``decisions``):
   ``--stream-seconds`` and never reads its socket, in the JSON format and then in the compact one.
 * ``decisions``: a selection service with 16 workers (``--decisions-durability``, default off: what subscribers
   cost is CPU, and fsyncs on a shared disk would hide it); 4 clients loop select_and_reserve -> prefill_complete ->
-  release for ``--seconds`` without subscribers, then with one ``/ws/decisions`` subscriber (what explaining each
-  selection costs), then with ``--subscribers`` (a child process of raw sockets that read and discard every byte).
+  release for ``--seconds`` without subscribers, then with one ``/ws/decisions`` subscriber, then with
+  ``--subscribers`` (a child process of raw sockets that read and discard every byte); ``--rounds`` times, the
+  three alternating on the same service, then the medians (a busy machine moves them alike).
 
 Printed per row: the service's RSS before / peak / after (after: 2 s after the attack ended), ``/health`` p50 /
 p99 / max during it, and what the attack got (answers, bytes, lifecycles/s). ``--python`` runs the services with
@@ -32,6 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 import msgpack
 import orjson
@@ -49,6 +51,13 @@ RANKS = 4096
 READS = 1000
 WORKERS = 16
 PROMPT_TOKENS = 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Service:
@@ -93,9 +102,7 @@ class Service:
 
     def cpu(self) -> float:
         """User + system CPU seconds of the service so far."""
-        with open(f"/proc/{self.process.pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.process.pid)
 
     def mark(self) -> int:
         """The RSS now, and the peak restarted from it."""
@@ -363,46 +370,70 @@ async def selection_workers(port: int) -> None:
             raise RuntimeError(f"POST /workers: {status} {answer[:200]!r}")
 
 
-def with_subscribers(service: Service, seconds: float, count: int, seed: int) -> str:
-    """A lifecycle measurement while ``count`` subscribers (a child process) read /ws/decisions."""
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--child", str(service.port), str(count)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    if child.stdout.readline().strip() != "ready":
-        raise RuntimeError("the subscribers did not start")
+def measure(service: Service, seconds: float, count: int, seed: int) -> tuple[float, float, str]:
+    """Lifecycles/s and service CPU ms per lifecycle while ``count`` subscribers (a child process, none for 0) read
+    /ws/decisions; and the row's text."""
+    child = None
+    if count:
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child", str(service.port), str(count)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdin is not None and child.stdout is not None
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError("the subscribers did not start")
     before, cpu = service.mark(), service.cpu()
+    child_cpu = cpu_seconds(child.pid) if child is not None else 0.0
     rate, samples = trio.run(lifecycles, service.port, seconds, seed)
     cpu = (service.cpu() - cpu) / (rate * seconds) * 1e3
-    child.stdin.close()
-    received = int(child.stdout.readline())
-    child.wait(timeout=10)
-    return (
+    if child is not None:
+        child_cpu = (cpu_seconds(child.pid) - child_cpu) / seconds
+    text = (
         f"decisions: {count} subscribers: {rate:.0f} lifecycles/s, service CPU {cpu:.2f} ms per lifecycle; "
-        f"{health_text(samples)}; {rss_text(before, service.peak, service.rss())}; "
-        f"the subscribers read {received / 1e6:.0f} MB"
+        f"{health_text(samples)}; {rss_text(before, service.peak, service.rss())}"
     )
+    if child is not None:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.close()
+        received = int(child.stdout.readline())
+        child.wait(timeout=10)
+        text += f"; the subscribers read {received / 1e6:.0f} MB, their process used {child_cpu:.0%} of a core"
+    return rate, cpu, text
 
 
-def run_decisions(python: str, seconds: float, count: int, durability: str) -> None:
-    """Lifecycles without subscribers, with one (what explaining each selection costs), then with ``count``."""
+def run_decisions(python: str, seconds: float, count: int, durability: str, rounds: int, skip_one: bool) -> None:
+    """``rounds`` rounds of: lifecycles without subscribers, with one (what explaining each selection costs), with
+    ``count`` (not one with ``skip_one``); then the medians, and the median of the rounds' ratios (with ``count``
+    over without: rates, and CPU per lifecycle)."""
     extra = ["--no-use-kv-events", "--durability", durability]  # bookings are the cache: no KV publishers
     service = Service(python, "select-service", extra)
+    counts = sorted({0, count} if skip_one else {0, 1, count})
+    figures: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
     try:
         trio.run(selection_workers, service.port)
         trio.run(lifecycles, service.port, 1.0, 0)  # warm-up
-        before, cpu = service.mark(), service.cpu()
-        rate, samples = trio.run(lifecycles, service.port, seconds, 1)
-        cpu = (service.cpu() - cpu) / (rate * seconds) * 1e3
-        print(f"decisions: 0 subscribers: {rate:.0f} lifecycles/s, service CPU {cpu:.2f} ms per lifecycle; "
-              f"{health_text(samples)}; {rss_text(before, service.peak, service.rss())}", flush=True)  # fmt: skip
-        for seed, subscribers in enumerate(sorted({1, count}), 2):
-            print(with_subscribers(service, seconds, subscribers, seed), flush=True)
+        seed = 1
+        for _ in range(rounds):
+            for n in counts:
+                rate, cpu, text = measure(service, seconds, n, seed)
+                figures[n].append((rate, cpu))
+                print(text, flush=True)
+                seed += 1
     finally:
         service.stop()
+    if rounds > 1:
+        for n in counts:
+            rates, cpus = [r for r, _ in figures[n]], [c for _, c in figures[n]]
+            print(f"decisions: {n} subscribers, median of {rounds}: {median(rates):.0f} lifecycles/s "
+                  f"({min(rates):.0f}..{max(rates):.0f}), service CPU {median(cpus):.2f} ms per lifecycle "
+                  f"({min(cpus):.2f}..{max(cpus):.2f})", flush=True)  # fmt: skip
+        for n in counts[1:]:
+            for what, at in (("rate", 0), ("CPU per lifecycle", 1)):
+                ratios = [with_n[at] / without[at] for with_n, without in zip(figures[n], figures[0], strict=True)]
+                print(f"decisions: {n} subscribers / 0, {what}, per round: {' '.join(f'{r:.2f}' for r in ratios)}; "
+                      f"median {median(ratios):.2f}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -415,6 +446,8 @@ def main() -> None:
     parser.add_argument(
         "--decisions-durability", default="off", help="the selection service's --durability (the cost measured is CPU)"
     )
+    parser.add_argument("--rounds", type=int, default=1, help="decisions: rounds of 0 / 1 / N subscribers")
+    parser.add_argument("--skip-one", action="store_true", help="decisions: rounds of 0 / N subscribers only")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -427,7 +460,9 @@ def main() -> None:
     if "stream" in only:
         run_stream(args.python, args.stream_seconds)
     if "decisions" in only:
-        run_decisions(args.python, args.seconds, args.subscribers, args.decisions_durability)
+        run_decisions(
+            args.python, args.seconds, args.subscribers, args.decisions_durability, args.rounds, args.skip_one
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """``GET /ws/decisions`` (selection service): one message per accepted selection, with why it went where it went.
 
 One ``DecisionHub`` per process follows the service object's ``decision_changes`` (a long poll; while it
-polls, the actors explain each selection, ``actors/decision_feed.py``), renders each decision once and
-appends it to every matching subscriber's queue. Messages (JSON text)::
+polls, the actors explain selections, as many a second as the hub can hand out: ``explain_wants``,
+``actors/decision_feed.py``), renders each decision once and appends it to every matching subscriber's queue.
+Messages (JSON text)::
 
     {"type": "ready", "seq": N}     first: decisions after seq N follow
     {"type": "decision", "seq": ..., "at_ns": ..., model_name, tenant_id, routing_group, "reserved": bool,
@@ -16,16 +17,22 @@ appends it to every matching subscriber's queue. Messages (JSON text)::
 ``"explain": true`` adds to one. Filters: ``model_name``, ``tenant_id`` (alias ``routing_group``).
 
 Delivery (policies named in ``docs/running-safely.md``, "Answer and stream budgets"): the hub reads the service at
-most every ``interval_seconds`` (0.25 s); the decisions of one read go to every subscriber of one filter as one
-shared chunk, rendered and framed once (``api/streams/ws_direct.py``), written straight to each waiting
-subscriber's socket (one write per subscriber per read, not one task switch and ASGI send per decision).
-Two service-wide bounds:
+most every ``interval_seconds`` (0.25 s), and less often past ``fan_out_per_second`` chunks handed out (200 a
+second: with 250 subscribers, a read every 1.25 s, so its socket writes stay bounded too); the decisions of one
+read go to every subscriber of one filter as one shared chunk, rendered and framed once
+(``api/streams/ws_direct.py``), written straight to each waiting subscriber's socket (one write per subscriber
+per read, not one task switch and ASGI send per decision). Three service-wide bounds:
 
 * **fan-out** (conflate): the hub hands its subscribers at most ``FAN_OUT_BYTES_PER_SECOND`` all together. Each
   subscriber's share of it (the budget over the subscriber count) is credited to its filter's group at each read,
   and a chunk holds the newest decisions that fit the credit; older ones are dropped (``seq`` shows the gap). So
   one subscriber sees every decision up to ~4 MiB/s of them, and 250 subscribers cost the process what one does
   at that rate; a decision larger than a subscriber's credit (one second's share at most) is not delivered;
+* **explanations** (sample): each poll tells the service, per filter, how many decisions a second the hub can
+  hand out (a subscriber's share of the budget over the mean size of a decision message), and the service
+  explains no more of the selections that filter matches (the rest are numbered, not explained: gaps). A
+  join or leave that moves that rate by more than half, or brings a filter the poll under way did not name,
+  ends that poll, so the next one asks anew;
 * **pending** (drop oldest): chunks written to no socket yet (a subscriber reading slowly) are held up to
   ``QUEUE_BYTES`` per subscriber and ``PENDING_BYTES`` over all of them (each subscriber's share of it: the
   bound over the subscriber count); past it the subscriber's oldest chunks go.
@@ -38,6 +45,7 @@ in ``GET /metrics``): ``subscribers``, ``subscribers_peak``, ``refused``, ``drop
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -45,8 +53,8 @@ from typing import Any
 import orjson
 import trio
 
-from kvrouter.actors.decision_feed import DecisionBatch, DecisionRecord
-from kvrouter.actors.service_support import ScopeFilter
+from kvrouter.actors.decision_feed import DecisionBatch, DecisionRecord, Want
+from kvrouter.actors.service_support import EVERY_SCOPE, ScopeFilter
 from kvrouter.api.http import Route
 from kvrouter.api.routes.operations import route
 from kvrouter.api.routes.selection import explanation_view
@@ -74,7 +82,8 @@ QUEUE_BYTES = 4 * MIB
 PENDING_BYTES = 16 * MIB
 MIN_CREDIT = 16 * 1024  # a group's credit may grow to this (or a second's share, if larger) between decisions
 MAX_ELAPSED_SECONDS = 2.0  # a read after a longer pause is credited as if after this one
-Fetch = Callable[[str, int, float], Awaitable[DecisionBatch]]
+MESSAGE_BYTES = 1024.0  # a decision message's size, before the hub has rendered one (on the small side: more)
+Fetch = Callable[[str, int, float, list[Want] | None, str], Awaitable[DecisionBatch]]
 
 
 def decision_view(record: DecisionRecord) -> dict[str, Any]:
@@ -150,6 +159,11 @@ class DecisionHub:
         self._subscribers = 0
         self._synced = trio.Event()
         self._last_read = 0.0
+        self._pause = settings.interval_seconds  # the hub's pause after its last read with decisions
+        self._reader = secrets.token_hex(8)  # this hub, to the service's explanation budget
+        self._message_bytes = MESSAGE_BYTES  # the mean size of a decision message (moving average)
+        self._asked: tuple[float, frozenset[ScopeFilter]] = (0.0, frozenset())  # what the poll under way asked
+        self._fetching: trio.CancelScope | None = None  # the poll under way
         self.pump = Pump(self._poll)
         self.decisions = 0  # decision messages rendered
         self.pending = 0  # bytes of chunks queued for subscribers, all together
@@ -160,21 +174,53 @@ class DecisionHub:
         failing = False
         while True:
             wait = POLL_SECONDS if self._synced.is_set() else 0.0
+            wants = self.explain_wants()
+            self._asked = (wants[0].per_second, frozenset(want.wanted for want in wants))
+            fetching = self._fetching = trio.CancelScope()
             try:
-                batch = await self._fetch(self._epoch, self._cursor, wait)
+                with fetching:
+                    batch = await self._fetch(self._epoch, self._cursor, wait, wants, self._reader)
             except Exception as exc:
+                self._fetching = None
                 self.counters.poll_failures += 1
                 if not failing:
                     log.warning("the decision stream cannot read the service's decisions (retrying every 1 s): %s", exc)
                 failing = True
                 await trio.sleep(RETRY_SECONDS)
                 continue
+            self._fetching = None
+            if fetching.cancelled_caught:
+                continue  # the subscriber count moved the rate (``_rate_moved``): poll again at once
             failing = False
-            self._apply(batch)
-            if batch.records:
-                await trio.sleep(self.settings.interval_seconds)  # the decisions meanwhile come in one batch
+            handed = self._apply(batch)
+            if batch.records:  # the decisions meanwhile come in one batch; past the chunk rate, less often
+                settings = self.settings
+                self._pause = max(settings.interval_seconds, handed / settings.fan_out_per_second)
+                await trio.sleep(self._pause)
 
-    def _apply(self, batch: DecisionBatch) -> None:
+    def _per_second(self) -> float:
+        """The decisions a second one filter's subscribers can be handed: a subscriber's share of the fan-out
+        budget over the mean message size (one subscriber's, with none yet)."""
+        return FAN_OUT_BYTES_PER_SECOND / max(self._subscribers, 1) / self._message_bytes
+
+    def explain_wants(self) -> list[Want]:
+        """What this hub asks the service to explain at most: each filter's rate (every scope's, with no
+        subscriber yet: the first is about to join)."""
+        per_second = self._per_second()
+        return [Want(wanted, per_second) for wanted in self._groups] or [Want(EVERY_SCOPE, per_second)]
+
+    def _rate_moved(self) -> None:
+        """After a join or a leave: a poll under way that asked for less than half or more than twice the rate
+        now, or did not name a filter now used (nor every scope), is ended (``_poll`` asks again)."""
+        if self._fetching is None:
+            return
+        asked, filters = self._asked
+        moved = not asked / 2 <= self._per_second() <= asked * 2
+        if moved or (EVERY_SCOPE not in filters and not filters.issuperset(self._groups)):
+            self._fetching.cancel()
+
+    def _apply(self, batch: DecisionBatch) -> int:
+        """Hand ``batch`` out (see the module doc); returns the chunks handed to subscribers."""
         if batch.missed and batch.epoch == self._epoch:
             for group in self._groups.values():
                 for subscriber in group.members:
@@ -186,20 +232,24 @@ class DecisionHub:
         if self._subscribers:
             share = FAN_OUT_BYTES_PER_SECOND / self._subscribers
             for group in self._groups.values():
-                group.credit = min(group.credit + share * elapsed, _most_credit(share))
+                group.credit = min(group.credit + share * elapsed, _most_credit(share * max(1.0, self._pause)))
+        handed = 0
         if batch.records and self._subscribers:
             messages = [(record.scope, orjson.dumps(decision_view(record)).decode()) for record in batch.records]
             self.decisions += len(messages)
+            mean = sum(len(message) for _, message in messages) / len(messages)
+            self._message_bytes = 0.75 * self._message_bytes + 0.25 * mean
             for wanted, group in self._groups.items():
-                self._publish(group, [message for scope, message in messages if wanted(scope)])
+                handed += self._publish(group, [message for scope, message in messages if wanted(scope)])
         self._epoch, self._cursor = batch.epoch, batch.cursor
         self._synced.set()
+        return handed
 
-    def _publish(self, group: _Group, matching: list[str]) -> None:
+    def _publish(self, group: _Group, matching: list[str]) -> int:
         """The newest of ``matching`` that fit the group's credit, as one chunk to each member (see the module
-        doc); the rest are dropped (counted)."""
+        doc); the rest are dropped (counted). Returns the chunks handed out."""
         if not matching:
-            return
+            return 0
         kept: list[str] = []
         size = 0
         for message in reversed(matching):
@@ -213,7 +263,7 @@ class DecisionHub:
         if not kept:
             for subscriber in group.members:
                 subscriber.dropped += len(matching)
-            return
+            return 0
         chunk = _Chunk(kept, size)
         written = 0
         for subscriber in group.members:
@@ -228,6 +278,7 @@ class DecisionHub:
                 continue
             self._enqueue(subscriber, chunk)
         self.written_directly += written
+        return len(group.members)
 
     def _enqueue(self, subscriber: _Subscriber, chunk: _Chunk) -> None:
         """Append; beyond the subscriber's bound (its share of PENDING_BYTES, at most QUEUE_BYTES) its oldest
@@ -253,6 +304,7 @@ class DecisionHub:
             group = self._groups[wanted] = _Group(_most_credit(FAN_OUT_BYTES_PER_SECOND / (self._subscribers + 1)))
         group.members.add(subscriber)
         self._subscribers += 1
+        self._rate_moved()
         return subscriber
 
     def _leave(self, subscriber: _Subscriber) -> None:
@@ -266,6 +318,7 @@ class DecisionHub:
         subscriber.bytes = 0
         if not self._subscribers:
             self._synced = trio.Event()
+        self._rate_moved()
 
     async def _stream(self, wanted: ScopeFilter, sender: Sender) -> None:
         await self._synced.wait()
@@ -314,7 +367,8 @@ class DecisionHub:
 
 
 def _most_credit(share: float) -> float:
-    """The most credit a group may hold: a second of its share, or MIN_CREDIT."""
+    """The most credit a group may hold: its share over a second (or the hub's pause, if longer), or
+    MIN_CREDIT."""
     return max(share, MIN_CREDIT)
 
 
