@@ -351,7 +351,7 @@ def test_a_sigterm_while_the_service_starts_stops_it_gracefully_once_started(tmp
 
 BROKEN_ROUTES = """
 import sys
-from kvrouter.api.cli.main import main as cli
+from kvrouter.api.cli import main as cli
 
 async def broken_routes(options, system, nursery):
     raise RuntimeError("a bug in the route table")
