@@ -1,5 +1,5 @@
 """``python -m kvrouter.api.cli``: the ``kvrouter`` command."""
 
-from kvrouter.api.cli.main.main import main
+from kvrouter.api.cli.main import main
 
 raise SystemExit(main())
