@@ -37,6 +37,8 @@ from kvrouter.api.http.app import make_app
 from kvrouter.api.http.server import hypercorn_config, serve_http
 from kvrouter.api.process.main import REPLY_DEADLINE_SECONDS
 from kvrouter.api.routes.commands import with_command_routes
+from kvrouter.api.routes.metrics import FrontMetrics, MetricsEndpoint
+from kvrouter.api.routes.operations import route as operation_route
 from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT, select_service_routes
 from kvrouter.client.table import FRONTEND
 
@@ -128,8 +130,12 @@ async def run_frontend(
         await register_workers(routing, options)
         async with http_client(options) as client:
             proxy = Proxy(routing, client, tokenize, options.limits)
+            await runtime.nursery.start(proxy.liveness.run)  # the probes of workers out of selection
+            service.metric_sources.append(proxy.liveness.families)
+            front = FrontMetrics()
+            metrics = operation_route("metrics", MetricsEndpoint(front, (service,)))
             service_app = make_app(
-                with_command_routes(select_service_routes(service), FRONTEND),
+                with_command_routes([*select_service_routes(service), metrics], FRONTEND, front=front),
                 body_limit=SELECTION_BODY_LIMIT,
                 body_timeout=options.http.body_timeout,
                 auth=options.auth,
