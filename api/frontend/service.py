@@ -24,6 +24,7 @@ from kvrouter.actors.core.worker_endpoints import default_worker_id
 from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.runtime import running_actors, start_select_service
+from kvrouter.actors.select_service import SelectService
 from kvrouter.api.bodies.schemas import parse
 from kvrouter.api.bodies.select_schemas import WorkerBody
 from kvrouter.api.cli.fleet_flags import worker_file_parser
@@ -33,6 +34,7 @@ from kvrouter.api.frontend.options import FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.proxy import Proxy
 from kvrouter.api.frontend.routing import TENANT, Routing
 from kvrouter.api.frontend.tokenizers import load_tokenizer
+from kvrouter.api.http import Route
 from kvrouter.api.http.app import make_app
 from kvrouter.api.http.server import hypercorn_config, serve_http
 from kvrouter.api.process.main import REPLY_DEADLINE_SECONDS
@@ -104,6 +106,13 @@ def file_workers(model_name: str, block_size: int) -> FileParser:
     )
 
 
+def frontend_service_routes(service: SelectService, front: FrontMetrics) -> list[Route]:
+    """The selection service's operations the frontend serves on its port; ``GET /metrics`` with the service's
+    figures (the breakers' among them, ``liveness.py``) and the front's HTTP requests."""
+    metrics = operation_route("metrics", MetricsEndpoint(front, (service,)))
+    return with_command_routes([*select_service_routes(service), metrics], FRONTEND, front=front)
+
+
 async def run_frontend(
     options: FrontendOptions, *, task_status: trio.TaskStatus[FrontendHandle] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -132,10 +141,8 @@ async def run_frontend(
             proxy = Proxy(routing, client, tokenize, options.limits)
             await runtime.nursery.start(proxy.liveness.run)  # the probes of workers out of selection
             service.metric_sources.append(proxy.liveness.families)
-            front = FrontMetrics()
-            metrics = operation_route("metrics", MetricsEndpoint(front, (service,)))
             service_app = make_app(
-                with_command_routes([*select_service_routes(service), metrics], FRONTEND, front=front),
+                frontend_service_routes(service, FrontMetrics()),
                 body_limit=SELECTION_BODY_LIMIT,
                 body_timeout=options.http.body_timeout,
                 auth=options.auth,
