@@ -200,7 +200,7 @@ OPERATIONS: tuple[Operation, ...] = (
             query=SCOPE_QUERY, kind=Kind.WEBSOCKET, frontend=False),
     # -- about the service itself
     _both("metrics", "GET", "/metrics", "The service's figures in Prometheus's text format",
-          responses={200: {"type": "string"}}, content=TEXT),
+          responses={200: {"type": "string"}}, content=TEXT, frontend=True),
     _both("openapi", "GET", "/openapi.json", "This document", responses={200: {"type": "object"}}),
     # -- the frontend's own (kvrouter frontend): OpenAI-compatible, routed to a worker and relayed
     _openai("completions", "POST", "/v1/completions", "A completion from the worker the router chooses",
@@ -210,8 +210,8 @@ OPERATIONS: tuple[Operation, ...] = (
             responses={200: _OPENAI_ANSWER}),
     _openai("models", "GET", "/v1/models", "The models the frontend routes (those of its registered workers)",
             responses={200: {"type": "object"}}),
-    _openai("frontend_stats", "GET", "/frontend/stats", "The frontend's request counters",
-            responses={200: {"type": "object"}}),
+    _openai("frontend_stats", "GET", "/frontend/stats",
+            "The frontend's request counters and each worker's circuit breaker", responses={200: {"type": "object"}}),
 )  # fmt: skip
 
 BY_NAME: dict[str, Operation] = {op.name: op for op in OPERATIONS}

@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import attrs
-
 from kvrouter.api.frontend.proxy import Proxy, send_response
 from kvrouter.api.http import error_response, json_response
 from kvrouter.api.http.auth import BearerToken
@@ -53,9 +51,7 @@ class FrontendApp:
         if path == MODELS:
             await send_response(send, json_response(200, self.models()), head=scope["method"] == "HEAD")
         elif path == STATS:
-            await send_response(
-                send, json_response(200, attrs.asdict(self.proxy.counters)), head=scope["method"] == "HEAD"
-            )
+            await send_response(send, json_response(200, self.proxy.stats()), head=scope["method"] == "HEAD")
         else:
             await self.proxy.handle(scope, receive, send, chat=path == CHAT)
 

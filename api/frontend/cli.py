@@ -152,6 +152,18 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"a whole proxied request (504; default {LIMITS.request_timeout:g})",
     )
+    parser.add_argument(
+        "--worker-cool-down-secs",
+        metavar="S",
+        help="a worker that failed (refused, unreachable, 5xx) is out of selection this long, then probed on "
+        f"/health (default {LIMITS.breaker_cool_down:g})",
+    )
+    parser.add_argument(
+        "--worker-max-cool-down-secs",
+        metavar="S",
+        help="each failed probe doubles the cool-down, up to this (default "
+        f"{LIMITS.breaker_max_cool_down:g}); docs/frontend.md#dead-workers",
+    )
 
 
 def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptions:
@@ -241,6 +253,7 @@ def _router(args: argparse.Namespace, env: dict[str, str], problems: list[str]) 
 
 def _limits(args: argparse.Namespace, problems: list[str]) -> FrontendLimits:
     """What a client may ask and how long a worker may take (the defaults for flags not given)."""
+    cool_down, max_cool_down = _cool_downs(args, problems)
     return FrontendLimits(
         max_in_flight=_int(args.max_in_flight, "--max-in-flight", LIMITS.max_in_flight, problems),
         body_limit=_int(args.max_body_bytes, "--max-body-bytes", LIMITS.body_limit, problems),
@@ -256,7 +269,18 @@ def _limits(args: argparse.Namespace, problems: list[str]) -> FrontendLimits:
             args.upstream_read_timeout_secs, "--upstream-read-timeout-secs", LIMITS.read_timeout, problems
         ),
         request_timeout=_secs(args.request_timeout_secs, "--request-timeout-secs", LIMITS.request_timeout, problems),
+        breaker_cool_down=cool_down,
+        breaker_max_cool_down=max_cool_down,
     )
+
+
+def _cool_downs(args: argparse.Namespace, problems: list[str]) -> tuple[float, float]:
+    """The circuit breakers' first cool-down and its cap (the cap no shorter than the first)."""
+    first = _secs(args.worker_cool_down_secs, "--worker-cool-down-secs", LIMITS.breaker_cool_down, problems)
+    cap = _secs(args.worker_max_cool_down_secs, "--worker-max-cool-down-secs", LIMITS.breaker_max_cool_down, problems)
+    if cap < first:
+        problems.append(f"--worker-max-cool-down-secs={cap:g} is shorter than --worker-cool-down-secs={first:g}")
+    return first, cap
 
 
 def _int(raw: str | None, flag: str, default: int, problems: list[str]) -> int:

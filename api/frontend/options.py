@@ -14,6 +14,11 @@
 | ``request_timeout``: a whole proxied request | 600 s | 504 (or the stream ends with an error event) |
 | ``error_body_limit``: a worker's error answer read | 64 KiB | the rest is not read |
 | ``sse_scan_limit``: bytes scanned for the first token | 1 MiB | counted as the first token |
+| ``breaker_cool_down``: a failed worker out of selection before its first trial | 1 s | probed (``/health``) |
+| ``breaker_max_cool_down``: the cap of the doubling cool-down after failed trials | 30 s | probed again |
+
+Circuit breakers are kept per worker endpoint in the catalog, at most one probe each in flight
+(``docs/frontend.md#dead-workers``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import attrs
 
+from kvrouter.actors.core.breakers import COOL_DOWN_SECONDS, MAX_COOL_DOWN_SECONDS
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.api.http.auth import BearerToken
@@ -49,6 +55,8 @@ class FrontendLimits:
     request_timeout: float = 600.0
     error_body_limit: int = 64 * 1024
     sse_scan_limit: int = 1024 * 1024
+    breaker_cool_down: float = COOL_DOWN_SECONDS
+    breaker_max_cool_down: float = MAX_COOL_DOWN_SECONDS
 
     @property
     def max_prompt_chars(self) -> int:

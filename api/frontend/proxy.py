@@ -27,9 +27,11 @@ import httpx
 import orjson
 import trio
 
+from kvrouter.actors.core.breakers import BreakerPolicy, Cause
 from kvrouter.actors.core.endpoints import InvalidEndpoint
-from kvrouter.actors.core.worker_endpoints import allow_list_problem, parse_http_endpoint
+from kvrouter.actors.core.worker_endpoints import allow_list_problem
 from kvrouter.api.embedded import RouterError
+from kvrouter.api.frontend.liveness import Liveness, worker_route_url
 from kvrouter.api.frontend.options import FrontendLimits
 from kvrouter.api.frontend.routing import BOOKING_PREFIX, Plan, Routing, Target
 from kvrouter.api.frontend.tokenizers import Tokenize
@@ -43,17 +45,23 @@ ASGIScope = dict[str, Any]
 SSE_DATA = b"data: "
 DONE = b"[DONE]"
 _BODY_UNREAD = frozenset({408, 413, 415, 503})
+# Connected, and the connection closed before any answer.
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # Response headers of the worker worth passing on (hop-by-hop and length headers are the server's business).
 PASSED_HEADERS = frozenset({b"content-type", b"cache-control", b"retry-after"})
 
 
 class WorkerUnreachable(Exception):
-    """A worker refused the connection (or could not be reached within the connect timeout)."""
+    """A worker could not be used: it refused the connection, could not be reached within the connect timeout,
+    dropped the connection before any answer or answered a 5xx other than 503 (``cause`` says which; None: the
+    catalog's endpoint may not be used, which says nothing of the worker's health)."""
 
-    def __init__(self, target: Target, reason: str) -> None:
+    def __init__(self, target: Target, reason: str, cause: Cause | None = None, status: int = 503) -> None:
         super().__init__(reason)
         self.target = target
         self.reason = reason
+        self.cause = cause
+        self.status = status  # what the client gets when no other worker takes the request
 
 
 @attrs.define
@@ -63,7 +71,7 @@ class Counters:
     in_flight: int = 0
     requests: int = 0
     refused: int = 0  # 4xx/5xx decided before a worker was called
-    retried: int = 0  # a worker refused the connection, booked again elsewhere
+    retried: int = 0  # a worker failed (refused, unreachable, dropped, 5xx): booked again elsewhere
     worker_errors: int = 0  # a worker answered an error, failed mid-answer or timed out
     disconnects: int = 0  # the client left before the answer ended
     prefill_fallbacks: int = 0  # a disaggregated prefill failed: decode alone
@@ -76,6 +84,8 @@ class Proxy:
         self.tokenizing = Tokenizing(tokenize, limits)
         self.limits = limits
         self.counters = Counters()
+        policy = BreakerPolicy(limits.breaker_cool_down, limits.breaker_max_cool_down)
+        self.liveness = Liveness(routing, client, policy, probe_timeout=limits.connect_timeout)
         self._prefix = f"{BOOKING_PREFIX}{secrets.token_hex(4)}"
         self._ids = itertools.count()
 
@@ -88,16 +98,18 @@ class Proxy:
         allow = self.routing.service.config.worker_endpoint_allow
         problem: str | None
         try:
-            endpoint = parse_http_endpoint(target.endpoint)
+            url = worker_route_url(target.endpoint, route)
         except InvalidEndpoint as exc:
             problem = f"endpoint: {exc}"
         else:
             problem = allow_list_problem("endpoint", target.endpoint, allow)
             if problem is None:
-                return httpx.URL(
-                    scheme=endpoint.scheme, host=endpoint.host, port=endpoint.port, path=endpoint.joined(route)
-                )
+                return url
         raise WorkerUnreachable(target, f"is not forwarded to: {problem}")
+
+    def stats(self) -> dict[str, Any]:
+        """``GET /frontend/stats``: the counters, and each worker's circuit breaker (why it is out, if it is)."""
+        return {**attrs.asdict(self.counters), "workers": self.liveness.workers()}
 
     # -- the request ---------------------------------------------------------------------------------
 
@@ -226,9 +238,16 @@ class Exchange:
 
     async def _route_and_relay(self) -> bool:
         """True when a response is open and waits for its final (empty) body message."""
+        liveness = self.proxy.liveness
+        allowed = liveness.allowed(self.model)  # None: no worker is out (the common case)
+        if allowed == []:
+            self.proxy.counters.refused += 1
+            retry_after = str(liveness.retry_after()).encode()
+            await self._answer(error_response(503, liveness.out_text(self.model), ((b"retry-after", retry_after),)))
+            return False
         try:
             with trio.CancelScope(shield=True):  # a booking made must be known, to be freed
-                plan = await self.routing.plan(self.model, self.tokens, self.request_id)
+                plan = await self.routing.plan(self.model, self.tokens, self.request_id, allowed)
         except RouterError as exc:
             self.proxy.counters.refused += 1
             headers = ((b"retry-after", b"1"),) if exc.retry_after is not None else ()
@@ -261,6 +280,8 @@ class Exchange:
                 await response.aclose()
             if response.status_code != 200:
                 problem = f"answered {response.status_code}: {_error_text(answer)}"
+                if _breaks(response.status_code):
+                    self._worker_failed(WorkerUnreachable(target, problem, Cause.SERVER_ERROR, 502))
             else:
                 cached = _cached_tokens(answer)
                 if cached is not None:
@@ -268,6 +289,7 @@ class Exchange:
                 await self.routing.prefill_complete(target, cached)
         except WorkerUnreachable as exc:
             problem = exc.reason
+            self._worker_failed(exc)
         except httpx.HTTPError as exc:
             problem = f"failed: {_describe(exc)}"
         finally:
@@ -292,28 +314,20 @@ class Exchange:
             while True:
                 try:
                     response = await self._post(target, self.raw)
+                    if _breaks(response.status_code):
+                        await self._server_error(target, response)
                     break
                 except WorkerUnreachable as exc:
                     tried.append(target)
                     with trio.CancelScope(shield=True):
                         await self._free(target)
+                    self._worker_failed(exc)
                     log.warning("%s: worker %d %s", self.request_id, target.worker_id, exc.reason)
-                    if len(tried) > 1:
-                        return await self._fail(503, _unreachable(tried, exc.reason, alternative=True))
-                    others = [w for w in self.routing.worker_ids(self.model) if w not in {t.worker_id for t in tried}]
-                    if not others:
-                        return await self._fail(503, _unreachable(tried, exc.reason, alternative=False))
-                    self.proxy.counters.retried += 1
-                    try:
-                        with trio.CancelScope(shield=True):
-                            target = await self.routing.book(
-                                self.model, self.tokens, f"{self.request_id}:retry", allowed=others
-                            )
-                    except RouterError as refused:
-                        return await self._fail(
-                            refused.status, f"{_unreachable(tried, exc.reason, alternative=False)}: {refused.message}"
-                        )
-                except httpx.HTTPError as exc:  # connected, then no answer: a timeout, a dropped connection
+                    retarget = await self._retarget(tried, exc)
+                    if isinstance(retarget, bool):
+                        return retarget
+                    target = retarget
+                except httpx.HTTPError as exc:  # connected, then no answer within the read timeout
                     self.proxy.counters.worker_errors += 1
                     status = 504 if isinstance(exc, httpx.TimeoutException) else 502
                     worker = f"worker {target.worker_id} ({target.endpoint})"
@@ -325,6 +339,41 @@ class Exchange:
         finally:
             with trio.CancelScope(shield=True):
                 await self._free(target)
+
+    def _worker_failed(self, exc: WorkerUnreachable) -> None:
+        """A failure that says the worker is unwell opens its breaker: the next requests do not choose it."""
+        if exc.cause is not None and exc.target.endpoint is not None:
+            self.proxy.liveness.failed(exc.target.endpoint, exc.cause, exc.reason)
+
+    async def _retarget(self, tried: list[Target], exc: WorkerUnreachable) -> Target | bool:
+        """Another worker's booking for the request (once), or the client's answer sent (what ``_decode``
+        returns) when there is none."""
+        if len(tried) > 1:
+            return await self._fail(exc.status, _unreachable(tried, exc, alternative=True))
+        tried_ids = {t.worker_id for t in tried}
+        allowed = self.proxy.liveness.allowed(self.model)
+        candidates = self.routing.worker_ids(self.model) if allowed is None else allowed
+        others = [w for w in candidates if w not in tried_ids]
+        if not others:
+            return await self._fail(exc.status, _unreachable(tried, exc, alternative=False))
+        self.proxy.counters.retried += 1
+        self.proxy.liveness.retried += 1
+        try:
+            with trio.CancelScope(shield=True):
+                target = await self.routing.book(self.model, self.tokens, f"{self.request_id}:retry", allowed=others)
+        except RouterError as refused:
+            return await self._fail(refused.status, f"{_unreachable(tried, exc, alternative=False)}: {refused.message}")
+        return target
+
+    async def _server_error(self, target: Target, response: httpx.Response) -> None:
+        """A 5xx (not 503) before anything was relayed: read (bounded), closed, raised as the worker failing."""
+        self.proxy.counters.worker_errors += 1
+        try:
+            answer = await _read_limited(response, self.limits.error_body_limit, self.limits.read_timeout)
+        finally:
+            await response.aclose()
+        reason = f"answered {response.status_code}: {_error_text(answer)}"
+        raise WorkerUnreachable(target, reason, Cause.SERVER_ERROR, 502)
 
     async def _post(self, target: Target, content: bytes) -> httpx.Response:
         """The worker's response, open for reading (headers in); ``WorkerUnreachable`` if it cannot be reached."""
@@ -342,12 +391,19 @@ class Exchange:
         try:
             try:
                 return await self.proxy.client.send(request, stream=True)
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            except DROPPED:
                 # Connected, and the connection dropped before any answer (a pooled connection the worker's idle
                 # timeout closed as the request went out): once more to the same worker, on a new connection.
                 return await self.proxy.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise WorkerUnreachable(target, f"at {target.endpoint} cannot be reached ({_describe(exc)})") from None
+        except httpx.ConnectTimeout as exc:
+            reason = f"at {target.endpoint} cannot be reached ({_describe(exc)})"
+            raise WorkerUnreachable(target, reason, Cause.CONNECT_TIMEOUT) from None
+        except httpx.ConnectError as exc:
+            reason = f"at {target.endpoint} cannot be reached ({_describe(exc)})"
+            raise WorkerUnreachable(target, reason, Cause.REFUSED) from None
+        except DROPPED as exc:
+            reason = f"at {target.endpoint} dropped the connection twice before answering ({_describe(exc)})"
+            raise WorkerUnreachable(target, reason, Cause.DROPPED, 502) from None
 
     async def _relay(self, target: Target, response: httpx.Response) -> bool:
         worker = f"worker {target.worker_id} ({target.endpoint})"
@@ -526,8 +582,17 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _unreachable(tried: Sequence[Target], reason: str, *, alternative: bool) -> str:
+def _unreachable(tried: Sequence[Target], exc: WorkerUnreachable, *, alternative: bool) -> str:
     names = ", ".join(f"{t.worker_id} ({t.endpoint})" for t in tried)
+    if exc.cause is Cause.SERVER_ERROR:
+        if alternative:
+            return f"workers {names} failed (last: {exc.reason})"
+        return f"worker {names} {exc.reason}; no other worker of this model is available"
     if alternative:
-        return f"workers {names} cannot be reached (last: {reason}); check that they are running"
-    return f"worker {names} cannot be reached ({reason}) and no other worker of this model is available"
+        return f"workers {names} cannot be reached (last: {exc.reason}); check that they are running"
+    return f"worker {names} cannot be reached ({exc.reason}) and no other worker of this model is available"
+
+
+def _breaks(status: int) -> bool:
+    """A worker's answer that opens its breaker: a 5xx, except 503 (the worker shedding load is alive)."""
+    return status >= 500 and status != 503

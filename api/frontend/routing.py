@@ -4,7 +4,7 @@ text the selection service's HTTP API would answer for the same call."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import attrs
@@ -59,9 +59,24 @@ class Routing:
         """The models some registered worker serves, sorted."""
         return sorted({state.scope.model_name for state in self.service.system.states() if state.selection.catalog})
 
-    def worker_ids(self, model: str) -> list[int]:
+    def worker_ids(self, model: str, excluded_endpoints: Collection[str] = ()) -> list[int]:
+        """The workers of ``model``, less those whose endpoint is in ``excluded_endpoints`` (out of selection)."""
+        return [worker_id for worker_id, endpoint in self.workers(model) if endpoint not in excluded_endpoints]
+
+    def workers(self, model: str) -> list[tuple[int, str | None]]:
+        """The (worker id, endpoint) of each worker of ``model``, by id."""
         state = self.service.system.state(ScopeKey(model, TENANT))
-        return sorted(state.selection.catalog) if state is not None else []
+        if state is None:
+            return []
+        return [(worker_id, record.endpoint) for worker_id, record in sorted(state.selection.catalog.items())]
+
+    def catalog_workers(self) -> list[tuple[str, int, str | None]]:
+        """The (model, worker id, endpoint) of every worker the frontend routes to."""
+        return [(model, worker_id, endpoint) for model in self.models() for worker_id, endpoint in self.workers(model)]
+
+    def endpoints(self) -> set[str]:
+        """Every worker endpoint in the catalog (a breaker of any other is dropped)."""
+        return {endpoint for _, _, endpoint in self.catalog_workers() if endpoint is not None}
 
     def disaggregated(self, model: str) -> bool:
         """Whether prefill workers are registered for ``model`` (the seed's automatic prefill router)."""
@@ -82,12 +97,17 @@ class Routing:
             chosen = await self.service.select_and_reserve(selection_request(parse(SelectBody, body)))
         return _target(chosen, reservation_id)
 
-    async def plan(self, model: str, tokens: Sequence[int], request_id: str) -> Plan:
+    async def plan(
+        self, model: str, tokens: Sequence[int], request_id: str, allowed: Sequence[int] | None = None
+    ) -> Plan:
         """A prefill and a decode booking when prefill workers exist (``<id>:prefill``, ``<id>:decode``; decode
-        only when none is available), else one booking ``request_id``."""
+        only when none is available), else one booking ``request_id``; only on ``allowed`` workers if given."""
         if not self.disaggregated(model):
-            return Plan(await self.book(model, tokens, request_id))
-        body = {"model_name": model, "tenant_id": TENANT, "token_ids": tokens, "reservation_id": request_id}
+            return Plan(await self.book(model, tokens, request_id, allowed))
+        body: dict[str, Any] = {"model_name": model, "tenant_id": TENANT, "token_ids": tokens}
+        body["reservation_id"] = request_id
+        if allowed is not None:
+            body["allowed_worker_ids"] = list(allowed)
         with as_router_errors():
             chosen = await self.service.select_disaggregated(selection_request(parse(SelectBody, body)))
         decode = _target(chosen.decode, chosen.decode.reservation_id or f"{request_id}:decode")

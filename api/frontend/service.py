@@ -24,6 +24,7 @@ from kvrouter.actors.core.worker_endpoints import default_worker_id
 from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.runtime import running_actors, start_select_service
+from kvrouter.actors.select_service import SelectService
 from kvrouter.api.bodies.schemas import parse
 from kvrouter.api.bodies.select_schemas import WorkerBody
 from kvrouter.api.cli.fleet_flags import worker_file_parser
@@ -33,10 +34,13 @@ from kvrouter.api.frontend.options import FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.proxy import Proxy
 from kvrouter.api.frontend.routing import TENANT, Routing
 from kvrouter.api.frontend.tokenizers import load_tokenizer
+from kvrouter.api.http import Route
 from kvrouter.api.http.app import make_app
 from kvrouter.api.http.server import hypercorn_config, serve_http
 from kvrouter.api.process.main import REPLY_DEADLINE_SECONDS
 from kvrouter.api.routes.commands import with_command_routes
+from kvrouter.api.routes.metrics import FrontMetrics, MetricsEndpoint
+from kvrouter.api.routes.operations import route as operation_route
 from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT, select_service_routes
 from kvrouter.client.table import FRONTEND
 
@@ -102,6 +106,13 @@ def file_workers(model_name: str, block_size: int) -> FileParser:
     )
 
 
+def frontend_service_routes(service: SelectService, front: FrontMetrics) -> list[Route]:
+    """The selection service's operations the frontend serves on its port; ``GET /metrics`` with the service's
+    figures (the breakers' among them, ``liveness.py``) and the front's HTTP requests."""
+    metrics = operation_route("metrics", MetricsEndpoint(front, (service,)))
+    return with_command_routes([*select_service_routes(service), metrics], FRONTEND, front=front)
+
+
 async def run_frontend(
     options: FrontendOptions, *, task_status: trio.TaskStatus[FrontendHandle] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -128,8 +139,10 @@ async def run_frontend(
         await register_workers(routing, options)
         async with http_client(options) as client:
             proxy = Proxy(routing, client, tokenize, options.limits)
+            await runtime.nursery.start(proxy.liveness.run)  # the probes of workers out of selection
+            service.metric_sources.append(proxy.liveness.families)
             service_app = make_app(
-                with_command_routes(select_service_routes(service), FRONTEND),
+                frontend_service_routes(service, FrontMetrics()),
                 body_limit=SELECTION_BODY_LIMIT,
                 body_timeout=options.http.body_timeout,
                 auth=options.auth,

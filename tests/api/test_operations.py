@@ -14,11 +14,11 @@ import pytest
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.api import embedded_thread
 from kvrouter.api.embedded import Router
+from kvrouter.api.frontend.service import frontend_service_routes
 from kvrouter.api.process.main import ServiceObjects, select_service_routes_of, slot_tracker_routes_of
-from kvrouter.api.routes.commands import with_command_routes
+from kvrouter.api.routes.metrics import FrontMetrics
 from kvrouter.api.routes.openapi import body_class, openapi_document
 from kvrouter.api.routes.operations import IncompleteService, check_served
-from kvrouter.api.routes.selection import select_service_routes
 from kvrouter.client import live
 from kvrouter.client.operations import Operations
 from kvrouter.client.stream import StreamClient
@@ -69,7 +69,7 @@ def test_each_service_serves_exactly_its_operations(service: str, routes_of: Any
 
 
 def test_the_frontend_serves_its_operations_of_the_selection_service() -> None:
-    routes = with_command_routes(select_service_routes(Unused()), FRONTEND)  # type: ignore[arg-type]
+    routes = frontend_service_routes(Unused(), FrontMetrics())  # type: ignore[arg-type]
     assert sorted(r.operation.name for r in routes if r.operation) == sorted(op.name for op in served_by(FRONTEND))
 
 

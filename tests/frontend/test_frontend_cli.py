@@ -39,6 +39,11 @@ CLI = [sys.executable, "-m", "kvrouter.api.cli.main"]
         (["--max-in-flight", "0"], "--max-in-flight='0' must be between 1 and"),
         (["--tokenizer", "/nonexistent/tokenizer.json"], "--tokenizer /nonexistent/tokenizer.json"),
         (["--shards", "2"], "unrecognized arguments: --shards"),
+        (["--worker-cool-down-secs", "0"], "--worker-cool-down-secs='0' must be between 0.001 and"),
+        (
+            ["--worker-cool-down-secs", "5", "--worker-max-cool-down-secs", "2"],
+            "--worker-max-cool-down-secs=2 is shorter than --worker-cool-down-secs=5",
+        ),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(
