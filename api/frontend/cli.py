@@ -33,6 +33,7 @@ from kvrouter.actors.core.worker_endpoints import (
 from kvrouter.api.cli.fleet_flags import add_fleet_flags, fleet_options
 from kvrouter.api.cli.http_flags import add_http_flags, check_exposure, http_options
 from kvrouter.api.cli.one_line_parser import OneLineParser
+from kvrouter.api.frontend.model_dir import load_model_dir
 from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.service import file_workers, run_until_signal
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", default="16", help="KV block size of the --workers (default 16)")
     parser.add_argument(
         "--tokenizer", metavar="FILE", help="a Hugging Face tokenizer.json (needs kvrouter[hf]); default: built-in"
+    )
+    parser.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="a model directory (tokenizer.json, tokenizer_config.json, config.json): tokenize and render chats "
+        "with the model's own tokenizer and chat template, as its engine does (needs kvrouter[hf])",
     )
     _add_limit_flags(parser)
     parser.add_argument("--seed", metavar="N", help="seed of the random tie-breaks (default: fresh per process)")
@@ -173,12 +180,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     seed = parse_int("--seed", args.seed, 0, 2**64 - 1, problems) if args.seed is not None else None
     if not args.model_name:
         problems.append("--model-name='' is empty")
-    tokenizer = Path(args.tokenizer) if args.tokenizer else None
-    if tokenizer is not None:
-        try:
-            load_tokenizer(tokenizer)
-        except TokenizerUnavailable as exc:
-            problems.append(str(exc))
+    tokenizer, model_path = _tokenizer_paths(args, problems)
     if args.data_dir == "":
         problems.append("--data-dir='' is empty; give a directory or leave it out (journal in memory)")
     fleet = fleet_options(
@@ -210,12 +212,35 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         model_name=args.model_name,
         block_size=block_size or 16,
         tokenizer=tokenizer,
+        model_path=model_path,
         limits=limits,
         http=http,
         auth=auth,
         seed=seed,
         fleet=fleet,
     )
+
+
+def _tokenizer_paths(args: argparse.Namespace, problems: list[str]) -> tuple[Path | None, Path | None]:
+    """``--tokenizer FILE`` or ``--model-path DIR`` (not both), each loaded once here so a bad one stops the start."""
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    model_path = Path(args.model_path) if args.model_path else None
+    if args.model_path == "":
+        problems.append("--model-path='' is empty; give a model directory or leave it out")
+    if tokenizer is not None and model_path is not None:
+        problems.append("--tokenizer and --model-path both name a tokenizer; give one (--model-path reads the "
+                        "directory's tokenizer.json)")  # fmt: skip
+        return None, None
+    try:
+        if tokenizer is not None:
+            load_tokenizer(tokenizer)
+        if model_path is not None:
+            model = load_model_dir(model_path)
+            if model.template_missing:
+                log.warning("%s", model.template_missing)
+    except TokenizerUnavailable as exc:
+        problems.append(str(exc))
+    return tokenizer, model_path
 
 
 def _router(args: argparse.Namespace, env: dict[str, str], problems: list[str]) -> RouterConfig | None:
