@@ -128,15 +128,20 @@ async def test_a_template_that_raises_or_runs_away_refuses_the_request(nursery: 
     assert b"rendered more than 16000 bytes" in refused.value.response.body
 
 
-async def test_images_and_n_above_one_are_not_refused_by_the_frontend(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_images_and_n_above_one_are_not_refused_by_the_frontend(nursery: trio.Nursery) -> None:
     """Only the mock worker refuses what it cannot answer; a real worker gets the body unchanged."""
-    frontend = await start_frontend(nursery, model_path=model_dir(tmp_path / "model"))
+    frontend = await start_frontend(nursery)
+    await start_workers(nursery, frontend, 1)
     parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
-    body = {"messages": [{"role": "user", "content": parts}], "n": 2}
-    request = await frontend.proxy.tokenizing.request(body, chat=True, model="mock")
-    assert request.prompt
-    request = await frontend.proxy.tokenizing.request({"prompt": "hello", "n": 3}, chat=False, model="mock")
-    assert request.prompt
+    async with httpx.AsyncClient(base_url=frontend.url, timeout=10) as http:
+        for route, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}),
+            ("/v1/completions", {"prompt": "hello", "n": 3, "max_tokens": 2}),
+        ):
+            answer = await http.post(route, json=body)
+            assert answer.status_code == 400, answer.text
+            assert answer.headers.get("x-kvrouter-worker-id") == "1", (answer.headers, answer.text)  # forwarded
+            assert "mock worker" in answer.json()["error"] or "only text parts" in answer.json()["error"]
 
 
 @pytest.mark.parametrize(
