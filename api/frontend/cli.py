@@ -30,6 +30,15 @@ from kvrouter.actors.core.worker_endpoints import (
     http_endpoint_problem,
     zmq_allow_list_problem,
 )
+from kvrouter.api.cli.dynamo_flags import (
+    FRONTEND_INERT,
+    HTTP_HOST_ENV,
+    HTTP_PORT_ENV,
+    add_inert_flags,
+    http_host,
+    http_port,
+    inert_warnings,
+)
 from kvrouter.api.cli.fleet_flags import add_fleet_flags, fleet_options
 from kvrouter.api.cli.http_flags import add_http_flags, check_exposure, http_options
 from kvrouter.api.cli.one_line_parser import OneLineParser
@@ -53,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         "service's core (KV-aware by default) and drives its lifecycle.",
     )
     parser.add_argument("--version", action="version", version=f"kvrouter {__version__}")
-    parser.add_argument("--port", default=str(DEFAULT_PORT), help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
+    parser.add_argument("--port", "--http-port", help=f"HTTP port, 0 for any ({HTTP_PORT_ENV}; default {DEFAULT_PORT})")
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1; another address needs --auth-token-file or --insecure-no-auth)",
+        "--http-host",
+        help=f"address to bind ({HTTP_HOST_ENV}; default 127.0.0.1; another address needs --auth-token-file or "
+        "--insecure-no-auth)",
     )
     _add_routing_flags(parser)
     parser.add_argument(
@@ -79,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_worker_endpoint_flag(parser)
     parser.add_argument("--model-name", default="mock", help="the model the --workers serve (default mock)")
-    parser.add_argument("--block-size", default="16", help="KV block size of the --workers (default 16)")
+    parser.add_argument(
+        "--block-size", "--kv-cache-block-size", default="16", help="KV block size of the --workers (default 16)"
+    )
     parser.add_argument(
         "--tokenizer", metavar="FILE", help="a Hugging Face tokenizer.json (needs kvrouter[hf]); default: built-in"
     )
@@ -93,13 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", metavar="N", help="seed of the random tie-breaks (default: fresh per process)")
     add_fleet_flags(parser)
     add_http_flags(parser)
+    add_inert_flags(parser, FRONTEND_INERT)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     """How a worker is chosen."""
-    parser.add_argument("--router-mode", default="kv", help=f"{' | '.join(ROUTER_MODES)} (default kv)")
+    parser.add_argument(
+        "--router-mode", help=f"{' | '.join(ROUTER_MODES)} (DYN_ROUTER_MODE; default kv; round_robin alike)"
+    )
     parser.add_argument(
         "--kv-overlap-score-weight",
         metavar="W",
@@ -109,9 +124,12 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "--router-temperature", metavar="T", help="softmax temperature of the choice, >= 0 (default 0: cheapest)"
     )
     parser.add_argument(
-        "--no-kv-events",
-        action="store_true",
-        help="do not listen to the workers' KV events: predict their caches from the routing decisions",
+        "--router-kv-events",
+        "--kv-events",
+        dest="kv_events",
+        action=argparse.BooleanOptionalAction,
+        help="listen to the workers' KV events (default); --no-router-kv-events: predict their caches from the "
+        "routing decisions",
     )
     parser.add_argument(
         "--busy-threshold",
@@ -165,13 +183,16 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     """The options ``args`` describe; raises ``InvalidSettings`` naming every bad flag."""
     problems: list[str] = []
     warnings: list[str] = []
-    port = parse_int("--port", args.port, 0, 65535, problems)
+    raw_port, port_name = http_port(args.port, env)
+    port = parse_int(port_name, raw_port, 0, 65535, problems) if raw_port is not None else DEFAULT_PORT
+    host = http_host(args.host, env, "127.0.0.1")
+    warnings.extend(inert_warnings(args, FRONTEND_INERT))
     router = _router(args, env, problems)
     block_size = parse_int("--block-size", args.block_size, 1, 1 << 20, problems)
     limits = _limits(args, problems)
     http, auth = http_options(args, env, problems, warnings)
-    if args.host:
-        check_exposure(args.host, auth, args, problems, warnings)
+    if host:
+        check_exposure(host, auth, args, problems, warnings)
     limits = attrs.evolve(limits, body_timeout=http.body_timeout)
     allow = worker_endpoint_allow(args.worker_endpoint_allow, problems)
     if router is not None and allow is not None:
@@ -202,7 +223,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     for warning in warnings:
         log.warning("%s", warning)
     return FrontendOptions(
-        host=args.host,
+        host=host,
         port=port if port is not None else DEFAULT_PORT,
         data_dir=Path(args.data_dir) if args.data_dir else None,
         durability=Durability(args.durability),
@@ -245,23 +266,34 @@ def _tokenizer_paths(args: argparse.Namespace, problems: list[str]) -> tuple[Pat
 
 def _router(args: argparse.Namespace, env: dict[str, str], problems: list[str]) -> RouterConfig | None:
     """The routing flags over the environment's settings (None, with problems named, if any is bad)."""
-    flags: dict[str, Setting] = {"router_mode": ("--router-mode", args.router_mode)}
-    if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
-        problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
-        flags.pop("router_mode")
+    flags: dict[str, Setting] = {}
+    if args.router_mode is not None:  # else DYN_ROUTER_MODE, else kv
+        flags["router_mode"] = ("--router-mode", args.router_mode)
+        if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
+            problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
+            flags.pop("router_mode")
     if args.kv_overlap_score_weight is not None:
         flags["overlap_score_weight"] = ("--kv-overlap-score-weight", args.kv_overlap_score_weight)
     if args.router_temperature is not None:
         flags["router_temperature"] = ("--router-temperature", args.router_temperature)
-    if args.no_kv_events:
-        flags["use_kv_events"] = ("--no-kv-events", "false")
+    if args.kv_events is not None:
+        flags["use_kv_events"] = (
+            "--router-kv-events" if args.kv_events else "--no-router-kv-events",
+            "true" if args.kv_events else "false",
+        )
     if args.busy_threshold is not None:
         flags["active_decode_blocks_threshold"] = ("--busy-threshold", args.busy_threshold)
     try:
-        return resolve(env_settings(env), flags)
+        router = resolve(env_settings(env), flags)
     except InvalidSettings as exc:
         problems.extend(exc.problems)
         return None
+    if router.router_mode.replace("_", "-") not in ROUTER_MODES:  # DYN_ROUTER_MODE naming a service-only mode
+        problems.append(
+            f"DYN_ROUTER_MODE={router.router_mode!r} is not a frontend mode (use {', '.join(ROUTER_MODES)})"
+        )
+        return None
+    return router
 
 
 def _limits(args: argparse.Namespace, problems: list[str]) -> FrontendLimits:
