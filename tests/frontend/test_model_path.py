@@ -89,6 +89,9 @@ async def test_a_chat_is_routed_with_the_ids_of_the_models_template(nursery: tri
     await start_workers(nursery, frontend, 1)
     request = await frontend.proxy.tokenizing.request({"messages": MESSAGES}, chat=True, model="mock")
     assert request.prompt == expected
+    long = [{"role": "user", "content": " ".join(SENTENCES * 40)}]  # past INLINE_CHARS: on a tokenizer thread
+    request = await frontend.proxy.tokenizing.request({"messages": long}, chat=True, model="mock")
+    assert request.prompt == expected_chat_ids(path, long)
     async with httpx.AsyncClient(base_url=frontend.url, timeout=10) as http:
         answer = await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
         assert answer.status_code == 200, answer.text
