@@ -201,7 +201,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     seed = parse_int("--seed", args.seed, 0, 2**64 - 1, problems) if args.seed is not None else None
     if not args.model_name:
         problems.append("--model-name='' is empty")
-    tokenizer, model_path = _tokenizer_paths(args, problems)
+    tokenizer, model_path = _tokenizer_paths(args, problems, warnings)
     if args.data_dir == "":
         problems.append("--data-dir='' is empty; give a directory or leave it out (journal in memory)")
     fleet = fleet_options(
@@ -242,7 +242,9 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     )
 
 
-def _tokenizer_paths(args: argparse.Namespace, problems: list[str]) -> tuple[Path | None, Path | None]:
+def _tokenizer_paths(
+    args: argparse.Namespace, problems: list[str], warnings: list[str]
+) -> tuple[Path | None, Path | None]:
     """``--tokenizer FILE`` or ``--model-path DIR`` (not both), each loaded once here so a bad one stops the start."""
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
     model_path = Path(args.model_path) if args.model_path else None
@@ -258,7 +260,7 @@ def _tokenizer_paths(args: argparse.Namespace, problems: list[str]) -> tuple[Pat
         if model_path is not None:
             model = load_model_dir(model_path)
             if model.template_missing:
-                log.warning("%s", model.template_missing)
+                warnings.append(model.template_missing)
     except TokenizerUnavailable as exc:
         problems.append(str(exc))
     return tokenizer, model_path

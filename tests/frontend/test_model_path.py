@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.api.frontend.cli import main
+from kvrouter.api.frontend.cli import build_parser, main, options_from
 from kvrouter.api.openai.body import Refusal
 from tests.support.frontends import small_limits, start_frontend, start_workers
 
@@ -183,3 +183,20 @@ def test_the_ids_equal_transformers_apply_chat_template(tmp_path: Path) -> None:
     if not isinstance(theirs, list):  # newer releases answer a BatchEncoding
         theirs = theirs["input_ids"]
     assert ours == list(theirs)
+
+
+async def test_a_model_without_a_template_warns_once_and_refuses_chats(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = model_dir(tmp_path / "model", template=None)
+    with caplog.at_level(logging.WARNING):
+        options_from(build_parser().parse_args(["--model-path", str(path)]), {})
+    assert [record.getMessage() for record in caplog.records] == [
+        f"the model at {path} has no chat template (tokenizer_config.json chat_template or chat_template.jinja): "
+        "chat requests are refused, send /v1/completions with the prompt text"
+    ]
+    frontend = await start_frontend(nursery, model_path=path)
+    with pytest.raises(Refusal) as refused:
+        await frontend.proxy.tokenizing.request({"messages": MESSAGES}, chat=True, model="mock")
+    assert refused.value.response.status == 400 and b"has no chat template" in refused.value.response.body
+    assert (await frontend.proxy.tokenizing.request({"prompt": "hello"}, chat=False, model="mock")).prompt
