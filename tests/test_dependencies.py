@@ -12,6 +12,7 @@ import re
 import sys
 import tomllib
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
@@ -42,11 +43,21 @@ def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def top_level_imports(path: Path) -> set[str]:
+def _module_level(tree: ast.AST) -> Iterable[ast.AST]:
+    """The nodes of ``tree`` outside function bodies: what runs when the module is imported."""
+    for node in ast.iter_child_nodes(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            yield node
+            yield from _module_level(node)
+
+
+def top_level_imports(path: Path, *, lazy: bool = True) -> set[str]:
     """The top-level names ``path`` imports absolutely, leaving out the standard library and modules that sit
-    beside it (scripts and test helpers import their siblings by plain name)."""
+    beside it (scripts and test helpers import their siblings by plain name). ``lazy=False``: only the imports
+    that run when the module is imported (not those inside a function)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree) if lazy else _module_level(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -61,13 +72,18 @@ def top_level_imports(path: Path) -> set[str]:
     }
 
 
-def undeclared_imports(files: Iterable[Path], allowed: set[str]) -> dict[str, list[str]]:
-    """Imported name -> the files importing it, for each name no allowed distribution provides."""
+def undeclared_imports(
+    files: Iterable[Path], allowed: set[str], lazily_allowed: AbstractSet[str] = frozenset()
+) -> dict[str, list[str]]:
+    """Imported name -> the files importing it, for each name no allowed distribution provides
+    (``lazily_allowed``: also allowed inside a function, where an optional extra's package is imported on use)."""
     providers = packages_distributions()
     found: dict[str, list[str]] = {}
     for path in files:
+        eager = top_level_imports(path, lazy=False)
         for name in top_level_imports(path):
-            if not {_normalise(dist) for dist in providers.get(name, [])} & allowed:
+            can_use = allowed if name in eager else allowed | lazily_allowed
+            if not {_normalise(dist) for dist in providers.get(name, [])} & can_use:
                 found.setdefault(name, []).append(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
     return found
 
@@ -82,7 +98,10 @@ def test_the_package_imports_only_its_runtime_dependencies() -> None:
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     folders = sorted({name.split(".")[1] for name in packages if name.startswith("kvrouter.")})
     files = [ROOT / "__init__.py", *python_files(*folders)]
-    assert undeclared_imports(files, declared()) == {}
+    extras = [extra for extra in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"] if extra != "test"]  # fmt: skip
+    # An optional extra's package (tokenizers, Jinja2 of the hf extra) only inside the function that needs it.
+    assert undeclared_imports(files, declared(), declared(*extras) - declared()) == {}
 
 
 def test_tests_and_benchmarks_import_only_declared_dependencies() -> None:
@@ -104,6 +123,14 @@ def test_an_import_that_arrives_only_transitively_is_reported(tmp_path: Path) ->
         "hypothesis": [str(module)],
     }
     assert set(undeclared_imports([module], declared("test"))) == {"sortedcontainers", "idna"}
+
+
+def test_an_optional_extras_import_is_allowed_only_inside_a_function(tmp_path: Path) -> None:
+    """``pip install .`` must import every module: an extra's package is imported where it is used, on use."""
+    lazy, eager = tmp_path / "lazy.py", tmp_path / "eager.py"
+    lazy.write_text("def render():\n    import jinja2\n")
+    eager.write_text("import jinja2\n")
+    assert undeclared_imports([lazy, eager], declared(), {"jinja2"}) == {"jinja2": [str(eager)]}
 
 
 def constraint_pins(text: str) -> dict[str, str]:

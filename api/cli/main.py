@@ -15,12 +15,20 @@ import trio
 
 from kvrouter import __version__
 from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
-from kvrouter.actors.core.router_config import InvalidSettings
+from kvrouter.actors.core.router_config import ROUTER_MODES, InvalidSettings
 from kvrouter.actors.select_service import SelectService
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
+from kvrouter.api.cli.dynamo_flags import (
+    HTTP_HOST_ENV,
+    HTTP_PORT_ENV,
+    SELECT_SERVICE_INERT,
+    SLOT_TRACKER_INERT,
+    add_inert_flags,
+)
 from kvrouter.api.cli.fleet_flags import add_fleet_flags
 from kvrouter.api.cli.http_flags import add_http_flags
+from kvrouter.api.cli.one_line_parser import OneLineParser
 from kvrouter.api.cli.replica import KEYS, add_keys_command, add_replica_security_flags, run_keys
 from kvrouter.api.cli.settings import (
     DATA_ROOT,
@@ -70,12 +78,14 @@ VERSION = f"kvrouter {__version__}"
 def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
     port = DEFAULT_PORTS[service]
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
-    parser.add_argument("--port", metavar="PORT", help=f"HTTP port, 0 for any free one (default {port})")
+    parser.add_argument(
+        "--port", "--http-port", metavar="PORT", help=f"HTTP port, 0 for any free one ({HTTP_PORT_ENV}; default {port})"
+    )
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1; 0.0.0.0 serves a cluster, and then needs --auth-token-file or "
-        "--insecure-no-auth)",
+        "--http-host",
+        help=f"address to bind ({HTTP_HOST_ENV}; default 127.0.0.1; 0.0.0.0 serves a cluster, and then needs "
+        "--auth-token-file or --insecure-no-auth)",
     )
     parser.add_argument(
         "--data-dir",
@@ -147,9 +157,15 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
         "router knobs (default: the DYN_* environment, then 1.6.1's defaults; checked by the same rules)"
     )
     number: dict[str, Any] = {"metavar": "X"}  # add_argument keywords shared by the numeric knobs
+    knobs.add_argument(
+        "--router-mode",
+        metavar="MODE",
+        help=f"DYN_ROUTER_MODE: {', '.join(ROUTER_MODES)} (kv; round-robin and round_robin alike)",
+    )
     knobs.add_argument("--overlap-score-credit", **number, help="DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT, >= 0 (1.0)")
     knobs.add_argument(
         "--overlap-score-weight",
+        "--kv-overlap-score-weight",
         **number,
         help="deprecated DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT: sets the prefill load scale (0 also zeroes the credit)",
     )
@@ -159,6 +175,7 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     knobs.add_argument("--disk-cache-hit-weight", **number, help="DYN_ROUTER_DISK_CACHE_HIT_WEIGHT, 0-1 (0.25)")
     knobs.add_argument(
         "--use-kv-events",
+        "--router-kv-events",
         action=argparse.BooleanOptionalAction,
         help="DYN_USE_KV_EVENTS (true): index from worker KV events; without, count what selections book",
     )
@@ -248,7 +265,7 @@ DELEGATED_COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
+    parser = OneLineParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
     services = parser.add_subparsers(
         dest="service",
@@ -261,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Active-request accounting (Dynamo 1.6.1's slot tracker), journaled.",
     )
     _common_flags(slot, SLOT_TRACKER)
+    add_inert_flags(slot, SLOT_TRACKER_INERT)
     select = services.add_parser(
         SELECT_SERVICE,
         help="KV-aware worker selection service (Dynamo select_service)",
@@ -272,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     _affinity_flags(select)
     add_fleet_flags(select)
     _reference_flags(select)
+    add_inert_flags(select, SELECT_SERVICE_INERT)
     for name, summary in DELEGATED_COMMANDS:
         services.add_parser(name, help=f"{summary} (see kvrouter {name} --help)", add_help=False)
     for subparser in (slot, select):

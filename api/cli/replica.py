@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvrouter.actors.core.router_config import parse_float, parse_int
 from kvrouter.actors.peers.curve import CurveConfigError, TrustedPeers, load_identity, write_certificates
@@ -115,7 +116,7 @@ def _int(raw: str | None, flag: str, low: int, high: int, problems: list[str], d
 # -- kvrouter keys generate -----------------------------------------------------------------------------
 
 
-def add_keys_command(services: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_keys_command(services: argparse._SubParsersAction[Any]) -> None:
     keys = services.add_parser(
         KEYS,
         help="generate CURVE certificates for replica sync",

@@ -27,6 +27,13 @@ from kvrouter.actors.core.router_config import (
 )
 from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.replicator import validate_endpoint
+from kvrouter.api.cli.dynamo_flags import (
+    SELECT_SERVICE_INERT,
+    SLOT_TRACKER_INERT,
+    http_host,
+    http_port,
+    inert_warnings,
+)
 from kvrouter.api.cli.fleet_flags import fleet_options, worker_file_parser
 from kvrouter.api.cli.http_flags import check_exposure, http_options
 from kvrouter.api.cli.replica import replica_security_from
@@ -59,6 +66,7 @@ TRACKING_KEY_BYTES = 32
 
 # flag dest -> RouterConfig field (``overlap_score_weight`` is the deprecated alias resolve() folds in)
 _ROUTER_NUMBER_FLAGS = (
+    "router_mode",  # not a number: resolve() checks it as DYN_ROUTER_MODE
     "overlap_score_credit",
     "overlap_score_weight",
     "prefill_load_scale",
@@ -97,7 +105,10 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
     problems: list[str] = []
     warnings: list[str] = []
     service = args.service
-    port = _int(args, "port", 0, 65535, problems, default=DEFAULT_PORTS[service])
+    raw_port, port_name = http_port(args.port, env)
+    port = parse_int(port_name, raw_port, 0, 65535, problems) if raw_port is not None else DEFAULT_PORTS[service]
+    args.host = http_host(args.host, env, "127.0.0.1")  # DYN_HTTP_HOST without --host/--http-host
+    warnings.extend(inert_warnings(args, SLOT_TRACKER_INERT if service == SLOT_TRACKER else SELECT_SERVICE_INERT))
     replica_port = _int(args, "replica_sync_port", 1, 65535, problems)
     if args.host == "":
         problems.append("--host='' is empty; pass an address or a name (0.0.0.0 serves a cluster)")

@@ -30,9 +30,19 @@ from kvrouter.actors.core.worker_endpoints import (
     http_endpoint_problem,
     zmq_allow_list_problem,
 )
+from kvrouter.api.cli.dynamo_flags import (
+    FRONTEND_INERT,
+    HTTP_HOST_ENV,
+    HTTP_PORT_ENV,
+    add_inert_flags,
+    http_host,
+    http_port,
+    inert_warnings,
+)
 from kvrouter.api.cli.fleet_flags import add_fleet_flags, fleet_options
 from kvrouter.api.cli.http_flags import add_http_flags, check_exposure, http_options
 from kvrouter.api.cli.one_line_parser import OneLineParser
+from kvrouter.api.frontend.model_dir import load_model_dir
 from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.service import file_workers, run_until_signal
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
@@ -52,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         "service's core (KV-aware by default) and drives its lifecycle.",
     )
     parser.add_argument("--version", action="version", version=f"kvrouter {__version__}")
-    parser.add_argument("--port", default=str(DEFAULT_PORT), help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
+    parser.add_argument("--port", "--http-port", help=f"HTTP port, 0 for any ({HTTP_PORT_ENV}; default {DEFAULT_PORT})")
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1; another address needs --auth-token-file or --insecure-no-auth)",
+        "--http-host",
+        help=f"address to bind ({HTTP_HOST_ENV}; default 127.0.0.1; another address needs --auth-token-file or "
+        "--insecure-no-auth)",
     )
     _add_routing_flags(parser)
     parser.add_argument(
@@ -78,21 +89,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_worker_endpoint_flag(parser)
     parser.add_argument("--model-name", default="mock", help="the model the --workers serve (default mock)")
-    parser.add_argument("--block-size", default="16", help="KV block size of the --workers (default 16)")
+    parser.add_argument(
+        "--block-size", "--kv-cache-block-size", default="16", help="KV block size of the --workers (default 16)"
+    )
     parser.add_argument(
         "--tokenizer", metavar="FILE", help="a Hugging Face tokenizer.json (needs kvrouter[hf]); default: built-in"
+    )
+    parser.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="a model directory (tokenizer.json, tokenizer_config.json, config.json): tokenize and render chats "
+        "with the model's own tokenizer and chat template, as its engine does (needs kvrouter[hf])",
     )
     _add_limit_flags(parser)
     parser.add_argument("--seed", metavar="N", help="seed of the random tie-breaks (default: fresh per process)")
     add_fleet_flags(parser)
     add_http_flags(parser)
+    add_inert_flags(parser, FRONTEND_INERT)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     """How a worker is chosen."""
-    parser.add_argument("--router-mode", default="kv", help=f"{' | '.join(ROUTER_MODES)} (default kv)")
+    parser.add_argument(
+        "--router-mode", help=f"{' | '.join(ROUTER_MODES)} (DYN_ROUTER_MODE; default kv; round_robin alike)"
+    )
     parser.add_argument(
         "--kv-overlap-score-weight",
         metavar="W",
@@ -102,9 +124,12 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "--router-temperature", metavar="T", help="softmax temperature of the choice, >= 0 (default 0: cheapest)"
     )
     parser.add_argument(
-        "--no-kv-events",
-        action="store_true",
-        help="do not listen to the workers' KV events: predict their caches from the routing decisions",
+        "--router-kv-events",
+        "--kv-events",
+        dest="kv_events",
+        action=argparse.BooleanOptionalAction,
+        help="listen to the workers' KV events (default); --no-router-kv-events: predict their caches from the "
+        "routing decisions",
     )
     parser.add_argument(
         "--busy-threshold",
@@ -170,13 +195,16 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     """The options ``args`` describe; raises ``InvalidSettings`` naming every bad flag."""
     problems: list[str] = []
     warnings: list[str] = []
-    port = parse_int("--port", args.port, 0, 65535, problems)
+    raw_port, port_name = http_port(args.port, env)
+    port = parse_int(port_name, raw_port, 0, 65535, problems) if raw_port is not None else DEFAULT_PORT
+    host = http_host(args.host, env, "127.0.0.1")
+    warnings.extend(inert_warnings(args, FRONTEND_INERT))
     router = _router(args, env, problems)
     block_size = parse_int("--block-size", args.block_size, 1, 1 << 20, problems)
     limits = _limits(args, problems)
     http, auth = http_options(args, env, problems, warnings)
-    if args.host:
-        check_exposure(args.host, auth, args, problems, warnings)
+    if host:
+        check_exposure(host, auth, args, problems, warnings)
     limits = attrs.evolve(limits, body_timeout=http.body_timeout)
     allow = worker_endpoint_allow(args.worker_endpoint_allow, problems)
     if router is not None and allow is not None:
@@ -185,12 +213,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     seed = parse_int("--seed", args.seed, 0, 2**64 - 1, problems) if args.seed is not None else None
     if not args.model_name:
         problems.append("--model-name='' is empty")
-    tokenizer = Path(args.tokenizer) if args.tokenizer else None
-    if tokenizer is not None:
-        try:
-            load_tokenizer(tokenizer)
-        except TokenizerUnavailable as exc:
-            problems.append(str(exc))
+    tokenizer, model_path = _tokenizer_paths(args, problems, warnings)
     if args.data_dir == "":
         problems.append("--data-dir='' is empty; give a directory or leave it out (journal in memory)")
     fleet = fleet_options(
@@ -212,7 +235,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     for warning in warnings:
         log.warning("%s", warning)
     return FrontendOptions(
-        host=args.host,
+        host=host,
         port=port if port is not None else DEFAULT_PORT,
         data_dir=Path(args.data_dir) if args.data_dir else None,
         durability=Durability(args.durability),
@@ -222,6 +245,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         model_name=args.model_name,
         block_size=block_size or 16,
         tokenizer=tokenizer,
+        model_path=model_path,
         limits=limits,
         http=http,
         auth=auth,
@@ -230,25 +254,60 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
     )
 
 
+def _tokenizer_paths(
+    args: argparse.Namespace, problems: list[str], warnings: list[str]
+) -> tuple[Path | None, Path | None]:
+    """``--tokenizer FILE`` or ``--model-path DIR`` (not both), each loaded once here so a bad one stops the start."""
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    model_path = Path(args.model_path) if args.model_path else None
+    if args.model_path == "":
+        problems.append("--model-path='' is empty; give a model directory or leave it out")
+    if tokenizer is not None and model_path is not None:
+        problems.append("--tokenizer and --model-path both name a tokenizer; give one (--model-path reads the "
+                        "directory's tokenizer.json)")  # fmt: skip
+        return None, None
+    try:
+        if tokenizer is not None:
+            load_tokenizer(tokenizer)
+        if model_path is not None:
+            model = load_model_dir(model_path)
+            if model.template_missing:
+                warnings.append(model.template_missing)
+    except TokenizerUnavailable as exc:
+        problems.append(str(exc))
+    return tokenizer, model_path
+
+
 def _router(args: argparse.Namespace, env: dict[str, str], problems: list[str]) -> RouterConfig | None:
     """The routing flags over the environment's settings (None, with problems named, if any is bad)."""
-    flags: dict[str, Setting] = {"router_mode": ("--router-mode", args.router_mode)}
-    if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
-        problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
-        flags.pop("router_mode")
+    flags: dict[str, Setting] = {}
+    if args.router_mode is not None:  # else DYN_ROUTER_MODE, else kv
+        flags["router_mode"] = ("--router-mode", args.router_mode)
+        if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
+            problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
+            flags.pop("router_mode")
     if args.kv_overlap_score_weight is not None:
         flags["overlap_score_weight"] = ("--kv-overlap-score-weight", args.kv_overlap_score_weight)
     if args.router_temperature is not None:
         flags["router_temperature"] = ("--router-temperature", args.router_temperature)
-    if args.no_kv_events:
-        flags["use_kv_events"] = ("--no-kv-events", "false")
+    if args.kv_events is not None:
+        flags["use_kv_events"] = (
+            "--router-kv-events" if args.kv_events else "--no-router-kv-events",
+            "true" if args.kv_events else "false",
+        )
     if args.busy_threshold is not None:
         flags["active_decode_blocks_threshold"] = ("--busy-threshold", args.busy_threshold)
     try:
-        return resolve(env_settings(env), flags)
+        router = resolve(env_settings(env), flags)
     except InvalidSettings as exc:
         problems.extend(exc.problems)
         return None
+    if router.router_mode.replace("_", "-") not in ROUTER_MODES:  # DYN_ROUTER_MODE naming a service-only mode
+        problems.append(
+            f"DYN_ROUTER_MODE={router.router_mode!r} is not a frontend mode (use {', '.join(ROUTER_MODES)})"
+        )
+        return None
+    return router
 
 
 def _limits(args: argparse.Namespace, problems: list[str]) -> FrontendLimits:

@@ -83,6 +83,7 @@ class FrontendOptions:
     model_name: str = "mock"  # the model of the --workers
     block_size: int = 16  # the block size of the --workers
     tokenizer: Path | None = None  # None: the built-in tokenizer
+    model_path: Path | None = None  # a model directory: its tokenizer and chat template (docs/tokenizing.md)
     limits: FrontendLimits = attrs.Factory(FrontendLimits)
     http: HttpSettings = attrs.Factory(HttpSettings)
     auth: BearerToken | None = None

@@ -30,10 +30,11 @@ from kvrouter.api.bodies.select_schemas import WorkerBody
 from kvrouter.api.cli.fleet_flags import worker_file_parser
 from kvrouter.api.embedded import _opened_journal, as_router_errors
 from kvrouter.api.frontend.app import FrontendApp
+from kvrouter.api.frontend.model_dir import load_model_dir
 from kvrouter.api.frontend.options import FrontendOptions, WorkerSpec
 from kvrouter.api.frontend.proxy import Proxy
 from kvrouter.api.frontend.routing import TENANT, Routing
-from kvrouter.api.frontend.tokenizers import load_tokenizer
+from kvrouter.api.frontend.tokenizers import Tokenize, load_tokenizer
 from kvrouter.api.http import Route
 from kvrouter.api.http.app import make_app
 from kvrouter.api.http.server import hypercorn_config, serve_http
@@ -113,10 +114,18 @@ def frontend_service_routes(service: SelectService, front: FrontMetrics) -> list
     return with_command_routes([*select_service_routes(service), metrics], FRONTEND, front=front)
 
 
+def frontend_tokenizer(options: FrontendOptions) -> tuple[Tokenize, str]:
+    """``--model-path``'s tokenizer and chat template, else ``--tokenizer``'s file, else the built-in tokenizer."""
+    if options.model_path is not None:
+        model = load_model_dir(options.model_path)
+        return model, model.name
+    return load_tokenizer(options.tokenizer)
+
+
 async def run_frontend(
     options: FrontendOptions, *, task_status: trio.TaskStatus[FrontendHandle] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    tokenize, tokenizer_name = load_tokenizer(options.tokenizer)
+    tokenize, tokenizer_name = frontend_tokenizer(options)
     seed = secrets.randbits(64) if options.seed is None else options.seed
     journal_opened = _opened_journal(options.data_dir, options.durability, options.fresh)
     async with (

@@ -11,6 +11,9 @@ A prompt is checked in steps, each cheaper than the next:
 4. the tokenizing, at most ``tokenizer_threads`` prompts at once, then the token count against
    ``--max-prompt-tokens``: 400.
 
+With ``--model-path`` a chat is rendered with the model's template (bounded in bytes as it renders) and tokenized
+together, on a worker thread past ``INLINE_CHARS``; a template's refusal is a 400 (``docs/tokenizing.md``).
+
 A Hugging Face tokenizer runs on a worker thread: it releases the GIL while it encodes, so the event loop goes on.
 The built-in tokenizer is pure Python and would hold the GIL on a thread (the event loop then waits for it at every
 switch), so it runs on the event loop itself a slice of ``SLICE_CHARS`` characters at a time, letting other tasks
@@ -20,11 +23,14 @@ tokenized at once: that takes well under a millisecond, less than the trip to a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import attrs
 import trio
 
+from kvrouter.api.frontend.model_dir import ChatRefused, ModelTokenizer
 from kvrouter.api.frontend.options import PROMPT_CHARS_PER_TOKEN, FrontendLimits
 from kvrouter.api.frontend.tokenizers import Tokenize
 from kvrouter.api.http import error_response
@@ -53,6 +59,7 @@ class Tokenizing:
 
     def __init__(self, tokenize: Tokenize, limits: FrontendLimits) -> None:
         self.tokenize = tokenize
+        self.model = tokenize if isinstance(tokenize, ModelTokenizer) else None  # renders chats with its template
         self.limits = limits
         self.on_loop = tokenize is builtin_tokenize
         self.slots = trio.CapacityLimiter(limits.tokenizer_threads)
@@ -63,12 +70,19 @@ class Tokenizing:
         self._check_size(chars, ids)
         text = _Text()
         try:
-            request = parse_request(body, chat=chat, model=model, tokenizer=text)
+            request = parse_request(body, chat=chat, model=model, tokenizer=text, forwarded=True)
         except RequestProblem as problem:
             raise Refusal(error_response(problem.status, problem.message)) from None
         if text.text is None:  # token ids: already counted
             return request
-        prompt = self.tokenize(text.text) if len(text.text) <= INLINE_CHARS else await self._admitted(text.text)
+        if chat and self.model is not None:
+            work = partial(self._chat_ids, body)
+            prompt = work() if chars <= INLINE_CHARS else await self._admitted(chars, work)
+        elif len(text.text) <= INLINE_CHARS:
+            prompt = self.tokenize(text.text)
+        else:
+            sliced = text.text if self.on_loop else None
+            prompt = await self._admitted(len(text.text), partial(self._capped, text.text, self.tokenize), sliced)
         if not prompt:
             raise Refusal(error_response(400, "the prompt is empty: it must have at least one token"))
         if len(prompt) > self.limits.max_prompt_tokens:
@@ -93,22 +107,33 @@ class Tokenizing:
         has = f"has {ids} token ids" if ids is not None else f"has more than {limit} tokens"
         return f"the prompt {has}; this frontend routes at most {limit} (--max-prompt-tokens)"
 
-    async def _admitted(self, text: str) -> list[int]:
+    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+        """A chat rendered with the model's template (bounded in bytes as it renders), then tokenized: a template's
+        refusal is the request's 400."""
+        assert self.model is not None
+        try:
+            rendered = self.model.render_chat(body, self.limits.max_prompt_chars)
+        except ChatRefused as exc:
+            raise Refusal(error_response(400, str(exc))) from None
+        return self._capped(rendered, self.model.chat_ids)
+
+    async def _admitted(self, chars: int, work: Callable[[], list[int]], sliced: str | None = None) -> list[int]:
+        """``work`` on a tokenizer thread once admitted (``sliced``: the built-in tokenizer's text, on the loop)."""
         limit = self.limits.tokenize_queue_chars
-        if self.queued_chars and self.queued_chars + len(text) > limit:
+        if self.queued_chars and self.queued_chars + chars > limit:
             message = (
                 f"the frontend is busy tokenizing: {self.queued_chars} characters of prompts are queued and at most "
                 f"{limit} may be (--max-tokenizing-chars); retry"
             )
             raise Refusal(error_response(503, message, ((b"retry-after", b"1"),)))
-        self.queued_chars += len(text)
+        self.queued_chars += chars
         try:
-            if self.on_loop:
+            if sliced is not None:
                 async with self.slots:
-                    return await self._in_slices(text)
-            return await trio.to_thread.run_sync(self._capped, text, limiter=self.slots)
+                    return await self._in_slices(sliced)
+            return await trio.to_thread.run_sync(work, limiter=self.slots)
         finally:
-            self.queued_chars -= len(text)
+            self.queued_chars -= chars
 
     async def _in_slices(self, text: str) -> list[int]:
         """The built-in tokenizer a slice at a time, other tasks running between slices; past the limit, the ids
@@ -121,9 +146,9 @@ class Tokenizing:
                 break
         return ids
 
-    def _capped(self, text: str) -> list[int]:
+    def _capped(self, text: str, encode: Tokenize) -> list[int]:
         """On a worker thread: the ids, or (over the limit) ids enough to say so, the rest dropped here."""
-        ids = self.tokenize(text)
+        ids = encode(text)
         while len(ids) > self.limits.max_prompt_tokens + 1:
             del ids[max(self.limits.max_prompt_tokens + 1, len(ids) - FREE_STEP) :]
         return ids

@@ -39,9 +39,13 @@ class GenerateRequest:
 
 
 def parse_request(
-    body: Any, *, chat: bool, model: str, tokenizer: Callable[[str], list[int]] = tokenize
+    body: Any, *, chat: bool, model: str, tokenizer: Callable[[str], list[int]] = tokenize, forwarded: bool = False
 ) -> GenerateRequest:
-    """The checked request; ``tokenizer`` turns texts into ids (the frontend may pass a model's own)."""
+    """The checked request; ``tokenizer`` turns texts into ids (the frontend may pass a model's own).
+
+    ``forwarded``: checked by a frontend that forwards the body unchanged to a real worker, which answers what the
+    mock cannot: ``n`` above 1 and content parts other than text (images, audio) pass here; only their text is
+    tokenized for routing."""
     if not isinstance(body, dict):
         raise RequestProblem("the body must be a JSON object")
     named = body.get("model")
@@ -51,7 +55,7 @@ def parse_request(
         if named != model:
             raise RequestProblem(f"model {named!r} not found; this worker serves {model!r}", 404)
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
+    if n is not None and not forwarded and (not _is_int(n) or n != 1):
         raise RequestProblem("n must be 1: the mock worker generates one choice per request")
     stream = body.get("stream", False)
     if stream is None:
@@ -68,7 +72,7 @@ def parse_request(
             raise RequestProblem("stream_options.include_usage must be true or false")
         include_usage = usage
     if chat:
-        prompt = tokenizer(render_chat(_messages(body.get("messages"))))
+        prompt = tokenizer(render_chat(_messages(body.get("messages"), forwarded)))
         max_tokens = _max_tokens(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _max_tokens(body, "max_tokens")
@@ -114,7 +118,7 @@ def _prompt(value: Any, tokenizer: Callable[[str], list[int]]) -> list[int]:
     raise RequestProblem(f"prompt must be a text or a list of token ids, got {_show(value)}")
 
 
-def _messages(value: Any) -> list[tuple[str, str]]:
+def _messages(value: Any, forwarded: bool = False) -> list[tuple[str, str]]:
     if not isinstance(value, list) or not value:
         raise RequestProblem("messages must be a non-empty list of {role, content}")
     out = []
@@ -124,11 +128,11 @@ def _messages(value: Any) -> list[tuple[str, str]]:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise RequestProblem(f"messages[{i}].role must be a non-empty string")
-        out.append((role, _content(content, i)))
+        out.append((role, _content(content, i, forwarded)))
     return out
 
 
-def _content(content: Any, i: int) -> str:
+def _content(content: Any, i: int, forwarded: bool) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -136,6 +140,8 @@ def _content(content: Any, i: int) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
+            if forwarded and isinstance(part, dict) and part.get("type") != "text":
+                continue  # an image or audio part: the worker reads it; routing hashes the text
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise RequestProblem(f"messages[{i}].content: only text parts ({{type: text, text}}) are supported")
             texts.append(part["text"])

@@ -434,13 +434,11 @@ def test_version_is_the_installed_distribution_version(capsys: pytest.CaptureFix
 
 
 @pytest.mark.parametrize("service", ["select-service", "slot-tracker"])
-def test_an_unknown_flag_shows_the_subcommands_usage(service: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_flag_is_one_line_naming_the_subcommand(service: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main([service, "--bogus"])
     assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"usage: kvrouter {service} ")
-    assert f"kvrouter {service}: error: unrecognized arguments: --bogus" in err
+    assert capsys.readouterr().err == f"kvrouter {service}: unrecognized arguments: --bogus (see --help)\n"
 
 
 def test_a_flag_before_the_subcommand_is_named(capsys: pytest.CaptureFixture[str]) -> None:
@@ -448,9 +446,9 @@ def test_a_flag_before_the_subcommand_is_named(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as exited:
         main(["--port", "8092"])
     assert exited.value.code == 2
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert err == (
-        "kvrouter: error: unrecognized argument --port: the subcommand comes first, e.g. kvrouter select-service --port"
+    assert capsys.readouterr().err == (
+        "kvrouter: unrecognized argument --port: the subcommand comes first, e.g. kvrouter select-service --port "
+        "(see --help)\n"
     )
 
 

@@ -1,6 +1,6 @@
 """``--tokenizer FILE``: a Hugging Face tokenizer.json read from disk through the optional ``tokenizers`` package
-(``pip install 'kvrouter[hf]'``). Skipped where the package is absent (it is not in the test extra: it pulls in
-huggingface_hub and its own dependencies); the refusal without it is tested in test_frontend_cli.py."""
+(``pip install 'kvrouter[hf]'``, also in the test extra). Skipped where the package is absent; the refusal without
+it is tested in test_frontend_cli.py."""
 
 from __future__ import annotations
 
