@@ -106,7 +106,12 @@ class JetStreamLink:
                 ),
                 CONNECT_TIMEOUT_SECONDS * len(servers) + 1,
             )
-        except (OSError, TimeoutError, nats.errors.Error) as exc:
+        except TimeoutError:
+            raise JournalUnreachable(
+                f"cannot reach NATS at {where} for the JetStream journal (no connection within "
+                f"{CONNECT_TIMEOUT_SECONDS * len(servers) + 1:g} s); start nats-server with -js or fix --nats-server"
+            ) from None
+        except (OSError, nats.errors.Error) as exc:
             raise JournalUnreachable(f"cannot reach NATS at {where} for the JetStream journal ({_why(exc)})") from None
         return cls(nc, stream)
 

@@ -111,3 +111,37 @@ def test_a_replica_that_cannot_reach_nats_exits_2_naming_it(tmp_path: Path) -> N
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot reach NATS at {url}" in lines[0], result.stderr
+
+
+async def test_a_second_service_on_the_stream_is_fenced_and_stops_in_one_line(
+    tmp_path: Path, nats_server: NatsServer
+) -> None:
+    """Two replicas pointed at one stream by mistake: the one whose append comes second is refused by JetStream,
+    answers 503 (not acknowledged), and stops with one line naming the cause; the log holds only the first's."""
+    args = ("--journal", "jetstream", "--nats-server", nats_server.url, "--jetstream-stream", "TWO_WRITERS")
+    for machine in ("a", "b"):
+        (tmp_path / machine).mkdir()
+    first = Service(tmp_path / "a" / "data", "always", extra_args=args)
+    second = Service(tmp_path / "b" / "data", "always", extra_args=args)  # (each logs in its own directory)
+    register = {"model_name": "m", "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+    await first.start()
+    try:
+        async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
+            assert (await http.post("/register", json=register)).status_code == 201
+            await second.start()  # recovers the first's record, then both believe they write the stream
+            assert (await http.post("/register", json={**register, "worker_id": 2})).status_code == 201
+        async with httpx.AsyncClient(base_url=second.url, timeout=10) as http:
+            refused = await http.post("/register", json={**register, "worker_id": 3})
+        assert refused.status_code == 503 and "error" in refused.json()
+        assert second.process is not None
+        with trio.fail_after(30):
+            assert await second.process.wait() == 1
+        errors = [line for line in second.log.read_text().splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and "another writer appended" in errors[0], errors
+        async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
+            loads = (await http.get("/loads", params={"model_name": "m"})).json()
+        assert sorted(row["worker_id"] for row in loads) == [1, 2]
+    finally:
+        for service in (first, second):
+            if service.process is not None and service.process.poll() is None:
+                await service.kill9()
