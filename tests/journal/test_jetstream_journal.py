@@ -117,3 +117,26 @@ async def test_a_server_without_jetstream_is_refused_at_open(tmp_path: Path) -> 
             await trio.to_thread.run_sync(open_journal, server.url, "PLAIN")
     finally:
         await server.stop()
+
+
+async def test_fresh_empties_the_subject_and_the_snapshot_and_appends_start_again(nats_url: str) -> None:
+    journal = open_journal(nats_url, "FRESH")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        for payload in (b"a", b"b", b"c"):
+            journal.append(payload)
+        with trio.fail_after(TIMEOUT):
+            await journal.wait_durable(3)
+            await journal.write_snapshot(Snapshot(2, b"two"))
+        await journal.aclose()
+    fresh = await trio.to_thread.run_sync(lambda: JetStreamJournal.open((nats_url,), "FRESH", fresh=True))
+    assert (fresh.last_lsn, fresh.latest_snapshot(), list(fresh.read())) == (0, None, [])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fresh.run)
+        assert fresh.append(b"new") == 1
+        with trio.fail_after(TIMEOUT):
+            await fresh.wait_durable(1)  # the fence of an emptied subject: no message expected
+        await fresh.aclose()
+    again = open_journal(nats_url, "FRESH")
+    assert list(again.read()) == [(1, b"new")]
+    await again.aclose()
