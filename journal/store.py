@@ -36,6 +36,21 @@ class CorruptJournal(Exception):
     """A record in the middle of the log failed its checksum: startup must stop."""
 
 
+class JournalUnreachable(Exception):
+    """The journal's server (NATS JetStream) cannot be reached, or refuses the journal's layout, at startup:
+    the service cannot start (one line naming the server)."""
+
+
+class JournalWriteFailed(OSError):
+    """A remote journal (JetStream) failed a write at run time: its writer stops for good (fail-stop, as a failed
+    fsync stops the file journal). An ``OSError`` so that the shell handles it as any journal write failure."""
+
+
+class JournalFenced(JournalWriteFailed):
+    """The log already holds records this writer did not write (another writer appended to its subject): the append
+    was refused, so the log does not fork, and this writer stops for good."""
+
+
 @attrs.frozen
 class SkippedRecord:
     """A record the log holds but ``read`` does not yield: damaged (its checksum fails) where its writer marked it

@@ -21,10 +21,17 @@ pytestmark = pytest.mark.slow
 
 
 class Service:
-    def __init__(self, data_dir: Path, durability: str, module: str = "kvrouter.api.slot_tracker") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        durability: str,
+        module: str = "kvrouter.api.slot_tracker",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.data_dir = data_dir
         self.durability = durability
         self.module = module
+        self.extra_args = extra_args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir.parent / f"service-{durability}.log"
@@ -45,6 +52,7 @@ class Service:
                     self.durability,
                     "--log-level",
                     "warning",
+                    *self.extra_args,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=log,

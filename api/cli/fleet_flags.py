@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -63,7 +63,7 @@ def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
         metavar="nats|zmq",
         help="with etcd discovery: where the workers' KV events are read (DYN_EVENT_PLANE; default zmq, as Dynamo)",
     )
-    fleet.add_argument("--nats-server", metavar="URLS", help=f"NATS server URL(s) (NATS_SERVER; {DEFAULT_NATS})")
+    add_nats_server_flag(fleet)
     fleet.add_argument(
         "--jetstream",
         action=argparse.BooleanOptionalAction,
@@ -76,6 +76,28 @@ def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--jetstream-max-bytes", metavar="N", help="the stream's size bound (default 1073741824; oldest dropped first)"
     )
+
+
+class AddsArguments(Protocol):
+    """A parser or one of its argument groups."""
+
+    def add_argument(self, *names: str, **options: Any) -> Any: ...
+
+
+def add_nats_server_flag(group: AddsArguments) -> None:
+    """``--nats-server``, defined once: the event plane's (here) and the JetStream journal's (``--journal
+    jetstream``: the slot tracker, which has no fleet flags, takes it with the journal flags)."""
+    group.add_argument(
+        "--nats-server",
+        metavar="URLS",
+        help=f"NATS server URL(s) (NATS_SERVER; {DEFAULT_NATS}): the event plane's, and --journal jetstream's",
+    )
+
+
+def nats_servers(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ...]:
+    """The NATS URLs ``--nats-server`` or ``NATS_SERVER`` name, else the default."""
+    nats, _ = _pick(args.nats_server, env, "NATS_SERVER")
+    return tuple(_urls(nats or DEFAULT_NATS, "nats"))
 
 
 def _pick(flag: str | None, env: Mapping[str, str], name: str) -> tuple[str | None, str]:
@@ -125,7 +147,8 @@ def fleet_options(
         problems.append(f"--namespace={namespace!r} must be a non-empty name without '.', '/', '*', '>' or spaces")
     jetstream = _jetstream(args, problems, data_dir)
     if backend != "etcd":
-        for given, flag in ((args.event_plane, "--event-plane"), (args.nats_server, "--nats-server")):
+        nats_flag = None if getattr(args, "journal", None) == "jetstream" else args.nats_server  # the journal's
+        for given, flag in ((args.event_plane, "--event-plane"), (nats_flag, "--nats-server")):
             if given is not None:
                 warnings.append(
                     f"{flag} has no effect without --discovery-backend etcd (it reads the channels etcd names)"

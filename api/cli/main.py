@@ -26,7 +26,7 @@ from kvrouter.api.cli.dynamo_flags import (
     SLOT_TRACKER_INERT,
     add_inert_flags,
 )
-from kvrouter.api.cli.fleet_flags import add_fleet_flags
+from kvrouter.api.cli.fleet_flags import add_fleet_flags, add_nats_server_flag
 from kvrouter.api.cli.http_flags import add_http_flags
 from kvrouter.api.cli.one_line_parser import OneLineParser
 from kvrouter.api.cli.replica import KEYS, add_keys_command, add_replica_security_flags, run_keys
@@ -55,6 +55,7 @@ from kvrouter.api.process.fronts import (
     run_front_process,
     supervise,
 )
+from kvrouter.api.process.journal_backend import JOURNAL_BACKENDS, default_stream
 from kvrouter.api.process.main import (
     RouteBuilder,
     ServiceOptions,
@@ -99,6 +100,7 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
         help="always: reply after fsync (default); batch: fsync every few ms; off: never fsync",
     )
     parser.add_argument("--fresh", action="store_true", help="start empty, discarding the journal")
+    _journal_flags(parser, service)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -149,6 +151,26 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
         f"with nothing unsent go on (default {budgets.unsent_bytes})",
     )
     parser.add_argument("--process-role", help=argparse.SUPPRESS)  # a child of a --fronts supervisor
+
+
+def _journal_flags(parser: argparse.ArgumentParser, service: str) -> None:
+    """Where the journal lives (see docs/operations/cluster.md); the selection service's ``--nats-server`` comes
+    with its fleet flags, the slot tracker's here (one definition: ``add_nats_server_flag``)."""
+    group = parser.add_argument_group("journal backend (see docs/operations/cluster.md)")
+    group.add_argument(
+        "--journal",
+        choices=JOURNAL_BACKENDS,
+        default="file",
+        help="file: segment files in --data-dir (default); jetstream: a NATS JetStream stream, so another machine "
+        "can recover it",
+    )
+    group.add_argument(
+        "--jetstream-stream",
+        metavar="NAME",
+        help=f"with --journal jetstream: the stream (default {default_stream(service)}); one writer per stream",
+    )
+    if service != SELECT_SERVICE:
+        add_nats_server_flag(group)
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:

@@ -34,11 +34,12 @@ from kvrouter.api.cli.dynamo_flags import (
     http_port,
     inert_warnings,
 )
-from kvrouter.api.cli.fleet_flags import fleet_options, worker_file_parser
+from kvrouter.api.cli.fleet_flags import fleet_options, nats_servers, worker_file_parser
 from kvrouter.api.cli.http_flags import check_exposure, http_options
 from kvrouter.api.cli.replica import replica_security_from
 from kvrouter.api.process.exposure import worker_endpoint_allow
 from kvrouter.api.process.fronts import MAX_FRONTS, ProcessRole, parse_role
+from kvrouter.api.process.journal_backend import JetStreamJournalOptions, default_stream, stream_problem
 from kvrouter.api.process.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
 from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.api.streams.answer_budget import DEFAULT_BUDGETS, AnswerBudgets
@@ -133,6 +134,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
             port=port if port is not None else 0,
             data_dir=data_dir,
             durability=Durability(args.durability),
+            jetstream_journal=_jetstream_journal(args, env, problems, warnings),
             fresh=args.fresh,
             body_limit=SLOT_TRACKER_BODY_LIMIT,
             replica_sync_port=replica_port,
@@ -297,6 +299,21 @@ def _data_dir(args: argparse.Namespace, problems: list[str]) -> Path:
             f"or move its files to ./{default}"
         )
     return default
+
+
+def _jetstream_journal(
+    args: argparse.Namespace, env: Mapping[str, str], problems: list[str], warnings: list[str]
+) -> JetStreamJournalOptions | None:
+    """``--journal jetstream``'s stream and servers; None for the file journal (the default)."""
+    if args.journal != "jetstream":
+        if args.jetstream_stream is not None:
+            warnings.append("--jetstream-stream has no effect without --journal jetstream")
+        return None
+    stream = args.jetstream_stream if args.jetstream_stream is not None else default_stream(args.service)
+    problem = stream_problem(stream)
+    if problem is not None:
+        problems.append(problem)
+    return JetStreamJournalOptions(nats_servers(args, env), stream)
 
 
 def _flag(dest: str) -> str:

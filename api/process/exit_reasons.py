@@ -25,7 +25,7 @@ import trio
 import zmq
 
 from kvrouter.api.process.data_dir import DataDirectoryOwned
-from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse
+from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse, JournalUnreachable, JournalWriteFailed
 
 BAD_CONFIGURATION = 2
 STOPPED = 1
@@ -85,8 +85,15 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _explain_leaf(exc: BaseException, context: ServiceContext, journal_open: bool) -> ExitReason | None:
-    if isinstance(exc, DataDirectoryInUse | DataDirectoryOwned | CorruptJournal):
+    if isinstance(exc, DataDirectoryInUse | DataDirectoryOwned | CorruptJournal | JournalUnreachable):
         return ExitReason(f"cannot start: {_one_line(str(exc))}", BAD_CONFIGURATION)
+    remote = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else exc
+    if isinstance(remote, JournalWriteFailed):  # the JetStream journal: fenced, or its server failed a write
+        return ExitReason(
+            f"stopped: {_one_line(str(remote))}; nothing acknowledged was lost (a write is answered only once "
+            "JetStream acknowledged it): restart recovers from the stream",
+            STOPPED,
+        )
     if isinstance(exc, KeyboardInterrupt):
         return ExitReason("interrupted (Ctrl-C) while starting", INTERRUPTED)
     if isinstance(exc, trio.BrokenResourceError) and isinstance(exc.__cause__, OSError):

@@ -47,6 +47,7 @@ from kvrouter.api.http.app import make_app
 from kvrouter.api.http.auth import BearerToken
 from kvrouter.api.http.server import HttpSettings, hypercorn_config, serve_http
 from kvrouter.api.process import data_dir
+from kvrouter.api.process.journal_backend import JetStreamJournalOptions, open_journal
 from kvrouter.api.routes.commands import with_command_routes
 from kvrouter.api.routes.metrics import FrontMetrics, metrics_route
 from kvrouter.api.routes.replica import replica_routes, start_replication
@@ -56,7 +57,6 @@ from kvrouter.api.streams.decisions import decisions_route
 from kvrouter.api.streams.live import DEFAULT_STREAMS, StreamMetrics, StreamSettings
 from kvrouter.api.streams.loads import partition_loads_route, slot_loads_route
 from kvrouter.client.table import SELECT_SERVICE, SLOT_TRACKER
-from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import DataDirectoryInUse, Durability
 
 log = logging.getLogger("kvrouter")
@@ -74,6 +74,7 @@ class ServiceOptions:
     port: int = 8091
     data_dir: Path = Path("kvrouter-data")
     durability: Durability = Durability.ALWAYS
+    jetstream_journal: JetStreamJournalOptions | None = None  # None: the file journal in data_dir
     fresh: bool = False
     body_limit: int = SLOT_TRACKER_BODY_LIMIT
     seed: int | None = None  # root of the scopes' random sources; None = fresh per process
@@ -289,10 +290,11 @@ async def run_service(
 
         urls = await inner.start(http)
         log.info(
-            "kvrouter %s listening on %s (data dir %s, durability %s, %s recovered)",
+            "kvrouter %s listening on %s (data dir %s%s, durability %s, %s recovered)",
             name,
             " ".join(urls),
             options.data_dir,
+            f", journal on {options.jetstream_journal.describe()}" if options.jetstream_journal else "",
             options.durability.value,
             counted(scopes, "scope"),
         )
@@ -330,7 +332,7 @@ async def recovered_runtime(name: str, options: ServiceOptions) -> AsyncIterator
     with lock_data_dir(options.data_dir):
         data_dir.check_owner(options.data_dir, name)
         journal = await trio.to_thread.run_sync(
-            partial(FileJournal.open, options.data_dir, options.durability, fresh=options.fresh)
+            partial(open_journal, options.data_dir, options.durability, options.jetstream_journal, fresh=options.fresh)
         )
         recovered = await trio.to_thread.run_sync(recover, journal)
         data_dir.claim(options.data_dir, name, recovered.states.values())

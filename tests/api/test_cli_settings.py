@@ -13,6 +13,7 @@ from kvrouter.actors.core.limits import MAX_INDEX_BLOCKS_PER_SCOPE
 from kvrouter.actors.core.router_config import InvalidSettings, RouterConfig
 from kvrouter.api.cli.main import build_parser
 from kvrouter.api.cli.settings import SELECTION_CACHE_MAX_BYTES, Launch, settings_from
+from kvrouter.api.process.journal_backend import JetStreamJournalOptions
 
 
 def launch(*flags: str, env: dict[str, str] | None = None, service: str = "select-service") -> Launch:
@@ -209,3 +210,23 @@ def test_http_write_timeout_is_checked_and_carried() -> None:
     assert launch("--http-write-timeout-secs", "2.5").options.http.write_timeout == 2.5
     (problem,) = problems("--http-write-timeout-secs", "0")
     assert problem.startswith("--http-write-timeout-secs")
+
+
+def test_the_jetstream_journal_takes_its_stream_and_the_nats_servers() -> None:
+    options = launch("--journal", "jetstream", "--jetstream-stream", "ROUTER_A", "--nats-server", "n1:4222,n2:4222")
+    assert options.options.jetstream_journal == JetStreamJournalOptions(
+        ("nats://n1:4222", "nats://n2:4222"), "ROUTER_A"
+    )
+    assert options.warnings == ()  # --nats-server serves the journal here, not the event plane
+    slots = launch("--journal", "jetstream", env={"NATS_SERVER": "nats://n3:4222"}, service="slot-tracker")
+    assert slots.options.jetstream_journal == JetStreamJournalOptions(("nats://n3:4222",), "KVROUTER_SLOT_TRACKER")
+    assert launch().options.jetstream_journal is None  # the file journal stays the default
+
+
+def test_a_bad_stream_name_is_refused_and_a_stray_stream_flag_warned() -> None:
+    assert problems("--journal", "jetstream", "--jetstream-stream", "a.b") == (
+        "--jetstream-stream='a.b' must be 1-64 letters, digits, '_' or '-'",
+    )
+    assert launch("--jetstream-stream", "X").warnings == (
+        "--jetstream-stream has no effect without --journal jetstream",
+    )

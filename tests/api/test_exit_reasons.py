@@ -12,7 +12,7 @@ import trio
 import zmq
 
 from kvrouter.api.process.exit_reasons import ServiceContext, explain
-from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse
+from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse, JournalFenced, JournalUnreachable
 
 CONTEXT = ServiceContext(host="127.0.0.1", port=8092, data_dir=Path("/srv/kvrouter"), replica_sync_port=9000)
 
@@ -122,3 +122,20 @@ def test_anything_else_is_unexpected() -> None:
 def test_an_interrupt_before_the_signal_handler() -> None:
     reason = explain(KeyboardInterrupt(), CONTEXT, journal_open=False)
     assert reason.status == 130 and "\n" not in reason.message
+
+
+def test_a_jetstream_journal_out_of_reach_at_start_is_bad_configuration() -> None:
+    error = JournalUnreachable("cannot reach NATS at nats://n1:4222 for the JetStream journal (TimeoutError)")
+    reason = explain(nested(error), CONTEXT, journal_open=False)
+    assert reason.status == 2 and not reason.unexpected
+    assert reason.message == "cannot start: " + str(error)
+
+
+def test_a_fenced_append_stops_the_service_naming_the_cause() -> None:
+    fenced = JournalFenced("JetStream refused the append to kvrouter.journal.S.log in stream S: another writer ...")
+    waiter = trio.BrokenResourceError("the journal writer failed")
+    waiter.__cause__ = fenced
+    for leaf in (fenced, waiter):
+        reason = explain(nested(leaf, trio.Cancelled._create()), CONTEXT, journal_open=True)
+        assert reason.status == 1 and not reason.unexpected
+        assert reason.message.startswith("stopped: JetStream refused the append") and "\n" not in reason.message

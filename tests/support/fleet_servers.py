@@ -5,8 +5,13 @@ that is absent skips, saying how to install it."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import shutil
 import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +138,34 @@ class NatsServer:
                 self.process.kill()
                 await self.process.wait()
         self.process = None
+
+
+@contextlib.contextmanager
+def nats_process(directory: Path) -> Iterator[str]:
+    """A nats-server with JetStream (store in ``directory``) for synchronous fixtures and tests: its URL, once it
+    accepts connections; stopped by its PID on exit. Skips when nats-server is absent."""
+    port = free_port()
+    argv = [require_nats(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(directory / "jetstream")]
+    with (directory / "nats.log").open("wb") as log:
+        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"nats-server did not start (see {directory / 'nats.log'})") from None
+                time.sleep(0.02)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _b64(raw: bytes) -> str:

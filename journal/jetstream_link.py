@@ -1,0 +1,252 @@
+"""The asyncio side of the JetStream journal: every nats-py call it makes, each bounded by a timeout of its own.
+
+Everything here runs on the journal's asyncio thread (``journal/asyncio_thread``); the trio side
+(``journal/jetstream``) crosses to it once per group commit (``publish``), once per snapshot, once per chunk of a
+read, never once per record. nats-py swallows cancellation in places, so nothing here relies on being cancelled:
+each call is bounded on this side (``asyncio.wait_for`` or nats-py's own ``timeout``), and a call that runs out of
+time raises like any failure.
+
+The layout on the server (``docs/operations/cluster.md``): the stream ``NAME`` captures ``kvrouter.journal.NAME.>``;
+the journal's records go to ``kvrouter.journal.NAME.log`` (one subject per journal, today one per service: the
+cluster puts each scope on a subject of its own under the same prefix); snapshots go to the object store bucket
+``NAME_snapshots`` under the object name ``latest``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import Iterable
+from typing import Any, Final
+
+import attrs
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js import api as js_api
+
+from kvrouter.journal import jetstream_batch as batch
+from kvrouter.journal.store import JournalFenced, JournalUnreachable, JournalWriteFailed, Snapshot
+
+log = logging.getLogger("kvrouter.journal")
+
+CONNECT_TIMEOUT_SECONDS: Final = 2.0  # per server, at startup
+REQUEST_TIMEOUT_SECONDS: Final = 5.0  # one publish, one stream request, one object store call
+FETCH_WAIT_SECONDS: Final = 1.0  # one pull of a read chunk
+READ_CHUNK_MESSAGES: Final = 64  # messages per read crossing (each at most max_payload bytes)
+SNAPSHOT_OBJECT: Final = "latest"
+SNAPSHOT_HEADER: Final = struct.Struct(">QQ")  # snapshot lsn, stream sequence its replay starts from
+WRONG_LAST_SEQUENCE: Final = 10071  # JetStream's error code for a failed Nats-Expected-Last-Subject-Sequence
+
+
+def subject_of(stream: str) -> str:
+    return f"kvrouter.journal.{stream}.log"
+
+
+def subjects_of(stream: str) -> str:
+    return f"kvrouter.journal.{stream}.>"
+
+
+def bucket_of(stream: str) -> str:
+    return f"{stream}_snapshots"
+
+
+@attrs.frozen
+class StoredSnapshot:
+    snapshot: Snapshot
+    replay_from: int  # the stream sequence of the first message that may hold records after the snapshot (0: none)
+
+
+@attrs.frozen
+class TailMessage:
+    seq: int  # stream sequence
+    first_lsn: int
+    sizes: tuple[int, ...]  # payload sizes of its records
+
+
+@attrs.frozen
+class Tail:
+    """What startup needs of the log: the snapshot, and the messages after it (sizes only, not payloads)."""
+
+    snapshot: StoredSnapshot | None
+    messages: tuple[TailMessage, ...]
+    last_seq: int  # the subject's last stream sequence (0: empty): the first append's fence
+
+
+async def _ignore_error(exc: Exception) -> None:
+    log.debug("nats (journal): %s", exc)
+
+
+class JetStreamLink:
+    """One connection and what the journal asks of it. Asyncio side only."""
+
+    def __init__(self, nc: Any, stream: str) -> None:
+        self._nc = nc
+        self._js = nc.jetstream(timeout=REQUEST_TIMEOUT_SECONDS)
+        self.stream = stream
+        self.subject = subject_of(stream)
+        self._objects: Any = None
+
+    @classmethod
+    async def connect(cls, servers: tuple[str, ...], stream: str) -> JetStreamLink:
+        """Connect (bounded) or raise ``JournalUnreachable`` naming the servers."""
+        where = ",".join(servers)
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    list(servers),
+                    name="kvrouter-journal",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                    error_cb=_ignore_error,
+                ),
+                CONNECT_TIMEOUT_SECONDS * len(servers) + 1,
+            )
+        except TimeoutError:
+            raise JournalUnreachable(
+                f"cannot reach NATS at {where} for the JetStream journal (no connection within "
+                f"{CONNECT_TIMEOUT_SECONDS * len(servers) + 1:g} s); start nats-server with -js or fix --nats-server"
+            ) from None
+        except (OSError, nats.errors.Error) as exc:
+            raise JournalUnreachable(f"cannot reach NATS at {where} for the JetStream journal ({_why(exc)})") from None
+        return cls(nc, stream)
+
+    @property
+    def max_payload(self) -> int:
+        return int(self._nc.max_payload)
+
+    async def prepare(self, fresh: bool) -> Tail:
+        """The stream and the snapshot bucket (created if missing); with ``fresh``, emptied; then the tail."""
+        try:
+            await self._ensure_stream()
+            self._objects = await self._ensure_bucket()
+            if fresh:
+                await self._js.purge_stream(self.stream, subject=self.subject)
+                await self._delete_snapshot()
+            return await self._tail()
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise JournalUnreachable(
+                f"JetStream at {self._nc.connected_url.netloc if self._nc.connected_url else '?'} did not serve the "
+                f"journal stream {self.stream} ({_why(exc)}); is JetStream enabled (nats-server -js)?"
+            ) from None
+
+    async def _ensure_stream(self) -> None:
+        wanted = subjects_of(self.stream)
+        try:
+            info = await self._js.stream_info(self.stream)
+        except nats.js.errors.NotFoundError:
+            await self._js.add_stream(name=self.stream, subjects=[wanted], storage=js_api.StorageType.FILE)
+            return
+        if wanted not in (info.config.subjects or []):
+            raise JournalUnreachable(
+                f"the JetStream stream {self.stream} exists but does not capture {wanted}; "
+                "give --jetstream-stream a name of its own"
+            )
+
+    async def _ensure_bucket(self) -> Any:
+        try:
+            return await self._js.object_store(bucket_of(self.stream))
+        except nats.js.errors.BucketNotFoundError:
+            return await self._js.create_object_store(bucket_of(self.stream))
+
+    async def _delete_snapshot(self) -> None:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self._objects.delete(SNAPSHOT_OBJECT)
+
+    async def _tail(self) -> Tail:
+        stored = await self.load_snapshot()
+        try:
+            last = await self._js.get_last_msg(self.stream, self.subject)
+        except nats.js.errors.NotFoundError:
+            return Tail(stored, (), 0)
+        start = stored.replay_from if stored is not None and stored.replay_from else 1
+        messages: list[TailMessage] = []
+        while start <= last.seq:
+            chunk = await self.fetch(start)
+            if not chunk:
+                break
+            for seq, first, body in chunk:
+                messages.append(TailMessage(seq, first, tuple(batch.record_sizes(body, seq))))
+            start = chunk[-1][0] + 1
+        return Tail(stored, tuple(messages), last.seq)
+
+    async def load_snapshot(self) -> StoredSnapshot | None:
+        try:
+            result = await self._objects.get(SNAPSHOT_OBJECT)
+        except nats.js.errors.NotFoundError:
+            return None
+        data: bytes = result.data
+        lsn, replay_from = SNAPSHOT_HEADER.unpack_from(data)
+        return StoredSnapshot(Snapshot(lsn, data[SNAPSHOT_HEADER.size :]), replay_from)
+
+    async def store_snapshot(self, stored: StoredSnapshot) -> None:
+        """Put the snapshot (replacing the previous one), then purge the messages before ``replay_from``."""
+        data = SNAPSHOT_HEADER.pack(stored.snapshot.lsn, stored.replay_from) + stored.snapshot.payload
+        try:
+            await asyncio.wait_for(self._objects.put(SNAPSHOT_OBJECT, data), REQUEST_TIMEOUT_SECONDS * 4)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise JournalWriteFailed(f"storing the snapshot in JetStream failed ({_why(exc)})") from None
+        if stored.replay_from > 1:
+            try:  # (purges up to, not including, replay_from: the subject keeps a last message to fence on)
+                await self._js.purge_stream(self.stream, subject=self.subject, seq=stored.replay_from)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("purging the journal stream %s before %d failed: %s", self.stream, stored.replay_from, exc)
+
+    async def publish(self, body: bytes, first_lsn: int, expected_last: int) -> int:
+        """Publish one group, fenced on ``expected_last``; its stream sequence once JetStream acknowledged it."""
+        try:
+            ack = await self._js.publish(
+                self.subject, body, timeout=REQUEST_TIMEOUT_SECONDS, headers=batch.headers(first_lsn, expected_last)
+            )
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                raise JournalFenced(
+                    f"JetStream refused the append to {self.subject} in stream {self.stream}: another writer appended "
+                    f"to it (this writer expected its last sequence to be {expected_last}; {exc.description}); "
+                    "writes stop so the log does not fork"
+                ) from None
+            raise JournalWriteFailed(f"JetStream refused the append to {self.subject}: {_why(exc)}") from None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise JournalWriteFailed(f"publishing to JetStream stream {self.stream} failed: {_why(exc)}") from None
+        return int(ack.seq)
+
+    async def fetch(self, start_seq: int) -> list[tuple[int, int, bytes]]:
+        """Up to ``READ_CHUNK_MESSAGES`` messages of the subject from ``start_seq``: (seq, first lsn, body)."""
+        config = js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
+            ack_policy=js_api.AckPolicy.NONE,
+            inactive_threshold=30.0,
+        )
+        subscription = await self._js.pull_subscribe(self.subject, stream=self.stream, config=config)
+        try:
+            try:
+                messages = await subscription.fetch(READ_CHUNK_MESSAGES, timeout=FETCH_WAIT_SECONDS)
+            except nats.errors.TimeoutError:
+                return []
+        finally:
+            await subscription.unsubscribe()
+        found = []
+        for message in messages:
+            seq = message.metadata.sequence.stream
+            found.append((seq, batch.first_lsn(message.headers, seq), message.data))
+        return found
+
+    async def close(self) -> None:
+        await asyncio.wait_for(self._nc.close(), REQUEST_TIMEOUT_SECONDS)
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def payloads(bodies: Iterable[tuple[int, int, bytes]]) -> Iterable[tuple[int, bytes]]:
+    """(lsn, payload) for every record of the messages ``bodies`` (seq, first lsn, body), in order."""
+    for seq, first, body in bodies:
+        for offset, payload in enumerate(batch.unframe(body, seq)):
+            yield first + offset, payload
