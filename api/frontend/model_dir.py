@@ -11,8 +11,8 @@ special tokens again (the template writes them); a completion's text is tokenize
 tokenizer adds. See ``docs/tokenizing.md``.
 
 A directory that cannot be used (missing, no ``tokenizer.json``, bad JSON, a template that does not compile) is one
-line at startup (exit 2). A template that raises for a request's messages, or renders past the frontend's prompt
-bound, refuses that request: 400 with ``{"error"}``.
+line at startup (exit 2). A template that raises for a request's messages, renders past the frontend's prompt bound
+or past the bounds of ``template_sandbox.py`` (time, steps, sizes) refuses that request: 400 with ``{"error"}``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvrouter.api.frontend.template_sandbox import (
+    TemplateBudgetExceeded,
+    bounded_callable,
+    budgeted,
+    make_environment,
+    start_render,
+)
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # tokenizer_config.json, config.json, chat_template.jinja: read at most this
@@ -75,13 +82,14 @@ class ModelTokenizer:
         than ``max_bytes`` (counted as it renders, so a runaway template stops there)."""
         if self.template_missing is not None:
             raise ChatRefused(self.template_missing)
-        variables: dict[str, Any] = {"messages": body.get("messages"), "add_generation_prompt": True}
+        variables: dict[str, Any] = {"messages": budgeted(body.get("messages")), "add_generation_prompt": True}
         variables.update(self._specials)
         for name in ("tools", "documents"):
             if isinstance(body.get(name), list):
-                variables[name] = body[name]
+                variables[name] = budgeted(body[name])
         parts: list[str] = []
         size = 0
+        start_render()
         try:
             for chunk in self._template.generate(**variables):
                 size += len(chunk.encode("utf-8"))
@@ -93,6 +101,8 @@ class ModelTokenizer:
                 parts.append(chunk)
         except ChatRefused:
             raise
+        except TemplateBudgetExceeded as exc:
+            raise ChatRefused(str(exc)) from None
         except Exception as exc:  # jinja2's errors and whatever a template's filters raise
             raise ChatRefused(f"the model's chat template refused these messages: {_one_line(exc)}") from None
         return "".join(parts)
@@ -147,7 +157,6 @@ def compile_template(source: str, flag: str) -> Any:
     """The template compiled in jinja2's immutable sandbox with transformers' settings and helpers."""
     try:
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise TokenizerUnavailable(
             f"{flag}: the 'jinja2' package is not installed; install kvrouter[hf] (pip install 'kvrouter[hf]')"
@@ -156,10 +165,8 @@ def compile_template(source: str, flag: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    environment.filters["tojson"] = _tojson
+    environment = make_environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = bounded_callable(_tojson)
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = _strftime_now
     try:

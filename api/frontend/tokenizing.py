@@ -76,8 +76,9 @@ class Tokenizing:
         if text.text is None:  # token ids: already counted
             return request
         if chat and self.model is not None:
-            work = partial(self._chat_ids, body)
-            prompt = work() if chars <= INLINE_CHARS else await self._admitted(chars, work)
+            # Always on a tokenizer thread: the template is the model directory's code, bounded in time and steps
+            # (template_sandbox.py) but not cheap enough to run on the event loop.
+            prompt = await self._admitted(chars, partial(self._chat_ids, body))
         elif len(text.text) <= INLINE_CHARS:
             prompt = self.tokenize(text.text)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,39 @@ async def test_a_model_without_a_template_warns_once_and_refuses_chats(
         await frontend.proxy.tokenizing.request({"messages": MESSAGES}, chat=True, model="mock")
     assert refused.value.response.status == 400 and b"has no chat template" in refused.value.response.body
     assert (await frontend.proxy.tokenizing.request({"prompt": "hello"}, chat=False, model="mock")).prompt
+
+
+HOSTILE_TEMPLATES = {
+    # each loop within jinja2's own MAX_RANGE: only a step or time budget stops it (it used to hold a thread for hours)
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}ok",
+    # jinja2 folds constants when it compiles: this built 10 GB before the frontend could start
+    "constant repeat": "{% set s = 'x' * 10**10 %}{{ s|length }}",
+    "filter width": "{{ 'x'|center(10**10) }}",
+    "huge power": "{{ 7**10000000 }}",
+    "format width": "{{ '%0999999999d' % 1 }}",
+    "repeat of a message": "{% set s = messages[0]['content'] * 100000000 %}{{ s|length }}",
+    "loops over the messages": "{% for a in messages %}{% for b in messages %}{% for c in messages %}"
+    "{% endfor %}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("template", HOSTILE_TEMPLATES.values(), ids=HOSTILE_TEMPLATES.keys())
+def test_a_hostile_template_loads_and_refuses_the_request_within_its_bounds(tmp_path: Path, template: str) -> None:
+    from kvrouter.api.frontend.model_dir import ChatRefused, load_model_dir
+    from kvrouter.api.frontend.template_sandbox import RENDER_SECONDS
+
+    model = load_model_dir(model_dir(tmp_path / "m", template))  # compiling it builds nothing
+    messages = [{"role": "user", "content": "hi"}] * 400
+    started = time.monotonic()
+    with pytest.raises(ChatRefused, match="chat template"):
+        model.render_chat({"messages": messages}, 1 << 24)
+    assert time.monotonic() - started < RENDER_SECONDS * 5  # the budget stopped it, not its end
+
+
+def test_the_bounds_leave_an_ordinary_template_alone(tmp_path: Path) -> None:
+    from kvrouter.api.frontend.model_dir import load_model_dir
+
+    model = load_model_dir(model_dir(tmp_path / "m"))
+    assert model.chat_ids(model.render_chat({"messages": MESSAGES}, 1 << 20)) == expected_chat_ids(
+        tmp_path / "m", MESSAGES
+    )
