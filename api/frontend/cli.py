@@ -278,12 +278,17 @@ def _tokenizer_paths(
     return tokenizer, model_path
 
 
+def _frontend_mode(text: str) -> str:
+    """A router mode as the frontend spells it (``round_robin`` and ``Round-Robin`` are ``round-robin``)."""
+    return text.strip().lower().replace("_", "-")
+
+
 def _router(args: argparse.Namespace, env: dict[str, str], problems: list[str]) -> RouterConfig | None:
     """The routing flags over the environment's settings (None, with problems named, if any is bad)."""
     flags: dict[str, Setting] = {}
     if args.router_mode is not None:  # else DYN_ROUTER_MODE, else kv
         flags["router_mode"] = ("--router-mode", args.router_mode)
-        if args.router_mode.strip().lower().replace("_", "-") not in ROUTER_MODES:
+        if _frontend_mode(args.router_mode) not in ROUTER_MODES:
             problems.append(f"--router-mode={args.router_mode!r} is not a router mode (use {', '.join(ROUTER_MODES)})")
             flags.pop("router_mode")
     if args.kv_overlap_score_weight is not None:
@@ -297,6 +302,10 @@ def _router(args: argparse.Namespace, env: dict[str, str], problems: list[str]) 
         )
     if args.busy_threshold is not None:
         flags["active_decode_blocks_threshold"] = ("--busy-threshold", args.busy_threshold)
+    from_env = env.get("DYN_ROUTER_MODE")
+    if "router_mode" not in flags and from_env is not None and _frontend_mode(from_env) not in ROUTER_MODES:
+        problems.append(f"DYN_ROUTER_MODE={from_env!r} is not a frontend mode (use {', '.join(ROUTER_MODES)})")
+        return None
     try:
         router = resolve(env_settings(env), flags)
     except InvalidSettings as exc:

@@ -77,6 +77,11 @@ def test_the_frontend_reads_dynamos_environment_and_a_flag_wins() -> None:
         "DYN_HTTP_PORT='http' is not a whole number",
         "DYN_ROUTER_MODE='direct' is not a frontend mode (use kv, round-robin, random, kv-ttft)",
     ]
+    with pytest.raises(InvalidSettings) as refused:  # a mode nobody has: the frontend's list, not the services'
+        frontend([], {"DYN_ROUTER_MODE": "bogus"})
+    assert list(refused.value.problems) == [
+        "DYN_ROUTER_MODE='bogus' is not a frontend mode (use kv, round-robin, random, kv-ttft)"
+    ]
 
 
 def test_the_services_take_dynamos_spellings_and_environment(tmp_path: Path) -> None:
