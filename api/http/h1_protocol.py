@@ -121,6 +121,15 @@ class _Fields:
         self.complete = True
 
 
+def _bare_blank_line(buffer: bytes, start: int, end: int) -> bool:
+    """Whether ``buffer[start:end]`` holds a blank line that is not CRLF CRLF. A head whose every LF follows
+    a CR has none, and two memchr-speed counts say so; only a head with a bare LF pays for the regex
+    (a quarter of the cost of parsing an ordinary request)."""
+    if buffer.count(b"\n", start, end) == buffer.count(b"\r\n", start, end):
+        return False
+    return _BARE_BLANK_LINE.search(buffer, start, end) is not None
+
+
 class H1Protocol:
     """One connection's HTTP/1.x, server side: ``receive_data`` then ``next_event`` until ``NEED_DATA``.
 
@@ -207,8 +216,7 @@ class H1Protocol:
                 return self._refuse(400, "the request ended within its head") if self._eof else NEED_DATA
             return self._hand_over()
         end = buffer.find(HEAD_END, at)
-        bare = _BARE_BLANK_LINE.search(buffer, at, end if end >= 0 else len(buffer))
-        if bare is not None:
+        if _bare_blank_line(buffer, at, end if end >= 0 else len(buffer)):
             return self._refuse(400, "invalid HTTP request: lines must end with CRLF")
         if end < 0 or end + 4 - at > self.max_head_bytes:
             if len(buffer) - at > self.max_head_bytes:
