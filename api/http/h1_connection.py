@@ -211,7 +211,7 @@ class H1Connection:
             "http_version": head.http_version,
             "asgi": {"spec_version": "2.1" if kind == "http" else "2.3", "version": "3.0"},
             "scheme": "http" if kind == "http" else "ws",
-            "path": unquote(head.path.decode("ascii")),
+            "path": unquote(path) if "%" in (path := head.path.decode("ascii")) else path,
             "raw_path": head.path,
             "query_string": head.query,
             "root_path": self._config.root_path,

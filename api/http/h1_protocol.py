@@ -257,7 +257,10 @@ class H1Protocol:
             if name == b"host":
                 hosts += 1
             elif name == b"content-length":
-                lengths.update(part.strip() for part in value.split(b","))
+                if b"," in value:
+                    lengths.update(part.strip() for part in value.split(b","))
+                else:
+                    lengths.add(value)  # (already stripped)
             elif name == b"transfer-encoding":
                 chunked = True  # (llhttp refused any coding but a final chunked, and chunked with a length)
             elif name == b"connection":
@@ -421,7 +424,7 @@ def response_head(
             raise ValueError(f"cannot send the response header {name!r}: {value!r}")
         lowered = name.lower()
         if lowered == b"content-length":
-            lengths = {part.strip() for part in value.split(b",")}
+            lengths = {part.strip() for part in value.split(b",")} if b"," in value else {value}
             value = lengths.pop()
             if lengths or not _DIGITS.fullmatch(value) or (length is not None and value != length):
                 raise ValueError(f"cannot send conflicting or bad content-length headers ({value!r})")
