@@ -41,7 +41,7 @@ from kvrouter.api.frontend.tokenizers import Tokenize
 from kvrouter.api.http import error_response
 from kvrouter.api.openai.body import Refusal, prompt_size
 from kvrouter.api.openai.requests import GenerateRequest, RequestProblem, parse_request
-from kvrouter.api.openai.tokenizer import SLICE_CHARS, slices
+from kvrouter.api.openai.tokenizer import SLICE_CHARS, render_chat, slices
 from kvrouter.api.openai.tokenizer import tokenize as builtin_tokenize
 
 INLINE_CHARS = 4096
@@ -50,6 +50,10 @@ COUNT_SLICE_MAX = 256 * 1024  # characters per slice when counting before tokeni
 # Tokens a cut between two slices may add to their counts (a normalizer that prepends a word marker to every text, as
 # Llama 2's does, adds one): the sum of the slices' counts must pass the limit by this much per cut to refuse.
 CUT_SLACK = 4
+
+
+def _unrendered(messages: list[tuple[str, str]]) -> str:
+    return ""
 
 
 class _Text:
@@ -80,7 +84,9 @@ class Tokenizing:
         self._check_size(chars, ids)
         text = _Text()
         try:
-            request = parse_request(body, chat=chat, model=model, tokenizer=text, forwarded=True)
+            # A chat the model's template renders is not rendered here too (copying megabytes on the event loop).
+            render = _unrendered if chat and self.model is not None else render_chat
+            request = parse_request(body, chat=chat, model=model, tokenizer=text, forwarded=True, render=render)
         except RequestProblem as problem:
             raise Refusal(error_response(problem.status, problem.message)) from None
         if text.text is None:  # token ids: already counted

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 
+from kvrouter.api.frontend import tokenizing as tokenizing_module
 from kvrouter.api.frontend.model_dir import ModelTokenizer, load_model_dir
 from kvrouter.api.frontend.options import FrontendLimits
 from kvrouter.api.frontend.tokenizers import load_tokenizer
@@ -111,3 +112,25 @@ async def test_a_tokenizer_file_counts_in_slices_too(tmp_path: Path) -> None:
     assert recording.calls and sum(size for size, _ in recording.calls) < 30_000, recording.calls
     accepted = await tokenizing.request({"prompt": " ".join(SENTENCES * 20)}, chat=False, model="m")
     assert accepted.prompt == tokenize(" ".join(SENTENCES * 20))
+
+
+async def test_a_chat_the_model_renders_is_not_rendered_on_the_event_loop_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The body's check on the loop rendered the chat the built-in way (megabytes copied, then unused)."""
+    seen: list[int] = []
+    original = tokenizing_module._Text.__call__
+
+    def noting(self: Any, text: str) -> list[int]:
+        seen.append(len(text))
+        return original(self, text)
+
+    monkeypatch.setattr(tokenizing_module._Text, "__call__", noting)
+    content = "fox " * 10_000
+    tokenizing = Tokenizing(load_model_dir(model_dir(tmp_path / "model")), FrontendLimits())
+    request = await tokenizing.request({"messages": [{"role": "user", "content": content}]}, chat=True, model="m")
+    assert len(request.prompt) > 30_000
+    assert seen and max(seen) < len(content), seen
+    builtin = Tokenizing(tokenizing_module.builtin_tokenize, FrontendLimits())
+    await builtin.request({"messages": [{"role": "user", "content": content}]}, chat=True, model="m")
+    assert max(seen) > len(content)  # the built-in tokenizer tokenizes that rendering
