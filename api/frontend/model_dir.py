@@ -29,7 +29,7 @@ from kvrouter.api.frontend.template_sandbox import (
     make_environment,
     start_render,
 )
-from kvrouter.api.frontend.tokenizers import TokenizerUnavailable
+from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, hf_count, hf_ids
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # tokenizer_config.json, config.json, chat_template.jinja: read at most this
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -64,8 +64,8 @@ class ModelTokenizer:
         Llama-style tokenizers rebuild their post-processor from them); otherwise ``tokenizer.json``'s own
         post-processor adds what it adds."""
         if not isinstance(self._add_bos, bool) and not isinstance(self._add_eos, bool):
-            return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
-        ids = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+            return hf_ids(self._tokenizer, text, special_tokens=True)
+        ids = hf_ids(self._tokenizer, text, special_tokens=False)
         if self._add_bos is True:
             ids[:0] = self._special_id("bos_token")
         if self._add_eos is True:
@@ -109,7 +109,12 @@ class ModelTokenizer:
 
     def chat_ids(self, text: str) -> list[int]:
         """A rendered chat's ids: no special tokens added (the template wrote them), as ``apply_chat_template``."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return hf_ids(self._tokenizer, text, special_tokens=False)
+
+    def count(self, text: str) -> int:
+        """How many tokens ``text`` has, no special tokens added: a long prompt is counted a slice at a time before
+        it is tokenized whole, so one far over ``--max-prompt-tokens`` is refused early (``tokenizing.py``)."""
+        return hf_count(self._tokenizer, text)
 
 
 def load_model_dir(path: Path) -> ModelTokenizer:

@@ -14,7 +14,12 @@ A prompt is checked in steps, each cheaper than the next:
 With ``--model-path`` a chat is rendered with the model's template (bounded in bytes as it renders) and tokenized
 together, on a worker thread past ``INLINE_CHARS``; a template's refusal is a 400 (``docs/tokenizing.md``).
 
-A Hugging Face tokenizer runs on a worker thread: it releases the GIL while it encodes, so the event loop goes on.
+A Hugging Face tokenizer runs on a worker thread, called so that it releases the GIL while it encodes
+(``tokenizers.py``), so the event loop goes on. A text longer than ``--max-prompt-tokens`` characters (one that could
+be over the limit) is first counted a slice at a time (``count_over``, slices of ``count_slice_chars`` cut before a
+blank, where the models' pre-tokenizers split too): one far over the limit is refused after its first slices instead
+of after the whole text is tokenized (seconds for megabytes), and one within it is then tokenized whole, so its ids
+are exactly the tokenizer's.
 The built-in tokenizer is pure Python and would hold the GIL on a thread (the event loop then waits for it at every
 switch), so it runs on the event loop itself a slice of ``SLICE_CHARS`` characters at a time, letting other tasks
 run between slices, and stops as soon as the count is over the limit. Short prompts (up to ``INLINE_CHARS``) are
@@ -36,11 +41,19 @@ from kvrouter.api.frontend.tokenizers import Tokenize
 from kvrouter.api.http import error_response
 from kvrouter.api.openai.body import Refusal, prompt_size
 from kvrouter.api.openai.requests import GenerateRequest, RequestProblem, parse_request
-from kvrouter.api.openai.tokenizer import slices
+from kvrouter.api.openai.tokenizer import SLICE_CHARS, render_chat, slices
 from kvrouter.api.openai.tokenizer import tokenize as builtin_tokenize
 
 INLINE_CHARS = 4096
 FREE_STEP = 65536  # ids dropped per step when a long prompt is refused (freeing a million ints takes ~30 ms)
+COUNT_SLICE_MAX = 256 * 1024  # characters per slice when counting before tokenizing (one call: ~0.2 s at most)
+# Tokens a cut between two slices may add to their counts (a normalizer that prepends a word marker to every text, as
+# Llama 2's does, adds one): the sum of the slices' counts must pass the limit by this much per cut to refuse.
+CUT_SLACK = 4
+
+
+def _unrendered(messages: list[tuple[str, str]]) -> str:
+    return ""
 
 
 class _Text:
@@ -62,6 +75,7 @@ class Tokenizing:
         self.model = tokenize if isinstance(tokenize, ModelTokenizer) else None  # renders chats with its template
         self.limits = limits
         self.on_loop = tokenize is builtin_tokenize
+        self.count: Callable[[str], int] | None = getattr(tokenize, "count", None)  # Hugging Face tokenizers'
         self.slots = trio.CapacityLimiter(limits.tokenizer_threads)
         self.queued_chars = 0  # characters of prompts admitted to tokenizing and not yet tokenized
 
@@ -70,7 +84,9 @@ class Tokenizing:
         self._check_size(chars, ids)
         text = _Text()
         try:
-            request = parse_request(body, chat=chat, model=model, tokenizer=text, forwarded=True)
+            # A chat the model's template renders is not rendered here too (copying megabytes on the event loop).
+            render = _unrendered if chat and self.model is not None else render_chat
+            request = parse_request(body, chat=chat, model=model, tokenizer=text, forwarded=True, render=render)
         except RequestProblem as problem:
             raise Refusal(error_response(problem.status, problem.message)) from None
         if text.text is None:  # token ids: already counted
@@ -148,11 +164,36 @@ class Tokenizing:
         return ids
 
     def _capped(self, text: str, encode: Tokenize) -> list[int]:
-        """On a worker thread: the ids, or (over the limit) ids enough to say so, the rest dropped here."""
+        """On a worker thread: the ids, or (over the limit) ids enough to say so, the rest dropped here; a text that
+        counts over the limit a slice at a time is refused before it is tokenized whole."""
+        limit = self.limits.max_prompt_tokens
+        if (
+            self.count is not None
+            and len(text) > limit
+            and count_over(text, self.count, limit, count_slice_chars(limit))
+        ):
+            raise Refusal(error_response(400, self._too_many()))
         ids = encode(text)
         while len(ids) > self.limits.max_prompt_tokens + 1:
             del ids[max(self.limits.max_prompt_tokens + 1, len(ids) - FREE_STEP) :]
         return ids
+
+
+def count_slice_chars(limit: int) -> int:
+    """Slices about as long as the limit in characters (a normal text has fewer tokens than characters, so the first
+    few slices of a text over the limit are over it), between ``SLICE_CHARS`` and ``COUNT_SLICE_MAX``."""
+    return min(max(limit, SLICE_CHARS), COUNT_SLICE_MAX)
+
+
+def count_over(text: str, count: Callable[[str], int], limit: int, size: int) -> bool:
+    """Whether ``text`` has more than ``limit`` tokens, by ``count``ing its slices of about ``size`` characters in turn
+    and stopping as soon as their sum passes ``limit`` (plus ``CUT_SLACK`` per cut so far)."""
+    total = 0
+    for cuts, part in enumerate(slices(text, size)):
+        total += count(part)
+        if total > limit + cuts * CUT_SLACK:
+            return True
+    return False
 
 
 async def _drop(ids: list[int]) -> None:

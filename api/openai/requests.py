@@ -39,9 +39,16 @@ class GenerateRequest:
 
 
 def parse_request(
-    body: Any, *, chat: bool, model: str, tokenizer: Callable[[str], list[int]] = tokenize, forwarded: bool = False
+    body: Any,
+    *,
+    chat: bool,
+    model: str,
+    tokenizer: Callable[[str], list[int]] = tokenize,
+    forwarded: bool = False,
+    render: Callable[[list[tuple[str, str]]], str] = render_chat,
 ) -> GenerateRequest:
-    """The checked request; ``tokenizer`` turns texts into ids (the frontend may pass a model's own).
+    """The checked request; ``tokenizer`` turns texts into ids (the frontend may pass a model's own), ``render`` a
+    chat's messages into the text tokenized (a frontend that renders with the model's template skips this one).
 
     ``forwarded``: checked by a frontend that forwards the body unchanged to a real worker, which answers what the
     mock cannot: ``n`` above 1 and content parts other than text (images, audio) pass here; only their text is
@@ -72,7 +79,7 @@ def parse_request(
             raise RequestProblem("stream_options.include_usage must be true or false")
         include_usage = usage
     if chat:
-        prompt = tokenizer(render_chat(_messages(body.get("messages"), forwarded)))
+        prompt = tokenizer(render(_messages(body.get("messages"), forwarded)))
         max_tokens = _max_tokens(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _max_tokens(body, "max_tokens")

@@ -49,11 +49,11 @@ def tokenize(text: str) -> list[int]:
     return ids
 
 
-def slices(text: str) -> Iterator[str]:
-    """``text`` cut where a blank follows a non-blank, about every ``SLICE_CHARS`` characters."""
+def slices(text: str, size: int = SLICE_CHARS) -> Iterator[str]:
+    """``text`` cut where a blank follows a non-blank, about every ``size`` characters."""
     start = 0
-    while len(text) - start > SLICE_CHARS:
-        cut = _CUT.search(text, start + SLICE_CHARS)
+    while len(text) - start > size:
+        cut = _CUT.search(text, start + size)
         if cut is None:
             break
         yield text[start : cut.start() + 1]
