@@ -93,6 +93,8 @@ class WorkerStatus:
     index_refused_blocks: int = 0
     # Per dp rank out of selection: why and since when (actors/core/kv_liveness.py); empty while all are in.
     out_of_selection: dict[str, dict[str, object]] = attrs.Factory(dict)
+    # A discovered worker's model-card tokenizer checksum against --model-path's (actors/fleet/tokenizer_check.py).
+    tokenizer: dict[str, object] = attrs.Factory(dict)
 
     @property
     def schedulable(self) -> bool:
@@ -180,6 +182,8 @@ class SelectService:
         # GET /workers from feeds other than the ZMQ listeners (Dynamo's event plane): plain data, read on demand.
         self.readiness_sources: list[Callable[[], dict[str, Any]]] = []
         self.kv_status_sources: list[Callable[[int], dict[str, dict[str, object]]]] = []
+        # A discovered worker's tokenizer against the local one, for GET /workers (actors/fleet/tokenizer_check.py).
+        self.tokenizer_status: Callable[[int], dict[str, object]] | None = None
         self._catalog = CatalogWriter(
             system,
             self.directory,
@@ -286,7 +290,8 @@ class SelectService:
             listeners = {**listeners, **source(record.worker_id)}
         evicted, refused = self.index_counters.worker(record.scope, record.ranks)
         out = self.health.outages(record.scope, record, self._now()) if self.health is not None else {}
-        return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record), evicted, refused, out)
+        tokenizer = self.tokenizer_status(record.worker_id) if self.tokenizer_status is not None else {}
+        return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record), evicted, refused, out, tokenizer)
 
     def _kv_modes(self, record: WorkerRecord) -> dict[str, dict[str, str]]:
         if not self.config.use_kv_events:
