@@ -17,6 +17,7 @@ service-wide ones, so no read shows a write that a crash could still take back.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -30,6 +31,7 @@ from kvrouter.actors.core.commands import (
     AddOutputBlock,
     BindSession,
     CompleteReservationPrefill,
+    FreeRankBookings,
     Prompt,
     RecoveredRun,
     RecoverKv,
@@ -67,11 +69,14 @@ from kvrouter.actors.index_counters import IndexCounters
 from kvrouter.actors.kv_health import KvHealth
 from kvrouter.actors.kv_ingest import KvIngest
 from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
+from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
 from kvrouter.actors.metric_families import Family, FamilySource
 from kvrouter.actors.service_metrics import index_families, listener_families, system_families
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, accepted
 from kvrouter.actors.system import ActorSystem
 from kvrouter.actors.ttft_tracker import FULL, Ablation, TtftTracker
+
+log = logging.getLogger("kvrouter.select_service")
 
 
 @attrs.frozen
@@ -86,6 +91,10 @@ class WorkerStatus:
     # Its blocks the scope's KV index evicted and refused at its cap since this process started.
     index_evicted_blocks: int = 0
     index_refused_blocks: int = 0
+    # Per dp rank out of selection: why and since when (actors/core/kv_liveness.py); empty while all are in.
+    out_of_selection: dict[str, dict[str, object]] = attrs.Factory(dict)
+    # A discovered worker's model-card tokenizer checksum against --model-path's (actors/fleet/tokenizer_check.py).
+    tokenizer: dict[str, object] = attrs.Factory(dict)
 
     @property
     def schedulable(self) -> bool:
@@ -151,10 +160,13 @@ class SelectService:
         self.ingest = ingest
         # This replica's id: the version writer of the session bindings it makes (replica sync's router id).
         self.writer_id = writer_id
-        # Per-rank fallback to predicted blocks while a rank's KV events are absent or stale (KV-event mode).
+        # Per-rank fallback to predicted blocks while a rank's KV events are absent or stale, and taking a rank out
+        # of selection when they stop while it has traffic (KV-event mode, ranks with a KV listener only).
         self.health = (
-            KvHealth(ingest, config.kv_events_stale_secs)
-            if ingest is not None and config.use_kv_events and config.kv_events_stale_secs > 0
+            KvHealth(ingest, config.kv_events_stale_secs, config.kv_events_timeout_secs)
+            if ingest is not None
+            and config.use_kv_events
+            and (config.kv_events_stale_secs > 0 or config.kv_events_timeout_secs > 0)
             else None
         )
         self.directory = directory or Directory()
@@ -170,6 +182,8 @@ class SelectService:
         # GET /workers from feeds other than the ZMQ listeners (Dynamo's event plane): plain data, read on demand.
         self.readiness_sources: list[Callable[[], dict[str, Any]]] = []
         self.kv_status_sources: list[Callable[[int], dict[str, dict[str, object]]]] = []
+        # A discovered worker's tokenizer against the local one, for GET /workers (actors/fleet/tokenizer_check.py).
+        self.tokenizer_status: Callable[[int], dict[str, object]] | None = None
         self._catalog = CatalogWriter(
             system,
             self.directory,
@@ -184,6 +198,8 @@ class SelectService:
         system.queue_observers.append(self.load_feed.bump)  # pending counts move without events
         self.metric_sources.append(system.decisions.families)  # explained selections by reason
         self.metric_sources.append(self.ttft.families)
+        if self.health is not None:
+            self.metric_sources.append(self.health.families)
 
     async def run(self, *, task_status: trio.TaskStatus[SelectService] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the catalog writer and follow applied events; ``await nursery.start(service.run)``."""
@@ -197,6 +213,8 @@ class SelectService:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._catalog.run)
+                if self.health is not None and self.health.liveness.enabled:
+                    nursery.start_soon(self._follow_kv_liveness, self.health)
                 task_status.started(self)
         finally:
             if self.directory.observe in self.system.observers:
@@ -206,6 +224,23 @@ class SelectService:
             if self.health is not None and self.health.observe in self.system.observers:
                 self.system.observers.remove(self.health.observe)
             self.ttft.stop()
+
+    async def _follow_kv_liveness(self, health: KvHealth) -> None:
+        """Take ranks out of selection when their KV events stop while they have traffic, and free their bookings
+        (a journaled command per rank, so a restart does not bring them back); bring back those whose stream
+        reconnected. Checked a few times per timeout, so a rank is out at most a quarter timeout (or a second) late."""
+        period = min(1.0, max(0.05, self.config.kv_events_timeout_secs / 4))
+        while True:
+            await trio.sleep(period)
+            for change in health.check(self._now()):
+                if not change.out:
+                    continue
+                command = FreeRankBookings(change.rank.worker_id, change.rank.dp_rank, at=self._now())
+                try:
+                    await self.system.ask(change.scope, command)
+                except (Overloaded, ReplyTimeout, JournalUnavailable) as error:
+                    # Out of selection already; its bookings stay until they end, expire, or the next taking-out.
+                    log.warning("bookings of %s not freed: %s", change.rank, error)
 
     # -- the catalog ----------------------------------------------------------------------------------
 
@@ -254,7 +289,9 @@ class SelectService:
         for source in self.kv_status_sources:
             listeners = {**listeners, **source(record.worker_id)}
         evicted, refused = self.index_counters.worker(record.scope, record.ranks)
-        return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record), evicted, refused)
+        out = self.health.outages(record.scope, record, self._now()) if self.health is not None else {}
+        tokenizer = self.tokenizer_status(record.worker_id) if self.tokenizer_status is not None else {}
+        return WorkerStatus(record, tuple(reasons), listeners, self._kv_modes(record), evicted, refused, out, tokenizer)
 
     def _kv_modes(self, record: WorkerRecord) -> dict[str, dict[str, str]]:
         if not self.config.use_kv_events:

@@ -187,6 +187,9 @@ class SelectWorker:
     ttft: TtftView | None = None
     # What the shell knows of the KV-event streams when the selection was asked (stamped with ``at``).
     streams: StreamView = HEALTHY
+    # Ranks left out of this selection: their KV-event stream stopped while they had traffic (``streams.out``,
+    # filled in by the desk: ``kv_liveness.excluded_ranks``). An explicit pinned_worker still reaches them.
+    out_ranks: frozenset[WorkerRank] = frozenset()
 
 
 @attrs.frozen
@@ -207,6 +210,7 @@ class SelectDisaggregated:
     predicted_ranks: frozenset[WorkerRank] = frozenset()  # as for SelectWorker
     ttft: TtftView | None = None  # as for SelectWorker (the prefill stage uses it)
     streams: StreamView = HEALTHY  # as for SelectWorker
+    out_ranks: frozenset[WorkerRank] = frozenset()  # as for SelectWorker
 
 
 @attrs.frozen
@@ -280,6 +284,16 @@ class BindSession:
     at: int = 0
 
 
+@attrs.frozen
+class FreeRankBookings:
+    """The rank's KV-event stream stopped while it had traffic and the rank is taken out of selection
+    (``actors/core/kv_liveness.py``): free every booking on it. Journaled as the frees it makes."""
+
+    worker_id: int
+    dp_rank: int
+    at: int = 0
+
+
 Command = (
     RegisterWorker
     | UnregisterWorker
@@ -300,6 +314,7 @@ Command = (
     | ReleaseReservation
     | RecoverKv
     | BindSession
+    | FreeRankBookings
 )
 
 # Commands that may bring a scope into existence; every other command to a missing scope is

@@ -38,6 +38,7 @@ from kvrouter.actors.core.commands import (
 from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.draws import DrawSource, drawn, generated_id
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
+from kvrouter.actors.core.kv_liveness import excluded_ranks
 from kvrouter.actors.core.kv_modes import HEALTHY, NO_RANKS, StreamView, predicted_ranks
 from kvrouter.actors.core.pending import PendingSelections, replayed, template
 from kvrouter.actors.core.router_config import RouterConfig
@@ -94,6 +95,14 @@ def streams_predicted(state: ScopeState, config: RouterConfig, view: StreamView,
     return predicted_ranks(workers, view, at, config.kv_events_stale_secs)
 
 
+def streams_out(state: ScopeState, config: RouterConfig, view: StreamView) -> frozenset[WorkerRank]:
+    """The scope's ranks a selection leaves out because their KV-event stream stopped (``kv_liveness``); none in
+    approximate mode, where no stream is expected."""
+    if not view.out or not config.use_kv_events or not state.exists:
+        return NO_RANKS
+    return excluded_ranks(view.out, state.selection.schedulable(True, config.queueing))
+
+
 def without_scope(state: ScopeState, command: Command, surroundings: Surroundings) -> Command | Rejected:
     """``command`` as a scope without an actor decides it (from an empty ``state``): only the checks that read
     the surroundings apply; there is nothing to draw, remember or queue."""
@@ -142,8 +151,10 @@ class ScopeDesk(Generic[T]):
         draws = self.draws
         if command.reserve and reservation_id is None:
             reservation_id = command.selection_id or generated_id(draws)
-        predicted = streams_predicted(self.state, config, command.streams, command.at)
-        return drawn(command, draws.random(), reservation_id, self._turn(config), predicted)
+        streams = command.streams
+        predicted = streams_predicted(self.state, config, streams, command.at)
+        out = streams_out(self.state, config, streams) if streams.out else NO_RANKS
+        return drawn(command, draws.random(), reservation_id, self._turn(config), predicted, out)
 
     def _select_disaggregated(self, command: SelectDisaggregated) -> SelectDisaggregated | Rejected:
         config = command.config
@@ -160,6 +171,7 @@ class ScopeDesk(Generic[T]):
             decode_draw=decode_draw,
             turn=self._turn(config),
             predicted_ranks=streams_predicted(self.state, config, command.streams, command.at),
+            out_ranks=streams_out(self.state, config, command.streams),
         )
 
     def _register(self, command: RegisterWorker | UpsertWorker) -> RegisterWorker | UpsertWorker:

@@ -184,6 +184,8 @@ def _select_stage(
     found = candidates(
         state, pool, predicted_ranks=command.predicted_ranks, all_predicted=not command.config.use_kv_events
     )
+    if command.out_ranks:
+        found = [candidate for candidate in found if candidate.rank not in command.out_ranks]
     chosen = choose_rank(
         state,
         found,

@@ -46,10 +46,12 @@ def drawn(
     reservation_id: str | None,
     turn: int,
     predicted_ranks: frozenset[WorkerRank],
+    out_ranks: frozenset[WorkerRank],
 ) -> SelectWorker:
-    """``attrs.evolve(command, draw=..., reservation_id=..., turn=..., predicted_ranks=...)``, spelled out: every
-    selection pays it, and evolve (which walks the fields) costs about three times as much. Every other field is
-    copied (``tests/core/test_selection_draw.py`` fails when SelectWorker gains one this does not copy)."""
+    """``attrs.evolve(command, draw=..., reservation_id=..., turn=..., predicted_ranks=..., out_ranks=...)``,
+    spelled out: every selection pays it, and evolve (which walks the fields) costs about three times as much.
+    Every other field is copied (``tests/core/test_selection_draw.py`` fails when SelectWorker gains one this does
+    not copy)."""
     return SelectWorker(
         prompt=command.prompt,
         config=command.config,
@@ -65,4 +67,5 @@ def drawn(
         explain=command.explain,
         streams=command.streams,
         ttft=command.ttft,
+        out_ranks=out_ranks,
     )

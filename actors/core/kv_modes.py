@@ -71,6 +71,8 @@ class StreamView:
 
     down_since: tuple[tuple[WorkerRank, int], ...] = ()
     unanswered_since: tuple[tuple[WorkerRank, int], ...] = ()
+    # The scope's ranks out of selection: their stream stopped while they had traffic (``kv_liveness.py``).
+    out: tuple[WorkerRank, ...] = ()
 
 
 HEALTHY = StreamView()  # every stream connected and up to date: what nearly every selection carries

@@ -37,6 +37,7 @@ _INT = re.compile(r"[+-]?\d+", re.ASCII)
 # The words 1.6.1 understands (case-insensitive, surrounding whitespace ignored); it ignores anything else.
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
+KV_EVENTS_TIMEOUT_SECS = 15.0  # the default of --kv-events-timeout-secs (docs/workers.md#dead-kv-streams)
 
 
 @attrs.frozen
@@ -72,6 +73,9 @@ class RouterConfig:
     # kvrouter's per-rank fallback in KV-event mode: a rank whose stream is absent, or silent this long after a
     # booking on it, is scored on its predicted (booked) blocks until its events resume. 0 disables it.
     kv_events_stale_secs: float = 10.0
+    # kvrouter's: a rank with a KV listener whose stream leaves a booking unanswered this long is taken out of
+    # selection, its bookings freed, until its events resume (actors/core/kv_liveness.py). 0 disables it.
+    kv_events_timeout_secs: float = KV_EVENTS_TIMEOUT_SECS
     router_mode: str = "kv"  # see actors/core/routing_modes.py
     router_track_active_blocks: bool = True  # off: bookings hold no decode blocks (prefill-only pools)
     router_track_output_blocks: bool = False  # on: output blocks decay by expected_output_tokens
@@ -115,6 +119,7 @@ _FLOAT_FIELDS: dict[str, tuple[float, float | None]] = {
     "router_ttl_secs": (0.0, None),
     "router_prune_target_ratio": (0.0, 1.0),
     "kv_events_stale_secs": (0.0, None),
+    "kv_events_timeout_secs": (0.0, None),
 }
 # Optional numbers: unset means the rule is off. Same grammar and bounds as the fields above.
 _OPTIONAL_FLOAT_FIELDS: dict[str, tuple[float, float | None]] = {
@@ -156,6 +161,7 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "router_max_tree_size": ("DYN_ROUTER_MAX_TREE_SIZE",),
     "router_prune_target_ratio": ("DYN_ROUTER_PRUNE_TARGET_RATIO",),
     "kv_events_stale_secs": ("DYN_ROUTER_KV_EVENTS_STALE_SECS",),
+    "kv_events_timeout_secs": ("DYN_ROUTER_KV_EVENTS_TIMEOUT_SECS",),
     "active_decode_blocks_threshold": ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",),
     "active_prefill_tokens_threshold": ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",),
     "active_prefill_tokens_threshold_frac": ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",),

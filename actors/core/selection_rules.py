@@ -18,6 +18,7 @@ from kvrouter.actors.core.catalog import WorkerRecord, allow_list_refusal, not_s
 from kvrouter.actors.core.commands import (
     AddOutputBlock,
     CompleteReservationPrefill,
+    FreeRankBookings,
     IngestKvBatch,
     RecoverKv,
     ReleaseReservation,
@@ -303,6 +304,8 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
     if serving is None:
         return Rejected(Reason.UNAVAILABLE, ONLY_PREFILL_WORKERS)
     found = candidates(state, serving, predicted_ranks=command.predicted_ranks, all_predicted=not config.use_kv_events)
+    if command.out_ranks and pinned is None:
+        found = in_selection(found, command.out_ranks)
     # An explicit pinned_worker or affinity_target bypasses the session: it is neither preferred nor moved
     # (1.6.1, probed).
     explicit = pinned is not None or options.affinity_target is not None
@@ -353,6 +356,21 @@ def decide_select(command: SelectWorker, state: ScopeState) -> Decision:
         return overflow
     events = booking_events(state, selection, command.at, tracked_output(config, options.expected_output_tokens))
     return Accepted(events, created=True, reply=selection)
+
+
+def in_selection(found: list[RankCandidate], out: frozenset[WorkerRank]) -> list[RankCandidate]:
+    """``found`` without the ranks taken out of selection (their KV-event stream stopped: ``kv_liveness``)."""
+    return [candidate for candidate in found if candidate.rank not in out]
+
+
+def decide_free_rank(command: FreeRankBookings, state: ScopeState) -> Decision:
+    """Free every booking on a rank taken out of selection, in booking order; a rank without any: nothing."""
+    loads = state.slots.ranks.get(WorkerRank(command.worker_id, command.dp_rank))
+    if loads is None or not loads.requests:
+        return NOTHING_CHANGED
+    freed = tuple(loads.requests)
+    ended = session_rules.released(state.selection, freed, command.at)
+    return Accepted((*(RequestFreed(request_id) for request_id in freed), *ended))
 
 
 def tracked_output(config: RouterConfig, expected_output_tokens: int | None) -> int | None:

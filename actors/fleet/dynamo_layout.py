@@ -80,6 +80,8 @@ class ModelCard:
     max_num_batched_tokens: int | None
     local_indexer: bool
     worker_role: str | None = None  # "prefill" or "decode" from the card's worker_type; None: aggregated
+    # ``tokenizer.hf_tokenizer_json.checksum`` as the card spells it ("blake3:<hex>"); None: the card names none.
+    tokenizer_checksum: str | None = None
 
 
 @attrs.frozen
@@ -134,6 +136,7 @@ class Publisher:
 class DiscoveredWorker:
     record: WorkerRecord
     publishers: tuple[Publisher, ...] = ()
+    tokenizer_checksum: str | None = None  # its card's (``actors/fleet/tokenizer_check.py``)
 
 
 # -- parsing one key and value ---------------------------------------------------------------------------------
@@ -235,7 +238,16 @@ def _model_card(parts: tuple[EndpointPath, int], data: dict[str, Any]) -> ModelC
         max_num_batched_tokens=_count(runtime, "max_num_batched_tokens"),
         local_indexer=runtime.get("enable_local_indexer") is True,
         worker_role=_ROLES.get(card["worker_type"]) if isinstance(card.get("worker_type"), str) else None,
+        tokenizer_checksum=_tokenizer_checksum(card),
     )
+
+
+def _tokenizer_checksum(card: Mapping[str, Any]) -> str | None:
+    """The card's ``tokenizer.hf_tokenizer_json.checksum``, if it is a string (cards of other tokenizer kinds: None)."""
+    tokenizer = card.get("tokenizer")
+    named = tokenizer.get("hf_tokenizer_json") if isinstance(tokenizer, dict) else None
+    checksum = named.get("checksum") if isinstance(named, dict) else None
+    return checksum if isinstance(checksum, str) and len(checksum) <= 256 else None
 
 
 def _event_channel(path: EndpointPath, topic: str, publisher_id: int, data: dict[str, Any]) -> EventChannel:
@@ -380,4 +392,6 @@ def _worker(
         discovered_by=source,
     )
     problem = record_problem(record)
-    return problem if problem is not None else DiscoveredWorker(record, tuple(publishers))
+    if problem is not None:
+        return problem
+    return DiscoveredWorker(record, tuple(publishers), card.tokenizer_checksum)

@@ -35,6 +35,7 @@ from kvrouter.actors.fleet.etcd import EtcdClient
 from kvrouter.actors.fleet.event_ingest import EventPlaneIngest
 from kvrouter.actors.fleet.nats_plane import NatsPlane
 from kvrouter.actors.fleet.options import FleetOptions
+from kvrouter.actors.fleet.tokenizer_check import TokenizerCheck
 from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.fleet.zmq_plane import ZmqPlane
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
@@ -53,6 +54,8 @@ class Fleet:
         self.nats: NatsPlane | None = None
         self.zmq: ZmqPlane | None = None
         self.discovery: EtcdDiscovery | FileDiscovery | None = None
+        local = options.tokenizer_checksum
+        self.tokenizers = TokenizerCheck(local) if local is not None else None
         self._flush = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED) -> None:
@@ -109,7 +112,9 @@ class Fleet:
         self.discovery = await nursery.start(EtcdDiscovery(etcd, options.namespace, sync, status, marker).run)
 
     def _route(self, workers: Mapping[int, DiscoveredWorker]) -> None:
-        """A catalog change was applied: re-route the event plane."""
+        """A catalog change was applied: compare the cards' tokenizers, re-route the event plane."""
+        if self.tokenizers is not None:
+            self.tokenizers.follow(workers)
         if self.ingest is None:
             return
         self.ingest.follow(workers)
@@ -139,6 +144,9 @@ class Fleet:
         service.metric_sources.append(self.families)
         if self.ingest is not None:
             service.kv_status_sources.append(self.ingest.status)
+        if self.tokenizers is not None:
+            service.tokenizer_status = self.tokenizers.status
+            service.metric_sources.append(self.tokenizers.families)
 
     def readiness(self) -> dict[str, Any]:
         """``/ready``'s ``discovery`` and ``event_plane`` fields."""

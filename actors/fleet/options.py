@@ -35,6 +35,9 @@ class FleetOptions:
     event_plane: str | None = None  # with etcd: "nats" or "zmq"
     nats_servers: tuple[str, ...] = (DEFAULT_NATS,)
     jetstream: JetStreamSettings = attrs.Factory(JetStreamSettings)
+    # "blake3:<hex>" of --model-path's tokenizer.json: discovered model cards are compared with it
+    # (actors/fleet/tokenizer_check.py); None: no local tokenizer file to compare with.
+    tokenizer_checksum: str | None = None
 
     @property
     def enabled(self) -> bool:

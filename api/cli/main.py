@@ -241,6 +241,12 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
         "(10; 0: never)",
     )
     knobs.add_argument(
+        "--kv-events-timeout-secs",
+        **number,
+        help="take a rank with a KV listener out of selection, freeing its bookings, when its KV events stay silent "
+        "this long after a booking; back when they resume (15; 0: never)",
+    )
+    knobs.add_argument(
         "--router-assume-kv-reuse",
         action=argparse.BooleanOptionalAction,
         help="DYN_ROUTER_ASSUME_KV_REUSE (true); kvrouter always assumes reuse: the --no- form is ignored, with a "

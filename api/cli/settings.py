@@ -83,6 +83,7 @@ _ROUTER_NUMBER_FLAGS = (
     "router_queue_threshold",
     "router_queue_policy",
     "kv_events_stale_secs",
+    "kv_events_timeout_secs",
 )
 _ROUTER_BOOL_FLAGS = ("use_kv_events", "router_assume_kv_reuse")
 

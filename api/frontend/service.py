@@ -21,6 +21,8 @@ import trio
 
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.worker_endpoints import default_worker_id
+from kvrouter.actors.fleet.options import FleetOptions
+from kvrouter.actors.fleet.tokenizer_check import local_checksum
 from kvrouter.actors.fleet.worker_file import FileParser
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.runtime import running_actors, start_select_service
@@ -114,6 +116,14 @@ def frontend_service_routes(service: SelectService, front: FrontMetrics) -> list
     return with_command_routes([*select_service_routes(service), metrics], FRONTEND, front=front)
 
 
+def fleet_with_tokenizer(options: FrontendOptions) -> FleetOptions:
+    """The fleet options, with ``--model-path``'s tokenizer checksum when discovery could compare cards with it."""
+    fleet = options.fleet
+    if options.model_path is None or not fleet.enabled:
+        return fleet
+    return attrs.evolve(fleet, tokenizer_checksum=local_checksum(options.model_path / "tokenizer.json"))
+
+
 def frontend_tokenizer(options: FrontendOptions) -> tuple[Tokenize, str]:
     """``--model-path``'s tokenizer and chat template, else ``--tokenizer``'s file, else the built-in tokenizer."""
     if options.model_path is not None:
@@ -136,7 +146,7 @@ async def run_frontend(
             runtime.system,
             options.router,
             runtime.nursery,
-            fleet=options.fleet,
+            fleet=fleet_with_tokenizer(options),
             parse_worker_file=file_workers(options.model_name, options.block_size),
         )
         routing = Routing(service)

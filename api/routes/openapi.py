@@ -137,7 +137,7 @@ RESPONSES: dict[str, Any] = {
     "Worker": {
         "type": "object",
         "description": "A catalog record as sent, with its lifecycle (schedulable or incomplete) and why not "
-        "schedulable; kv_listeners, kv_modes and kv_index when they apply.",
+        "schedulable; kv_listeners, kv_modes, kv_index, out_of_selection and tokenizer when they apply.",
         "properties": {
             "worker_id": INT,
             **SCOPE_FIELDS,
@@ -146,6 +146,8 @@ RESPONSES: dict[str, Any] = {
             "kv_listeners": {"type": "object"},
             "kv_modes": {"type": "object"},
             "kv_index": {"type": "object"},
+            "out_of_selection": {"type": "object"},
+            "tokenizer": {"type": "object"},
         },
         "additionalProperties": True,
     },

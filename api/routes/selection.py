@@ -43,6 +43,10 @@ def worker_view(status: WorkerStatus) -> dict[str, Any]:
         shown["kv_listeners"] = status.listeners
     if status.kv_modes:
         shown["kv_modes"] = status.kv_modes
+    if status.out_of_selection:  # only while a rank is out (actors/core/kv_liveness.py)
+        shown["out_of_selection"] = status.out_of_selection
+    if status.tokenizer:  # a discovered card's tokenizer checksum against --model-path's
+        shown["tokenizer"] = status.tokenizer
     if status.index_evicted_blocks or status.index_refused_blocks:  # only once the scope's index met its cap
         shown["kv_index"] = {
             "evicted_blocks": status.index_evicted_blocks,

@@ -14,18 +14,21 @@ from hypothesis import strategies as st
 
 from kvrouter.actors.core.catalog import WorkerRecord
 from kvrouter.actors.core.commands import (
+    FreeRankBookings,
     Prompt,
     RegisterWorker,
     ReleaseReservation,
     Reserve,
     ReserveSelection,
     SelectDisaggregated,
+    SelectionOptions,
     SelectWorker,
     UpsertWorker,
 )
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted, Reason, Rejected
 from kvrouter.actors.core.desk import ScopeDesk
+from kvrouter.actors.core.events import RequestFreed
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.kv_modes import StreamView
@@ -197,3 +200,48 @@ def test_an_overloaded_selection_waits_when_queueing_is_on_and_its_asker_is_ther
     fold(state, decide(state, ReleaseReservation("hog")).events)
     answer = desk.admitted(waiter, again, decide(state, again))
     assert isinstance(answer, Accepted) and len(desk.room) == 0
+
+
+def test_ranks_out_of_selection_are_left_out_unless_every_rank_is() -> None:
+    state = scope_with(worker(1), worker(2))
+    desk = desk_for(state)
+    out_one = StreamView(out=(WorkerRank(1, 0), WorkerRank(9, 0)))  # worker 9 is not in this scope
+    prepared = desk.prepare(SelectWorker(PROMPT, RouterConfig(), streams=out_one))
+    assert isinstance(prepared, SelectWorker) and prepared.out_ranks == frozenset({WorkerRank(1, 0)})
+    for _ in range(20):
+        chosen = decide(state, desk.prepare(SelectWorker(PROMPT, RouterConfig(), streams=out_one)))  # type: ignore[arg-type]
+        assert isinstance(chosen, Accepted) and chosen.reply.worker_id == 2
+    # Pinned to it: the caller's explicit choice still reaches it.
+    pinned = SelectWorker(PROMPT, RouterConfig(), streams=out_one, options=SelectionOptions(pinned_worker=(1, 0)))
+    chosen = decide(state, desk.prepare(pinned))  # type: ignore[arg-type]
+    assert isinstance(chosen, Accepted) and chosen.reply.worker_id == 1
+    # Every rank out: none is left out (fail open); approximate mode: never.
+    out_all = StreamView(out=(WorkerRank(1, 0), WorkerRank(2, 0)))
+    assert desk.prepare(SelectWorker(PROMPT, RouterConfig(), streams=out_all)).out_ranks == frozenset()  # type: ignore[union-attr]
+    approx = RouterConfig(use_kv_events=False)
+    assert desk.prepare(SelectWorker(PROMPT, approx, streams=out_one)).out_ranks == frozenset()  # type: ignore[union-attr]
+    split = desk.prepare(SelectDisaggregated(PROMPT, RouterConfig(), streams=out_one))
+    assert isinstance(split, SelectDisaggregated) and split.out_ranks == frozenset({WorkerRank(1, 0)})
+
+
+def test_freeing_a_ranks_bookings_frees_only_them_and_replays_to_the_same_state() -> None:
+    records = (worker(1, data_parallel_size=2), worker(2))
+    state, journal = ScopeState(SCOPE), []
+    commands = [UpsertWorker(record) for record in records]
+    commands += [Reserve(rid, w, r, (1, 2), 8, at=SECOND) for rid, w, r in [("a", 1, 0), ("b", 1, 1), ("c", 1, 0)]]
+    commands.append(Reserve("d", 2, 0, (1, 2), 8, at=SECOND))
+    for command in commands:
+        events = decide(state, command).events
+        fold(state, events)
+        journal.extend(events)
+    decision = decide(state, FreeRankBookings(1, 0, at=2 * SECOND))
+    assert isinstance(decision, Accepted)
+    assert decision.events == (RequestFreed("a"), RequestFreed("c"))
+    fold(state, decision.events)
+    journal.extend(decision.events)
+    assert sorted(state.requests) == ["b", "d"]
+    assert decide(state, FreeRankBookings(1, 0, at=3 * SECOND)).events == ()  # nothing left: nothing changes
+    assert decide(state, FreeRankBookings(7, 0, at=3 * SECOND)).events == ()  # unknown rank: nothing either
+    replayed = ScopeState(SCOPE)
+    fold(replayed, journal)  # recovery runs evolve only: the frees are in the journal
+    assert replayed.to_snapshot() == state.to_snapshot()

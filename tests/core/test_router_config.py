@@ -53,6 +53,7 @@ def test_defaults_are_the_reference_defaults() -> None:
         "router_queue_policy": "fcfs",
         "session_affinity_ttl_secs": None,
         "kv_events_stale_secs": 10.0,  # kvrouter's own (per-rank fallback); not a 1.6.1 knob
+        "kv_events_timeout_secs": 15.0,  # kvrouter's own (a silent rank leaves selection); not a 1.6.1 knob
         "router_mode": "kv",  # behaviour.md#router-configuration and the seed: kv routing, active blocks tracked,
         # output blocks not
         "router_track_active_blocks": True,

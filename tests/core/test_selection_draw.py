@@ -1,6 +1,6 @@
 """``actors.core.draws``: the desk's copy of a selection with its draw, reservation id, round-robin turn and
-predicted ranks is ``attrs.evolve`` spelled out, so it must copy every other field of ``SelectWorker``, including
-one added later; the generated reservation ids are the version-4 UUIDs ``uuid`` makes of the same bits."""
+predicted and out ranks is ``attrs.evolve`` spelled out, so it must copy every other field of ``SelectWorker``,
+including one added later; the generated reservation ids are the version-4 UUIDs ``uuid`` makes of the same bits."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ NOT_DEFAULT = {
     "explain": True,
     "ttft": TtftView((RankTiming(WorkerRank(1, 0), samples=2),)),
     "streams": StreamView(((WorkerRank(2, 0), 5),)),
+    "out_ranks": frozenset({WorkerRank(4, 0)}),
 }
 
 
@@ -45,12 +46,14 @@ def test_every_field_of_a_selection_is_listed_here() -> None:
     )
 
 
-def test_drawn_is_evolve_of_the_draw_reservation_id_turn_and_predicted_ranks() -> None:
+def test_drawn_is_evolve_of_the_draw_reservation_id_turn_predicted_and_out_ranks() -> None:
     command = SelectWorker(**NOT_DEFAULT)  # type: ignore[arg-type]
-    predicted = frozenset({WorkerRank(3, 1)})
+    predicted, out = frozenset({WorkerRank(3, 1)}), frozenset({WorkerRank(5, 0)})
     for reservation_id in ("other", None):
-        expected = attrs.evolve(command, draw=0.75, reservation_id=reservation_id, turn=9, predicted_ranks=predicted)
-        assert drawn(command, 0.75, reservation_id, 9, predicted) == expected
+        expected = attrs.evolve(
+            command, draw=0.75, reservation_id=reservation_id, turn=9, predicted_ranks=predicted, out_ranks=out
+        )
+        assert drawn(command, 0.75, reservation_id, 9, predicted, out) == expected
 
 
 @given(st.integers(0, 2**128 - 1))

@@ -40,7 +40,9 @@ def test_each_key_kind_parses_to_its_entry() -> None:
         PATH, INSTANCE, f"tcp://127.0.0.1:41117/{INSTANCE:x}/{NS}/backend/generate"
     )
     card = parse_entry(card_key(), card_value(dp=2))
-    assert card == ModelCard(PATH, INSTANCE, "tiny", 16, 2, 0, 1024, 8192, local_indexer=True)
+    assert card == ModelCard(
+        PATH, INSTANCE, "tiny", 16, 2, 0, 1024, 8192, local_indexer=True, tokenizer_checksum="blake3:ab"
+    )
     assert parse_entry(channel_key(), nats_channel_value()) == EventChannel(
         PATH, "kv-events", PUBLISHER, PUBLISHER, NatsChannel(f"namespace.{NS}.component.backend.endpoint.generate")
     )

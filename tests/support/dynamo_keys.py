@@ -45,7 +45,14 @@ def instance_value(instance: int = INSTANCE) -> bytes:
     )
 
 
-def card_value(instance: int = INSTANCE, *, name: str = "tiny", dp: int | None = 1, blocks: int = 1024) -> bytes:
+def card_value(
+    instance: int = INSTANCE,
+    *,
+    name: str = "tiny",
+    dp: int | None = 1,
+    blocks: int = 1024,
+    tokenizer_checksum: str = "blake3:ab",
+) -> bytes:
     runtime = {
         "context_length": 0,
         "total_kv_blocks": blocks,
@@ -74,7 +81,9 @@ def card_value(instance: int = INSTANCE, *, name: str = "tiny", dp: int | None =
                 "model_input": "Tokens",
                 "worker_type": "aggregated",
                 "runtime_config": runtime,
-                "tokenizer": {"hf_tokenizer_json": {"path": "/m/tokenizer.json", "checksum": "blake3:ab", "size": 9}},
+                "tokenizer": {
+                    "hf_tokenizer_json": {"path": "/m/tokenizer.json", "checksum": tokenizer_checksum, "size": 9}
+                },
                 "prompt_formatter": {"hf_tokenizer_config_json": {}},
             },
         }
