@@ -54,8 +54,8 @@ class ReplicaOptions:
     ttl_ns: int = 2_000 * MS
     tick_ns: int = 250 * MS
     request_timeout_ns: int = 1_000 * MS  # a coordinator or stream request unanswered this long is abandoned
-    cpu_ns: int = 1 * MS  # from deciding a command to its append leaving
-    snapshot_every: int = 20  # subject messages between an owner's snapshots
+    cpu_ns: int = 5 * MS  # from deciding a command to its append leaving (encoding, the group-commit window)
+    snapshot_every: int = 8  # subject messages between an owner's snapshots
     fencing: bool = True  # False: the broken variant, appends carry no expected last sequence
 
 
@@ -73,6 +73,8 @@ class ReplicaStats:
     fenced: int = 0
     handovers: int = 0
     forwarded: int = 0
+    snapshots: int = 0
+    from_snapshot: int = 0  # recoveries that started from a snapshot
 
 
 class Replica:
@@ -161,6 +163,7 @@ class Replica:
         for subject, owned in self.owned.items():
             if owned.last_seq - self.snapshot_seq.get(subject, 0) >= self.options.snapshot_every:
                 self.snapshot_seq[subject] = owned.last_seq
+                self.stats.snapshots += 1
                 self.kernel.send(self.name, STREAM, PutSnapshot(subject, take_snapshot(owned)))
 
     def _expire_requests(self, now: int) -> None:
@@ -262,6 +265,7 @@ class Replica:
             return
         so_far = self.recovering[subject]
         if so_far is None:
+            self.stats.from_snapshot += answer.snapshot is not None
             so_far = self._guarded(subject, lambda: recover(self.scopes[subject], answer.snapshot, answer.messages))
         elif self._guarded(subject, lambda: catch_up(so_far, answer.messages)) is None:
             so_far = None

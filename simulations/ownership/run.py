@@ -91,6 +91,8 @@ def simulate(seed: int, options: OwnershipOptions) -> tuple[SeedResult, History]
         "lease expiries": coordinator.expired,
         "claims": sum(r.stats.claims for r in everyone),
         "recoveries": sum(r.stats.recoveries for r in everyone),
+        "from a snapshot": sum(r.stats.from_snapshot for r in everyone),
+        "snapshots": sum(r.stats.snapshots for r in everyone),
         "hand-overs": sum(r.stats.handovers for r in everyone),
         "forwarded": sum(r.stats.forwarded for r in everyone),
         "messages": kernel.stats.sent,
@@ -138,7 +140,10 @@ def verdict(history: History, stream: Stream, replicas: dict[str, Replica], scop
     }
     unserved = [s for s in scopes if not any(r.serving(s) for r in replicas.values())]
     problems = [f"{subject}: {why}" for r in replicas.values() for subject, why in sorted(r.broken.items())]
-    return problems + check(history.records, truth, answers, truth_digests, unserved)
+    problems += check(history.records, truth, answers, truth_digests, unserved)
+    for subject, key in scopes.items():  # name scopes as people do
+        problems = [p.replace(subject, f"scope {key.model_name}/{key.tenant_id}") for p in problems]
+    return problems
 
 
 def _run_one(args: tuple[int, OwnershipOptions]) -> SeedResult:
