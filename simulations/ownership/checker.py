@@ -36,7 +36,7 @@ def attempts(history: list[dict[str, Any]]) -> list[Attempt]:
     by_call: dict[tuple[str, int], Attempt] = {}
     found = []
     for record in history:
-        if record["process"] == "nemesis":
+        if record["process"] in ("nemesis", "checker"):
             continue
         key = (record["process"], record["call"])
         if record["type"] == "invoke":

@@ -85,6 +85,9 @@ def simulate(seed: int, options: OwnershipOptions) -> tuple[SeedResult, History]
     kernel.nodes[NEMESIS] = nemesis
     kernel.run_until(end + options.settle_seconds * SECOND)
     violations = verdict(history, stream, replicas, scopes)
+    # The verdict closes the history, so the file of a failing seed says what failed, and what each subject held.
+    held = {_label(key): _truth_digest(stream, subject, key) for subject, key in scopes.items()}
+    history.add({"t": kernel.now, "process": "checker", "type": "verdict", "subjects": held, "violations": violations})
     everyone = [*retired, *replicas.values()]
     counters = {
         "fenced appends": stream.fenced,
@@ -142,8 +145,17 @@ def verdict(history: History, stream: Stream, replicas: dict[str, Replica], scop
     problems = [f"{subject}: {why}" for r in replicas.values() for subject, why in sorted(r.broken.items())]
     problems += check(history.records, truth, answers, truth_digests, unserved)
     for subject, key in scopes.items():  # name scopes as people do
-        problems = [p.replace(subject, f"scope {key.model_name}/{key.tenant_id}") for p in problems]
+        problems = [p.replace(subject, f"scope {_label(key)}") for p in problems]
     return problems
+
+
+def _label(key: ScopeKey) -> str:
+    return f"{key.model_name}/{key.tenant_id}"
+
+
+def _truth_digest(stream: Stream, subject: str, key: ScopeKey) -> str:
+    state = truth_of(stream, subject, key)
+    return state if isinstance(state, str) else digest(state.to_snapshot())
 
 
 def _run_one(args: tuple[int, OwnershipOptions]) -> SeedResult:
