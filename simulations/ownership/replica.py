@@ -19,7 +19,7 @@ from kvrouter.actors.core.ownership.claims import Claim
 from kvrouter.actors.core.ownership.fencing import MAX_READ
 from kvrouter.actors.core.ownership.forwarding import Forward, Serve, route
 from kvrouter.actors.core.ownership.leases import holder_deadline
-from kvrouter.actors.core.ownership.owner import OwnedScope, Proposal, commit, propose
+from kvrouter.actors.core.ownership.owner import OwnedScope, Proposal, commit, overtaken, propose
 from kvrouter.actors.core.ownership.placement import preferred_owner
 from kvrouter.actors.core.ownership.recovery import ScopeSnapshot, catch_up, recover, take_snapshot
 from kvrouter.actors.core.state import ScopeState
@@ -260,6 +260,9 @@ class Replica:
         if self._take(answer.req, "follow") is not None:
             if subject not in self.broken:
                 self._guarded(subject, lambda: catch_up(self.followers[subject], answer.messages))
+            owned = self.owned.get(subject)
+            if owned is not None and overtaken(owned, self.followers[subject].last_seq, subject in self.in_flight):
+                self.drop(subject, "its subject moved past this owner")  # recovered again at the next view
             return
         if self._take(answer.req, "recover") is None or subject not in self.recovering:
             return

@@ -15,7 +15,7 @@ from kvrouter.actors.core.ownership.claims import Claimed, ClaimTable, NoLease, 
 from kvrouter.actors.core.ownership.fencing import Appended, SubjectLog, WrongLastSequence, scope_subject
 from kvrouter.actors.core.ownership.forwarding import Forward, Serve, Unavailable, route
 from kvrouter.actors.core.ownership.leases import LeaseTable, holder_deadline
-from kvrouter.actors.core.ownership.owner import OwnedScope, Proposal, commit, propose
+from kvrouter.actors.core.ownership.owner import OwnedScope, Proposal, commit, overtaken, propose
 from kvrouter.actors.core.ownership.placement import preferred_owner, share_of
 from kvrouter.actors.core.ownership.recovery import recover, take_snapshot
 from kvrouter.actors.core.state import ScopeState
@@ -285,3 +285,10 @@ def test_forwarding_decisions() -> None:
     dead_owner = route("s", "a", "c", live, serving=False)
     assert isinstance(dead_owner, Unavailable)
     assert dead_owner.status == 503 and dead_owner.body() == {"error": dead_owner.message}
+
+
+def test_an_owner_is_overtaken_when_its_subject_moves_past_it_without_its_write() -> None:
+    owned = OwnedScope(ScopeState(SCOPE), 7)
+    assert not overtaken(owned, 7, appending=False)
+    assert overtaken(owned, 8, appending=False)
+    assert not overtaken(owned, 8, appending=True)  # that message may be its own append: its answer settles it

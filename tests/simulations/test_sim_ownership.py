@@ -167,3 +167,12 @@ def test_the_checker_flags_bad_load_accounting_and_disagreeing_replicas() -> Non
 def test_an_acknowledged_registration_must_survive() -> None:
     history = _attempt(1, "register", "2", "ok", 10)
     assert _check(history, _truth()) == ["s: worker 2 was registered (acknowledged) and is gone"]
+
+
+def test_an_owner_whose_subject_moved_past_it_recovers_again() -> None:
+    """Seed 1712 (found by a 2,000-seed run): an owner gave up on an append that got no answer in time, recovered,
+    and the append landed afterwards; with no later write to be fenced, the owner kept answering reads from a
+    state one message short. An owner that sees its subject's tail pass it, nothing of its own in flight,
+    recovers again."""
+    result, _ = simulate(1712, OwnershipOptions())
+    assert result.violations == ()

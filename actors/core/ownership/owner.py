@@ -50,3 +50,11 @@ def commit(owned: OwnedScope, proposal: Proposal, seq: int) -> None:
         raise ValueError(f"commit at {seq} of a proposal on {proposal.expected_last_seq}, owner at {owned.last_seq}")
     fold(owned.state, proposal.events)
     owned.last_seq = seq
+
+
+def overtaken(owned: OwnedScope, subject_last_seq: int, appending: bool) -> bool:
+    """Whether the subject moved past the owner without a write of its own in flight: someone else appended, or
+    an append the owner gave up on (no answer in time) landed after it recovered. Its state is then stale (for
+    reads too, though its next write would be fenced) and must be recovered again. While an append of its own is
+    in flight, the newer message may be that append: its answer settles it."""
+    return not appending and subject_last_seq > owned.last_seq
