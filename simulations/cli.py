@@ -8,6 +8,8 @@ Two modes:
   printed), or 2 for bad options.
 * ``crash`` (otherwise, or ``--mode crash``): random commands against the actors with crashes and
   recoveries, checking invariants and replay (``--steps``, ``--crash-probability``).
+* ``ownership`` (``--mode ownership``): a cluster of replicas owning scopes under leases, with fenced appends,
+  against a nemesis, over ``--seeds`` seeds (``simulations/ownership/command.py``).
 
 The first line printed names the seed and every derived option, so any run can be repeated exactly.
 """
@@ -34,6 +36,7 @@ from kvrouter.simulations.cluster import ClusterOptions, InvariantViolation
 from kvrouter.simulations.faults import CacheReset, KvLoss, KvNoRemovals, RouterCrash, WorkerCrash, parse_faults
 from kvrouter.simulations.generators import synthetic
 from kvrouter.simulations.harness import SimulationOptions, simulate
+from kvrouter.simulations.ownership import command as ownership
 from kvrouter.simulations.policies import POLICIES
 from kvrouter.simulations.report import render_table, to_json
 from kvrouter.simulations.simulate import SimulationFailed, build_report, run_policies
@@ -53,7 +56,9 @@ def build_parser(prog: str = "kvrouter simulate") -> argparse.ArgumentParser:
         prog=prog,
         description="Deterministic simulations of a cluster routed by kvrouter (virtual time, one seed).",
     )
-    parser.add_argument("--mode", choices=("trace", "crash"), help="default: trace if a workload is given, else crash")
+    parser.add_argument(
+        "--mode", choices=("trace", "crash", "ownership"), help="default: trace if a workload is given, else crash"
+    )
     workload = parser.add_argument_group("workload")
     workload.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace")
     workload.add_argument("--synthetic", metavar="NAME[:k=v,...]", help="shared-prefix, chat or agentic")
@@ -76,7 +81,9 @@ def build_parser(prog: str = "kvrouter simulate") -> argparse.ArgumentParser:
     cluster.add_argument("--router-temperature", type=float, help="selection softmax temperature (default 0)")
     cluster.add_argument("--prefill-load-scale", type=float, help="weight of prefill load in the cost (default 1)")
     cluster.add_argument("--overlap-score-credit", type=float, help="credit per cached block (default 1)")
-    cluster.add_argument("--replicas", type=int, default=1, help="router replicas kept in step by replica sync")
+    cluster.add_argument(
+        "--replicas", type=int, help="router replicas kept in step by replica sync (default 1; ownership mode: 3)"
+    )
     cluster.add_argument("--faults", metavar="SPEC", help="e.g. 'worker-crash@60s:worker=3;sync-drop=0.1'")
     output = parser.add_argument_group("output")
     output.add_argument("--report", metavar="FILE", help="write the report as JSON")
@@ -86,6 +93,7 @@ def build_parser(prog: str = "kvrouter simulate") -> argparse.ArgumentParser:
     crash = parser.add_argument_group("crash mode")
     crash.add_argument("--steps", type=int, default=2000)
     crash.add_argument("--crash-probability", type=float, default=0.002)
+    ownership.add_arguments(parser)
     return parser
 
 
@@ -96,6 +104,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvrouter simulate") -> 
     mode = args.mode or ("trace" if args.trace or args.synthetic else "crash")
     if mode == "crash":
         return crash_mode(args)
+    if mode == "ownership":
+        return ownership.ownership_mode(args)
     try:
         trace, options, policies, speedup = configure(args)
     except (OptionError, TraceError, ValueError) as exc:
@@ -105,6 +115,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvrouter simulate") -> 
 
 
 def configure(args: argparse.Namespace) -> tuple[Trace, ClusterOptions, tuple[str, ...], float]:
+    if args.replicas is None:
+        args.replicas = 1
     if bool(args.trace) == bool(args.synthetic):
         raise OptionError("give one workload: --trace FILE or --synthetic NAME")
     if args.trace_block_size <= 0:

@@ -1,0 +1,58 @@
+"""Where a replica sends a command for a scope: serve it, forward it to the owner, or refuse it with 503.
+
+A replica serves only a scope it owns, has recovered, and whose lease it still holds on its own clock. It
+forwards to the owner its view names when that owner is a live member; a command that was already forwarded is
+never forwarded again (ownership moved under it: one hop, no loops). Otherwise there is no owner it can reach,
+and the client is told so, plainly, with 503: the command was not applied and may be retried anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import attrs
+
+UNAVAILABLE_STATUS = 503
+
+
+@attrs.frozen
+class Serve:
+    pass
+
+
+@attrs.frozen
+class Forward:
+    owner: str
+
+
+@attrs.frozen
+class Unavailable:
+    message: str
+
+    @property
+    def status(self) -> int:
+        return UNAVAILABLE_STATUS
+
+    def body(self) -> dict[str, str]:
+        return {"error": self.message}
+
+
+Route = Serve | Forward | Unavailable
+
+
+def route(
+    scope: str, me: str, owner: str | None, live: Collection[str], serving: bool, forwarded: bool = False
+) -> Route:
+    """``owner``: who this replica's view says holds ``scope``; ``live``: the members with live leases;
+    ``serving``: this replica owns the scope, has recovered it and holds its lease."""
+    if owner == me:
+        if serving:
+            return Serve()
+        return Unavailable(f"scope {scope} is not ready on its owner {me} (recovering, or its lease lapsed)")
+    if forwarded:
+        return Unavailable(f"scope {scope} moved while the command was forwarded to {me}")
+    if owner is None:
+        return Unavailable(f"no replica owns scope {scope} yet")
+    if owner not in live:
+        return Unavailable(f"the owner of scope {scope}, {owner}, holds no live lease")
+    return Forward(owner)
