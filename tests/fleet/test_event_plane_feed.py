@@ -4,15 +4,19 @@ NATS and ZMQ is ``test_event_plane_liveness.py``."""
 
 from __future__ import annotations
 
+from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.actors.core.kv_liveness import KV_EVENTS_STOPPED
+from kvrouter.actors.core.kv_modes import KvMode
 from kvrouter.actors.fleet.dynamo_layout import DiscoveredWorker, Layout
 from kvrouter.actors.fleet.event_ingest import EventPlaneIngest
-from kvrouter.actors.kv_health import Feeds
+from kvrouter.actors.kv_health import Feeds, KvHealth
 from kvrouter.actors.ports import TrioClock
 from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.memory import MemoryJournal
 from tests.support.dynamo_keys import NS, worker_keys, zmq_channel_value
 
 ON_NATS, ON_ZMQ = 0x7200000000000001, 0x7200000000000002
+SECOND = 1_000_000_000
 SUBJECT = f"namespace.{NS}.component.backend.endpoint.generate.kv-events"
 
 
@@ -65,3 +69,23 @@ async def test_feeds_answer_for_a_rank_with_the_first_feed_that_knows_it() -> No
     assert sorted(feeds.listening()) == sorted([*ingest.listening(), *other.listening()])
     ingest.follow({})  # discovery no longer shows them
     assert ingest.connected(ON_NATS, 0) is None and feeds.connected(ON_NATS, 0) is False
+
+
+async def test_an_event_plane_rank_is_scored_on_its_bookings_and_taken_out_by_the_listeners_rule() -> None:
+    """Through ``KvHealth`` with the plane added as a feed: a booking its events leave unanswered makes the rank
+    predicted after the stale time, then out after the timeout; a rank of no feed is neither."""
+    workers = discovered()
+    ingest = plane({SUBJECT})
+    listeners = plane(set())
+    listeners.follow({})  # the first feed (the KV listeners, in a service) knows none of these ranks
+    health = KvHealth(listeners, stale_after_secs=1.0, out_after_secs=2.0)
+    health.add_feed(ingest)
+    record = workers[ON_NATS].record
+    scope, rank = record.scope, WorkerRank(ON_NATS, 0)
+    health.liveness.booked(scope, rank, 0)
+    health.liveness.booked(scope, WorkerRank(0x99, 0), 0)  # no feed knows it
+    assert health.modes(scope, record, SECOND // 2)[rank].mode is KvMode.EXACT
+    assert health.modes(scope, record, SECOND)[rank].mode is KvMode.PREDICTED
+    (change,) = health.check(2 * SECOND)
+    assert (change.rank, change.out, change.cause) == (rank, True, KV_EVENTS_STOPPED)
+    assert health.outages(scope, record, 2 * SECOND)["0"]["reason"] == KV_EVENTS_STOPPED
