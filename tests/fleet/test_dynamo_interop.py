@@ -4,14 +4,14 @@ restarted kvrouter catches up through JetStream, and the mocker killed with -9 l
 TTL + 2 s.
 
 Skipped unless a throw-away venv with Dynamo exists (docs/fleet.md, "Testing against Dynamo"):
-``$KVROUTER_DYNAMO_PYTHON``, or ``../dynvenv/bin/python`` beside the repository. The stack runs inside a network
-namespace (``unshare -n``): Dynamo's ZMQ publishers bind 0.0.0.0 whatever they are told.
+``$KVROUTER_DYNAMO_PYTHON``, or ``../dynvenv`` or ``../refvenv`` beside the repository (``support/dynamo_venv.py``).
+The stack runs inside a network namespace (``unshare -n``): Dynamo's ZMQ publishers bind 0.0.0.0 whatever they are
+told.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,29 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.dynamo_venv import dynamo_python
 from tests.support.fleet_servers import ETCD, NATS_SERVER
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("dynamo_stack.py")
-
-
-def dynamo_python() -> str:
-    for candidate in (os.environ.get("KVROUTER_DYNAMO_PYTHON"), str(ROOT.parent / "dynvenv" / "bin" / "python")):
-        if candidate and Path(candidate).exists():
-            probe = subprocess.run(
-                [candidate, "-c", "import dynamo.mocker, dynamo.frontend, tokenizers"],
-                capture_output=True,
-                check=False,
-                timeout=120,
-            )
-            if probe.returncode == 0:
-                return candidate
-    pytest.skip(
-        "Dynamo 1.6.1 is not installed: make a throw-away venv (pip install ai-dynamo==1.6.1 --no-deps, then "
-        "ai-dynamo-runtime==1.6.1 and its dependencies; docs/fleet.md) and set KVROUTER_DYNAMO_PYTHON"
-    )
 
 
 def isolated() -> list[str]:
