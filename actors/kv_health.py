@@ -85,14 +85,17 @@ class KvHealth:
     rank out of selection (``core/kv_liveness.py``), which also needs the bookings it keeps, so both share them."""
 
     def __init__(self, listeners: Listeners, stale_after_secs: float, out_after_secs: float = 0.0) -> None:
-        self._listeners = Feeds(listeners)
+        self._listeners: Listeners = listeners
         self.stale_after_secs = stale_after_secs
         self.liveness = KvLiveness(out_after_secs)
         self._down_since: dict[WorkerRank, int] = {}  # listeners not connected now: first seen so
 
     def add_feed(self, feed: Listeners) -> None:
-        """Follow the ranks ``feed`` speaks for too (Dynamo's event plane, next to the KV listeners)."""
-        self._listeners.add(feed)
+        """Follow the ranks ``feed`` speaks for too (Dynamo's event plane, next to the KV listeners). Without one, the
+        listeners are asked directly: a selection costs what it did."""
+        feeds = self._listeners if isinstance(self._listeners, Feeds) else Feeds(self._listeners)
+        feeds.add(feed)
+        self._listeners = feeds
 
     def observe(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
         scope = state.scope

@@ -1,7 +1,8 @@
 """Against Dynamo 1.6.1 itself (optional): ``dynamo.mocker`` discovered from etcd, a prompt sent through
 ``dynamo.frontend`` shows the mocker's cached blocks in kvrouter's ``/select`` on the NATS and the ZMQ plane, a
-restarted kvrouter catches up through JetStream, and the mocker killed with -9 leaves the catalog within its lease
-TTL + 2 s.
+restarted kvrouter catches up through JetStream, a booking the mocker's KV events leave unanswered takes it out of
+kvrouter's selection within the timeout (and a prompt brings it back), and the mocker killed with -9 leaves the
+catalog within its lease TTL + 2 s.
 
 Skipped unless a throw-away venv with Dynamo exists (docs/fleet.md, "Testing against Dynamo"):
 ``$KVROUTER_DYNAMO_PYTHON``, or ``../dynvenv`` or ``../refvenv`` beside the repository (``support/dynamo_venv.py``).
@@ -69,4 +70,8 @@ def test_dynamo_workers_are_discovered_and_their_kv_events_indexed(plane: str, t
     if plane == "nats":
         assert result["kv_listener"]["plane"] == "jetstream"
         assert result["select_after_restart"]["overlap"]["dp"]["0"] > 0  # published while kvrouter was down
+    live = result["liveness"]  # a booking its KV events leave unanswered: out within the timeout, back at a prompt
+    assert live["out"]["reason"] == "kv_events_stopped"
+    assert live["out_after_seconds"] <= result["kv_events_timeout_seconds"] * 1.25 + 1
+    assert 'kvrouter_kv_stream_returns_total{cause="kv_events_resumed"} 1.0' in live["metrics"]
     assert result["left_after_kill_seconds"] <= result["lease_ttl_seconds"] + 2
