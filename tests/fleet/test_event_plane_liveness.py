@@ -1,9 +1,9 @@
 """A rank fed by Dynamo's event plane is watched for stopped KV events as a KV listener's is: two discovered
 workers (etcd), their envelopes published on a real nats-server or on ZMQ PUB sockets as Dynamo's publishers do; a
 booking on one that its events leave unanswered takes it out of selection within ``--kv-events-timeout-secs`` (its
-bookings freed, ``/workers`` says why, ``/metrics`` counts it), and its next envelope brings it back. The two planes
-share the rule (``EventPlaneIngest`` is one more feed of ``KvHealth``) and differ only in what "read now" means, so
-one test runs on both."""
+bookings freed, ``/workers`` says why, ``/metrics`` counts it), and its next envelope brings it back; on NATS, so
+does kvrouter's connection coming back after an outage. The two planes share the rule (``EventPlaneIngest`` is
+one more feed of ``KvHealth``) and differ only in what "read now" means, so one scenario runs on both."""
 
 from __future__ import annotations
 
@@ -198,25 +198,66 @@ async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
     await server.stop()
 
 
-async def test_nats_fed_rank_goes_out_when_its_events_stop_and_back_when_they_resume(
-    tmp_path: Path, etcd: EtcdServer, nursery: trio.Nursery
-) -> None:
+@pytest.fixture
+async def nats_server(tmp_path: Path, etcd: EtcdServer) -> AsyncIterator[NatsServer]:
+    """A core NATS server, and both workers' keys in etcd with their channels on it."""
     require_nats()
     for worker, publisher in PUBLISHERS.items():
         for key, value in worker_keys(worker, publisher).items():
             await etcd.put(key, value)
     server = NatsServer(tmp_path, jetstream=False)
     await server.start()
-    try:
-        fleet = FleetOptions(
-            discovery_backend="etcd", etcd_endpoints=(etcd.url,), event_plane="nats", nats_servers=(server.url,)
+    yield server
+    await server.stop()
+
+
+def nats_fleet(etcd: EtcdServer, server: NatsServer) -> FleetOptions:
+    return FleetOptions(
+        discovery_backend="etcd", etcd_endpoints=(etcd.url,), event_plane="nats", nats_servers=(server.url,)
+    )
+
+
+async def test_nats_fed_rank_goes_out_when_its_events_stop_and_back_when_they_resume(
+    tmp_path: Path, etcd: EtcdServer, nats_server: NatsServer, nursery: trio.Nursery
+) -> None:
+    handle = await start_selector(nursery, tmp_path, nats_fleet(etcd, nats_server))
+    async with NatsPublishers(nats_server.url) as publishers, httpx.AsyncClient(base_url=handle.urls[0]) as http:
+        await outage_and_return(http, publishers)
+    handle.stop()
+
+
+async def test_a_rank_out_during_a_nats_outage_comes_back_when_kvrouter_reconnects(
+    tmp_path: Path, etcd: EtcdServer, nats_server: NatsServer, nursery: trio.Nursery
+) -> None:
+    """The rule for a listener that reconnects after it was seen disconnected while out: kvrouter's link to the
+    plane is back, so the rank is given its chance again (out again a timeout after its next unanswered booking)."""
+    handle = await start_selector(nursery, tmp_path, nats_fleet(etcd, nats_server))
+    async with NatsPublishers(nats_server.url) as publishers, httpx.AsyncClient(base_url=handle.urls[0]) as http:
+        await both_fed(http, publishers)
+        booking = {"model_name": "tiny", "reservation_id": "r1", "worker_id": QUIET, "sequence_hashes": [1]}
+        await http.post("/reservations", json={**booking, "isl_tokens": 16})
+
+        async def out() -> bool:
+            return "out_of_selection" in (await rows(http))[QUIET]
+
+        await eventually(out)
+        await nats_server.stop()
+
+        async def link_down() -> bool:
+            return (await http.get("/ready")).json().get("event_plane", {}).get("state") == "disconnected"
+
+        await eventually(link_down)
+        await trio.sleep(2 * CHECK_PERIOD_SECS)  # a liveness check sees the rank's publisher not read
+        await nats_server.start()
+
+        async def back() -> bool:
+            return not await out()
+
+        await eventually(back)
+        assert await metric(http, 'kvrouter_kv_stream_returns_total{cause="kv_stream_reconnected"}') == (
+            'kvrouter_kv_stream_returns_total{cause="kv_stream_reconnected"} 1.0'
         )
-        handle = await start_selector(nursery, tmp_path, fleet)
-        async with NatsPublishers(server.url) as publishers, httpx.AsyncClient(base_url=handle.urls[0]) as http:
-            await outage_and_return(http, publishers)
-        handle.stop()
-    finally:
-        await server.stop()
+    handle.stop()
 
 
 async def test_zmq_fed_rank_goes_out_when_its_events_stop_and_back_when_they_resume(
