@@ -2,13 +2,13 @@
 for taking a rank out of selection when its stream stops while it has traffic (``core/kv_liveness.py``).
 
 Shell state, never journaled: it follows applied events (a booking on a rank starts its "unanswered" clock, a
-KV batch from the rank stops it) and the ranks' listeners (connected or not, and since when, as first seen
-here). A selection carries what it knows when the selection is asked (``view``: a ``StreamView``), and the
-scope's desk decides from it which of the scope's ranks to score on predicted blocks, and which to leave out
-(``check``, on the service's clock, takes ranks out and brings them back; the service frees the bookings of those
-taken out with a journaled command). Bounded by the registered
-ranks: entries of ranks that leave are dropped when their worker does, and "down since" is kept only for
-listeners that are not connected now.
+KV batch from the rank stops it) and the ranks' KV feeds (connected or not, and since when, as first seen here):
+the engines' ZMQ listeners (``KvIngest``) and, with a fleet, Dynamo's event plane (``fleet/event_ingest.py``), one
+rule for both (``Feeds``). A selection carries what it knows when the selection is asked (``view``: a
+``StreamView``), and the scope's desk decides from it which of the scope's ranks to score on predicted blocks, and
+which to leave out (``check``, on the service's clock, takes ranks out and brings them back; the service frees the
+bookings of those taken out with a journaled command). Bounded by the registered ranks: entries of ranks that leave
+are dropped when their worker does, and "down since" is kept only for listeners that are not connected now.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ log = logging.getLogger("kvrouter.kv_health")
 
 
 class Listeners(Protocol):
-    """The KV listeners, as the health follows them (``KvIngest`` is one)."""
+    """A KV feed, as the health follows it: the engines' ZMQ listeners (``KvIngest``), or Dynamo's event plane
+    (``EventPlaneIngest``: a rank has a "listener" while discovery names a publisher for it)."""
 
     def connected(self, worker_id: int, dp_rank: int) -> bool | None:
         """Whether the rank's listener is connected now; None when the rank has no listener."""
@@ -52,15 +53,49 @@ class Listeners(Protocol):
         ...
 
 
+class Feeds:
+    """Several KV feeds as one ``Listeners``: a rank is answered for by the first feed that knows it (a rank has one
+    feed: a discovered worker's events come over the event plane, a registered worker's from its listener)."""
+
+    def __init__(self, first: Listeners) -> None:
+        self._feeds = [first]
+
+    def add(self, feed: Listeners) -> None:
+        self._feeds.append(feed)
+
+    def connected(self, worker_id: int, dp_rank: int) -> bool | None:
+        for feed in self._feeds:
+            state = feed.connected(worker_id, dp_rank)
+            if state is not None:
+                return state
+        return None
+
+    def all_connected(self) -> bool:
+        for feed in self._feeds:  # noqa: SIM110 - a plain loop: every selection asks
+            if not feed.all_connected():
+                return False
+        return True
+
+    def listening(self) -> list[tuple[int, int]]:
+        return [rank for feed in self._feeds for rank in feed.listening()]
+
+
 class KvHealth:
     """``stale_after_secs`` (0: off) drives the fallback to predicted blocks; ``out_after_secs`` (0: off) takes a
     rank out of selection (``core/kv_liveness.py``), which also needs the bookings it keeps, so both share them."""
 
     def __init__(self, listeners: Listeners, stale_after_secs: float, out_after_secs: float = 0.0) -> None:
-        self._listeners = listeners
+        self._listeners: Listeners = listeners
         self.stale_after_secs = stale_after_secs
         self.liveness = KvLiveness(out_after_secs)
         self._down_since: dict[WorkerRank, int] = {}  # listeners not connected now: first seen so
+
+    def add_feed(self, feed: Listeners) -> None:
+        """Follow the ranks ``feed`` speaks for too (Dynamo's event plane, next to the KV listeners). Without one, the
+        listeners are asked directly: a selection costs what it did."""
+        feeds = self._listeners if isinstance(self._listeners, Feeds) else Feeds(self._listeners)
+        feeds.add(feed)
+        self._listeners = feeds
 
     def observe(self, state: ScopeState, command: Command, events: tuple[Event, ...]) -> None:
         scope = state.scope

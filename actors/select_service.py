@@ -161,7 +161,8 @@ class SelectService:
         # This replica's id: the version writer of the session bindings it makes (replica sync's router id).
         self.writer_id = writer_id
         # Per-rank fallback to predicted blocks while a rank's KV events are absent or stale, and taking a rank out
-        # of selection when they stop while it has traffic (KV-event mode, ranks with a KV listener only).
+        # of selection when they stop while it has traffic (KV-event mode, ranks with a KV listener only; a fleet adds
+        # Dynamo's event plane to the listeners followed: ``KvHealth.add_feed``).
         self.health = (
             KvHealth(ingest, config.kv_events_stale_secs, config.kv_events_timeout_secs)
             if ingest is not None

@@ -9,9 +9,10 @@ describes it for operators.
 
 Per (scope, rank):
 
-- **in** → **out**: the rank has a KV listener, and its earliest booking since its last batch is ``timeout`` old
-  (``check``). A rank without a listener (a worker fed over HTTP only, or in approximate mode) is never taken out:
-  nothing is expected of it, as in 1.6.1.
+- **in** → **out**: the rank has a KV listener (an engine's ZMQ listener, or a publisher on Dynamo's event plane:
+  the shell treats both alike), and its earliest booking since its last batch is ``timeout`` old (``check``). A
+  rank without a listener (a worker fed over HTTP only, or in approximate mode) is never taken out: nothing is
+  expected of it, as in 1.6.1.
 - **out** → **in**: a batch (or a stream reset: the publisher restarted) arrived from it (``heard``), or its listener
   connected again after it was seen disconnected while out (``check``: a new connection is a publisher that is
   back; if it still does not answer bookings it is taken out again).

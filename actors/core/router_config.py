@@ -73,8 +73,9 @@ class RouterConfig:
     # kvrouter's per-rank fallback in KV-event mode: a rank whose stream is absent, or silent this long after a
     # booking on it, is scored on its predicted (booked) blocks until its events resume. 0 disables it.
     kv_events_stale_secs: float = 10.0
-    # kvrouter's: a rank with a KV listener whose stream leaves a booking unanswered this long is taken out of
-    # selection, its bookings freed, until its events resume (actors/core/kv_liveness.py). 0 disables it.
+    # kvrouter's: a rank with a KV listener (or a publisher on Dynamo's event plane) whose stream leaves a booking
+    # unanswered this long is taken out of selection, its bookings freed, until its events resume
+    # (actors/core/kv_liveness.py). 0 disables it.
     kv_events_timeout_secs: float = KV_EVENTS_TIMEOUT_SECS
     router_mode: str = "kv"  # see actors/core/routing_modes.py
     router_track_active_blocks: bool = True  # off: bookings hold no decode blocks (prefill-only pools)

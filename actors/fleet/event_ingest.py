@@ -18,13 +18,19 @@ One batch is applied at a time between all the readers (a FIFO lock), each run a
 A reader waits until its batch is applied (policy: block; the reader's own buffer and the transport then hold the
 backlog) and learns the journal position of the last command, which the JetStream consumer waits to be durable
 before it acknowledges the messages.
+
+It is also a KV feed of the service's liveness watch (``actors/kv_health.py``), as the ZMQ listeners are: every rank
+of a discovered worker with a publisher is watched, and its publisher counts as connected while the plane reads its
+source (``reading``: the NATS connection is up; the ZMQ channel's endpoint is resolved and read) and its channel is
+of the plane's kind. A rank whose events stop while it has traffic is then taken out of selection by the same rule
+and the same journaled command as a listener's (``core/kv_liveness.py``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import trio
@@ -58,6 +64,9 @@ class EventPlaneIngest:
         self.held_dropped = 0  # envelopes dropped from the hold (full, or their publisher never appeared)
         self.unreadable = 0  # messages that were not envelopes at all (no publisher to count them on)
         self.jetstream = False  # the NATS plane reads through kvrouter's JetStream stream
+        # Whether the plane reads a publisher's source (subject or endpoint) now; the plane sets it once started.
+        self.reading: Callable[[str], bool] = _never
+        self._by_rank: dict[tuple[int, int], tuple[Route, ...]] = {}  # (worker id, dp rank) -> its publishers
 
     # -- following discovery -----------------------------------------------------------------------------------
 
@@ -78,6 +87,12 @@ class EventPlaneIngest:
                 status = self._new_status(publisher, record.scope)
                 routes[publisher.publisher_id] = Route(publisher, record.scope, ranks, status)
         self.routes = routes
+        by_rank: dict[tuple[int, int], tuple[Route, ...]] = {}
+        for route in routes.values():
+            for dp_rank in sorted(route.dp_ranks):
+                key = (route.publisher.worker_id, dp_rank)
+                by_rank[key] = (*by_rank.get(key, ()), route)
+        self._by_rank = by_rank
 
     def _new_status(self, publisher: Publisher, scope: ScopeKey) -> PublisherStatus:
         transport = publisher.transport
@@ -105,6 +120,28 @@ class EventPlaneIngest:
                 route.status.plane = self.plane_name  # JetStream is known only once the plane has connected
                 found.setdefault(str(route.publisher.stream_rank), _view(route.status))
         return found
+
+    # -- a KV feed of the liveness watch (``kv_health.Listeners``) -------------------------------------------
+
+    def connected(self, worker_id: int, dp_rank: int) -> bool | None:
+        """Whether a publisher of the rank is read now; None when discovery names none for it."""
+        routes = self._by_rank.get((worker_id, dp_rank))
+        if routes is None:
+            return None
+        return any(self._read(route) for route in routes)
+
+    def all_connected(self) -> bool:
+        for route in self.routes.values():  # noqa: SIM110 - a plain loop: every selection asks
+            if not self._read(route):
+                return False
+        return True
+
+    def listening(self) -> list[tuple[int, int]]:
+        return list(self._by_rank)
+
+    def _read(self, route: Route) -> bool:
+        status = route.status
+        return status.state != "failed" and self.reading(status.source)
 
     def needs_flush(self) -> bool:
         """Whether held envelopes now have a route (the plane's runner then calls ``ingest([])``)."""
@@ -216,6 +253,10 @@ class EventPlaneIngest:
                 await trio.sleep(RETRY_FULL_MAILBOX_SECONDS)  # policy: block the readers until the actor takes it
                 continue
             return lsn
+
+
+def _never(source: str) -> bool:
+    return False
 
 
 def _source(transport: NatsChannel | ZmqChannel | None) -> str:

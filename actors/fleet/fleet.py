@@ -6,6 +6,8 @@ Start order: the event plane's readers first (they connect in the background), t
 is applied before ``start_fleet`` returns (so the service opens with the discovered catalog; an unreachable source
 does not hold the start: the service opens with the recovered catalog and says so). Every catalog change discovery
 applies then re-routes the event plane: which publisher speaks for which rank, which subjects and endpoints to read.
+The event plane is one more KV feed of the service's liveness watch (``KvHealth.add_feed``): its ranks go out of
+selection when their events stop while they have traffic, as the KV listeners' do.
 """
 
 from __future__ import annotations
@@ -97,10 +99,14 @@ class Fleet:
                     for record in state.selection.catalog.values()
                 ),
             )
+            self.ingest.reading = self.nats.reading
             await nursery.start(self.nats.run)
         else:
             self.zmq = ZmqPlane(self.ingest)
+            self.ingest.reading = self.zmq.reading
             await nursery.start(self.zmq.run)
+        if self._service.health is not None:
+            self._service.health.add_feed(self.ingest)  # its ranks are watched as the KV listeners' are
         nursery.start_soon(self._flush_held)
 
     async def _start_etcd(self, nursery: trio.Nursery, client: httpx.AsyncClient) -> None:

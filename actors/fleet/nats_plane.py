@@ -126,6 +126,10 @@ class NatsPlane:
         self._subs: dict[str, Any] = {}
         self._closing = False
 
+    def reading(self, subject: str) -> bool:
+        """Whether ``subject`` is read now: every followed subject is, while the connection is up."""
+        return self.status.state == "connected"
+
     def follow(self, subjects: set[str]) -> None:
         """The subjects discovered channels name; those outside the namespace pattern are read too."""
         pattern = namespace_subjects(self._namespace)

@@ -47,6 +47,11 @@ class ZmqPlane:
             task_status.started(self)
             await trio.sleep_forever()
 
+    def reading(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` is read now: a reader follows it and its host resolved (libzmq keeps the connection,
+        reconnecting by itself, so a publisher that is gone but still discovered counts as read)."""
+        return endpoint in self._readers and endpoint not in self.problems
+
     def follow(self, endpoints: set[str]) -> None:
         """Read exactly these endpoints (discovered channels): start new readers, stop the others."""
         assert self._nursery is not None, "ZmqPlane.run has not started"

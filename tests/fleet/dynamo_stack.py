@@ -7,7 +7,9 @@ service (``--discovery-backend etcd --event-plane PLANE``), ``python -m dynamo.m
 publishes real KV events) and ``python -m dynamo.frontend`` (``--router-mode kv``), over a model directory without
 weights built here (a small BPE tokenizer trained with ``tokenizers``). Then: one prompt sent twice through Dynamo's
 frontend, and kvrouter's ``/select`` for the prompt's token ids; with NATS, kvrouter stopped, a second prompt sent,
-kvrouter started again (JetStream catch-up); the mocker killed with -9, and how long kvrouter kept it.
+kvrouter started again (JetStream catch-up); a booking on the mocker in kvrouter that no request follows, until
+kvrouter takes it out of selection (its KV events are silent), then a prompt that brings it back; the mocker killed
+with -9, and how long kvrouter kept it.
 
 The ZMQ plane's publishers bind 0.0.0.0 whatever Dynamo is told: run this inside a network namespace (``unshare -n``,
 after ``ip link set lo up``) so nothing listens beyond loopback; the fleet test does.
@@ -33,7 +35,10 @@ PROMPTS = (
     "tiny model hello world this is a tiny model the quick brown fox",
     "hello world this is a tiny model the lazy dog jumps over the quick brown fox hello world this is a tiny model "
     "the lazy dog sleeps and the fox runs and the dog sleeps again",
+    "this is a tiny model and the quick brown fox sleeps hello world the lazy dog runs over the tiny model and the "
+    "fox jumps again over the dog",
 )
+KV_EVENTS_TIMEOUT = 2  # kvrouter's --kv-events-timeout-secs
 MAKE_MODEL = r"""
 import json, sys
 from pathlib import Path
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kvrouter = [
             sys.executable, "-m", "kvrouter.api.cli.main", "select-service", "--port", str(kv_port),
             "--data-dir", str(workdir / "kvrouter"), "--discovery-backend", "etcd", "--etcd-endpoints", etcd_url,
-            "--event-plane", args.plane, "--nats-server", nats_url,
+            "--event-plane", args.plane, "--nats-server", nats_url, "--kv-events-timeout-secs", str(KV_EVENTS_TIMEOUT),
         ]  # fmt: skip
         kv_url = f"http://127.0.0.1:{kv_port}"
         stack.start("kvrouter", kvrouter)
@@ -187,6 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wait("kvrouter again", lambda: http(kv_url + "/health"))
             result["select_after_restart"] = wait("the caught-up blocks", lambda: cached(kv_url, tokens[1]), timeout=60)
         result["kv_listener"] = http(kv_url + "/workers")[0]["kv_listeners"]["0"]
+        result["liveness"] = liveness(kv_url, fe_url, result["discovered"][0]["worker_id"])
+        result["kv_events_timeout_seconds"] = KV_EVENTS_TIMEOUT
         killed = time.monotonic()
         stack.stop("mocker", signal.SIGKILL)
         wait("the mocker to leave kvrouter's catalog", lambda: http(kv_url + "/workers") == [], timeout=60)
@@ -195,6 +202,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stack.stop_all()
     return result
+
+
+def liveness(kv_url: str, fe_url: str, worker_id: int) -> dict[str, Any]:
+    """A booking on the mocker in kvrouter that no request follows (its KV events stay silent): how long until
+    kvrouter takes it out of selection; then a prompt through Dynamo's frontend (the mocker stores blocks and says
+    so): how long until it is back."""
+    booking = {"model_name": "tiny", "reservation_id": "silent", "worker_id": worker_id, "sequence_hashes": [1]}
+    http(kv_url + "/reservations", {**booking, "isl_tokens": 16})
+    booked = time.monotonic()
+    out = wait("the mocker out of kvrouter's selection", lambda: out_of_selection(kv_url), timeout=60)
+    found: dict[str, Any] = {"out_after_seconds": round(time.monotonic() - booked, 2), "out": out}
+    sent = time.monotonic()
+    complete(fe_url, PROMPTS[2])
+    wait("the mocker back in kvrouter's selection", lambda: not out_of_selection(kv_url), timeout=60)
+    found["back_after_request_seconds"] = round(time.monotonic() - sent, 2)
+    metrics = urllib.request.urlopen(kv_url + "/metrics", timeout=10).read().decode()
+    found["metrics"] = [line for line in metrics.splitlines() if line.startswith("kvrouter_kv_stream_")]
+    return found
+
+
+def out_of_selection(url: str) -> dict[str, Any] | None:
+    shown: dict[str, Any] | None = http(url + "/workers")[0].get("out_of_selection", {}).get("0")
+    return shown
 
 
 def complete(url: str, prompt: str) -> int:

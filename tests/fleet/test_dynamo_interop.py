@@ -1,17 +1,18 @@
 """Against Dynamo 1.6.1 itself (optional): ``dynamo.mocker`` discovered from etcd, a prompt sent through
 ``dynamo.frontend`` shows the mocker's cached blocks in kvrouter's ``/select`` on the NATS and the ZMQ plane, a
-restarted kvrouter catches up through JetStream, and the mocker killed with -9 leaves the catalog within its lease
-TTL + 2 s.
+restarted kvrouter catches up through JetStream, a booking the mocker's KV events leave unanswered takes it out of
+kvrouter's selection within the timeout (and a prompt brings it back), and the mocker killed with -9 leaves the
+catalog within its lease TTL + 2 s.
 
 Skipped unless a throw-away venv with Dynamo exists (docs/fleet.md, "Testing against Dynamo"):
-``$KVROUTER_DYNAMO_PYTHON``, or ``../dynvenv/bin/python`` beside the repository. The stack runs inside a network
-namespace (``unshare -n``): Dynamo's ZMQ publishers bind 0.0.0.0 whatever they are told.
+``$KVROUTER_DYNAMO_PYTHON``, or ``../dynvenv`` or ``../refvenv`` beside the repository (``support/dynamo_venv.py``).
+The stack runs inside a network namespace (``unshare -n``): Dynamo's ZMQ publishers bind 0.0.0.0 whatever they are
+told.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,29 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.dynamo_venv import dynamo_python
 from tests.support.fleet_servers import ETCD, NATS_SERVER
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("dynamo_stack.py")
-
-
-def dynamo_python() -> str:
-    for candidate in (os.environ.get("KVROUTER_DYNAMO_PYTHON"), str(ROOT.parent / "dynvenv" / "bin" / "python")):
-        if candidate and Path(candidate).exists():
-            probe = subprocess.run(
-                [candidate, "-c", "import dynamo.mocker, dynamo.frontend, tokenizers"],
-                capture_output=True,
-                check=False,
-                timeout=120,
-            )
-            if probe.returncode == 0:
-                return candidate
-    pytest.skip(
-        "Dynamo 1.6.1 is not installed: make a throw-away venv (pip install ai-dynamo==1.6.1 --no-deps, then "
-        "ai-dynamo-runtime==1.6.1 and its dependencies; docs/fleet.md) and set KVROUTER_DYNAMO_PYTHON"
-    )
 
 
 def isolated() -> list[str]:
@@ -86,4 +70,8 @@ def test_dynamo_workers_are_discovered_and_their_kv_events_indexed(plane: str, t
     if plane == "nats":
         assert result["kv_listener"]["plane"] == "jetstream"
         assert result["select_after_restart"]["overlap"]["dp"]["0"] > 0  # published while kvrouter was down
+    live = result["liveness"]  # a booking its KV events leave unanswered: out within the timeout, back at a prompt
+    assert live["out"]["reason"] == "kv_events_stopped"
+    assert live["out_after_seconds"] <= result["kv_events_timeout_seconds"] * 1.25 + 1
+    assert 'kvrouter_kv_stream_returns_total{cause="kv_events_resumed"} 1.0' in live["metrics"]
     assert result["left_after_kill_seconds"] <= result["lease_ttl_seconds"] + 2
