@@ -42,7 +42,7 @@ from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
 from kvrouter.journal import jetstream_batch as batch
 from kvrouter.journal.asyncio_thread import AsyncioThread
 from kvrouter.journal.group_commit import Batch, GroupCommit
-from kvrouter.journal.jetstream_link import JetStreamLink, StoredSnapshot, Tail, payloads
+from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, payloads
 from kvrouter.journal.store import Durability, JournalWriteFailed, SkippedRecord, Snapshot, check_snapshot
 
 logger = logging.getLogger("kvrouter.journal")
@@ -125,17 +125,20 @@ class JetStreamJournal:
         *,
         fresh: bool = False,
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
+        log: str = DEFAULT_LOG,
     ) -> JetStreamJournal:
         """Connect, make sure the stream and the snapshot bucket exist, and read where the log ends.
 
+        ``log``: which log of the stream (a subject token): ``log`` for a service's one journal, another name for
+        each of many journals sharing the stream (a cluster's scopes), each fenced on its own subject.
         Blocking, as ``FileJournal.open``: run it before serving, or through ``trio.to_thread.run_sync``.
         Raises ``JournalUnreachable`` (one line naming the server) when NATS or JetStream does not answer.
         ``fresh=True`` first empties the journal's subject and deletes its snapshot.
         """
-        thread = AsyncioThread(f"kvrouter-journal-{stream}")
+        thread = AsyncioThread(f"kvrouter-journal-{stream}-{log}")
         thread.start_blocking()
         try:
-            link = thread.call_blocking(JetStreamLink.connect, servers, stream, timeout=OPEN_TIMEOUT_SECONDS)
+            link = thread.call_blocking(JetStreamLink.connect, servers, stream, log, timeout=OPEN_TIMEOUT_SECONDS)
             try:
                 tail = thread.call_blocking(link.prepare, fresh, timeout=OPEN_TIMEOUT_SECONDS)
             except BaseException:
