@@ -149,6 +149,21 @@ class JetStreamJournal:
             raise
         return cls(thread, link, tail, durability, max_backlog_bytes)
 
+    @staticmethod
+    def check(servers: tuple[str, ...], stream: str) -> None:
+        """Connect, make sure the stream and its snapshot bucket exist, disconnect: what a service whose journals
+        open later (a cluster replica's, one per scope) checks at start. Blocking; ``JournalUnreachable``."""
+        thread = AsyncioThread(f"kvrouter-journal-{stream}-check")
+        thread.start_blocking()
+        try:
+            link = thread.call_blocking(JetStreamLink.connect, servers, stream, timeout=OPEN_TIMEOUT_SECONDS)
+            try:
+                thread.call_blocking(link.ensure, timeout=OPEN_TIMEOUT_SECONDS)
+            finally:
+                thread.call_blocking(link.close, timeout=OPEN_TIMEOUT_SECONDS)
+        finally:
+            thread.stop_blocking()
+
     # -- the Journal protocol ---------------------------------------------------------------------
 
     @property

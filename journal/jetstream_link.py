@@ -141,10 +141,21 @@ class JetStreamLink:
                 await self._delete_snapshot()
             return await self._tail()
         except (TimeoutError, nats.errors.Error) as exc:
-            raise JournalUnreachable(
-                f"JetStream at {self._nc.connected_url.netloc if self._nc.connected_url else '?'} did not serve the "
-                f"journal stream {self.stream} ({_why(exc)}); is JetStream enabled (nats-server -js)?"
-            ) from None
+            raise self._unserved(exc) from None
+
+    async def ensure(self) -> None:
+        """The stream and the snapshot bucket, created if missing (``JournalUnreachable`` if JetStream refuses)."""
+        try:
+            await self._ensure_stream()
+            self._objects = await self._ensure_bucket()
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise self._unserved(exc) from None
+
+    def _unserved(self, exc: BaseException) -> JournalUnreachable:
+        return JournalUnreachable(
+            f"JetStream at {self._nc.connected_url.netloc if self._nc.connected_url else '?'} did not serve the "
+            f"journal stream {self.stream} ({_why(exc)}); is JetStream enabled (nats-server -js)?"
+        )
 
     async def _ensure_stream(self) -> None:
         wanted = subjects_of(self.stream)

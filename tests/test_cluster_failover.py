@@ -1,0 +1,182 @@
+"""A cluster of three slot-tracker replicas (``--cluster``) on a real etcd and a real nats-server (JetStream), all on
+free loopback ports and stopped by PID: a write sent to a replica that does not own its scope is forwarded to the
+owner; the owner killed with kill -9, a survivor claims the scope once the owner's lease ends, recovers it from the
+scope's own JetStream subject, and serves it, with every acknowledged booking; ``GET /cluster`` names the new
+owner. A replica started without what ``--cluster`` needs, or unable to reach etcd, exits 2 with one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.ownership.fencing import scope_token
+from kvrouter.actors.core.ownership.placement import preferred_owner
+from tests.support.fleet_servers import EtcdServer, NatsServer
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.slow
+
+CLUSTER = "FAILOVER_TEST"
+TTL_SECONDS = 2
+
+
+class Replica:
+    def __init__(self, directory: Path, name: str, etcd: str, nats: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data_dir = directory / name
+        self.log = directory / f"{name}.log"
+        self.argv = [
+            sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", str(self.port),
+            "--data-dir", str(self.data_dir), "--log-level", "info", "--cluster", CLUSTER, "--etcd-endpoints", etcd,
+            "--nats-server", nats, "--advertise-url", self.url, "--cluster-lease-ttl", str(TTL_SECONDS),
+        ]  # fmt: skip
+        self.process: trio.Process | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.process = await trio.lowlevel.open_process(self.argv, stdout=subprocess.DEVNULL, stderr=log)
+        async with httpx.AsyncClient(base_url=self.url, trust_env=False) as http:
+            with trio.fail_after(30):
+                while True:
+                    if self.process.poll() is not None:
+                        raise AssertionError(self.log.read_text())
+                    try:
+                        if (await http.get("/health")).status_code == 200:
+                            return
+                    except httpx.TransportError:
+                        await trio.sleep(0.05)
+
+    async def kill9(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            await self.process.wait()
+
+
+@pytest.fixture
+async def servers(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
+    etcd, nats = EtcdServer(tmp_path), NatsServer(tmp_path)
+    await etcd.start()
+    try:
+        await nats.start()
+        try:
+            yield etcd.url, nats.url
+        finally:
+            await nats.stop()
+    finally:
+        await etcd.stop()
+
+
+@pytest.fixture
+async def replicas(tmp_path: Path, servers: tuple[str, str]) -> AsyncIterator[list[Replica]]:
+    started = [Replica(tmp_path, name, *servers) for name in ("a", "b", "c")]
+    try:
+        async with trio.open_nursery() as nursery:
+            for replica in started:
+                nursery.start_soon(replica.start)
+        yield started
+    finally:
+        for replica in started:
+            await replica.kill9()
+
+
+def model_owned_by(owner: str, members: list[str]) -> str:
+    """A model name whose scope (default tenant) placement gives to ``owner`` among ``members``."""
+    for n in range(1000):
+        model = f"model-{n}"
+        if preferred_owner(scope_token(ScopeKey(model, "default")), sorted(members)) == owner:
+            return model
+    raise AssertionError("no model placed on the owner")
+
+
+async def wait_for_members(http: httpx.AsyncClient, count: int) -> dict[str, Any]:
+    with trio.fail_after(10):
+        while True:
+            view: dict[str, Any] = (await http.get("/cluster")).json()
+            if len(view["members"]) == count:
+                return view
+            await trio.sleep(0.05)
+
+
+async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas: list[Replica]) -> None:
+    a, b, c = replicas
+    model = model_owned_by(b.url, [r.url for r in replicas])
+    register = {"model_name": model, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 2}
+    acknowledged: list[str] = []
+
+    async def add(http: httpx.AsyncClient, request_id: str) -> httpx.Response:
+        body = {"model_name": model, "request_id": request_id, "worker_id": 1, "dp_rank": 1,
+                "sequence_hashes": [1, 2, 3], "new_isl_tokens": 10}  # fmt: skip
+        response = await http.post("/add", json=body)
+        if response.status_code == 201:
+            acknowledged.append(request_id)
+        return response
+
+    async with httpx.AsyncClient(base_url=a.url, timeout=15, trust_env=False) as http:
+        await wait_for_members(http, 3)
+        assert (await http.post("/register", json=register)).status_code == 201  # through A, applied on B
+        for n in range(5):
+            assert (await add(http, f"r{n}")).status_code == 201
+        view = (await http.get("/cluster")).json()
+        [row] = [row for row in view["scopes"] if row["model_name"] == model]
+        assert row["owner"] == b.url and not row["served_here"]
+
+        await b.kill9()
+        killed = trio.current_time()
+        with trio.fail_after(15):
+            n = 5
+            while (await add(http, f"r{n}")).status_code != 201:  # 503 until a survivor serves the scope
+                n += 1
+                await trio.sleep(0.05)
+        failover = trio.current_time() - killed
+        assert failover < 10, failover
+        for n in range(n + 1, n + 4):
+            assert (await add(http, f"r{n}")).status_code == 201
+
+        view = (await http.get("/cluster")).json()
+        assert b.url not in view["members"]
+        [row] = [row for row in view["scopes"] if row["model_name"] == model]
+        assert row["owner"] in (a.url, c.url)
+        loads = (await http.get("/loads", params={"model_name": model})).json()
+    async with httpx.AsyncClient(base_url=c.url, timeout=15, trust_env=False) as http:
+        assert (await http.get("/loads", params={"model_name": model})).json() == loads
+    assert {(row["worker_id"], row["dp_rank"]): row["active_prefill_tokens"] for row in loads} == {
+        (1, 0): 0,
+        (1, 1): 10 * len(acknowledged),
+    }
+
+
+def test_a_replica_without_what_cluster_needs_exits_2_in_one_line(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0"]
+    argv += ["--data-dir", str(tmp_path / "data"), "--cluster", "C"]
+    env = {k: v for k, v in os.environ.items() if k not in ("ETCD_ENDPOINTS", "NATS_SERVER")}
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--etcd-endpoints" in lines[0] and "--advertise-url" in lines[0], result.stderr
+
+
+async def test_a_replica_that_cannot_reach_etcd_exits_2_naming_it(tmp_path: Path) -> None:
+    nats = NatsServer(tmp_path)
+    await nats.start()
+    try:
+        etcd = f"http://127.0.0.1:{free_port()}"
+        argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0", "--data-dir",
+                str(tmp_path / "data"), "--cluster", "C", "--etcd-endpoints", etcd, "--nats-server", nats.url,
+                "--advertise-url", "http://127.0.0.1:1"]  # fmt: skip
+        result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    finally:
+        await nats.stop()
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and f"cannot reach etcd at {etcd}" in lines[0], lines
