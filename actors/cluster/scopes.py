@@ -119,6 +119,13 @@ class OwnedScopes:
                 await owned.settled.wait()
         return self.serving(scope)
 
+    async def settled(self) -> None:
+        """Wait (at most ``RECOVERY_WAIT_SECONDS``) until no claim or recovery is under way: a read of many scopes
+        then includes every scope this replica has claimed."""
+        with trio.move_on_after(RECOVERY_WAIT_SECONDS):
+            for owned in list(self._owned.values()):
+                await owned.settled.wait()
+
     def start(self, scope: ScopeKey) -> OwnedScope | None:
         """Begin claiming ``scope`` in the background (no-op if under way); None without a live lease."""
         membership = self.membership

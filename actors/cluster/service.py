@@ -168,13 +168,25 @@ class ClusterSlotService:
 
     # -- queries: the scopes served here --------------------------------------------------------------
 
+    def unowned(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeKey]:
+        """The known scopes ``wanted`` selects whose owner is no live member in this replica's view: a read of
+        many scopes cannot answer for them now (their owner died and nobody has claimed them yet)."""
+        view, live = self.membership.view, self.live_members()
+        return sorted(
+            scope
+            for token, scope in view.scopes.items()
+            if wanted(scope) and (token not in view.owners or view.owners[token].member not in live)
+        )
+
     async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[RegisteredRange]:
+        await self.owned.settled()
         rows = []
         for service in self.owned.services():
             rows.extend(await service.workers(wanted))
         return sorted(rows, key=lambda row: (row.scope, row.worker_id))
 
     async def loads(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeLoads]:
+        await self.owned.settled()
         rows = []
         for service in self.owned.services():
             rows.extend(await service.loads(wanted))

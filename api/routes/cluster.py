@@ -10,7 +10,8 @@ their handlers:
   which does the same per scope;
 * a read of many scopes (``GET /workers``, ``GET /loads``) gathers the rows of every live member: this replica's
   own (the scopes it serves) and, through each other member, theirs (asked with ``FORWARDED_HEADER``, so each
-  answers for itself alone). A member that does not answer makes the read a 503 rather than a partial answer.
+  answers for itself alone). A member that does not answer, or a known scope that no live member owns right now
+  (its owner died and it is not claimed yet), makes the read a 503 rather than a partial answer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.forwarding import Forward, Serve
 from kvrouter.api.bodies.schemas import PotentialLoadsBody, parse
 from kvrouter.api.http import Request, Response, Route, error_response, json_response
+from kvrouter.api.routes.support import scope_filter
 
 SCOPED_WRITES = ("register", "unregister", "add", "prefill_complete", "free")
 GATHERED_READS = ("workers", "loads")
@@ -105,6 +107,12 @@ def _gathered(route: Route, service: ClusterSlotService) -> Any:
         async with trio.open_nursery() as nursery:
             for member in others:
                 nursery.start_soon(ask, member)
+        missing = service.unowned(scope_filter(request))
+        if missing:
+            names = ", ".join(scope.describe() for scope in missing[:3])
+            return error_response(
+                503, f"no live replica owns {len(missing)} scope(s) right now ({names}); retry shortly"
+            )
         rows: list[Any] = orjson.loads(mine.body)
         for member in others:
             answer = answers[member]
