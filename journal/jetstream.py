@@ -42,7 +42,7 @@ from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
 from kvrouter.journal import jetstream_batch as batch
 from kvrouter.journal.asyncio_thread import AsyncioThread
 from kvrouter.journal.group_commit import Batch, GroupCommit
-from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, payloads
+from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, check_log, payloads
 from kvrouter.journal.store import Durability, JournalWriteFailed, SkippedRecord, Snapshot, check_snapshot
 
 logger = logging.getLogger("kvrouter.journal")
@@ -135,6 +135,7 @@ class JetStreamJournal:
         Raises ``JournalUnreachable`` (one line naming the server) when NATS or JetStream does not answer.
         ``fresh=True`` first empties the journal's subject and deletes its snapshot.
         """
+        check_log(log)  # before connecting: a bad name leaves nothing open
         thread = AsyncioThread(f"kvrouter-journal-{stream}-{log}")
         thread.start_blocking()
         try:

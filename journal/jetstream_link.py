@@ -50,6 +50,11 @@ def subject_of(stream: str, log: str = DEFAULT_LOG) -> str:
     return f"kvrouter.journal.{stream}.{log}"
 
 
+def check_log(log: str) -> None:
+    if not LOG_TOKEN.fullmatch(log):
+        raise ValueError(f"a journal's log name must be a subject token (letters, digits, '_', '-'), not {log!r}")
+
+
 def snapshot_object_of(log: str) -> str:
     return SNAPSHOT_OBJECT if log == DEFAULT_LOG else log
 
@@ -92,8 +97,7 @@ class JetStreamLink:
     """One connection and what the journal asks of it. Asyncio side only."""
 
     def __init__(self, nc: Any, stream: str, log: str = DEFAULT_LOG) -> None:
-        if not LOG_TOKEN.fullmatch(log):
-            raise ValueError(f"a journal's log name must be a subject token (letters, digits, '_', '-'), not {log!r}")
+        check_log(log)
         self._nc = nc
         self._js = nc.jetstream(timeout=REQUEST_TIMEOUT_SECONDS)
         self.stream = stream
