@@ -140,8 +140,16 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
                 await trio.sleep(0.05)
         failover = trio.current_time() - killed
         assert failover < 10, failover
-        for n in range(n + 1, n + 4):
-            assert (await add(http, f"r{n}")).status_code == 201
+        for later in range(n + 1, n + 4):
+            assert (await add(http, f"r{later}")).status_code == 201
+        body = {"model_name": model, "worker_id": 1, "dp_rank": 1, "sequence_hashes": [9], "new_isl_tokens": 10}
+        commands = [{"method": "POST", "path": "/add", "body": {**body, "request_id": f"b{i}"}} for i in range(3)]
+        [row] = [row for row in (await http.get("/cluster")).json()["scopes"] if row["model_name"] == model]
+        other = c if row["owner"] == a.url else a  # the survivor that does not own the scope
+        async with httpx.AsyncClient(base_url=other.url, timeout=15, trust_env=False) as through_other:
+            answers = (await through_other.post("/batch", json=commands)).json()  # forwarded write by write
+        assert [answer["status"] for answer in answers] == [201, 201, 201], answers
+        acknowledged.extend(f"b{i}" for i in range(3))
 
         view = (await http.get("/cluster")).json()
         assert b.url not in view["members"]
@@ -180,3 +188,14 @@ async def test_a_replica_that_cannot_reach_etcd_exits_2_naming_it(tmp_path: Path
     assert result.returncode == 2, result.stderr
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and f"cannot reach etcd at {etcd}" in lines[0], lines
+
+
+def test_a_replica_that_cannot_reach_nats_exits_2_naming_it(tmp_path: Path) -> None:
+    nats = f"nats://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0", "--data-dir",
+            str(tmp_path / "data"), "--cluster", "C", "--etcd-endpoints", "http://127.0.0.1:1", "--nats-server", nats,
+            "--advertise-url", "http://127.0.0.1:1"]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot reach NATS at {nats}" in lines[0], result.stderr
