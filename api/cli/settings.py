@@ -344,6 +344,8 @@ def _cluster(
         problems.append(f"--advertise-url={advertise!r} must be an http:// or https:// URL")
     if getattr(args, "fronts", None) not in (None, "0", 0):
         problems.append("--cluster does not run with --fronts yet; leave --fronts out")
+    if args.replica_sync_port is not None or args.replica_sync_peers:
+        problems.append("--cluster replaces replica sync; leave --replica-sync-port and --replica-sync-peers out")
     if args.journal != "file" or args.jetstream_stream is not None:
         warnings.append(
             "--journal and --jetstream-stream have no effect with --cluster: each scope's journal is "
