@@ -163,6 +163,24 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
         (1, 1): 10 * len(acknowledged),
     }
 
+    # A clean stop (SIGTERM): the owner drains, closes the scope's journal and revokes its lease, so the last
+    # replica takes the scope over at once (well inside the TTL), with every acknowledged booking.
+    owner, last = (a, c) if row["owner"] == a.url else (c, a)
+    assert owner.process is not None
+    owner.process.send_signal(signal.SIGTERM)
+    with trio.fail_after(15):
+        assert await owner.process.wait() == 0
+    stopped = trio.current_time()
+    async with httpx.AsyncClient(base_url=last.url, timeout=15, trust_env=False) as http:
+        with trio.fail_after(15):
+            for attempt in range(1000):
+                if (await add(http, f"after-stop-{attempt}")).status_code == 201:
+                    break
+                await trio.sleep(0.05)
+        assert trio.current_time() - stopped < TTL_SECONDS
+        loads = (await http.get("/loads", params={"model_name": model})).json()
+    assert [row["active_prefill_tokens"] for row in loads] == [0, 10 * len(acknowledged)]
+
 
 def test_a_replica_without_what_cluster_needs_exits_2_in_one_line(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0"]

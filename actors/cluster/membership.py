@@ -62,8 +62,10 @@ class View:
         """One key's change (``value`` None: deleted); keys this build does not know are ignored."""
         try:
             data: Any = orjson.loads(value) if value else None
-            if kind == "members":
-                self.members.add(name) if value is not None else self.members.discard(name)
+            if kind == "members" and value is not None:
+                self.members.add(name)
+            elif kind == "members":
+                self.members.discard(name)
             elif kind == "owners":
                 if data is None:
                     self.owners.pop(name, None)

@@ -65,7 +65,6 @@ class OwnedScope:
         self.settled = trio.Event()  # claimed and recovered, or given up
         self.cancel = trio.CancelScope()
         self.recovered_at = math.nan  # trio.current_time() when it began serving
-        self.recoveries = 0
 
 
 class OwnedScopes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 import trio
 
 from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable
@@ -28,9 +29,10 @@ from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.forwarding import Forward, Route, Serve, route
 from kvrouter.actors.core.ownership.placement import preferred_owner
 from kvrouter.actors.core.queries import PotentialLoad
+from kvrouter.actors.core.queries import loads as rank_loads
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
-from kvrouter.actors.metric_families import Family, counter, gauge
+from kvrouter.actors.metric_families import Family, FamilySource, counter, gauge
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, encode_failure
 from kvrouter.actors.slot_service import RegisteredRange, ScopeLoads, SlotService
 from kvrouter.client.table import BY_NAME
@@ -52,7 +54,7 @@ class ClusterSlotService:
         self.forwarder = forwarder
         self.load_feed = LoadFeed()
         owned.on_service = self._hook
-        self.metric_sources: list[Any] = []
+        self.metric_sources: list[FamilySource] = []
 
     def _hook(self, service: SlotService) -> None:
         service.system.observers.append(self.load_feed.observe)
@@ -199,12 +201,11 @@ class ClusterSlotService:
 
     async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
         """As ``SlotService.load_changes``, over the scopes served here."""
-        from kvrouter.actors.core.queries import loads
 
         def measure(scope: ScopeKey, version: int) -> LoadChange:
             service = self.owned.serving(scope)
             state = service.system.state(scope) if service is not None else None
-            return LoadChange(scope, version, loads(state) if state is not None else None)
+            return LoadChange(scope, version, rank_loads(state) if state is not None else None)
 
         return await read_changes(self.load_feed, _ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
 
@@ -310,8 +311,6 @@ class _ServedStates:
 
 def write_body(write: Sequence[Any]) -> bytes:
     """The JSON body of a write item (``[method, model, tenant, *arguments]``) on its own route."""
-    import orjson
-
     method = write[0]
     body: dict[str, Any] = {"model_name": write[1], "tenant_id": write[2]}
     if method == "register":

@@ -57,13 +57,9 @@ async def run_cluster_replica(
         data_dir.check_owner(options.data_dir, name)
         await trio.to_thread.run_sync(JetStreamJournal.check, cluster.nats_servers, cluster.name)
         data_dir.claim(options.data_dir, name, ())
-        async with httpx.AsyncClient(trust_env=False) as http:
-            membership = Membership(
-                EtcdClient(list(cluster.etcd_endpoints), http),
-                cluster.name,
-                cluster.advertise_url,
-                cluster.lease_ttl_seconds,
-            )
+        async with httpx.AsyncClient(trust_env=False) as etcd_http:
+            etcd = EtcdClient(list(cluster.etcd_endpoints), etcd_http)
+            membership = Membership(etcd, cluster.name, cluster.advertise_url, cluster.lease_ttl_seconds)
             await membership.join()
             forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS)
             journals = ScopeJournals(cluster.nats_servers, cluster.name, options.durability)
@@ -74,36 +70,38 @@ async def run_cluster_replica(
                     await nursery.start(owned.run)
                     nursery.start_soon(membership.run, owned.drop_all)
                     nursery.start_soon(service.keep_placed)
-                    routes = clustered(
-                        slot_tracker_routes_of(ServiceObjects(service, PeerService(None)), options.streams), service
-                    )
-                    app = make_app(
-                        routes,
-                        body_limit=options.body_limit,
-                        body_timeout=options.http.body_timeout,
-                        auth=options.auth,
-                        stopping=stopping,
-                    )
-                    config = hypercorn_config(options.host, options.port, options.http)
-
-                    async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-                        await serve_http(
-                            app,
-                            config,
-                            stopping.wait,
-                            max_connections=options.http.max_connections,
-                            write_timeout=options.http.write_timeout,
-                            task_status=task_status,
-                        )
-                        nursery.cancel_scope.cancel()  # HTTP drained: now stop the scopes and the membership
-
-                    urls = await nursery.start(http)
+                    urls = await nursery.start(serve_replica, options, service, stopping, nursery.cancel_scope)
                     log.info("kvrouter %s listening on %s, %s", name, " ".join(urls), cluster.describe())
                     task_status.started(urls)
             finally:
-                with trio.CancelScope(shield=True):
+                with trio.CancelScope(shield=True):  # the scopes have stopped: now let the others claim them
                     await membership.leave()
                     await forwarder.aclose()
+
+
+async def serve_replica(
+    options: ServiceOptions,
+    service: ClusterSlotService,
+    stopping: trio.Event,
+    replica: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The slot tracker's routes, clustered, until ``stopping``; then, HTTP drained, stop the ``replica``."""
+    routes = clustered(slot_tracker_routes_of(ServiceObjects(service, PeerService(None)), options.streams), service)
+    app = make_app(
+        routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth,
+        stopping=stopping,
+    )  # fmt: skip
+    await serve_http(
+        app,
+        hypercorn_config(options.host, options.port, options.http),
+        stopping.wait,
+        max_connections=options.http.max_connections,
+        write_timeout=options.http.write_timeout,
+        task_status=task_status,
+    )
+    replica.cancel()
 
 
 async def run_cluster_until_signal(name: str, options: ServiceOptions) -> None:
