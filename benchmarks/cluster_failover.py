@@ -6,8 +6,10 @@ free loopback ports in a temporary directory, and stops each by its PID at the e
 the scope's owner (``GET /cluster``), kill it with SIGKILL, send ``POST /add`` through a survivor every
 ``--probe-ms`` until one is acknowledged (201), note the time, start the killed replica again (same URL, same data
 directory) and wait until it is a member again. At the end every acknowledged booking must be in ``GET /loads``.
+Before the kills it also times the forwarding hop: ``--hop-writes`` adds one after another straight to the
+scope's owner, then as many through a replica that forwards them to it.
 
-    .venv/bin/python benchmarks/cluster_failover.py [--kills 10] [--ttl 2] [--probe-ms 20]
+    .venv/bin/python benchmarks/cluster_failover.py [--kills 10] [--ttl 2] [--probe-ms 20] [--hop-writes 300]
 """
 
 from __future__ import annotations
@@ -174,6 +176,23 @@ async def one_kill(http: httpx.AsyncClient, replicas: list[Replica], bookings: B
     return elapsed
 
 
+async def hop_cost(http: httpx.AsyncClient, replicas: list[Replica], bookings: Bookings, writes: int) -> None:
+    """Sequential adds straight to the owner, then through a non-owner (one forwarding hop): latency p50/p99."""
+    view = await members(http, replicas[0].url)
+    owner = next(row["owner"] for row in view["scopes"] if row["model_name"] == MODEL)
+    other = next(replica.url for replica in replicas if replica.url != owner)
+    for name, url in (("to the owner", owner), ("through a non-owner", other)):
+        latencies = []
+        for _ in range(writes):
+            started = time.perf_counter()
+            if not await bookings.add(url):
+                raise SystemExit(f"a write {name} was not acknowledged")
+            latencies.append(time.perf_counter() - started)
+        latencies.sort()
+        p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+        print(f"add {name}: p50 {statistics.median(latencies) * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms ({writes} writes)")
+
+
 async def run(args: argparse.Namespace, processes: Processes) -> None:
     etcd, nats = start_servers(processes, args.etcd, args.nats_server)
     replicas = [Replica(processes, name, etcd, nats, args.ttl) for name in ("a", "b", "c")]
@@ -188,6 +207,8 @@ async def run(args: argparse.Namespace, processes: Processes) -> None:
         register = {"model_name": MODEL, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
         assert (await http.post(replicas[0].url + "/register", json=register)).status_code == 201
         bookings = Bookings(http)
+        if args.hop_writes:
+            await hop_cost(http, replicas, bookings, args.hop_writes)
         times = []
         for kill in range(args.kills):
             for _ in range(20):
@@ -210,6 +231,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--ttl", type=int, default=2, help="the replicas' lease TTL (seconds)")
     parser.add_argument("--probe-ms", type=float, default=20.0, help="pause between writes while waiting")
+    parser.add_argument("--hop-writes", type=int, default=300, help="writes per leg of the hop's timing (0: skip)")
     parser.add_argument("--etcd", default=shutil.which("etcd") or "/usr/bin/etcd")
     parser.add_argument("--nats-server", default=shutil.which("nats-server") or "/usr/sbin/nats-server")
     args = parser.parse_args()
