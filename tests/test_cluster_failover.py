@@ -182,6 +182,53 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
     assert [row["active_prefill_tokens"] for row in loads] == [0, 10 * len(acknowledged)]
 
 
+async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once_it_resumes(
+    replicas: list[Replica],
+) -> None:
+    """SIGSTOP past the lease: another replica takes the scope; resumed, the old owner does not serve it (its lease
+    ended on its own clock first), takes a new lease, and forwards the scope's commands to the new owner."""
+    a, b, c = replicas
+    model = model_owned_by(b.url, [r.url for r in replicas])
+    acknowledged = 0
+
+    async def add(http: httpx.AsyncClient, request_id: str) -> int:
+        nonlocal acknowledged
+        body = {"model_name": model, "request_id": request_id, "worker_id": 1, "dp_rank": 0,
+                "sequence_hashes": [7], "new_isl_tokens": 5}  # fmt: skip
+        status = (await http.post("/add", json=body)).status_code
+        acknowledged += status == 201
+        return status
+
+    async def until_acknowledged(http: httpx.AsyncClient, prefix: str) -> None:
+        with trio.fail_after(15):
+            for attempt in range(1000):
+                if await add(http, f"{prefix}-{attempt}") == 201:
+                    return
+                await trio.sleep(0.05)
+
+    register = {"model_name": model, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+    async with httpx.AsyncClient(base_url=a.url, timeout=15, trust_env=False) as http:
+        await wait_for_members(http, 3)
+        assert (await http.post("/register", json=register)).status_code == 201
+        for n in range(3):
+            assert await add(http, f"before-{n}") == 201
+        assert b.process is not None
+        os.kill(b.process.pid, signal.SIGSTOP)
+        await until_acknowledged(http, "paused")  # a survivor took the scope over
+        [row] = [row for row in (await http.get("/cluster")).json()["scopes"] if row["model_name"] == model]
+        assert row["owner"] in (a.url, c.url)
+        new_owner = row["owner"]
+    os.kill(b.process.pid, signal.SIGCONT)
+    async with httpx.AsyncClient(base_url=b.url, timeout=15, trust_env=False) as http:
+        await until_acknowledged(http, "resumed")  # 503 while its view is stale, then forwarded
+        view = (await http.get("/cluster")).json()
+        assert view["lease"]["live"]
+        [row] = [row for row in view["scopes"] if row["model_name"] == model]
+        assert row["owner"] == new_owner and not row["served_here"]
+        loads = (await http.get("/loads", params={"model_name": model})).json()
+    assert [row["active_prefill_tokens"] for row in loads] == [5 * acknowledged]
+
+
 def test_a_replica_without_what_cluster_needs_exits_2_in_one_line(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0"]
     argv += ["--data-dir", str(tmp_path / "data"), "--cluster", "C"]

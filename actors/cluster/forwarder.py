@@ -3,7 +3,8 @@
 The request goes as the client sent it (method, path, query, body) with ``FORWARDED_HEADER`` added, so the owner
 never forwards it again (``core/ownership/forwarding.py``). Bounded: a connection pool of ``MAX_CONNECTIONS``
 (``MAX_KEEPALIVE`` kept open), a connect timeout well under a lease's TTL (a dead owner is found out quickly),
-and an answer timeout just past the owner's own reply deadline (it answers 504 itself before that); an answer
+and an answer timeout just past the owner's own reply deadline (it answers 504 itself before that; the caller,
+``ClusterSlotService.relay``, gives up sooner when the owner leaves the live members); an answer
 larger than ``MAX_ANSWER_BYTES`` is refused. An owner that cannot be reached raises ``OwnerUnreachable``:
 the command was not applied there (a connection refused or reset before the request was sent whole), or its
 outcome is unknown (no answer in time), which the caller says.

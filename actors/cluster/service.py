@@ -14,13 +14,14 @@ here when the method runs (ownership moved in between) is refused with 503, not 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
 import trio
 
-from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable
+from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import OwnedScopes
 from kvrouter.actors.core.decisions import Reason
@@ -32,6 +33,7 @@ from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.queries import loads as rank_loads
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
+from kvrouter.actors.mailbox import JournalUnavailable
 from kvrouter.actors.metric_families import Family, FamilySource, counter, gauge
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, encode_failure
 from kvrouter.actors.slot_service import RegisteredRange, ScopeLoads, SlotService
@@ -99,19 +101,53 @@ class ClusterSlotService:
             with trio.move_on_after(membership.ttl_seconds / 2):
                 await membership.wait_changed()
 
+    async def relay(self, owner: str, method: str, path: str, query: bytes, body: bytes) -> Relayed:
+        """``Forwarder.relay``, given up on (outcome unknown) as soon as ``owner`` leaves the live members: a
+        paused or cut-off owner holds a forwarded command for about a lease, not for the whole answer timeout."""
+        answer: list[Relayed] = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                answer.append(await self.forwarder.relay(owner, method, path, query, body))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(ask)
+            while owner in self.live_members():
+                await self.membership.wait_changed()
+            nursery.cancel_scope.cancel()
+        if not answer:
+            self.forwarder.failed += 1
+            raise OwnerUnreachable(f"{owner} left the cluster while the command was with it", unknown=True)
+        return answer[0]
+
     def _local(self, scope: ScopeKey) -> SlotService:
         service = self.owned.serving(scope)
         if service is None:
             raise not_applied(f"this replica ({self.membership.me}) does not serve {scope.describe()} now")
         return service
 
+    @contextlib.contextmanager
+    def _journal_of(self, scope: ScopeKey) -> Iterator[None]:
+        """A scope's journal failing stops that scope on this replica, not the replica: say so."""
+        try:
+            yield
+        except JournalUnavailable as exc:
+            raise Refused(
+                Reason.UNAVAILABLE,
+                f"the journal of {scope.describe()} failed on {self.membership.me} ({exc.__cause__ or exc}); this "
+                "write was not acknowledged (it may or may not have landed): the scope is recovered from the stream "
+                "on the next command",
+            ) from exc
+
     # -- commands ---------------------------------------------------------------------------------------
 
     async def register(self, scope: ScopeKey, worker_id: int, block_size: int, dp_start: int, dp_size: int) -> bool:
-        return await self._local(scope).register(scope, worker_id, block_size, dp_start, dp_size)
+        with self._journal_of(scope):
+            return await self._local(scope).register(scope, worker_id, block_size, dp_start, dp_size)
 
     async def unregister(self, scope: ScopeKey, worker_id: int) -> bool:
-        return await self._local(scope).unregister(scope, worker_id)
+        with self._journal_of(scope):
+            return await self._local(scope).unregister(scope, worker_id)
 
     async def add(
         self,
@@ -122,13 +158,16 @@ class ClusterSlotService:
         sequence_hashes: tuple[int, ...],
         isl_tokens: int,
     ) -> bool:
-        return await self._local(scope).add(scope, request_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
+        with self._journal_of(scope):
+            return await self._local(scope).add(scope, request_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
 
     async def prefill_complete(self, scope: ScopeKey, request_id: str) -> bool:
-        return await self._local(scope).prefill_complete(scope, request_id)
+        with self._journal_of(scope):
+            return await self._local(scope).prefill_complete(scope, request_id)
 
     async def free(self, scope: ScopeKey, request_id: str) -> bool:
-        return await self._local(scope).free(scope, request_id)
+        with self._journal_of(scope):
+            return await self._local(scope).free(scope, request_id)
 
     async def apply_writes(self, writes: list[Any]) -> list[Any]:
         """``SlotService.apply_writes`` across the cluster: the writes of a scope served here go to its service
@@ -158,7 +197,7 @@ class ClusterSlotService:
         """One write of a batch, on the owner's own route; its outcome as ``apply_writes`` gives it."""
         op = BY_NAME[write[0]]
         try:
-            relayed = await self.forwarder.relay(owner, op.method, op.path, b"", write_body(write))
+            relayed = await self.relay(owner, op.method, op.path, b"", write_body(write))
         except OwnerUnreachable as exc:
             if exc.unknown:
                 return encode_failure(Refused(Reason.UNAVAILABLE, f"{exc}; the outcome is unknown"))

@@ -73,7 +73,7 @@ def _scoped(route: Route, service: ClusterSlotService, scope_of: Callable[[Reque
             return await own(request)
         if isinstance(where, Forward):
             try:
-                relayed = await service.forwarder.relay(
+                relayed = await service.relay(
                     where.owner, request.method, request.path, request.query_string, request.body
                 )
             except OwnerUnreachable as exc:
@@ -98,9 +98,7 @@ def _gathered(route: Route, service: ClusterSlotService) -> Any:
 
         async def ask(member: str) -> None:
             try:
-                answers[member] = await service.forwarder.relay(
-                    member, request.method, request.path, request.query_string, b""
-                )
+                answers[member] = await service.relay(member, request.method, request.path, request.query_string, b"")
             except OwnerUnreachable as exc:
                 answers[member] = exc
 
