@@ -43,6 +43,9 @@ from kvrouter.journal.store import Durability, JournalUnreachable
 log = logging.getLogger("kvrouter.cluster")
 
 RECOVERY_WAIT_SECONDS: Final = 10.0  # how long a command waits for its scope's claim and recovery
+# Scopes one replica owns at most (each has its own journal: a NATS connection and an asyncio thread). Policy:
+# reject; a scope placed on a full replica is refused with 503 until one of its scopes goes.
+MAX_OWNED_SCOPES: Final = 256
 
 
 @attrs.frozen
@@ -125,8 +128,12 @@ class OwnedScopes:
             for owned in list(self._owned.values()):
                 await owned.settled.wait()
 
+    def full(self) -> bool:
+        return len(self._owned) >= MAX_OWNED_SCOPES
+
     def start(self, scope: ScopeKey) -> OwnedScope | None:
-        """Begin claiming ``scope`` in the background (no-op if under way); None without a live lease."""
+        """Begin claiming ``scope`` in the background (no-op if under way); None without a live lease, or when
+        this replica owns ``MAX_OWNED_SCOPES`` already."""
         membership = self.membership
         if not membership.live():
             return None
@@ -134,6 +141,8 @@ class OwnedScopes:
         owned = self._owned.get(token)
         if owned is not None and owned.lease_id == membership.lease_id:
             return owned
+        if owned is None and self.full():
+            return None
         if owned is not None:
             owned.cancel.cancel()  # claimed under a lease that ended: its task drops it
         owned = self._owned[token] = OwnedScope(scope, membership.lease_id)
@@ -167,11 +176,12 @@ class OwnedScopes:
         except (EtcdUnavailable, JournalUnreachable, OSError) as exc:
             log.warning("cluster: scope %s dropped: %s", owned.scope.describe(), exc)
         finally:
+            served = not math.isnan(owned.recovered_at)
             owned.service = None
             owned.settled.set()
             if self._owned.get(owned.token) is owned:
                 del self._owned[owned.token]
-            self.drops += 1
+            self.drops += served
 
     async def _claim(self, owned: OwnedScope) -> bool:
         membership = self.membership

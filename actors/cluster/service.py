@@ -23,11 +23,11 @@ import trio
 
 from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.membership import Membership
-from kvrouter.actors.cluster.scopes import OwnedScopes
+from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
-from kvrouter.actors.core.ownership.forwarding import Forward, Route, Serve, route
+from kvrouter.actors.core.ownership.forwarding import Forward, Route, Serve, Unavailable, route
 from kvrouter.actors.core.ownership.placement import preferred_owner
 from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.queries import loads as rank_loads
@@ -77,6 +77,10 @@ class ClusterSlotService:
         if owner is None:
             owner = preferred_owner(token, sorted(self.live_members()))
         if owner == me and self.owned.serving(scope) is None:
+            if self.owned.full() and held is None:
+                return Unavailable(
+                    f"scope {scope.describe()} is placed on {me}, which owns {MAX_OWNED_SCOPES} scopes, its limit"
+                )
             if held is None or held.lease_id == membership.lease_id:
                 await self.owned.ensure(scope)  # claim it, or recover it again after its journal failed
             if self.owned.serving(scope) is None:
