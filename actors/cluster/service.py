@@ -25,7 +25,7 @@ from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relay
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes
 from kvrouter.actors.core.decisions import Reason
-from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.ids import ScopeKey, to_i64
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.forwarding import Forward, Route, Serve, Unavailable, route
 from kvrouter.actors.core.ownership.placement import preferred_owner
@@ -365,7 +365,7 @@ def write_body(write: Sequence[Any]) -> bytes:
             request_id=write[3],
             worker_id=write[4],
             dp_rank=write[5],
-            sequence_hashes=list(write[6]),
+            sequence_hashes=[to_i64(h) for h in write[6]],  # read as unsigned; the route takes them signed
             new_isl_tokens=write[7],
         )
     elif method in ("prefill_complete", "free"):
