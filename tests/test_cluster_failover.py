@@ -120,6 +120,8 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
         response = await http.post("/add", json=body)
         if response.status_code == 201:
             acknowledged.append(request_id)
+        else:  # while the scope moves: refused, not applied, with a reason
+            assert response.status_code == 503 and "error" in response.json(), response.text
         return response
 
     async with httpx.AsyncClient(base_url=a.url, timeout=15, trust_env=False) as http:
@@ -195,9 +197,11 @@ async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once
         nonlocal acknowledged
         body = {"model_name": model, "request_id": request_id, "worker_id": 1, "dp_rank": 0,
                 "sequence_hashes": [7], "new_isl_tokens": 5}  # fmt: skip
-        status = (await http.post("/add", json=body)).status_code
-        acknowledged += status == 201
-        return status
+        response = await http.post("/add", json=body)
+        acknowledged += response.status_code == 201
+        if response.status_code != 201:  # while the scope moves: refused, not applied, with a reason
+            assert response.status_code == 503 and "error" in response.json(), response.text
+        return response.status_code
 
     async def until_acknowledged(http: httpx.AsyncClient, prefix: str) -> None:
         with trio.fail_after(15):

@@ -108,17 +108,22 @@ class ClusterSlotService:
     async def relay(self, owner: str, method: str, path: str, query: bytes, body: bytes) -> Relayed:
         """``Forwarder.relay``, given up on (outcome unknown) as soon as ``owner`` leaves the live members: a
         paused or cut-off owner holds a forwarded command for about a lease, not for the whole answer timeout."""
-        answer: list[Relayed] = []
+        answer: list[Relayed | OwnerUnreachable] = []
         async with trio.open_nursery() as nursery:
 
             async def ask() -> None:
-                answer.append(await self.forwarder.relay(owner, method, path, query, body))
+                try:
+                    answer.append(await self.forwarder.relay(owner, method, path, query, body))
+                except OwnerUnreachable as exc:  # raised below, not out of the nursery (as an exception group)
+                    answer.append(exc)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(ask)
             while owner in self.live_members():
                 await self.membership.wait_changed()
             nursery.cancel_scope.cancel()
+        if answer and isinstance(answer[0], OwnerUnreachable):
+            raise answer[0]
         if not answer:
             self.forwarder.failed += 1
             raise OwnerUnreachable(f"{owner} left the cluster while the command was with it", unknown=True)
