@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,12 @@ import httpx
 import pytest
 import trio
 
+from kvrouter.actors.core.events import RequestAdded
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.placement import preferred_owner
+from kvrouter.actors.persistence.codec import encode_record
+from kvrouter.journal.jetstream import JetStreamJournal
 from tests.support.fleet_servers import EtcdServer, NatsServer
 from tests.support.processes import free_port
 
@@ -231,6 +235,48 @@ async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once
         assert row["owner"] == new_owner and not row["served_here"]
         loads = (await http.get("/loads", params={"model_name": model})).json()
     assert [row["active_prefill_tokens"] for row in loads] == [5 * acknowledged]
+
+
+async def test_a_fenced_append_drops_the_scope_and_the_next_command_recovers_it(
+    tmp_path: Path, servers: tuple[str, str]
+) -> None:
+    """Another writer appends to a scope's subject behind its owner's back: the owner's next append is refused by
+    JetStream (503, not applied), the owner drops the scope, and the next command recovers it from the subject,
+    the other writer's record included."""
+    etcd, nats = servers
+    owner = Replica(tmp_path, "owner", etcd, nats)
+    await owner.start()
+    scope = ScopeKey("m", "default")
+    try:
+        async with httpx.AsyncClient(base_url=owner.url, timeout=15, trust_env=False) as http:
+            register = {"model_name": "m", "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 2}
+            assert (await http.post("/register", json=register)).status_code == 201
+            add = {"model_name": "m", "worker_id": 1, "dp_rank": 1, "sequence_hashes": [1], "new_isl_tokens": 10}
+            assert (await http.post("/add", json={**add, "request_id": "r0"})).status_code == 201
+            await append_behind_the_owners_back(nats, scope, RequestAdded("foreign", 1, 0, (5,), 7, 1))
+            refused = await http.post("/add", json={**add, "request_id": "r1"})
+            assert refused.status_code == 503 and "error" in refused.json(), refused.text
+            with trio.fail_after(15):
+                for _ in range(1000):
+                    if (await http.post("/add", json={**add, "request_id": "r1"})).status_code == 201:
+                        break
+                    await trio.sleep(0.05)
+            loads = (await http.get("/loads")).json()
+        assert [row["active_prefill_tokens"] for row in loads] == [7, 20]  # the foreign record, then r0 and r1
+        assert "dropped" in owner.log.read_text()
+    finally:
+        await owner.kill9()
+
+
+async def append_behind_the_owners_back(nats: str, scope: ScopeKey, event: RequestAdded) -> None:
+    opened = partial(JetStreamJournal.open, (nats,), CLUSTER, log=scope_token(scope))
+    journal = await trio.to_thread.run_sync(opened)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        lsn = journal.append(encode_record(scope, (event,)))
+        with trio.fail_after(10):
+            await journal.wait_durable(lsn)
+        await journal.aclose()
 
 
 def test_a_replica_without_what_cluster_needs_exits_2_in_one_line(tmp_path: Path) -> None:
