@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import trio
 
-# trio's idle detector (public in trio.testing; where pytest is installed, importing it loads pytest too).
-from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
+from kvrouter.journal.loop_idle import wait_until_loop_idle as _wait_until_loop_idle
 
 
 async def when_loop_idle(at_most: float) -> None:

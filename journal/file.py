@@ -34,14 +34,12 @@ from typing import Final, final
 import attrs
 import trio
 
-# trio's idle detector (public in trio.testing; where pytest is installed, importing it loads pytest too).
-from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
-
 from kvrouter.journal.frames import FRAME_OVERHEAD, HEAD, LSN, LSN_BYTES, MAX_PAYLOAD_BYTES, REBUILDABLE_BITS
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.io_thread import IoThread
 from kvrouter.journal.latency import BucketCounts
 from kvrouter.journal.layout import OPERATOR_HINT, discard, fsync_dir, snapshot_name
+from kvrouter.journal.loop_idle import wait_until_loop_idle as _wait_until_loop_idle
 from kvrouter.journal.scan import Scan, read_range, scan_directory
 from kvrouter.journal.segment_writer import Chunk, SegmentWriter
 from kvrouter.journal.snapshot_files import (

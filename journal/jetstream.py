@@ -36,13 +36,11 @@ from typing import Final, final
 import attrs
 import trio
 
-# trio's idle detector (as journal/file.py uses it: public in trio.testing).
-from trio.testing import wait_all_tasks_blocked as _wait_until_loop_idle
-
 from kvrouter.journal import jetstream_batch as batch
 from kvrouter.journal.asyncio_thread import AsyncioThread
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, check_log, payloads
+from kvrouter.journal.loop_idle import wait_until_loop_idle as _wait_until_loop_idle
 from kvrouter.journal.store import Durability, JournalWriteFailed, SkippedRecord, Snapshot, check_snapshot
 
 logger = logging.getLogger("kvrouter.journal")

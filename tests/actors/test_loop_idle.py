@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import inspect
-
 import trio
 import trio.testing
 
 from kvrouter.actors import loop_idle
 from kvrouter.actors.loop_idle import when_loop_idle
+from kvrouter.journal import loop_idle as journal_loop_idle
 
 
-def test_the_idle_detector_is_trios() -> None:
-    """The detector is imported from trio's internals (trio.testing would load pytest into the service): an
-    upgrade that moves or changes it must fail here, not silently turn the wait into something else."""
-    assert loop_idle._wait_until_loop_idle is trio.testing.wait_all_tasks_blocked
-    assert list(inspect.signature(loop_idle._wait_until_loop_idle).parameters) == ["cushion"]
+def test_the_idle_detector_is_the_journals_lazy_one() -> None:
+    """One idle wait for the shell and the journal (``journal/loop_idle.py``: trio.testing's detector, imported
+    at the first wait); the journal's tests check that it is trio's."""
+    assert loop_idle._wait_until_loop_idle is journal_loop_idle.wait_until_loop_idle
 
 
 async def test_it_waits_while_another_task_is_runnable_and_no_longer(

@@ -9,12 +9,15 @@ however slowly the machine runs: which records share a batch depends on scheduli
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import trio
 import trio.testing
 
 import kvrouter.journal.file as file_module
+import kvrouter.journal.loop_idle as loop_idle
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.store import Durability
 
@@ -90,10 +93,22 @@ async def test_a_backlog_that_fills_a_batch_is_written_without_waiting_for_the_l
 
 
 def test_the_trio_idle_detector_the_writer_uses_is_trios_own() -> None:
-    # FileJournal imports it from trio.testing, its public home. If a trio upgrade moves or changes it, this
+    # The journal's idle wait calls trio.testing's, its public home. If a trio upgrade moves or changes it, this
     # fails instead of the group commit silently degrading.
-    assert file_module._wait_until_loop_idle is trio.testing.wait_all_tasks_blocked
-    assert list(inspect.signature(file_module._wait_until_loop_idle).parameters) == ["cushion"]
+    assert file_module._wait_until_loop_idle is loop_idle.wait_until_loop_idle
+    assert "wait_all_tasks_blocked" in inspect.getsource(loop_idle.wait_until_loop_idle)
+    assert list(inspect.signature(trio.testing.wait_all_tasks_blocked).parameters) == ["cushion"]
+
+
+def test_a_service_starts_without_loading_pytest_or_the_nats_client() -> None:
+    # trio.testing imports pytest where it is installed (~90 ms), and the NATS client costs ~40 ms: neither is
+    # loaded before a service with the file journal is ready (restart-to-ready counts every import).
+    probe = (
+        "import sys, kvrouter.api.cli.main, kvrouter.api.process.main;"
+        "print(sorted(m for m in ('pytest', 'nats', 'trio.testing') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 async def test_records_nobody_waits_for_are_held_back_and_share_the_first_waiters_fsync(

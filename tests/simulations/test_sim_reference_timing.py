@@ -18,6 +18,7 @@ import pytest
 
 import kvrouter.actors.core.selection_rules as selection_rules
 from kvrouter.actors.core.ids import WorkerRank
+from kvrouter.compiled import load_pure
 from kvrouter.simulations.cluster import ClusterOptions, RequestRecord, simulate_policy
 from kvrouter.simulations.trace import load_mooncake
 from tests.support.processes import REFERENCE_MISSING, reference_python
@@ -187,7 +188,10 @@ def test_kv_routing_matches_the_reference_once_ties_are_broken_alike(
     chosen = [p["decode_worker_idx"] for p in matched]
     ours_to_theirs: dict[int, int] = {}
     calls = {"selections": 0, "ties": 0}
-    pick = selection_rules.pick
+    # The cost function's ``pick`` is called inside ``selection``, which may run compiled (its calls then cannot
+    # be patched): the rules use its pure twin here, whose ``pick`` follows the reference.
+    pure_selection = load_pure("kvrouter.actors.core.selection", "kvrouter_ties_selection")
+    pick = pure_selection.pick
 
     def follow(costs: list[tuple[WorkerRank, float]], *, temperature: float, draw: float) -> WorkerRank:
         target = chosen[calls["selections"]]
@@ -204,7 +208,8 @@ def test_kv_routing_matches_the_reference_once_ties_are_broken_alike(
         ours_to_theirs.setdefault(matches[0].worker_id, target)
         return matches[0] if len(tied) > 1 else pick(costs, temperature=temperature, draw=draw)
 
-    monkeypatch.setattr(selection_rules, "pick", follow)
+    monkeypatch.setattr(pure_selection, "pick", follow)
+    monkeypatch.setattr(selection_rules, "cheapest", pure_selection.cheapest)
     ours = replay(tmp_path, rows, workers=8, speedup=4.0, policy="kv")
     assert calls["selections"] == len(rows) and calls["ties"] > 0
     for record, p in zip(ours, matched, strict=True):
