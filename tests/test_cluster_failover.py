@@ -32,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 CLUSTER = "FAILOVER_TEST"
 TTL_SECONDS = 2
+TOKEN = "cluster-test-token"  # the replicas share it: a forwarded command presents it to the owner
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 class Replica:
@@ -40,10 +42,14 @@ class Replica:
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = directory / name
         self.log = directory / f"{name}.log"
+        token_file = directory / "token"
+        token_file.write_text(TOKEN)
+        token_file.chmod(0o600)
         self.argv = [
             sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", str(self.port),
             "--data-dir", str(self.data_dir), "--log-level", "info", "--cluster", CLUSTER, "--etcd-endpoints", etcd,
             "--nats-server", nats, "--advertise-url", self.url, "--cluster-lease-ttl", str(TTL_SECONDS),
+            "--auth-token-file", str(token_file),
         ]  # fmt: skip
         self.process: trio.Process | None = None
 
@@ -128,7 +134,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
             assert response.status_code == 503 and "error" in response.json(), response.text
         return response
 
-    async with httpx.AsyncClient(base_url=a.url, timeout=15, trust_env=False) as http:
+    async with httpx.AsyncClient(base_url=a.url, timeout=15, trust_env=False, headers=AUTH) as http:
         await wait_for_members(http, 3)
         assert (await http.post("/register", json=register)).status_code == 201  # through A, applied on B
         for n in range(5):
@@ -152,7 +158,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
         commands = [{"method": "POST", "path": "/add", "body": {**body, "request_id": f"b{i}"}} for i in range(3)]
         [row] = [row for row in (await http.get("/cluster")).json()["scopes"] if row["model_name"] == model]
         other = c if row["owner"] == a.url else a  # the survivor that does not own the scope
-        async with httpx.AsyncClient(base_url=other.url, timeout=15, trust_env=False) as through_other:
+        async with httpx.AsyncClient(base_url=other.url, timeout=15, trust_env=False, headers=AUTH) as through_other:
             answers = (await through_other.post("/batch", json=commands)).json()  # forwarded write by write
         assert [answer["status"] for answer in answers] == [201, 201, 201], answers
         acknowledged.extend(f"b{i}" for i in range(3))
@@ -162,7 +168,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
         [row] = [row for row in view["scopes"] if row["model_name"] == model]
         assert row["owner"] in (a.url, c.url)
         loads = (await http.get("/loads", params={"model_name": model})).json()
-    async with httpx.AsyncClient(base_url=c.url, timeout=15, trust_env=False) as http:
+    async with httpx.AsyncClient(base_url=c.url, timeout=15, trust_env=False, headers=AUTH) as http:
         assert (await http.get("/loads", params={"model_name": model})).json() == loads
     assert {(row["worker_id"], row["dp_rank"]): row["active_prefill_tokens"] for row in loads} == {
         (1, 0): 0,
@@ -177,7 +183,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
     with trio.fail_after(15):
         assert await owner.process.wait() == 0
     stopped = trio.current_time()
-    async with httpx.AsyncClient(base_url=last.url, timeout=15, trust_env=False) as http:
+    async with httpx.AsyncClient(base_url=last.url, timeout=15, trust_env=False, headers=AUTH) as http:
         with trio.fail_after(15):
             for attempt in range(1000):
                 if (await add(http, f"after-stop-{attempt}")).status_code == 201:
@@ -215,7 +221,7 @@ async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once
                 await trio.sleep(0.05)
 
     register = {"model_name": model, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
-    async with httpx.AsyncClient(base_url=a.url, timeout=15, trust_env=False) as http:
+    async with httpx.AsyncClient(base_url=a.url, timeout=15, trust_env=False, headers=AUTH) as http:
         await wait_for_members(http, 3)
         assert (await http.post("/register", json=register)).status_code == 201
         for n in range(3):
@@ -227,7 +233,7 @@ async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once
         assert row["owner"] in (a.url, c.url)
         new_owner = row["owner"]
     os.kill(b.process.pid, signal.SIGCONT)
-    async with httpx.AsyncClient(base_url=b.url, timeout=15, trust_env=False) as http:
+    async with httpx.AsyncClient(base_url=b.url, timeout=15, trust_env=False, headers=AUTH) as http:
         await until_acknowledged(http, "resumed")  # 503 while its view is stale, then forwarded
         view = (await http.get("/cluster")).json()
         assert view["lease"]["live"]
@@ -248,7 +254,7 @@ async def test_a_fenced_append_drops_the_scope_and_the_next_command_recovers_it(
     await owner.start()
     scope = ScopeKey("m", "default")
     try:
-        async with httpx.AsyncClient(base_url=owner.url, timeout=15, trust_env=False) as http:
+        async with httpx.AsyncClient(base_url=owner.url, timeout=15, trust_env=False, headers=AUTH) as http:
             register = {"model_name": "m", "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 2}
             assert (await http.post("/register", json=register)).status_code == 201
             add = {"model_name": "m", "worker_id": 1, "dp_rank": 1, "sequence_hashes": [1], "new_isl_tokens": 10}

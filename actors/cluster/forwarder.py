@@ -39,7 +39,9 @@ class Relayed:
 
 
 class Forwarder:
-    def __init__(self, answer_timeout: float) -> None:
+    def __init__(self, answer_timeout: float, authorization: str | None = None) -> None:
+        """``authorization``: the ``Authorization`` header the replicas require (their shared bearer token)."""
+        self._authorization = authorization
         self._client = httpx.AsyncClient(
             trust_env=False,  # the replicas' own URLs: never through a proxy from the environment
             limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE),
@@ -51,6 +53,8 @@ class Forwarder:
     async def relay(self, owner: str, method: str, path: str, query: bytes, body: bytes) -> Relayed:
         url = owner.rstrip("/") + path + (("?" + query.decode("latin-1")) if query else "")
         headers = {FORWARDED_HEADER: "1"}
+        if self._authorization is not None:
+            headers["authorization"] = self._authorization
         if body:
             headers["content-type"] = "application/json"
         self.forwarded += 1

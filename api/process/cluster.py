@@ -61,7 +61,8 @@ async def run_cluster_replica(
             etcd = EtcdClient(list(cluster.etcd_endpoints), etcd_http)
             membership = Membership(etcd, cluster.name, cluster.advertise_url, cluster.lease_ttl_seconds)
             await membership.join()
-            forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS)
+            authorization = options.auth.authorization() if options.auth is not None else None
+            forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS, authorization)
             journals = ScopeJournals(cluster.nats_servers, cluster.name, options.durability)
             owned = OwnedScopes(membership, journals, actor_system_options(options))
             service = ClusterSlotService(membership, owned, forwarder)
