@@ -165,6 +165,11 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(replicas:
 
         view = (await http.get("/cluster")).json()
         assert b.url not in view["members"]
+        samples = dict(
+            line.rsplit(" ", 1) for line in (await http.get("/metrics")).text.splitlines() if line[:1] != "#"
+        )
+        assert float(samples["kvrouter_cluster_forwarded_total"]) >= 6  # A forwarded the register and 5 adds to B
+        assert 0 < float(samples["kvrouter_cluster_lease_remaining_seconds"]) <= TTL_SECONDS
         [row] = [row for row in view["scopes"] if row["model_name"] == model]
         assert row["owner"] in (a.url, c.url)
         loads = (await http.get("/loads", params={"model_name": model})).json()
