@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,19 @@ async def etcd_keys(etcd: str, key: str) -> int:
         return int((await http.post(etcd + "/v3/kv/range", json=body)).json().get("count", 0))
 
 
+async def scope_row(
+    http: httpx.AsyncClient, model: str, settled: Callable[[dict[str, Any]], bool] = lambda row: bool(row["owner"])
+) -> dict[str, Any]:
+    """The scope's row of ``GET /cluster`` once ``settled`` (its owner known, by default): views follow etcd's
+    watch, a few milliseconds behind."""
+    with trio.fail_after(10):
+        while True:
+            rows = [row for row in (await http.get("/cluster")).json()["scopes"] if row["model_name"] == model]
+            if rows and settled(rows[0]):
+                return rows[0]
+            await trio.sleep(0.05)
+
+
 def model_owned_by(owner: str, members: list[str]) -> str:
     """A model name whose scope (default tenant) placement gives to ``owner`` among ``members``."""
     for n in range(1000):
@@ -149,8 +162,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(
         assert (await http.post("/register", json=register)).status_code == 201  # through A, applied on B
         for n in range(5):
             assert (await add(http, f"r{n}")).status_code == 201
-        view = (await http.get("/cluster")).json()
-        [row] = [row for row in view["scopes"] if row["model_name"] == model]
+        row = await scope_row(http, model)
         assert row["owner"] == b.url and not row["served_here"]
 
         await b.kill9()
@@ -166,7 +178,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(
             assert (await add(http, f"r{later}")).status_code == 201
         body = {"model_name": model, "worker_id": 1, "dp_rank": 1, "sequence_hashes": [9], "new_isl_tokens": 10}
         commands = [{"method": "POST", "path": "/add", "body": {**body, "request_id": f"b{i}"}} for i in range(3)]
-        [row] = [row for row in (await http.get("/cluster")).json()["scopes"] if row["model_name"] == model]
+        row = await scope_row(http, model, lambda row: row["owner"] in (a.url, c.url))
         other = c if row["owner"] == a.url else a  # the survivor that does not own the scope
         async with httpx.AsyncClient(base_url=other.url, timeout=15, trust_env=False, headers=AUTH) as through_other:
             answers = (await through_other.post("/batch", json=commands)).json()  # forwarded write by write
@@ -180,8 +192,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(
         )
         assert float(samples["kvrouter_cluster_forwarded_total"]) >= 6  # A forwarded the register and 5 adds to B
         assert 0 < float(samples["kvrouter_cluster_lease_remaining_seconds"]) <= TTL_SECONDS
-        [row] = [row for row in view["scopes"] if row["model_name"] == model]
-        assert row["owner"] in (a.url, c.url)
+        row = await scope_row(http, model, lambda row: row["owner"] in (a.url, c.url))
         loads = (await http.get("/loads", params={"model_name": model})).json()
     async with httpx.AsyncClient(base_url=c.url, timeout=15, trust_env=False, headers=AUTH) as http:
         assert (await http.get("/loads", params={"model_name": model})).json() == loads
@@ -246,15 +257,12 @@ async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once
         assert b.process is not None
         os.kill(b.process.pid, signal.SIGSTOP)
         await until_acknowledged(http, "paused")  # a survivor took the scope over
-        [row] = [row for row in (await http.get("/cluster")).json()["scopes"] if row["model_name"] == model]
-        assert row["owner"] in (a.url, c.url)
-        new_owner = row["owner"]
+        new_owner = (await scope_row(http, model, lambda row: row["owner"] in (a.url, c.url)))["owner"]
     os.kill(b.process.pid, signal.SIGCONT)
     async with httpx.AsyncClient(base_url=b.url, timeout=15, trust_env=False, headers=AUTH) as http:
         await until_acknowledged(http, "resumed")  # 503 while its view is stale, then forwarded
-        view = (await http.get("/cluster")).json()
-        assert view["lease"]["live"]
-        [row] = [row for row in view["scopes"] if row["model_name"] == model]
+        assert (await http.get("/cluster")).json()["lease"]["live"]
+        row = await scope_row(http, model)
         assert row["owner"] == new_owner and not row["served_here"]
         loads = (await http.get("/loads", params={"model_name": model})).json()
     assert [row["active_prefill_tokens"] for row in loads] == [5 * acknowledged]
