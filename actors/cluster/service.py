@@ -122,11 +122,11 @@ class ClusterSlotService:
             while owner in self.live_members():
                 await self.membership.wait_changed()
             nursery.cancel_scope.cancel()
-        if answer and isinstance(answer[0], OwnerUnreachable):
-            raise answer[0]
         if not answer:
             self.forwarder.failed += 1
             raise OwnerUnreachable(f"{owner} left the cluster while the command was with it", unknown=True)
+        if isinstance(answer[0], OwnerUnreachable):
+            raise answer[0]
         return answer[0]
 
     def _local(self, scope: ScopeKey) -> SlotService:

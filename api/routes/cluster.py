@@ -40,9 +40,9 @@ def clustered(routes: list[Route], service: ClusterSlotService) -> list[Route]:
     for route in routes:
         name = route.operation.name if route.operation is not None else None
         if name in SCOPED_WRITES and route.batched is not None:
-            prepare = route.batched.prepare
-            route = attrs.evolve(route, handler=_scoped(route, service, lambda r, p=prepare: _item_scope(p(r))))
-            route = attrs.evolve(route, pipelined=False)  # the scope's owner is found before the command is posted
+            scope_of = _item_scope(route.batched.prepare)
+            # pipelined=False: the scope's owner is found before the command is posted
+            route = attrs.evolve(route, handler=_scoped(route, service, scope_of), pipelined=False)
         elif name == "potential_loads":
             route = attrs.evolve(route, handler=_scoped(route, service, _body_scope))
         elif name in GATHERED_READS:
@@ -51,8 +51,15 @@ def clustered(routes: list[Route], service: ClusterSlotService) -> list[Route]:
     return changed
 
 
-def _item_scope(item: list[Any]) -> ScopeKey:
-    return ScopeKey(item[1], item[2])
+def _item_scope(prepare: Callable[[Request], Any]) -> Callable[[Request], ScopeKey]:
+    """The scope of a write request, read as its route reads it (``Batched.prepare``: ``[method, model, tenant,
+    ...]``)."""
+
+    def scope_of(request: Request) -> ScopeKey:
+        item = prepare(request)
+        return ScopeKey(item[1], item[2])
+
+    return scope_of
 
 
 def _body_scope(request: Request) -> ScopeKey:
