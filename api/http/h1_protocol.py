@@ -397,6 +397,27 @@ class ResponseFraming:
         self.no_body = False  # HEAD, 204, 304: nothing after the head
 
 
+# Headers an app sends again and again (``content-type: application/json``) are checked once: the line made from
+# a (name, value) pair as sent, with its lower-cased name, is remembered. Bounded: past MAX_CHECKED_HEADERS
+# distinct pairs, new ones are checked every time and not remembered. The framing headers are never remembered
+# (their values differ per response, and they set the framing).
+MAX_CHECKED_HEADERS: Final = 256
+_FRAMING_HEADERS: Final = frozenset((b"content-length", b"transfer-encoding", b"connection", b"host"))
+_checked_headers: dict[tuple[bytes, bytes], bytes] = {}
+
+
+def _header_line(raw_name: object, raw_value: object) -> tuple[bytes, bytes, bytes]:
+    """``(lower-cased name, value, line)`` of one app header, stripped and checked as h11 checks what it sends."""
+    name, value = bytes(raw_name).strip(), bytes(raw_value).strip()  # type: ignore[call-overload]
+    if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+        raise ValueError(f"cannot send the response header {name!r}: {value!r}")
+    lowered = name.lower()
+    line = b"%s: %s\r\n" % (name, value)
+    if lowered not in _FRAMING_HEADERS and len(_checked_headers) < MAX_CHECKED_HEADERS:
+        _checked_headers[(bytes(raw_name), bytes(raw_value))] = line  # type: ignore[call-overload]
+    return lowered, value, line
+
+
 def response_head(
     status: int,
     app_headers: object,
@@ -418,11 +439,20 @@ def response_head(
     length: bytes | None = None
     chunked_asked = False
     framing.close = close or http_version == "1.0"
+    checked = _checked_headers
     for raw_name, raw_value in app_headers:  # type: ignore[attr-defined]
-        name, value = bytes(raw_name).strip(), bytes(raw_value).strip()
-        if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
-            raise ValueError(f"cannot send the response header {name!r}: {value!r}")
-        lowered = name.lower()
+        if raw_name == b"content-length" and type(raw_value) is bytes and raw_value.isdigit() and length is None:
+            length = raw_value  # the app's own length, as kvrouter's routes send it
+            lines.append(b"content-length: %s\r\n" % raw_value)
+            continue
+        try:
+            line = checked.get((raw_name, raw_value))
+        except TypeError:  # a bytearray: checked below
+            line = None
+        if line is not None:
+            lines.append(line)
+            continue
+        lowered, value, line = _header_line(raw_name, raw_value)
         if lowered == b"content-length":
             lengths = {part.strip() for part in value.split(b",")} if b"," in value else {value}
             value = lengths.pop()
@@ -431,15 +461,31 @@ def response_head(
             if length is not None:
                 continue
             length = value
+            line = b"%s: %s\r\n" % (bytes(raw_name).strip(), value)
         elif lowered == b"transfer-encoding":
             value = value.lower()
             if chunked_asked or value != b"chunked":
                 raise ValueError("a response's only transfer-encoding is one chunked")
             chunked_asked = True
+            line = b"%s: %s\r\n" % (bytes(raw_name).strip(), value)
         elif lowered == b"connection" and b"close" in (token.strip() for token in value.lower().split(b",")):
             framing.close = True
-        (host if lowered == b"host" else lines).append(b"%s: %s\r\n" % (name, value))
+        (host if lowered == b"host" else lines).append(line)
     lines.append(server_lines)
+    return _framed_head(status, host, lines, length, chunked_asked, framing, http_version, head_request)
+
+
+def _framed_head(
+    status: int,
+    host: list[bytes],
+    lines: list[bytes],
+    length: bytes | None,
+    chunked_asked: bool,
+    framing: ResponseFraming,
+    http_version: str,
+    head_request: bool,
+) -> bytes:
+    """The head's bytes once its headers are checked: the framing decided (``response_head``)."""
     framing.no_body = head_request or status in (204, 304)
     framing.chunked = False
     framing.length_left = -1
