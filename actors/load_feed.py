@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import trio
@@ -25,9 +25,6 @@ from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import RankLoad
 from kvrouter.actors.core.state import ScopeState
-
-if TYPE_CHECKING:
-    from kvrouter.actors.system import ActorSystem
 
 # Commands that never change a rank's load: KV-event ingest (the busiest path by far) and session bindings.
 QUIET_COMMANDS = (IngestKvBatch, RecoverKv, ResetKvStream, BindSession)
@@ -115,9 +112,17 @@ class LoadFeed:
                 await self._changed.wait()
 
 
+class ScopeStates(Protocol):
+    """What ``read_changes`` reads of the scopes (an ``ActorSystem``, or a cluster replica's served scopes)."""
+
+    def states(self) -> list[ScopeState]: ...
+
+    async def read_barrier(self) -> None: ...
+
+
 async def read_changes(
     feed: LoadFeed,
-    system: ActorSystem,
+    system: ScopeStates,
     epoch: str,
     cursor: int,
     wait_seconds: float,

@@ -174,6 +174,10 @@ class SlotService:
 
         return await read_changes(self.load_feed, self.system, epoch, cursor, wait_seconds, measure)
 
+    async def cluster(self) -> dict[str, Any]:
+        """``GET /cluster`` of a service that is no cluster replica (no ``--cluster``): nothing to show."""
+        return {"cluster": None, "member": None, "lease": None, "members": [], "scopes": []}
+
     async def metrics(self) -> list[Family]:
         """The actor side's figures for ``GET /metrics`` (see ``actors/service_metrics.py``)."""
         families = system_families(self.system)

@@ -235,6 +235,10 @@ class Operations(ABC):
         """``POST /potential_loads`` -> list: what each rank would carry with this prompt."""
         return self.operation("potential_loads", request)
 
+    def cluster(self) -> Any:
+        """``GET /cluster`` -> dict: the replica's lease, the live members and each scope's owner."""
+        return self.operation("cluster")
+
     def health(self) -> Any:
         """``GET /health`` -> None (raises if the service does not answer 200)."""
         return self.operation("health", decode=_nothing)

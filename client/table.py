@@ -127,6 +127,9 @@ OPERATIONS: tuple[Operation, ...] = (
           request="RequestRefBody", responses=STATUS, writes=True, compact=Compact(2, _REF_FIELDS)),
     _slot("free", "POST", "/free", "A tracked request is finished", body=Body.JSON, request="RequestRefBody",
           responses=STATUS, writes=True, compact=Compact(3, _REF_FIELDS)),
+    _slot("cluster", "GET", "/cluster",
+          "This replica's cluster: its lease, the live members and each scope's owner (null outside a cluster)",
+          responses={200: ref("ClusterView")}),
     # -- both services (same path; each answers in its own shape)
     _both("workers", "GET", "/workers",
           "The registered workers (slot tracker: dp ranges; selection service: catalog records)",

@@ -39,7 +39,7 @@ import trio
 from kvrouter.journal import jetstream_batch as batch
 from kvrouter.journal.asyncio_thread import AsyncioThread
 from kvrouter.journal.group_commit import Batch, GroupCommit
-from kvrouter.journal.jetstream_link import JetStreamLink, StoredSnapshot, Tail, payloads
+from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, check_log, payloads
 from kvrouter.journal.loop_idle import wait_until_loop_idle as _wait_until_loop_idle
 from kvrouter.journal.store import Durability, JournalWriteFailed, SkippedRecord, Snapshot, check_snapshot
 
@@ -123,17 +123,21 @@ class JetStreamJournal:
         *,
         fresh: bool = False,
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
+        log: str = DEFAULT_LOG,
     ) -> JetStreamJournal:
         """Connect, make sure the stream and the snapshot bucket exist, and read where the log ends.
 
+        ``log``: which log of the stream (a subject token): ``log`` for a service's one journal, another name for
+        each of many journals sharing the stream (a cluster's scopes), each fenced on its own subject.
         Blocking, as ``FileJournal.open``: run it before serving, or through ``trio.to_thread.run_sync``.
         Raises ``JournalUnreachable`` (one line naming the server) when NATS or JetStream does not answer.
         ``fresh=True`` first empties the journal's subject and deletes its snapshot.
         """
-        thread = AsyncioThread(f"kvrouter-journal-{stream}")
+        check_log(log)  # before connecting: a bad name leaves nothing open
+        thread = AsyncioThread(f"kvrouter-journal-{stream}-{log}")
         thread.start_blocking()
         try:
-            link = thread.call_blocking(JetStreamLink.connect, servers, stream, timeout=OPEN_TIMEOUT_SECONDS)
+            link = thread.call_blocking(JetStreamLink.connect, servers, stream, log, timeout=OPEN_TIMEOUT_SECONDS)
             try:
                 tail = thread.call_blocking(link.prepare, fresh, timeout=OPEN_TIMEOUT_SECONDS)
             except BaseException:
@@ -143,6 +147,21 @@ class JetStreamJournal:
             thread.stop_blocking()
             raise
         return cls(thread, link, tail, durability, max_backlog_bytes)
+
+    @staticmethod
+    def check(servers: tuple[str, ...], stream: str) -> None:
+        """Connect, make sure the stream and its snapshot bucket exist, disconnect: what a service whose journals
+        open later (a cluster replica's, one per scope) checks at start. Blocking; ``JournalUnreachable``."""
+        thread = AsyncioThread(f"kvrouter-journal-{stream}-check")
+        thread.start_blocking()
+        try:
+            link = thread.call_blocking(JetStreamLink.connect, servers, stream, timeout=OPEN_TIMEOUT_SECONDS)
+            try:
+                thread.call_blocking(link.ensure, timeout=OPEN_TIMEOUT_SECONDS)
+            finally:
+                thread.call_blocking(link.close, timeout=OPEN_TIMEOUT_SECONDS)
+        finally:
+            thread.stop_blocking()
 
     # -- the Journal protocol ---------------------------------------------------------------------
 

@@ -7,9 +7,9 @@ each call is bounded on this side (``asyncio.wait_for`` or nats-py's own ``timeo
 time raises like any failure.
 
 The layout on the server (``docs/operations/cluster.md``): the stream ``NAME`` captures ``kvrouter.journal.NAME.>``;
-the journal's records go to ``kvrouter.journal.NAME.log`` (one subject per journal, today one per service: the
-cluster puts each scope on a subject of its own under the same prefix); snapshots go to the object store bucket
-``NAME_snapshots`` under the object name ``latest``.
+a journal is one log in it, named by a token (``log`` for a service's one journal): its records go to
+``kvrouter.journal.NAME.<log>`` and its snapshot to the object store bucket ``NAME_snapshots`` under the object
+name ``latest`` (the service's journal) or ``<log>`` (any other log: a cluster keeps one per scope).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import struct
 from collections.abc import Iterable
 from typing import Any, Final
@@ -41,8 +42,21 @@ SNAPSHOT_HEADER: Final = struct.Struct(">QQ")  # snapshot lsn, stream sequence i
 WRONG_LAST_SEQUENCE: Final = 10071  # JetStream's error code for a failed Nats-Expected-Last-Subject-Sequence
 
 
-def subject_of(stream: str) -> str:
-    return f"kvrouter.journal.{stream}.log"
+DEFAULT_LOG: Final = "log"  # the one journal of a service
+LOG_TOKEN: Final = re.compile(r"[A-Za-z0-9_-]{1,1024}")  # a subject token: no dot, space or wildcard
+
+
+def subject_of(stream: str, log: str = DEFAULT_LOG) -> str:
+    return f"kvrouter.journal.{stream}.{log}"
+
+
+def check_log(log: str) -> None:
+    if not LOG_TOKEN.fullmatch(log):
+        raise ValueError(f"a journal's log name must be a subject token (letters, digits, '_', '-'), not {log!r}")
+
+
+def snapshot_object_of(log: str) -> str:
+    return SNAPSHOT_OBJECT if log == DEFAULT_LOG else log
 
 
 def subjects_of(stream: str) -> str:
@@ -82,15 +96,17 @@ async def _ignore_error(exc: Exception) -> None:
 class JetStreamLink:
     """One connection and what the journal asks of it. Asyncio side only."""
 
-    def __init__(self, nc: Any, stream: str) -> None:
+    def __init__(self, nc: Any, stream: str, log: str = DEFAULT_LOG) -> None:
+        check_log(log)
         self._nc = nc
         self._js = nc.jetstream(timeout=REQUEST_TIMEOUT_SECONDS)
         self.stream = stream
-        self.subject = subject_of(stream)
+        self.subject = subject_of(stream, log)
+        self._snapshot_object = snapshot_object_of(log)
         self._objects: Any = None
 
     @classmethod
-    async def connect(cls, servers: tuple[str, ...], stream: str) -> JetStreamLink:
+    async def connect(cls, servers: tuple[str, ...], stream: str, log: str = DEFAULT_LOG) -> JetStreamLink:
         """Connect (bounded) or raise ``JournalUnreachable`` naming the servers."""
         where = ",".join(servers)
         try:
@@ -113,7 +129,7 @@ class JetStreamLink:
             ) from None
         except (OSError, nats.errors.Error) as exc:
             raise JournalUnreachable(f"cannot reach NATS at {where} for the JetStream journal ({_why(exc)})") from None
-        return cls(nc, stream)
+        return cls(nc, stream, log)
 
     @property
     def max_payload(self) -> int:
@@ -129,10 +145,21 @@ class JetStreamLink:
                 await self._delete_snapshot()
             return await self._tail()
         except (TimeoutError, nats.errors.Error) as exc:
-            raise JournalUnreachable(
-                f"JetStream at {self._nc.connected_url.netloc if self._nc.connected_url else '?'} did not serve the "
-                f"journal stream {self.stream} ({_why(exc)}); is JetStream enabled (nats-server -js)?"
-            ) from None
+            raise self._unserved(exc) from None
+
+    async def ensure(self) -> None:
+        """The stream and the snapshot bucket, created if missing (``JournalUnreachable`` if JetStream refuses)."""
+        try:
+            await self._ensure_stream()
+            self._objects = await self._ensure_bucket()
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise self._unserved(exc) from None
+
+    def _unserved(self, exc: BaseException) -> JournalUnreachable:
+        return JournalUnreachable(
+            f"JetStream at {self._nc.connected_url.netloc if self._nc.connected_url else '?'} did not serve the "
+            f"journal stream {self.stream} ({_why(exc)}); is JetStream enabled (nats-server -js)?"
+        )
 
     async def _ensure_stream(self) -> None:
         wanted = subjects_of(self.stream)
@@ -155,7 +182,7 @@ class JetStreamLink:
 
     async def _delete_snapshot(self) -> None:
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self._objects.delete(SNAPSHOT_OBJECT)
+            await self._objects.delete(self._snapshot_object)
 
     async def _tail(self) -> Tail:
         stored = await self.load_snapshot()
@@ -176,7 +203,7 @@ class JetStreamLink:
 
     async def load_snapshot(self) -> StoredSnapshot | None:
         try:
-            result = await self._objects.get(SNAPSHOT_OBJECT)
+            result = await self._objects.get(self._snapshot_object)
         except nats.js.errors.NotFoundError:
             return None
         data: bytes = result.data
@@ -187,7 +214,7 @@ class JetStreamLink:
         """Put the snapshot (replacing the previous one), then purge the messages before ``replay_from``."""
         data = SNAPSHOT_HEADER.pack(stored.snapshot.lsn, stored.replay_from) + stored.snapshot.payload
         try:
-            await asyncio.wait_for(self._objects.put(SNAPSHOT_OBJECT, data), REQUEST_TIMEOUT_SECONDS * 4)
+            await asyncio.wait_for(self._objects.put(self._snapshot_object, data), REQUEST_TIMEOUT_SECONDS * 4)
         except (TimeoutError, nats.errors.Error) as exc:
             raise JournalWriteFailed(f"storing the snapshot in JetStream failed ({_why(exc)})") from None
         if stored.replay_from > 1:

@@ -1,7 +1,10 @@
-"""A small etcd v3 client over its JSON gateway (``/v3/kv/range``, ``/v3/watch``), on httpx, so it runs on trio.
+"""A small etcd v3 client over its JSON gateway (``/v3/kv/range``, ``/v3/watch``, ``/v3/lease/*``, ``/v3/kv/txn``),
+on httpx, so it runs on trio.
 
-Only what discovery needs: list a prefix at one revision (paginated), watch a prefix from a revision (the gateway
-streams one JSON object per line), and a cheap liveness probe. Keys and values travel base64-encoded; 64-bit
+What discovery needs: list a prefix at one revision (paginated), watch a prefix from a revision (the gateway
+streams one JSON object per line), and a cheap liveness probe; and what a cluster's membership needs
+(``actors/cluster``): grant and renew a lease, put a key under it, create a key only if it is absent (the claim
+transaction), delete a key. Keys and values travel base64-encoded; 64-bit
 integers travel as JSON strings. Several endpoints may be given: a failed call moves on to the next one.
 
 Bounds: one watch message is at most ``MAX_MESSAGE_BYTES`` (a message over it ends the watch with an error, and the
@@ -124,6 +127,51 @@ class EtcdClient:
         """The store's current revision (a liveness probe: one tiny request)."""
         data = await self._post("/v3/kv/range", {"key": _b64(b"\0"), "count_only": True})
         return _int(data.get("header", {}).get("revision"))
+
+    async def grant(self, ttl_seconds: int) -> tuple[int, int]:
+        """A new lease: its id and the TTL etcd granted (seconds)."""
+        data = await self._post("/v3/lease/grant", {"TTL": str(ttl_seconds)})
+        lease_id = _int(data.get("ID"))
+        if not lease_id:
+            raise EtcdUnavailable(f"etcd granted no lease: {data.get('error', data)}")
+        return lease_id, _int(data.get("TTL"))
+
+    async def keep_alive(self, lease_id: int) -> int:
+        """Renew the lease once: its remaining TTL in seconds, 0 when it is gone (expired or revoked)."""
+        data = await self._post("/v3/lease/keepalive", {"ID": str(lease_id)})
+        return _int(data.get("result", {}).get("TTL"))
+
+    async def revoke(self, lease_id: int) -> None:
+        """End the lease now (and delete every key under it)."""
+        await self._post("/v3/lease/revoke", {"ID": str(lease_id)})
+
+    async def put(self, key: str, value: bytes, lease_id: int = 0) -> int:
+        """Set ``key`` (under ``lease_id`` when given); the revision of the write."""
+        body: dict[str, Any] = {"key": _b64(key.encode()), "value": _b64(value)}
+        if lease_id:
+            body["lease"] = str(lease_id)
+        data = await self._post("/v3/kv/put", body)
+        return _int(data.get("header", {}).get("revision"))
+
+    async def create_if_absent(self, key: str, value: bytes, lease_id: int) -> tuple[bool, bytes | None, int]:
+        """``If(CreateRevision(key) == 0) Then(Put(key, value, lease)) Else(Get(key))``: whether this call created
+        the key; else the value it holds (None if it vanished meanwhile) and its lease."""
+        encoded = _b64(key.encode())
+        body = {
+            "compare": [{"key": encoded, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+            "success": [{"request_put": {"key": encoded, "value": _b64(value), "lease": str(lease_id)}}],
+            "failure": [{"request_range": {"key": encoded}}],
+        }
+        data = await self._post("/v3/kv/txn", body)
+        if data.get("succeeded"):
+            return True, value, lease_id
+        for response in data.get("responses") or []:
+            for kv in response.get("response_range", {}).get("kvs") or []:
+                return False, base64.b64decode(kv.get("value", "")), _int(kv.get("lease"))
+        return False, None, 0
+
+    async def delete(self, key: str) -> None:
+        await self._post("/v3/kv/deleterange", {"key": _b64(key.encode())})
 
     async def watch(self, prefix: str, start_revision: int, on_changes: OnChanges) -> None:
         """Stream the changes under ``prefix`` from ``start_revision`` on, calling ``on_changes(changes,

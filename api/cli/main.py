@@ -45,6 +45,7 @@ from kvrouter.api.cli.settings import (
 )
 from kvrouter.api.http import Route
 from kvrouter.api.process import log_setup
+from kvrouter.api.process.cluster_options import DEFAULT_LEASE_TTL_SECONDS
 from kvrouter.api.process.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
 from kvrouter.api.process.exposure import add_worker_endpoint_flag
 from kvrouter.api.process.fronts import (
@@ -171,6 +172,28 @@ def _journal_flags(parser: argparse.ArgumentParser, service: str) -> None:
     )
     if service != SELECT_SERVICE:
         add_nats_server_flag(group)
+        _cluster_flags(parser)
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """A replica of a cluster: one owner per scope under etcd leases, each scope's journal on JetStream."""
+    group = parser.add_argument_group("cluster (see docs/operations/cluster.md)")
+    group.add_argument(
+        "--cluster",
+        metavar="NAME",
+        help="run as a replica of cluster NAME (its etcd prefix and JetStream stream); needs --etcd-endpoints, "
+        "--nats-server and --advertise-url",
+    )
+    group.add_argument("--etcd-endpoints", metavar="URLS", help="comma-separated etcd client URLs (ETCD_ENDPOINTS)")
+    group.add_argument(
+        "--advertise-url", metavar="URL", help="where the other replicas reach this one's HTTP API (http://HOST:PORT)"
+    )
+    group.add_argument(
+        "--cluster-lease-ttl",
+        metavar="SECONDS",
+        help=f"this replica's etcd lease TTL, 1-60 (default {DEFAULT_LEASE_TTL_SECONDS}): a dead replica's scopes "
+        "move after about this long",
+    )
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
@@ -460,6 +483,10 @@ def run(launch: Launch, argv: Sequence[str] = ()) -> int:
                 trio.run(run_front_process, service_kind(launch), options, role)
         elif launch.fronts > 0:
             return trio.run(supervise, name, options, list(argv), launch.fronts)
+        elif options.cluster is not None:
+            from kvrouter.api.process.cluster import run_cluster_until_signal  # etcd and NATS load only for a cluster
+
+            trio.run(run_cluster_until_signal, name, options)
         else:
             trio.run(partial(run_until_signal, name, options, _noting_open_journal(build, progress)))
     except SystemExit:

@@ -37,6 +37,7 @@ from kvrouter.api.cli.dynamo_flags import (
 from kvrouter.api.cli.fleet_flags import fleet_options, nats_servers, worker_file_parser
 from kvrouter.api.cli.http_flags import check_exposure, http_options
 from kvrouter.api.cli.replica import replica_security_from
+from kvrouter.api.process.cluster_options import CLUSTER_NAME, DEFAULT_LEASE_TTL_SECONDS, ClusterOptions
 from kvrouter.api.process.exposure import worker_endpoint_allow
 from kvrouter.api.process.fronts import MAX_FRONTS, ProcessRole, parse_role
 from kvrouter.api.process.journal_backend import JetStreamJournalOptions, default_stream, stream_problem
@@ -128,6 +129,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
         max_subscribers=DEFAULT_STREAMS.max_subscribers if subscribers is None else subscribers,
         answers=_answer_budgets(args, problems),
     )
+    cluster = _cluster(args, env, problems, warnings)
     launch = Launch(
         service,
         ServiceOptions(
@@ -135,7 +137,8 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
             port=port if port is not None else 0,
             data_dir=data_dir,
             durability=Durability(args.durability),
-            jetstream_journal=_jetstream_journal(args, env, problems, warnings),
+            jetstream_journal=_jetstream_journal(args, env, problems, warnings) if cluster is None else None,
+            cluster=cluster,
             fresh=args.fresh,
             body_limit=SLOT_TRACKER_BODY_LIMIT,
             replica_sync_port=replica_port,
@@ -315,6 +318,48 @@ def _jetstream_journal(
     if problem is not None:
         problems.append(problem)
     return JetStreamJournalOptions(nats_servers(args, env), stream)
+
+
+def _cluster(
+    args: argparse.Namespace, env: Mapping[str, str], problems: list[str], warnings: list[str]
+) -> ClusterOptions | None:
+    """``--cluster NAME`` and what it needs (the slot tracker's; None without it)."""
+    name = getattr(args, "cluster", None)
+    if name is None:
+        for flag in ("advertise_url", "cluster_lease_ttl"):
+            if getattr(args, flag, None) is not None:
+                warnings.append(f"{_flag(flag)} has no effect without --cluster")
+        return None
+    if not CLUSTER_NAME.fullmatch(name):
+        problems.append(f"--cluster={name!r} must be 1-64 letters, digits, '_' or '-'")
+    etcd = args.etcd_endpoints or env.get("ETCD_ENDPOINTS")
+    if not etcd:
+        problems.append("--cluster needs --etcd-endpoints (or ETCD_ENDPOINTS): the etcd that holds the leases")
+    if not (args.nats_server or env.get("NATS_SERVER")):
+        problems.append("--cluster needs --nats-server (or NATS_SERVER): the JetStream server holding the journals")
+    advertise = args.advertise_url
+    if not advertise:
+        problems.append("--cluster needs --advertise-url http://HOST:PORT: where the other replicas reach this one")
+    elif not advertise.startswith(("http://", "https://")):
+        problems.append(f"--advertise-url={advertise!r} must be an http:// or https:// URL")
+    if getattr(args, "fronts", None) not in (None, "0", 0):
+        problems.append("--cluster does not run with --fronts yet; leave --fronts out")
+    if args.replica_sync_port is not None or args.replica_sync_peers:
+        problems.append("--cluster replaces replica sync; leave --replica-sync-port and --replica-sync-peers out")
+    if args.journal != "file" or args.jetstream_stream is not None:
+        warnings.append(
+            "--journal and --jetstream-stream have no effect with --cluster: each scope's journal is "
+            "on the cluster's stream"
+        )
+    ttl = _int(args, "cluster_lease_ttl", 1, 60, problems, default=DEFAULT_LEASE_TTL_SECONDS)
+    urls = tuple(url.strip() for url in (etcd or "").split(",") if url.strip())
+    return ClusterOptions(
+        name,
+        tuple(url if "://" in url else f"http://{url}" for url in urls),
+        nats_servers(args, env),
+        (advertise or "").rstrip("/"),
+        ttl or DEFAULT_LEASE_TTL_SECONDS,
+    )
 
 
 def _flag(dest: str) -> str:

@@ -53,6 +53,8 @@ class Request:
     body_type: Any = attrs.field(default=None, repr=False)
     # With ``parsed``: the keys its document repeated (found where the batch or message was read), if any.
     repeated: RepeatedKeys | None = attrs.field(default=None, repr=False)
+    # Sent on by another replica of a cluster to this scope's owner (``FORWARDED_HEADER``): never forwarded again.
+    forwarded: bool = False
 
     def query(self, known: tuple[str, ...]) -> dict[str, str]:
         """The ``known`` query parameters; others are ignored, a repeated known one is a 400."""

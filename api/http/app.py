@@ -21,6 +21,7 @@ from urllib.parse import quote, unquote_to_bytes
 
 import trio
 
+from kvrouter.actors.core.ownership.forwarding import FORWARDED_HEADER as _FORWARDED
 from kvrouter.actors.mailbox import Overloaded
 from kvrouter.api.http import JSON, HttpError, Request, Response, Route, error_response, release
 from kvrouter.api.http.auth import BearerToken
@@ -118,12 +119,16 @@ def _is_json(content_type: bytes | None) -> bool:
     return mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))
 
 
+FORWARDED_HEADER = _FORWARDED.encode()
+
+
 class _Headers:
     """The request headers the app reads, found in one pass (names arrive lower-cased)."""
 
-    __slots__ = ("authorization", "content_length", "content_type", "has_body")
+    __slots__ = ("authorization", "content_length", "content_type", "forwarded", "has_body")
 
     def __init__(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
+        self.forwarded = False  # FORWARDED_HEADER: a cluster replica passed this request on to its scope's owner
         self.content_type: bytes | None = None
         self.content_length: int | None = None
         self.authorization: bytes | None = None
@@ -140,6 +145,8 @@ class _Headers:
             elif name == b"authorization":
                 self.authorization = value
                 authorizations += 1
+            elif name == FORWARDED_HEADER:
+                self.forwarded = True
         if authorizations > 1:
             self.authorization = None  # ambiguous: treated as absent
 
@@ -273,7 +280,15 @@ class ServiceApp:
         except HttpError as exc:
             release(exc)
             return http_error_response(exc), body_unread
-        request = Request(method, scope["path"], scope["query_string"], body, params, body_type=route.body_type)
+        request = Request(
+            method,
+            scope["path"],
+            scope["query_string"],
+            body,
+            params,
+            body_type=route.body_type,
+            forwarded=headers.forwarded,
+        )
         return await call_route(route, request), body_unread
 
     async def _websocket(self, scope: ASGIScope, receive: Any, send: Any) -> None:

@@ -29,12 +29,18 @@ class TokenFileError(ValueError):
 
 
 class BearerToken:
-    """The service's token, kept only as a digest."""
+    """The service's token: requests are checked against its digest. The token itself is kept for the one place
+    that presents it, a cluster replica forwarding a command to another (the replicas share the token)."""
 
     def __init__(self, token: bytes) -> None:
         if not token:
             raise ValueError("an empty bearer token")
         self._digest = hashlib.sha256(token).digest()
+        self._token = token
+
+    def authorization(self) -> str:
+        """The ``Authorization`` header value that presents this token (never logged)."""
+        return "Bearer " + self._token.decode("ascii")
 
     def __repr__(self) -> str:
         return "BearerToken(<hidden>)"

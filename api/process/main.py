@@ -47,6 +47,7 @@ from kvrouter.api.http.app import make_app
 from kvrouter.api.http.auth import BearerToken
 from kvrouter.api.http.server import HttpSettings, hypercorn_config, serve_http
 from kvrouter.api.process import data_dir
+from kvrouter.api.process.cluster_options import ClusterOptions
 from kvrouter.api.process.journal_backend import JetStreamJournalOptions, open_journal
 from kvrouter.api.routes.commands import with_command_routes
 from kvrouter.api.routes.metrics import FrontMetrics, metrics_route
@@ -75,6 +76,7 @@ class ServiceOptions:
     data_dir: Path = Path("kvrouter-data")
     durability: Durability = Durability.ALWAYS
     jetstream_journal: JetStreamJournalOptions | None = None  # None: the file journal in data_dir
+    cluster: ClusterOptions | None = None  # a replica of a cluster (api/process/cluster.py); None: single node
     fresh: bool = False
     body_limit: int = SLOT_TRACKER_BODY_LIMIT
     seed: int | None = None  # root of the scopes' random sources; None = fresh per process
@@ -325,6 +327,20 @@ def lock_data_dir(path: Path) -> Iterator[None]:
         os.close(fd)  # closing the descriptor drops the lock
 
 
+def actor_system_options(options: ServiceOptions) -> dict[str, Any]:
+    """What ``ActorSystem`` takes from the service's options (a cluster replica gives each scope's system the same)."""
+    return {
+        "seed": secrets.randbits(64) if options.seed is None else options.seed,
+        "pending_options": {
+            "ttl_seconds": options.selection_cache_ttl_secs,
+            "max_entries": options.selection_cache_max_entries,
+            "budget": SelectionCacheBudget(options.selection_cache_max_bytes),  # one, shared by every scope
+        },
+        "reply_deadline": options.reply_deadline,
+        "max_index_blocks_per_scope": options.max_index_blocks_per_scope,
+    }
+
+
 @contextlib.asynccontextmanager
 async def recovered_runtime(name: str, options: ServiceOptions) -> AsyncIterator[tuple[ActorRuntime, int]]:
     """The data directory locked and claimed, the journal recovered, the actors running over it: the
@@ -342,18 +358,7 @@ async def recovered_runtime(name: str, options: ServiceOptions) -> AsyncIterator
         gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
         # A failed journal write (a full disk) stops the service, but only after the requests in flight have
         # been told (503: not acknowledged); the failure then ends the block (one line, exit 1).
-        async with running_actors(
-            journal,
-            recovered.states,
-            seed=secrets.randbits(64) if options.seed is None else options.seed,
-            pending_options={
-                "ttl_seconds": options.selection_cache_ttl_secs,
-                "max_entries": options.selection_cache_max_entries,
-                "budget": SelectionCacheBudget(options.selection_cache_max_bytes),  # one, shared by every scope
-            },
-            reply_deadline=options.reply_deadline,
-            max_index_blocks_per_scope=options.max_index_blocks_per_scope,
-        ) as runtime:
+        async with running_actors(journal, recovered.states, **actor_system_options(options)) as runtime:
             yield runtime, len(recovered.states)
         log.info("journal closed: %s", journal.statistics())  # (a failed journal raised instead)
 

@@ -124,6 +124,39 @@ RESPONSES: dict[str, Any] = {
             "active_decode_blocks": INT,
         },
     },
+    "ClusterView": {
+        "type": "object",
+        "description": "A cluster replica's view (--cluster); outside a cluster every field is null or empty.",
+        "properties": {
+            "cluster": {"type": ["string", "null"]},
+            "member": {"type": ["string", "null"], "description": "this replica's advertise URL"},
+            "lease": {
+                "type": ["object", "null"],
+                "properties": {
+                    "id": STR,
+                    "live": {"type": "boolean"},
+                    "remaining_seconds": {"type": "number"},
+                    "ttl_seconds": INT,
+                },
+            },
+            "members": {"type": "array", "items": STR},
+            "scopes": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "model_name": {"type": ["string", "null"]},
+                        "tenant_id": {"type": ["string", "null"]},
+                        "token": STR,
+                        "owner": {"type": ["string", "null"]},
+                        "owner_lease": {"type": ["string", "null"]},
+                        "served_here": {"type": "boolean"},
+                    },
+                },
+            },
+            "revision": INT,
+        },
+    },
     "PotentialLoad": {
         "type": "object",
         "properties": {

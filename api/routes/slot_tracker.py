@@ -154,6 +154,10 @@ async def potential_loads(service: SlotService, request: Request) -> Response:
     return json_response(200, rows)
 
 
+async def cluster(service: SlotService, request: Request) -> Response:
+    return json_response(200, await service.cluster())
+
+
 async def health(service: SlotService, request: Request) -> Response:
     return Response(200, b"", None)
 
@@ -169,5 +173,6 @@ def slot_tracker_routes(service: SlotService) -> list[Route]:
         write_route(service, "free", prepare_free, batches),
         route("loads", bound(service, loads)),
         route("potential_loads", bound(service, potential_loads), body_type=PotentialLoadsBody),
+        route("cluster", bound(service, cluster)),
         route("health", bound(service, health)),
     ]

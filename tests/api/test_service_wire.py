@@ -60,6 +60,7 @@ def test_every_public_async_method_of_the_service_objects_is_callable_remotely()
         "load_changes",
         "metrics",
         "apply_writes",
+        "cluster",
     }
     assert {"put_worker", "patch_worker", "select", "select_and_reserve", "dump", "load_changes", "metrics"} <= set(
         method_table(SelectService)

@@ -109,6 +109,7 @@ SLOT_TRACKER_ROUTES = [
     FuzzRoute("POST", "/free", REQUEST_REF),
     FuzzRoute("GET", "/loads", query=SCOPE_QUERY),
     FuzzRoute("POST", "/potential_loads", POTENTIAL),
+    FuzzRoute("GET", "/cluster"),
     FuzzRoute("GET", "/health"),
     *REPLICA_ROUTES,
     *SELF_DESCRIPTION_ROUTES,

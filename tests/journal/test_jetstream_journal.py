@@ -140,3 +140,33 @@ async def test_fresh_empties_the_subject_and_the_snapshot_and_appends_start_agai
     again = open_journal(nats_url, "FRESH")
     assert list(again.read()) == [(1, b"new")]
     await again.aclose()
+
+
+async def test_logs_of_one_stream_have_their_own_records_fences_and_snapshots(nats_url: str) -> None:
+    """A cluster's scopes: many named logs in one stream, each a journal of its own (subject and snapshot object)."""
+    first = JetStreamJournal.open((nats_url,), "LOGS", log="scope-a")
+    second = JetStreamJournal.open((nats_url,), "LOGS", log="scope-b")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        await nursery.start(second.run)
+        first.append(b"a1")
+        first.append(b"a2")
+        second.append(b"b1")  # fenced on its own subject: the other log's messages do not refuse it
+        with trio.fail_after(TIMEOUT):
+            await first.wait_durable(2)
+            await second.wait_durable(1)
+            await first.write_snapshot(Snapshot(1, b"a up to 1"))
+        await first.aclose()
+        await second.aclose()
+    again_a = JetStreamJournal.open((nats_url,), "LOGS", log="scope-a")
+    again_b = JetStreamJournal.open((nats_url,), "LOGS", log="scope-b")
+    try:
+        assert again_a.latest_snapshot() == Snapshot(1, b"a up to 1")
+        assert list(again_a.read()) == [(2, b"a2")]
+        assert again_b.latest_snapshot() is None
+        assert list(again_b.read()) == [(1, b"b1")]
+    finally:
+        await again_a.aclose()
+        await again_b.aclose()
+    with pytest.raises(ValueError, match="subject token"):
+        JetStreamJournal.open((nats_url,), "LOGS", log="not.a.token")

@@ -35,11 +35,16 @@ class WrongLastSequence:
 AppendResult = Appended | WrongLastSequence
 
 
-def scope_subject(prefix: str, scope: ScopeKey) -> str:
-    """``<prefix>.<token>``, the token an unpadded URL-safe base64 of the scope: names may hold dots,
-    spaces or wildcards, none of which a subject token may."""
+def scope_token(scope: ScopeKey) -> str:
+    """The scope as one subject token: an unpadded URL-safe base64 of it (names may hold dots, spaces or
+    wildcards, none of which a subject token may)."""
     raw = f"{len(scope.model_name)}:{scope.model_name}{scope.tenant_id}".encode()
-    return f"{prefix}.{base64.urlsafe_b64encode(raw).decode().rstrip('=')}"
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def scope_subject(prefix: str, scope: ScopeKey) -> str:
+    """``<prefix>.<token>`` (``scope_token``)."""
+    return f"{prefix}.{scope_token(scope)}"
 
 
 class SubjectLog(Generic[P]):

@@ -13,6 +13,9 @@ from collections.abc import Collection
 import attrs
 
 UNAVAILABLE_STATUS = 503
+# The header a replica adds to a command it forwards to the scope's owner (lower-case, as HTTP/1 servers hand
+# header names over): its receiver never forwards it again.
+FORWARDED_HEADER = "kvrouter-forwarded"
 
 
 @attrs.frozen

@@ -1,0 +1,13 @@
+"""A replica of a cluster (``--cluster NAME``): the shell around the pure ownership rules (``actors/core/ownership``).
+
+``membership`` holds this replica's etcd lease and member key and watches the cluster's keys (members, scope
+owners, known scopes); ``scopes`` claims a scope under that lease and runs it as an actor system over a journal
+of its own (one JetStream subject per scope); ``forwarder`` carries a command to the owner of its scope;
+``service`` is what the routes call: it serves a scope this replica owns, forwards the others, or refuses with
+503. See ``docs/operations/cluster.md``.
+"""
+
+
+class ClusterUnreachable(Exception):
+    """etcd does not answer at startup: the replica cannot join (one line naming it, exit 2). Here, not in
+    ``membership``, so the CLI's exit reasons name it without loading the etcd client."""

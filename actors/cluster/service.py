@@ -1,0 +1,380 @@
+"""ClusterSlotService: the slot tracker's methods on a cluster replica (what the routes call with ``--cluster``).
+
+For each command the replica first asks where its scope is served (``where``): the pure rule
+``forwarding.route`` decides from this replica's view (the scope's owner key, the live members) and whether it
+serves the scope now (claimed under its live lease and recovered, ``OwnedScopes.serving``). A scope nobody owns
+yet is claimed by the member placement prefers (``placement.preferred_owner`` over the live members): by this
+replica at once if that is itself, else the command goes to that member, which claims it on receipt. A scope
+this replica owns but does not serve (its journal failed) is recovered again first.
+
+Served here, a method runs on the scope's own ``SlotService`` (its actor system and journal); a scope not served
+here when the method runs (ownership moved in between) is refused with 503, not applied. Reads of many scopes
+(``workers``, ``loads``) answer for the scopes served here; the routes gather the other members' answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import orjson
+import trio
+
+from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
+from kvrouter.actors.cluster.membership import Membership
+from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes
+from kvrouter.actors.core.decisions import Reason
+from kvrouter.actors.core.ids import ScopeKey, to_i64
+from kvrouter.actors.core.ownership.fencing import scope_token
+from kvrouter.actors.core.ownership.forwarding import Forward, Route, Serve, Unavailable, route
+from kvrouter.actors.core.ownership.placement import preferred_owner
+from kvrouter.actors.core.queries import PotentialLoad
+from kvrouter.actors.core.queries import loads as rank_loads
+from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
+from kvrouter.actors.mailbox import JournalUnavailable
+from kvrouter.actors.metric_families import Family, FamilySource, counter, gauge
+from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, encode_failure
+from kvrouter.actors.slot_service import RegisteredRange, ScopeLoads, SlotService
+from kvrouter.client.table import BY_NAME
+
+# What a relayed answer's status means for a write of a batch (its failure as data).
+_STATUS_REASON = {400: Reason.INVALID, 404: Reason.NOT_FOUND, 409: Reason.CONFLICT, 429: Reason.OVERLOADED}
+
+
+def not_applied(message: str) -> Refused:
+    return Refused(Reason.UNAVAILABLE, f"{message}; the command was not applied and is safe to retry")
+
+
+class ClusterSlotService:
+    BATCHED_WRITES = SlotService.BATCHED_WRITES
+
+    def __init__(self, membership: Membership, owned: OwnedScopes, forwarder: Forwarder) -> None:
+        self.membership = membership
+        self.owned = owned
+        self.forwarder = forwarder
+        self.load_feed = LoadFeed()
+        owned.on_service = self._hook
+        self.metric_sources: list[FamilySource] = []
+
+    def _hook(self, service: SlotService) -> None:
+        service.system.observers.append(self.load_feed.observe)
+
+    # -- where a scope is served ------------------------------------------------------------------------
+
+    def live_members(self) -> set[str]:
+        members = set(self.membership.view.members)
+        if self.membership.live():
+            members.add(self.membership.me)
+        return members
+
+    async def where(self, scope: ScopeKey, forwarded: bool = False) -> Route:
+        membership, me = self.membership, self.membership.me
+        token = scope_token(scope)
+        held = membership.view.owners.get(token)
+        owner = held.member if held is not None else None
+        if owner is None:
+            owner = preferred_owner(token, sorted(self.live_members()))
+        if owner == me and self.owned.serving(scope) is None:
+            if self.owned.full() and held is None:
+                return Unavailable(
+                    f"scope {scope.describe()} is placed on {me}, which owns {MAX_OWNED_SCOPES} scopes, its limit"
+                )
+            if held is None or held.lease_id == membership.lease_id:
+                await self.owned.ensure(scope)  # claim it, or recover it again after its journal failed
+            if self.owned.serving(scope) is None:
+                again = membership.view.owners.get(token)
+                owner = again.member if again is not None and again.member != me else owner
+        serving = self.owned.serving(scope) is not None
+        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded)
+
+    async def keep_placed(self) -> None:
+        """Claim the known scopes that have no owner and that placement gives this replica (a dead owner's, once
+        its lease ended), and drop those the view shows under another owner; on every change of the view, and
+        at least twice per lease TTL."""
+        membership, owned = self.membership, self.owned
+        while True:
+            owned.drop_moved()
+            if membership.live():
+                live = sorted(self.live_members())
+                view = membership.view
+                for token, scope in list(view.scopes.items()):
+                    if token not in view.owners and preferred_owner(token, live) == membership.me:
+                        owned.start(scope)
+            with trio.move_on_after(membership.ttl_seconds / 2):
+                await membership.wait_changed()
+
+    async def relay(self, owner: str, method: str, path: str, query: bytes, body: bytes) -> Relayed:
+        """``Forwarder.relay``, given up on (outcome unknown) as soon as ``owner`` leaves the live members: a
+        paused or cut-off owner holds a forwarded command for about a lease, not for the whole answer timeout."""
+        answer: list[Relayed | OwnerUnreachable] = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                try:
+                    answer.append(await self.forwarder.relay(owner, method, path, query, body))
+                except OwnerUnreachable as exc:  # raised below, not out of the nursery (as an exception group)
+                    answer.append(exc)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(ask)
+            while owner in self.live_members():
+                await self.membership.wait_changed()
+            nursery.cancel_scope.cancel()
+        if not answer:
+            self.forwarder.failed += 1
+            raise OwnerUnreachable(f"{owner} left the cluster while the command was with it", unknown=True)
+        if isinstance(answer[0], OwnerUnreachable):
+            raise answer[0]
+        return answer[0]
+
+    def _local(self, scope: ScopeKey) -> SlotService:
+        service = self.owned.serving(scope)
+        if service is None:
+            raise not_applied(f"this replica ({self.membership.me}) does not serve {scope.describe()} now")
+        return service
+
+    @contextlib.contextmanager
+    def _journal_of(self, scope: ScopeKey) -> Iterator[None]:
+        """A scope's journal failing stops that scope on this replica, not the replica: say so."""
+        try:
+            yield
+        except JournalUnavailable as exc:
+            raise Refused(
+                Reason.UNAVAILABLE,
+                f"the journal of {scope.describe()} failed on {self.membership.me} ({exc.__cause__ or exc}); this "
+                "write was not acknowledged (it may or may not have landed): the scope is recovered from the stream "
+                "on the next command",
+            ) from exc
+
+    # -- commands ---------------------------------------------------------------------------------------
+
+    async def register(self, scope: ScopeKey, worker_id: int, block_size: int, dp_start: int, dp_size: int) -> bool:
+        with self._journal_of(scope):
+            return await self._local(scope).register(scope, worker_id, block_size, dp_start, dp_size)
+
+    async def unregister(self, scope: ScopeKey, worker_id: int) -> bool:
+        with self._journal_of(scope):
+            return await self._local(scope).unregister(scope, worker_id)
+
+    async def add(
+        self,
+        scope: ScopeKey,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: tuple[int, ...],
+        isl_tokens: int,
+    ) -> bool:
+        with self._journal_of(scope):
+            return await self._local(scope).add(scope, request_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
+
+    async def prefill_complete(self, scope: ScopeKey, request_id: str) -> bool:
+        with self._journal_of(scope):
+            return await self._local(scope).prefill_complete(scope, request_id)
+
+    async def free(self, scope: ScopeKey, request_id: str) -> bool:
+        with self._journal_of(scope):
+            return await self._local(scope).free(scope, request_id)
+
+    async def apply_writes(self, writes: list[Any]) -> list[Any]:
+        """``SlotService.apply_writes`` across the cluster: the writes of a scope served here go to its service
+        together; those of a scope owned elsewhere are forwarded to its owner one by one, in order."""
+        outcomes: list[Any] = [None] * len(writes)
+        by_scope: dict[ScopeKey, list[int]] = {}
+        for index, write in enumerate(writes):
+            by_scope.setdefault(ScopeKey(write[1], write[2]), []).append(index)
+        for scope, indices in by_scope.items():
+            where = await self.where(scope)
+            if isinstance(where, Serve):
+                try:
+                    found = await self._local(scope).apply_writes([writes[i] for i in indices])
+                except Refused as exc:
+                    found = [encode_failure(exc)] * len(indices)
+                for i, outcome in zip(indices, found, strict=True):
+                    outcomes[i] = outcome
+            elif isinstance(where, Forward):
+                for i in indices:
+                    outcomes[i] = await self._forward_write(where.owner, writes[i])
+            else:
+                for i in indices:
+                    outcomes[i] = encode_failure(not_applied(where.message))
+        return outcomes
+
+    async def _forward_write(self, owner: str, write: Sequence[Any]) -> Any:
+        """One write of a batch, on the owner's own route; its outcome as ``apply_writes`` gives it."""
+        op = BY_NAME[write[0]]
+        try:
+            relayed = await self.relay(owner, op.method, op.path, b"", write_body(write))
+        except OwnerUnreachable as exc:
+            if exc.unknown:
+                return encode_failure(Refused(Reason.UNAVAILABLE, f"{exc}; the outcome is unknown"))
+            return encode_failure(not_applied(str(exc)))
+        if relayed.status in (200, 201):
+            return relayed.status == 201
+        message = relayed.body.decode("utf-8", errors="replace")
+        return encode_failure(Refused(_STATUS_REASON.get(relayed.status, Reason.UNAVAILABLE), message))
+
+    # -- queries: the scopes served here --------------------------------------------------------------
+
+    def unowned(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeKey]:
+        """The known scopes ``wanted`` selects whose owner is no live member in this replica's view: a read of
+        many scopes cannot answer for them now (their owner died and nobody has claimed them yet)."""
+        view, live = self.membership.view, self.live_members()
+        return sorted(
+            scope
+            for token, scope in view.scopes.items()
+            if wanted(scope) and (token not in view.owners or view.owners[token].member not in live)
+        )
+
+    async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[RegisteredRange]:
+        await self.owned.settled()
+        rows = []
+        for service in self.owned.services():
+            rows.extend(await service.workers(wanted))
+        return sorted(rows, key=lambda row: (row.scope, row.worker_id))
+
+    async def loads(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeLoads]:
+        await self.owned.settled()
+        rows = []
+        for service in self.owned.services():
+            rows.extend(await service.loads(wanted))
+        return sorted(rows, key=lambda row: row.scope)
+
+    async def potential_loads(
+        self, scope: ScopeKey, sequence_hashes: Sequence[int], isl_tokens: int
+    ) -> list[PotentialLoad]:
+        return await self._local(scope).potential_loads(scope, sequence_hashes, isl_tokens)
+
+    async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
+        """As ``SlotService.load_changes``, over the scopes served here."""
+
+        def measure(scope: ScopeKey, version: int) -> LoadChange:
+            service = self.owned.serving(scope)
+            state = service.system.state(scope) if service is not None else None
+            return LoadChange(scope, version, rank_loads(state) if state is not None else None)
+
+        return await read_changes(self.load_feed, _ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
+
+    async def cluster(self) -> dict[str, Any]:
+        """``GET /cluster``: this replica, its lease, the members and each scope's owner, as this replica sees them."""
+        membership = self.membership
+        view = membership.view
+        serving = {scope_token(owned.scope) for owned in self.owned.owned() if self.owned.serving(owned.scope)}
+        scopes = []
+        for token in sorted(set(view.scopes) | set(view.owners)):
+            held = view.owners.get(token)
+            scope = view.scopes.get(token)
+            scopes.append(
+                {
+                    "model_name": scope.model_name if scope is not None else None,
+                    "tenant_id": scope.tenant_id if scope is not None else None,
+                    "token": token,
+                    "owner": held.member if held is not None else None,
+                    "owner_lease": format(held.lease_id, "x") if held is not None else None,
+                    "served_here": token in serving,
+                }
+            )
+        return {
+            "cluster": membership.cluster,
+            "member": membership.me,
+            "lease": {
+                "id": format(membership.lease_id, "x"),
+                "live": membership.live(),
+                "remaining_seconds": round(membership.lease_remaining(), 3),
+                "ttl_seconds": membership.ttl_seconds,
+            },
+            "members": sorted(self.live_members()),
+            "scopes": scopes,
+            "revision": view.revision,
+        }
+
+    async def metrics(self) -> list[Family]:
+        """The replica's cluster figures (the scopes' own actor systems are not broken out per scope yet)."""
+        owned = self.owned
+        families = [
+            gauge(
+                "kvrouter_cluster_scopes_served",
+                "Scopes this replica serves now",
+                (),
+                {(): float(len(owned.services()))},
+            ),
+            gauge(
+                "kvrouter_cluster_members",
+                "Live members in this replica's view",
+                (),
+                {(): float(len(self.live_members()))},
+            ),
+            gauge(
+                "kvrouter_cluster_lease_remaining_seconds",
+                "Time left on this replica's lease, on its own clock",
+                (),
+                {(): self.membership.lease_remaining()},
+            ),
+            counter(
+                "kvrouter_cluster_leases_taken",
+                "Leases this replica took",
+                (),
+                {(): float(self.membership.leases_taken)},
+            ),
+            counter(
+                "kvrouter_cluster_recoveries", "Scopes claimed and recovered here", (), {(): float(owned.recoveries)}
+            ),
+            counter(
+                "kvrouter_cluster_scope_drops",
+                "Scopes dropped here (lease, move, journal)",
+                (),
+                {(): float(owned.drops)},
+            ),
+            counter(
+                "kvrouter_cluster_forwarded",
+                "Commands forwarded to an owner",
+                (),
+                {(): float(self.forwarder.forwarded)},
+            ),
+            counter(
+                "kvrouter_cluster_forward_failures", "Forwards with no answer", (), {(): float(self.forwarder.failed)}
+            ),
+        ]
+        for source in self.metric_sources:
+            families.extend(source())
+        return families
+
+
+class _ServedStates:
+    """The scopes served here, as ``read_changes`` reads an actor system (their states, a read barrier)."""
+
+    def __init__(self, owned: OwnedScopes) -> None:
+        self._owned = owned
+
+    def states(self) -> list[ScopeState]:
+        return [state for service in self._owned.services() for state in service.system.states()]
+
+    async def read_barrier(self) -> None:
+        for service in self._owned.services():
+            await service.system.read_barrier()
+        await trio.lowlevel.checkpoint()
+
+
+def write_body(write: Sequence[Any]) -> bytes:
+    """The JSON body of a write item (``[method, model, tenant, *arguments]``) on its own route."""
+    method = write[0]
+    body: dict[str, Any] = {"model_name": write[1], "tenant_id": write[2]}
+    if method == "register":
+        body.update(worker_id=write[3], block_size=write[4], dp_start=write[5], dp_size=write[6])
+    elif method == "unregister":
+        body.update(worker_id=write[3])
+    elif method == "add":
+        body.update(
+            request_id=write[3],
+            worker_id=write[4],
+            dp_rank=write[5],
+            sequence_hashes=[to_i64(h) for h in write[6]],  # read as unsigned; the route takes them signed
+            new_isl_tokens=write[7],
+        )
+    elif method in ("prefill_complete", "free"):
+        body.update(request_id=write[3])
+    else:
+        raise ValueError(f"apply_writes has no write {method!r}")
+    return orjson.dumps(body)

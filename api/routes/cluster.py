@@ -1,0 +1,137 @@
+"""The slot tracker's routes on a cluster replica: the same routes, each scope's commands sent where it is served.
+
+``clustered(routes, service)`` takes the slot tracker's routes bound to a ``ClusterSlotService`` and changes only
+their handlers:
+
+* a command naming a scope (the writes, ``POST /potential_loads``) asks ``service.where``: served here, the
+  route's own handler answers; owned by another live member, the request goes to it as the client sent it, once
+  (``FORWARDED_HEADER``), and its answer comes back as it is; otherwise 503 ``{"error": ...}``: not applied,
+  safe to retry. Commands of ``POST /batch`` and the command stream go through ``ClusterSlotService.apply_writes``,
+  which does the same per scope;
+* a read of many scopes (``GET /workers``, ``GET /loads``) gathers the rows of every live member: this replica's
+  own (the scopes it serves) and, through each other member, theirs (asked with ``FORWARDED_HEADER``, so each
+  answers for itself alone). A member that does not answer, or a known scope that no live member owns right now
+  (its owner died and it is not claimed yet), makes the read a 503 rather than a partial answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
+from kvrouter.actors.cluster.service import ClusterSlotService
+from kvrouter.actors.core.ids import ScopeKey
+from kvrouter.actors.core.ownership.forwarding import Forward, Serve
+from kvrouter.api.bodies.schemas import PotentialLoadsBody, parse
+from kvrouter.api.http import Request, Response, Route, error_response, json_response
+from kvrouter.api.routes.support import scope_filter
+
+SCOPED_WRITES = ("register", "unregister", "add", "prefill_complete", "free")
+GATHERED_READS = ("workers", "loads")
+
+
+def clustered(routes: list[Route], service: ClusterSlotService) -> list[Route]:
+    changed = []
+    for route in routes:
+        name = route.operation.name if route.operation is not None else None
+        if name in SCOPED_WRITES and route.batched is not None:
+            scope_of = _item_scope(route.batched.prepare)
+            # pipelined=False: the scope's owner is found before the command is posted
+            route = attrs.evolve(route, handler=_scoped(route, service, scope_of), pipelined=False)
+        elif name == "potential_loads":
+            route = attrs.evolve(route, handler=_scoped(route, service, _body_scope))
+        elif name in GATHERED_READS:
+            route = attrs.evolve(route, handler=_gathered(route, service))
+        changed.append(route)
+    return changed
+
+
+def _item_scope(prepare: Callable[[Request], Any]) -> Callable[[Request], ScopeKey]:
+    """The scope of a write request, read as its route reads it (``Batched.prepare``: ``[method, model, tenant,
+    ...]``)."""
+
+    def scope_of(request: Request) -> ScopeKey:
+        item = prepare(request)
+        return ScopeKey(item[1], item[2])
+
+    return scope_of
+
+
+def _body_scope(request: Request) -> ScopeKey:
+    return parse(PotentialLoadsBody, request.json()).scope()
+
+
+def _relayed(relayed: Relayed) -> Response:
+    return Response(relayed.status, relayed.body, relayed.content_type)
+
+
+def _scoped(route: Route, service: ClusterSlotService, scope_of: Callable[[Request], ScopeKey]) -> Any:
+    own = route.handler
+
+    async def handler(request: Request) -> Response:
+        scope = scope_of(request)  # bad input is refused here, as the route's own handler refuses it
+        where = await service.where(scope, request.forwarded)
+        if isinstance(where, Serve):
+            return await own(request)
+        if isinstance(where, Forward):
+            try:
+                relayed = await service.relay(
+                    where.owner, request.method, request.path, request.query_string, request.body
+                )
+            except OwnerUnreachable as exc:
+                if exc.unknown:
+                    return error_response(503, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
+                return error_response(503, f"the owner of {scope.describe()}: {exc}; not applied, safe to retry")
+            return _relayed(relayed)
+        return error_response(where.status, f"{where.message}; not applied, safe to retry")
+
+    return handler
+
+
+def _gathered(route: Route, service: ClusterSlotService) -> Any:
+    own = route.handler
+
+    async def handler(request: Request) -> Response:
+        mine = await own(request)
+        if request.forwarded or mine.status != 200:
+            return mine
+        others = sorted(service.live_members() - {service.membership.me})
+        answers: dict[str, Relayed | OwnerUnreachable] = {}
+
+        async def ask(member: str) -> None:
+            try:
+                answers[member] = await service.relay(member, request.method, request.path, request.query_string, b"")
+            except OwnerUnreachable as exc:
+                answers[member] = exc
+
+        async with trio.open_nursery() as nursery:
+            for member in others:
+                nursery.start_soon(ask, member)
+        missing = service.unowned(scope_filter(request))
+        if missing:
+            names = ", ".join(scope.describe() for scope in missing[:3])
+            return error_response(
+                503, f"no live replica owns {len(missing)} scope(s) right now ({names}); retry shortly"
+            )
+        rows: list[Any] = orjson.loads(mine.body)
+        for member in others:
+            answer = answers[member]
+            if isinstance(answer, OwnerUnreachable) or answer.status != 200:
+                why = answer if isinstance(answer, OwnerUnreachable) else f"HTTP {answer.status}"
+                return error_response(503, f"member {member} did not answer ({why}): its scopes' rows are missing")
+            rows.extend(orjson.loads(answer.body))
+        rows.sort(key=_row_order)
+        return json_response(200, rows)
+
+    return handler
+
+
+def _row_order(row: dict[str, Any]) -> tuple[Any, ...]:
+    """The order a single replica answers in: by scope, worker, then rank (loads) or range start (workers)."""
+    fields = ("model_name", "tenant_id", "worker_id", "dp_rank", "dp_start")
+    return tuple(row.get(field, "" if field in ("model_name", "tenant_id") else 0) for field in fields)
