@@ -27,17 +27,23 @@ from functools import partial
 from typing import Any, Final
 
 import attrs
+import nats.errors
 import orjson
 import trio
 
 from kvrouter.actors.cluster.membership import Membership
+from kvrouter.actors.cluster.subject_check import CHECK_INTERVAL_SECONDS, SubjectCheck
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
+from kvrouter.actors.core.ownership.owner import OwnedScope as CoreOwnedScope
+from kvrouter.actors.core.ownership.owner import overtaken
+from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.fleet.etcd import EtcdUnavailable
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import running_actors
 from kvrouter.actors.slot_service import SlotService
 from kvrouter.journal.jetstream import JetStreamJournal
+from kvrouter.journal.jetstream_link import subject_of
 from kvrouter.journal.store import Durability, JournalUnreachable
 
 log = logging.getLogger("kvrouter.cluster")
@@ -46,6 +52,9 @@ RECOVERY_WAIT_SECONDS: Final = 10.0  # how long a command waits for its scope's 
 # Scopes one replica owns at most (each has its own journal: a NATS connection and an asyncio thread). Policy:
 # reject; a scope placed on a full replica is refused with 503 until one of its scopes goes.
 MAX_OWNED_SCOPES: Final = 256
+# Ending a scope here (a hand-over, a recovery after its subject moved): how long the commands it took may take
+# to be answered before its actors stop (each is bounded by the reply deadline anyway).
+DRAIN_SECONDS: Final = 5.0
 
 
 @attrs.frozen
@@ -65,9 +74,33 @@ class OwnedScope:
         self.token = scope_token(scope)
         self.lease_id = lease_id
         self.service: SlotService | None = None
+        self.journal: JetStreamJournal | None = None  # while serving
         self.settled = trio.Event()  # claimed and recovered, or given up
         self.cancel = trio.CancelScope()
         self.recovered_at = math.nan  # trio.current_time() when it began serving
+        self.stop: trio.Event | None = None  # the serving runtime's ``stopping``: set to end it cleanly
+        self.overtaken = False  # its subject moved past it: recover again
+        self.handing_over = False  # placement prefers another member: drain, release the claim
+        self.in_flight = 0  # commands running on its service (``ClusterSlotService.serving``)
+        self.drained = trio.Event()  # set whenever ``in_flight`` falls to 0
+        self.drained.set()
+        self.released = trio.Event()  # set once this replica no longer holds it (dropped or handed over)
+
+    def end_serving(self) -> None:
+        """Stop taking commands here and end the serving runtime once those in flight are answered."""
+        self.service = None
+        if self.stop is not None:
+            self.stop.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        if self.in_flight == 1:
+            self.drained = trio.Event()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.drained.set()
 
 
 class OwnedScopes:
@@ -86,10 +119,13 @@ class OwnedScopes:
         self._nursery: trio.Nursery | None = None
         self.recoveries = 0
         self.drops = 0
+        self.overtaken = 0  # recoveries because the subject moved past what the owner held
+        self.handed_over = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._check_subjects)
             task_status.started()
             await trio.sleep_forever()
 
@@ -103,6 +139,9 @@ class OwnedScopes:
         if owned is None or owned.service is None or owned.lease_id != membership.lease_id or not membership.live():
             return None
         return owned.service
+
+    def held(self, scope: ScopeKey) -> OwnedScope | None:
+        return self._owned.get(scope_token(scope))
 
     def services(self) -> list[SlotService]:
         """The services of every scope served now (reads of many scopes), in scope order."""
@@ -166,28 +205,115 @@ class OwnedScopes:
                 )
                 owned.cancel.cancel()
 
+    def hand_over(self, scope: ScopeKey) -> None:
+        """Placement prefers another live member for ``scope``: stop taking its commands, let those in flight be
+        answered, close its journal, then release its claim (``_release``). No-op unless it is served here."""
+        owned = self._owned.get(scope_token(scope))
+        if owned is not None and owned.service is not None and not owned.handing_over:
+            log.info("cluster: handing scope %s over", scope.describe())
+            owned.handing_over = True
+            owned.end_serving()
+
+    async def wait_handed_over(self, scope: ScopeKey) -> None:
+        """If ``scope`` is being handed over from here, wait (at most ``RECOVERY_WAIT_SECONDS``) until it is gone."""
+        owned = self._owned.get(scope_token(scope))
+        if owned is not None and owned.handing_over:
+            with trio.move_on_after(RECOVERY_WAIT_SECONDS):
+                await owned.released.wait()
+
+    async def _check_subjects(self) -> None:
+        """The overtaken rule, every ``CHECK_INTERVAL_SECONDS``: a scope served here whose subject holds a message
+        past the sequence it holds, with no append of its own in flight before and after asking, is recovered
+        again (``subject_check``)."""
+        check: SubjectCheck | None = None
+        try:
+            while True:
+                await trio.sleep(CHECK_INTERVAL_SECONDS)
+                if check is None:
+                    try:
+                        check = await SubjectCheck.open(self.journals.servers, self.journals.stream)
+                    except (OSError, TimeoutError, nats.errors.Error) as exc:
+                        log.warning("cluster: cannot check the scopes' subjects (%s); trying again", exc)
+                        continue
+                await self._check_round(check)
+        finally:
+            if check is not None:
+                with trio.CancelScope(shield=True):
+                    await check.aclose()
+
+    async def _check_round(self, check: SubjectCheck) -> None:
+        stream = self.journals.stream
+        asked = {}
+        for owned in self._owned.values():
+            position = _idle_position(owned)
+            if position is not None:
+                asked[subject_of(stream, owned.token)] = (owned, position)
+        passed = await check.passed({subject: position[0] for subject, (_, position) in asked.items()})
+        for subject, seq in passed.items():
+            owned, position = asked[subject]
+            now = _idle_position(owned)
+            held = CoreOwnedScope(ScopeState(owned.scope), position[0])
+            if overtaken(held, seq, appending=now != position) and owned.service is not None:
+                log.warning(
+                    "cluster: the subject of scope %s holds message %d past the %d this replica holds; recovering it",
+                    owned.scope.describe(),
+                    seq,
+                    position[0],
+                )
+                owned.overtaken = True
+                owned.settled = trio.Event()  # commands wait for the recovery, as for a first one
+                owned.end_serving()
+
     # -- owning one scope ----------------------------------------------------------------------------
 
     async def _own(self, owned: OwnedScope) -> None:
         try:
             with owned.cancel:
                 if await self._claim(owned):
-                    await self._serve(owned)
+                    await self._serve_until_released(owned)
         except (EtcdUnavailable, JournalUnreachable, OSError) as exc:
             log.warning("cluster: scope %s dropped: %s", owned.scope.describe(), exc)
         finally:
             served = not math.isnan(owned.recovered_at)
             owned.service = None
             owned.settled.set()
+            owned.released.set()
             if self._owned.get(owned.token) is owned:
                 del self._owned[owned.token]
-            self.drops += served
+            self.drops += served and not owned.handing_over
+
+    async def _serve_until_released(self, owned: OwnedScope) -> None:
+        """Serve the scope; recover it again each time its subject moved past it (the overtaken rule); return
+        when its journal failed (dropped: the next command recovers it) or once it was handed over."""
+        while True:
+            await self._serve(owned)
+            if owned.handing_over:
+                await self._release(owned)
+                return
+            if not owned.overtaken:
+                return
+            owned.overtaken = False
+            self.overtaken += 1
+
+    async def _release(self, owned: OwnedScope) -> None:
+        """The hand-over's end: the scope's journal is closed, every command it took answered; delete the claim
+        (only if it is still this one) so the member placement prefers claims it."""
+        membership = self.membership
+        key = membership.key("owners", owned.token)
+        if await membership.etcd.delete_if_value(key, self._claim_value(owned)):
+            held = membership.view.owners.get(owned.token)
+            if held is not None and held.member == membership.me and held.lease_id == owned.lease_id:
+                del membership.view.owners[owned.token]  # (the watch says so too, a moment later)
+            self.handed_over += 1
+            log.info("cluster: scope %s handed over (claim released)", owned.scope.describe())
+
+    def _claim_value(self, owned: OwnedScope) -> bytes:
+        return orjson.dumps({"member": self.membership.me, "lease": str(owned.lease_id)})
 
     async def _claim(self, owned: OwnedScope) -> bool:
         membership = self.membership
-        value = orjson.dumps({"member": membership.me, "lease": str(owned.lease_id)})
         created, held, _ = await membership.etcd.create_if_absent(
-            membership.key("owners", owned.token), value, owned.lease_id
+            membership.key("owners", owned.token), self._claim_value(owned), owned.lease_id
         )
         if not created:
             holder: Any = orjson.loads(held) if held else {}
@@ -211,7 +337,7 @@ class OwnedScopes:
         async with running_actors(journal, recovered.states, **self.system_options) as runtime:
             service = SlotService(runtime.system)
             self.on_service(service)
-            owned.service = service
+            owned.journal, owned.stop, owned.service = journal, runtime.stopping, service
             owned.recovered_at = trio.current_time()
             self.recoveries += 1
             log.info(
@@ -221,6 +347,21 @@ class OwnedScopes:
                 recovered.snapshot_lsn,
             )
             owned.settled.set()
-            await runtime.stopping.wait()  # the journal failed (fenced, or a publish failed)
+            await runtime.stopping.wait()  # the journal failed (fenced, a publish failed), or ``end_serving``
             owned.service = None
+            with trio.move_on_after(DRAIN_SECONDS):  # the commands it took are answered (durable, or refused)
+                await owned.drained.wait()
+            owned.journal = owned.stop = None
             runtime.nursery.cancel_scope.cancel()
+
+
+def _idle_position(owned: OwnedScope) -> tuple[int, int] | None:
+    """The subject sequence the served scope's journal holds and how many messages it published, when it has no
+    append in flight (every record appended is acknowledged); None otherwise, or when it is not served."""
+    journal = owned.journal
+    if owned.service is None or journal is None:
+        return None
+    stats = journal.statistics()
+    if stats.durable_lsn != stats.last_lsn or stats.pending_bytes:
+        return None
+    return stats.last_stream_sequence, stats.messages_published

@@ -70,6 +70,7 @@ class ClusterSlotService:
         return members
 
     async def where(self, scope: ScopeKey, forwarded: bool = False) -> Route:
+        await self.owned.wait_handed_over(scope)  # held briefly, then routed to the member that takes it
         membership, me = self.membership, self.membership.me
         token = scope_token(scope)
         held = membership.view.owners.get(token)
@@ -91,8 +92,9 @@ class ClusterSlotService:
 
     async def keep_placed(self) -> None:
         """Claim the known scopes that have no owner and that placement gives this replica (a dead owner's, once
-        its lease ended), and drop those the view shows under another owner; on every change of the view, and
-        at least twice per lease TTL."""
+        its lease ended, or one another member handed over), hand over those served here that placement now
+        gives another live member (one that joined), and drop those the view shows under another owner; on every
+        change of the view, and at least twice per lease TTL."""
         membership, owned = self.membership, self.owned
         while True:
             owned.drop_moved()
@@ -100,8 +102,11 @@ class ClusterSlotService:
                 live = sorted(self.live_members())
                 view = membership.view
                 for token, scope in list(view.scopes.items()):
-                    if token not in view.owners and preferred_owner(token, live) == membership.me:
+                    preferred = preferred_owner(token, live)
+                    if token not in view.owners and preferred == membership.me:
                         owned.start(scope)
+                    elif preferred != membership.me and owned.serving(scope) is not None:
+                        owned.hand_over(scope)
             with trio.move_on_after(membership.ttl_seconds / 2):
                 await membership.wait_changed()
 
@@ -129,11 +134,18 @@ class ClusterSlotService:
             raise answer[0]
         return answer[0]
 
-    def _local(self, scope: ScopeKey) -> SlotService:
-        service = self.owned.serving(scope)
-        if service is None:
-            raise not_applied(f"this replica ({self.membership.me}) does not serve {scope.describe()} now")
-        return service
+    @contextlib.contextmanager
+    def _local(self, scope: ScopeKey) -> Iterator[SlotService]:
+        """The scope's service here, counted in flight while the block runs (a hand-over waits for it to end)."""
+        with self._journal_of(scope):
+            service, owned = self.owned.serving(scope), self.owned.held(scope)
+            if service is None or owned is None:
+                raise not_applied(f"this replica ({self.membership.me}) does not serve {scope.describe()} now")
+            owned.enter()
+            try:
+                yield service
+            finally:
+                owned.leave()
 
     @contextlib.contextmanager
     def _journal_of(self, scope: ScopeKey) -> Iterator[None]:
@@ -151,12 +163,12 @@ class ClusterSlotService:
     # -- commands ---------------------------------------------------------------------------------------
 
     async def register(self, scope: ScopeKey, worker_id: int, block_size: int, dp_start: int, dp_size: int) -> bool:
-        with self._journal_of(scope):
-            return await self._local(scope).register(scope, worker_id, block_size, dp_start, dp_size)
+        with self._local(scope) as service:
+            return await service.register(scope, worker_id, block_size, dp_start, dp_size)
 
     async def unregister(self, scope: ScopeKey, worker_id: int) -> bool:
-        with self._journal_of(scope):
-            return await self._local(scope).unregister(scope, worker_id)
+        with self._local(scope) as service:
+            return await service.unregister(scope, worker_id)
 
     async def add(
         self,
@@ -167,16 +179,16 @@ class ClusterSlotService:
         sequence_hashes: tuple[int, ...],
         isl_tokens: int,
     ) -> bool:
-        with self._journal_of(scope):
-            return await self._local(scope).add(scope, request_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
+        with self._local(scope) as service:
+            return await service.add(scope, request_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
 
     async def prefill_complete(self, scope: ScopeKey, request_id: str) -> bool:
-        with self._journal_of(scope):
-            return await self._local(scope).prefill_complete(scope, request_id)
+        with self._local(scope) as service:
+            return await service.prefill_complete(scope, request_id)
 
     async def free(self, scope: ScopeKey, request_id: str) -> bool:
-        with self._journal_of(scope):
-            return await self._local(scope).free(scope, request_id)
+        with self._local(scope) as service:
+            return await service.free(scope, request_id)
 
     async def apply_writes(self, writes: list[Any]) -> list[Any]:
         """``SlotService.apply_writes`` across the cluster: the writes of a scope served here go to its service
@@ -189,7 +201,8 @@ class ClusterSlotService:
             where = await self.where(scope)
             if isinstance(where, Serve):
                 try:
-                    found = await self._local(scope).apply_writes([writes[i] for i in indices])
+                    with self._local(scope) as service:
+                        found = await service.apply_writes([writes[i] for i in indices])
                 except Refused as exc:
                     found = [encode_failure(exc)] * len(indices)
                 for i, outcome in zip(indices, found, strict=True):
@@ -245,7 +258,8 @@ class ClusterSlotService:
     async def potential_loads(
         self, scope: ScopeKey, sequence_hashes: Sequence[int], isl_tokens: int
     ) -> list[PotentialLoad]:
-        return await self._local(scope).potential_loads(scope, sequence_hashes, isl_tokens)
+        with self._local(scope) as service:
+            return await service.potential_loads(scope, sequence_hashes, isl_tokens)
 
     async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
         """As ``SlotService.load_changes``, over the scopes served here."""
@@ -326,6 +340,18 @@ class ClusterSlotService:
                 "Scopes dropped here (lease, move, journal)",
                 (),
                 {(): float(owned.drops)},
+            ),
+            counter(
+                "kvrouter_cluster_overtaken",
+                "Scopes recovered again because their subject moved past what this replica held",
+                (),
+                {(): float(owned.overtaken)},
+            ),
+            counter(
+                "kvrouter_cluster_handed_over",
+                "Scopes this replica handed over to the member placement prefers",
+                (),
+                {(): float(owned.handed_over)},
             ),
             counter(
                 "kvrouter_cluster_forwarded",

@@ -170,6 +170,16 @@ class EtcdClient:
                 return False, base64.b64decode(kv.get("value", "")), _int(kv.get("lease"))
         return False, None, 0
 
+    async def delete_if_value(self, key: str, value: bytes) -> bool:
+        """``If(Value(key) == value) Then(Delete(key))``: whether it deleted the key (False: absent, or another's)."""
+        encoded = _b64(key.encode())
+        body = {
+            "compare": [{"key": encoded, "target": "VALUE", "result": "EQUAL", "value": _b64(value)}],
+            "success": [{"request_delete_range": {"key": encoded}}],
+        }
+        data = await self._post("/v3/kv/txn", body)
+        return bool(data.get("succeeded"))
+
     async def delete(self, key: str) -> None:
         await self._post("/v3/kv/deleterange", {"key": _b64(key.encode())})
 
