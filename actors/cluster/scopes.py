@@ -16,6 +16,12 @@ replica still holds on its own clock (``service.py`` asks ``serving``). It is dr
 its journal closed) when the lease ends, when the view shows another owner, or when its journal fails: a fenced
 append (someone else wrote the subject) or a publish that failed. The next command, or the next change of the
 view, claims and recovers it again from the stream.
+
+Two ways end serving a scope cleanly (``end_serving``: no new commands, those in flight answered, then the actors
+stop and the journal closes): its subject moved past what it holds with nothing of its own in flight (the
+overtaken rule, checked by ``_check_subjects``), after which it is recovered again under the same claim; and
+placement preferring another live member (``hand_over``), after which the claim is released (deleted only if it is
+still this one's) for that member to take.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ class OwnedScope:
         self.stop: trio.Event | None = None  # the serving runtime's ``stopping``: set to end it cleanly
         self.overtaken = False  # its subject moved past it: recover again
         self.handing_over = False  # placement prefers another member: drain, release the claim
-        self.in_flight = 0  # commands running on its service (``ClusterSlotService.serving``)
+        self.in_flight = 0  # commands running on its service (``ClusterSlotService._local``)
         self.drained = trio.Event()  # set whenever ``in_flight`` falls to 0
         self.drained.set()
         self.released = trio.Event()  # set once this replica no longer holds it (dropped or handed over)

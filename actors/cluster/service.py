@@ -5,7 +5,9 @@ For each command the replica first asks where its scope is served (``where``): t
 serves the scope now (claimed under its live lease and recovered, ``OwnedScopes.serving``). A scope nobody owns
 yet is claimed by the member placement prefers (``placement.preferred_owner`` over the live members): by this
 replica at once if that is itself, else the command goes to that member, which claims it on receipt. A scope
-this replica owns but does not serve (its journal failed) is recovered again first.
+this replica owns but does not serve (its journal failed) is recovered again first. A scope served here that
+placement now gives another live member (one that joined) is handed over (``keep_placed``); a command for it
+waits for the hand-over, then goes to the new owner.
 
 Served here, a method runs on the scope's own ``SlotService`` (its actor system and journal); a scope not served
 here when the method runs (ownership moved in between) is refused with 503, not applied. Reads of many scopes
