@@ -58,9 +58,22 @@ class RequestHead:
     websocket: bool  # a GET asking to upgrade to WebSocket
 
 
-@attrs.frozen
 class Data:
-    data: bytes
+    """A piece of the request's body (a plain class: one is made per body read, on the hot path)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Data and other.data == self.data
+
+    def __hash__(self) -> int:
+        return hash(self.data)
+
+    def __repr__(self) -> str:
+        return f"Data({self.data!r})"
 
 
 class EndOfMessage:
@@ -99,6 +112,12 @@ class Closed:
 CLOSED: Final = Closed()
 
 Event = RequestHead | Data | EndOfMessage | Refusal | HandOver | NeedData | Closed
+
+
+# The request headers that decide its framing and handling (``H1Protocol._request``); the rest pass through.
+_FRAMING_REQUEST_HEADERS: Final = frozenset(
+    (b"host", b"content-length", b"transfer-encoding", b"connection", b"upgrade", b"expect")
+)
 
 
 class _Fields:
@@ -251,9 +270,12 @@ class H1Protocol:
             return self._refuse(400, "the request target is not ASCII")
         hosts = length = 0
         lengths: set[bytes] = set()
-        chunked = close = keep_alive_asked = upgrade = expect_continue = False
+        chunked = close = upgrade = expect_continue = False
         upgrade_to = b""
+        framing_names = _FRAMING_REQUEST_HEADERS
         for name, value in found.headers:
+            if name not in framing_names:
+                continue  # (most of a request's headers: one set lookup)
             if name == b"host":
                 hosts += 1
             elif name == b"content-length":
@@ -266,7 +288,6 @@ class H1Protocol:
             elif name == b"connection":
                 tokens = {token.strip().lower() for token in value.split(b",")}
                 close = close or b"close" in tokens
-                keep_alive_asked = keep_alive_asked or b"keep-alive" in tokens
                 upgrade = upgrade or b"upgrade" in tokens
             elif name == b"upgrade":
                 upgrade_to = value.lower()
@@ -276,7 +297,7 @@ class H1Protocol:
             return self._refuse(400, "an HTTP/1.1 request needs exactly one Host header")
         if lengths:
             value = lengths.pop()
-            if lengths or not _DIGITS.fullmatch(value) or len(value) > 18:
+            if lengths or not value.isdigit() or len(value) > 18:  # (bytes.isdigit: ASCII digits only)
                 return self._refuse(400, "the Content-Length header is not one non-negative integer")
             length = int(value)
         if chunked and version == "1.0":
