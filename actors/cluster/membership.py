@@ -139,9 +139,12 @@ class Membership:
 
     def not_live_reason(self) -> str:
         """Why this replica holds no live lease now, naming etcd (for a refusal)."""
+        where = f"its lease in etcd at {self.etcd.endpoint} lapsed"
         if self.etcd_failure is not None:
-            return f"its lease in etcd at {self.etcd.endpoint} lapsed and etcd does not answer ({self.etcd_failure})"
-        return f"its lease in etcd at {self.etcd.endpoint} lapsed; it is taking a new one"
+            return f"{where} and etcd does not answer ({self.etcd_failure})"
+        if not self.lease_id:
+            return f"{where}; it is taking a new one"
+        return f"{where} before etcd answered a renewal"
 
     def lease_remaining(self) -> float:
         return max(0.0, self._deadline - trio.current_time())
