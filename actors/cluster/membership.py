@@ -92,6 +92,7 @@ class Membership:
         self.view = View()
         self._changed = trio.Event()
         self.leases_taken = 0
+        self.etcd_failure: str | None = None  # why the last renewal or lease grant failed; None once one succeeds
 
     def key(self, kind: str, name: str) -> str:
         return f"{self.prefix}{kind}/{name}"
@@ -136,6 +137,15 @@ class Membership:
         """Whether this replica still holds its lease, on its own clock."""
         return trio.current_time() < self._deadline
 
+    def not_live_reason(self) -> str:
+        """Why this replica holds no live lease now, naming etcd (for a refusal)."""
+        where = f"its lease in etcd at {self.etcd.endpoint} lapsed"
+        if self.etcd_failure is not None:
+            return f"{where} and etcd does not answer ({self.etcd_failure})"
+        if not self.lease_id:
+            return f"{where}; it is taking a new one"
+        return f"{where} before etcd answered a renewal"
+
     def lease_remaining(self) -> float:
         return max(0.0, self._deadline - trio.current_time())
 
@@ -161,6 +171,7 @@ class Membership:
                 remaining = await self.etcd.keep_alive(self.lease_id) if self.lease_id else 0
                 if remaining > 0:
                     self._deadline = holder_deadline(int(sent * NS), remaining * NS) / NS
+                    self.etcd_failure = None
                     continue
                 log.warning(
                     "cluster %s: lease %x ended; dropping its scopes and taking a new one", self.cluster, self.lease_id
@@ -170,8 +181,10 @@ class Membership:
                 on_lease_lost()
                 self._notify()
                 await self._take_lease()
+                self.etcd_failure = None
                 self._notify()
             except EtcdUnavailable as exc:
+                self.etcd_failure = str(exc)
                 log.warning("cluster %s: renewing the lease failed (%s); retrying", self.cluster, exc)
 
     async def _follow(self) -> None:

@@ -127,6 +127,9 @@ class OwnedScopes:
         self.drops = 0
         self.overtaken = 0  # recoveries because the subject moved past what the owner held
         self.handed_over = 0
+        # Why a scope's last claim or recovery failed (etcd or NATS not answering), by scope token, until one
+        # succeeds: a command refused meanwhile says it. Bounded: at most ``MAX_OWNED_SCOPES`` (oldest dropped).
+        self.failures: dict[str, str] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -145,6 +148,16 @@ class OwnedScopes:
         if owned is None or owned.service is None or owned.lease_id != membership.lease_id or not membership.live():
             return None
         return owned.service
+
+    def failure(self, scope: ScopeKey) -> str | None:
+        """Why the scope's last claim or recovery here failed, unless one has succeeded since."""
+        return self.failures.get(scope_token(scope))
+
+    def _failed(self, token: str, reason: str) -> None:
+        self.failures.pop(token, None)
+        if len(self.failures) >= MAX_OWNED_SCOPES:  # overflow: forget the oldest reason
+            del self.failures[next(iter(self.failures))]
+        self.failures[token] = reason
 
     def held(self, scope: ScopeKey) -> OwnedScope | None:
         return self._owned.get(scope_token(scope))
@@ -279,6 +292,7 @@ class OwnedScopes:
                     await self._serve_until_released(owned)
         except (EtcdUnavailable, JournalUnreachable, OSError) as exc:
             log.warning("cluster: scope %s dropped: %s", owned.scope.describe(), exc)
+            self._failed(owned.token, str(exc))
         finally:
             served = not math.isnan(owned.recovered_at)
             owned.service = None
@@ -345,6 +359,7 @@ class OwnedScopes:
             self.on_service(service)
             owned.journal, owned.stop, owned.service = journal, runtime.stopping, service
             owned.recovered_at = trio.current_time()
+            self.failures.pop(owned.token, None)
             self.recoveries += 1
             log.info(
                 "cluster: serving scope %s (recovered %d records after the snapshot at lsn %d)",

@@ -74,6 +74,10 @@ class ClusterSlotService:
     async def where(self, scope: ScopeKey, forwarded: bool = False) -> Route:
         await self.owned.wait_handed_over(scope)  # held briefly, then routed to the member that takes it
         membership, me = self.membership, self.membership.me
+        if not membership.live():  # its view of owners and members may be stale: neither serve nor forward
+            return Unavailable(
+                f"this replica ({me}) cannot route {scope.describe()} now: {membership.not_live_reason()}"
+            )
         token = scope_token(scope)
         held = membership.view.owners.get(token)
         owner = held.member if held is not None else None
@@ -89,6 +93,9 @@ class ClusterSlotService:
             if self.owned.serving(scope) is None:
                 again = membership.view.owners.get(token)
                 owner = again.member if again is not None and again.member != me else owner
+                failure = self.owned.failure(scope)
+                if owner == me and failure is not None:
+                    return Unavailable(f"scope {scope.describe()} cannot be recovered on its owner {me}: {failure}")
         serving = self.owned.serving(scope) is not None
         return route(scope.describe(), me, owner, self.live_members(), serving, forwarded)
 
@@ -157,7 +164,8 @@ class ClusterSlotService:
         except JournalUnavailable as exc:
             raise Refused(
                 Reason.UNAVAILABLE,
-                f"the journal of {scope.describe()} failed on {self.membership.me} ({exc.__cause__ or exc}); this "
+                f"the JetStream journal of {scope.describe()} (NATS at {', '.join(self.owned.journals.servers)}) "
+                f"failed on {self.membership.me} ({exc.__cause__ or exc}); this "
                 "write was not acknowledged (it may or may not have landed): the scope is recovered from the stream "
                 "on the next command",
             ) from exc

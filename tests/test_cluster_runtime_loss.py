@@ -1,0 +1,186 @@
+"""Two slot-tracker replicas (``--cluster``), each owning a scope, on a real etcd and a real nats-server, all on
+free loopback ports and stopped by PID. etcd or NATS lost *after* start-up: every write through either replica is
+acknowledged (201) or refused with 503 and an ``{"error"}`` naming what is missing (etcd, or NATS/JetStream) —
+never a 500, never a hang past a bounded time; once the server is back, writes are acknowledged again without
+restarting the replicas, and every acknowledged booking is in the loads."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.support.fleet_servers import EtcdServer, NatsServer
+from tests.test_cluster_failover import AUTH, Replica, model_owned_by, scope_row, wait_for_members
+
+pytestmark = pytest.mark.slow
+
+ANSWER_BOUND_SECONDS = 8  # no write waits longer than this for its answer, whatever is down
+RESUME_BOUND_SECONDS = 15  # writes are acknowledged again this soon after the server is back
+ISL = 10
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, NatsServer]]:
+    etcd, nats = EtcdServer(tmp_path), NatsServer(tmp_path)
+    await etcd.start()
+    try:
+        await nats.start()
+        try:
+            yield etcd, nats
+        finally:
+            await nats.stop()
+    finally:
+        if etcd.process is not None and etcd.process.returncode is None:
+            os.kill(etcd.process.pid, signal.SIGCONT)  # a test that failed while etcd was paused
+        await etcd.stop()
+
+
+class Writes:
+    """Writes to two scopes (one owned by each replica) through both replicas; counts what was acknowledged."""
+
+    def __init__(self, replicas: list[Replica], expected_error: tuple[str, ...]) -> None:
+        self.replicas = replicas
+        self.models = [model_owned_by(r.url, [r.url for r in replicas]) for r in replicas]
+        self.expected_error = expected_error
+        self.acknowledged = dict.fromkeys(self.models, 0)
+        self.unknown = dict.fromkeys(self.models, 0)  # answered "outcome unknown": may or may not have landed
+        self.refusals: list[str] = []
+        self.n = 0
+
+    async def one(self, replica: Replica, model: str) -> int:
+        self.n += 1
+        body = {"model_name": model, "request_id": f"w{self.n}", "worker_id": 1, "dp_rank": 0,
+                "sequence_hashes": [self.n], "new_isl_tokens": ISL}  # fmt: skip
+        async with httpx.AsyncClient(base_url=replica.url, timeout=30, trust_env=False, headers=AUTH) as http:
+            with trio.fail_after(ANSWER_BOUND_SECONDS):
+                response = await http.post("/add", json=body)
+        if response.status_code == 201:
+            self.acknowledged[model] += 1
+        else:
+            assert response.status_code in (503, 504), response.text
+            error = response.json()["error"]
+            self.refusals.append(error)
+            if response.status_code == 504 or "unknown" in error or "may or may not" in error:
+                self.unknown[model] += 1
+        return response.status_code
+
+    async def round(self) -> list[int]:
+        return [await self.one(replica, model) for replica in self.replicas for model in self.models]
+
+    async def until_all_acknowledged(self) -> float:
+        started = trio.current_time()
+        with trio.fail_after(RESUME_BOUND_SECONDS):
+            for _ in range(1000):
+                if await self.round() == [201] * 4:
+                    break
+                await trio.sleep(0.1)
+        return trio.current_time() - started
+
+    async def check_loads(self) -> None:
+        for replica in self.replicas:
+            async with httpx.AsyncClient(base_url=replica.url, timeout=15, trust_env=False, headers=AUTH) as http:
+                for model in self.models:
+                    loads = (await http.get("/loads", params={"model_name": model})).json()
+                    [tokens] = [row["active_prefill_tokens"] for row in loads]
+                    low, high = self.acknowledged[model], self.acknowledged[model] + self.unknown[model]
+                    assert ISL * low <= tokens <= ISL * high, (model, tokens, low, high)
+
+    def refusals_name(self) -> bool:
+        """Whether every refusal names what is missing (or says the outcome is unknown)."""
+        return all(any(word in error.lower() for word in self.expected_error) for error in self.refusals)
+
+
+async def two_replicas(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer], expected_error: tuple[str, ...]) -> Writes:
+    etcd, nats = fleet
+    replicas = [Replica(tmp_path, name, etcd.url, nats.url) for name in ("a", "b")]
+    async with trio.open_nursery() as nursery:
+        for replica in replicas:
+            nursery.start_soon(replica.start)
+    writes = Writes(replicas, expected_error)
+    async with httpx.AsyncClient(base_url=replicas[0].url, timeout=15, trust_env=False, headers=AUTH) as http:
+        await wait_for_members(http, 2)
+        for model in writes.models:
+            register = {"model_name": model, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+            assert (await http.post("/register", json=register)).status_code == 201
+        for model, replica in zip(writes.models, replicas, strict=True):
+            assert (await scope_row(http, model))["owner"] == replica.url
+    assert await writes.round() == [201] * 4
+    return writes
+
+
+async def outage(writes: Writes, lose: Callable[[], Awaitable[None]], restore: Callable[[], Awaitable[None]]) -> float:
+    """Lose the server, write through both replicas for a while (past the lease TTL), restore it; the time writes
+    took to be acknowledged again."""
+    await lose()
+    lost_until = trio.current_time() + 4  # each write answered (within ANSWER_BOUND_SECONDS), none cut short
+    while trio.current_time() < lost_until:
+        await writes.round()
+        await trio.sleep(0.1)
+    await restore()
+    return await writes.until_all_acknowledged()
+
+
+async def stop_replicas(writes: Writes) -> None:
+    for replica in writes.replicas:
+        await replica.kill9()
+
+
+async def test_etcd_paused_then_resumed(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer]) -> None:
+    etcd, _ = fleet
+    writes = await two_replicas(tmp_path, fleet, ("etcd",))
+    try:
+        assert etcd.process is not None
+        pid = etcd.process.pid
+        resumed = await outage(writes, partial_kill(pid, signal.SIGSTOP), partial_kill(pid, signal.SIGCONT))
+        assert writes.refusals and writes.refusals_name(), writes.refusals
+        assert resumed < RESUME_BOUND_SECONDS
+        await writes.check_loads()
+    finally:
+        await stop_replicas(writes)
+
+
+async def test_etcd_killed_then_restarted_on_its_data(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer]) -> None:
+    etcd, _ = fleet
+    writes = await two_replicas(tmp_path, fleet, ("etcd",))
+    try:
+
+        async def kill() -> None:
+            assert etcd.process is not None
+            etcd.process.kill()
+            await etcd.process.wait()
+
+        await outage(writes, kill, etcd.start)
+        assert writes.refusals and writes.refusals_name(), writes.refusals
+        await writes.check_loads()
+    finally:
+        await stop_replicas(writes)
+
+
+async def test_nats_killed_then_restarted_on_its_store(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer]) -> None:
+    _, nats = fleet
+    writes = await two_replicas(tmp_path, fleet, ("nats", "jetstream", "outcome is unknown"))
+    try:
+
+        async def kill() -> None:
+            assert nats.process is not None
+            nats.process.kill()
+            await nats.process.wait()
+
+        await outage(writes, kill, nats.start)
+        assert writes.refusals and writes.refusals_name(), writes.refusals
+        await writes.check_loads()
+    finally:
+        await stop_replicas(writes)
+
+
+def partial_kill(pid: int, sig: signal.Signals) -> Callable[[], Awaitable[None]]:
+    async def send() -> None:
+        os.kill(pid, sig)
+
+    return send
