@@ -96,9 +96,10 @@ async def _ignore_error(exc: Exception) -> None:
 class JetStreamLink:
     """One connection and what the journal asks of it. Asyncio side only."""
 
-    def __init__(self, nc: Any, stream: str, log: str = DEFAULT_LOG) -> None:
+    def __init__(self, nc: Any, stream: str, log: str = DEFAULT_LOG, replicas: int | None = None) -> None:
         check_log(log)
         self._nc = nc
+        self._replicas = replicas  # the stream's replica count: created with it, refused if it differs; None: any
         self._js = nc.jetstream(timeout=REQUEST_TIMEOUT_SECONDS)
         self.stream = stream
         self.subject = subject_of(stream, log)
@@ -106,7 +107,9 @@ class JetStreamLink:
         self._objects: Any = None
 
     @classmethod
-    async def connect(cls, servers: tuple[str, ...], stream: str, log: str = DEFAULT_LOG) -> JetStreamLink:
+    async def connect(
+        cls, servers: tuple[str, ...], stream: str, log: str = DEFAULT_LOG, replicas: int | None = None
+    ) -> JetStreamLink:
         """Connect (bounded) or raise ``JournalUnreachable`` naming the servers."""
         where = ",".join(servers)
         try:
@@ -129,7 +132,7 @@ class JetStreamLink:
             ) from None
         except (OSError, nats.errors.Error) as exc:
             raise JournalUnreachable(f"cannot reach NATS at {where} for the JetStream journal ({_why(exc)})") from None
-        return cls(nc, stream, log)
+        return cls(nc, stream, log, replicas)
 
     @property
     def max_payload(self) -> int:
@@ -166,12 +169,23 @@ class JetStreamLink:
         try:
             info = await self._js.stream_info(self.stream)
         except nats.js.errors.NotFoundError:
-            await self._js.add_stream(name=self.stream, subjects=[wanted], storage=js_api.StorageType.FILE)
+            await self._js.add_stream(
+                name=self.stream,
+                subjects=[wanted],
+                storage=js_api.StorageType.FILE,
+                num_replicas=self._replicas or 1,
+            )
             return
         if wanted not in (info.config.subjects or []):
             raise JournalUnreachable(
                 f"the JetStream stream {self.stream} exists but does not capture {wanted}; "
                 "give --jetstream-stream a name of its own"
+            )
+        has = info.config.num_replicas or 1
+        if self._replicas is not None and has != self._replicas:
+            raise JournalUnreachable(
+                f"the JetStream stream {self.stream} exists with {has} replica(s), not the {self._replicas} of "
+                f"--jetstream-replicas; give that count, or change the stream's (nats stream edit) first"
             )
 
     async def _ensure_bucket(self) -> Any:
