@@ -370,6 +370,7 @@ def _cluster(
         nats_servers(args, env),
         (advertise or "").rstrip("/"),
         ttl or DEFAULT_LEASE_TTL_SECONDS,
+        jetstream_replicas(args, problems),
     )
 
 
