@@ -189,10 +189,23 @@ class JetStreamLink:
             )
 
     async def _ensure_bucket(self) -> Any:
+        """The snapshot bucket, with the stream's replica count: a snapshot on fewer servers than the records it
+        replaces could be lost while they are purged (a recovery would then start from an older snapshot)."""
+        bucket = bucket_of(self.stream)
         try:
-            return await self._js.object_store(bucket_of(self.stream))
+            objects = await self._js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
-            return await self._js.create_object_store(bucket_of(self.stream))
+            config = js_api.ObjectStoreConfig(bucket=bucket, replicas=self._replicas or 1)
+            return await self._js.create_object_store(bucket, config=config)
+        if self._replicas is not None:
+            info = await self._js.stream_info(f"OBJ_{bucket}")
+            has = info.config.num_replicas or 1
+            if has != self._replicas:
+                raise JournalUnreachable(
+                    f"the snapshot bucket {bucket} of JetStream stream {self.stream} exists with {has} replica(s), "
+                    f"not the {self._replicas} of --jetstream-replicas; change its count first"
+                )
+        return objects
 
     async def _delete_snapshot(self) -> None:
         with contextlib.suppress(nats.js.errors.NotFoundError):

@@ -315,9 +315,10 @@ def _jetstream_journal(
 ) -> JetStreamJournalOptions | None:
     """``--journal jetstream``'s stream and servers; None for the file journal (the default)."""
     if args.journal != "jetstream":
-        for flag in ("jetstream_stream", "jetstream_replicas"):
-            if getattr(args, flag, None) is not None:
-                warnings.append(f"{_flag(flag)} has no effect without --journal jetstream or --cluster")
+        if args.jetstream_stream is not None:
+            warnings.append("--jetstream-stream has no effect without --journal jetstream")
+        if getattr(args, "jetstream_replicas", None) is not None:
+            warnings.append("--jetstream-replicas has no effect without --journal jetstream or --cluster")
         return None
     stream = args.jetstream_stream if args.jetstream_stream is not None else default_stream(args.service)
     problem = stream_problem(stream)

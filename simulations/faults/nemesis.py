@@ -38,7 +38,7 @@ def replica_target(replica: Replica) -> Target:
     return Target(
         replica.name,
         replica.kill9,
-        replica.launch,
+        replica.relaunch,
         lambda: replica.signal(signal.SIGSTOP),
         lambda: replica.signal(signal.SIGCONT),
     )

@@ -30,6 +30,8 @@ class Replica:
             "--data-dir", str(self.data_dir), "--advertise-url", self.url, *argv_tail,
         ]  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None
+        self.wanted_up = True  # False while the nemesis holds it killed
+        self.relaunches = 0  # started again after it exited on its own (e.g. NATS unreachable at start: exit 2)
 
     @property
     def running(self) -> bool:
@@ -51,7 +53,21 @@ class Replica:
                     pass
                 await trio.sleep(0.1)
 
+    def relaunch(self) -> None:
+        """After the nemesis' kill: wanted up again, started."""
+        self.wanted_up = True
+        self.launch()
+
+    async def supervise(self) -> None:
+        """Start it again whenever it exited on its own while wanted up (cancelled at the end of the run)."""
+        while True:
+            await trio.sleep(0.5)
+            if self.wanted_up and self.process is not None and self.process.poll() is not None:
+                self.relaunches += 1
+                self.launch()
+
     def kill9(self) -> None:
+        self.wanted_up = False
         if self.process is not None and self.running:
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait()

@@ -83,12 +83,16 @@ async def _exercise(
         await wait_all_healthy(http, replicas)
         until = trio.current_time() + options.fault_seconds
         clients = [Client(f"c{i}", history, clock, options.seed, urls, scopes) for i in range(options.clients)]
-        async with trio.open_nursery() as nursery:
-            for client in clients:
-                nursery.start_soon(client.run, http, until)
-            nursery.start_soon(nemesis.run, until)
+        async with trio.open_nursery() as supervision:
+            for replica in replicas:
+                supervision.start_soon(replica.supervise)
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(client.run, http, until)
+                nursery.start_soon(nemesis.run, until)
+            await wait_all_healthy(http, replicas)
+            supervision.cancel_scope.cancel()
         healed_at = max(nemesis.last_fault_ended, until)
-        await wait_all_healthy(http, replicas)
         agreed = await agreed_loads(http, urls, max(0.0, healed_at + AGREE_SECONDS - trio.current_time()))
         agreed_after = trio.current_time() - healed_at if agreed is not None else None
         violations = (
@@ -99,7 +103,8 @@ async def _exercise(
     path.write_bytes(history.to_bytes())
     kinds = Counter(r["type"] for r in history.records if r["process"].startswith("c"))
     operations = {kind: kinds[kind] for kind in ("ok", "fail", "info")}
-    return Result(operations, dict(nemesis.counts), agreed_after, violations, path)
+    faults = dict(nemesis.counts) | {"replica relaunched after exiting": sum(r.relaunches for r in replicas)}
+    return Result(operations, faults, agreed_after, violations, path)
 
 
 async def _check(

@@ -4,6 +4,7 @@ or several, routed to each other, each with its own store directory) and etcd. S
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import signal
 import socket
@@ -95,6 +96,32 @@ class NatsNode:
         _wait_http(f"http://127.0.0.1:{self.monitor_port}/healthz", self.process, f"nats-server {self.name}")
 
 
+def _meta_leader(node: NatsNode) -> tuple[str, bool]:
+    """The JetStream meta leader ``node`` sees ('' for none), and whether it lists every peer as current."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/jsz", timeout=1) as answer:
+            meta = json.load(answer).get("meta_cluster") or {}
+    except (OSError, urllib.error.URLError, ValueError):
+        return "", False
+    peers = meta.get("replicas") or []
+    return str(meta.get("leader") or ""), bool(peers) and all(p.get("current") for p in peers)
+
+
+def _wait_meta_cluster(nodes: list[NatsNode]) -> None:
+    """Until every node names the same meta leader, which sees all its peers current: before that, a replicated
+    stream may be refused ("no suitable peers for placement")."""
+    deadline = time.monotonic() + START_SECONDS
+    while True:
+        views = {node.name: _meta_leader(node) for node in nodes}
+        leaders = {leader for leader, _ in views.values()}
+        if len(leaders) == 1 and "" not in leaders and views[leaders.pop()][1]:
+            time.sleep(1.0)  # the leader learns the peers' placement details from their first updates
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the NATS cluster did not form a JetStream meta group: {views}")
+        time.sleep(0.1)
+
+
 def nats_nodes(directory: Path, count: int) -> list[NatsNode]:
     route_ports = tuple(free_port() for _ in range(count))
     return [
@@ -113,6 +140,8 @@ def nats_cluster(nats: str, directory: Path, count: int) -> Iterator[list[NatsNo
             node.start(nats)
         for node in nodes:
             node.wait_healthy()
+        if count > 1:
+            _wait_meta_cluster(nodes)
         yield nodes
     finally:
         for node in nodes:
