@@ -41,7 +41,14 @@ from kvrouter.journal.asyncio_thread import AsyncioThread
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, check_log, payloads
 from kvrouter.journal.loop_idle import wait_until_loop_idle as _wait_until_loop_idle
-from kvrouter.journal.store import Durability, JournalWriteFailed, SkippedRecord, Snapshot, check_snapshot
+from kvrouter.journal.store import (
+    Durability,
+    JournalUnreachable,
+    JournalWriteFailed,
+    SkippedRecord,
+    Snapshot,
+    check_snapshot,
+)
 
 logger = logging.getLogger("kvrouter.journal")
 
@@ -251,8 +258,11 @@ class JetStreamJournal:
     def _read_from(self, seq: int, floor: int, limit: int) -> Iterator[tuple[int, bytes]]:
         while True:
             chunk = self._thread.call_blocking(self._link.fetch, seq, timeout=READ_TIMEOUT_SECONDS)
-            if not chunk:
-                return
+            if not chunk:  # records up to ``limit`` are acknowledged, so on the stream: a failed read, not the end
+                raise JournalUnreachable(
+                    f"JetStream did not deliver {self._link.subject} from sequence {seq} (records up to lsn {limit} "
+                    "are on it); the log was not read whole"
+                )
             for lsn, payload in payloads(chunk):
                 if lsn > limit:
                     return

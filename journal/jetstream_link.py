@@ -221,8 +221,11 @@ class JetStreamLink:
         messages: list[TailMessage] = []
         while start <= last.seq:
             chunk = await self.fetch(start)
-            if not chunk:
-                break
+            if not chunk:  # the subject holds messages up to last.seq: none in time is a failed read, not the end
+                raise JournalUnreachable(
+                    f"JetStream did not deliver {self.subject} from sequence {start} (its last is {last.seq}) within "
+                    f"{FETCH_WAIT_SECONDS:g} s; the log was not read whole"
+                )
             for seq, first, body in chunk:
                 messages.append(TailMessage(seq, first, tuple(batch.record_sizes(body, seq))))
             start = chunk[-1][0] + 1
