@@ -30,7 +30,7 @@ from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.store import Durability, Journal
-from kvrouter.simulations.faults.servers import binary, nats_cluster
+from kvrouter.simulations.process_faults.servers import binary, nats_cluster
 
 SCOPE = ScopeKey("bench-model", "default")
 EVENT = RequestAdded("request-0000001", 3, 0, tuple(range(10**12, 10**12 + 64)), 1024, 1_700_000_000_000_000_000)

@@ -1,4 +1,4 @@
-"""Faults on real processes, Jepsen style (``simulations/faults``): etcd, a 3-node NATS cluster (the stream R=3) and
+"""Faults on real processes, Jepsen style (``simulations/process_faults``): etcd, a 3-node NATS cluster (R=3) and
 3 slot-tracker replicas with ``--cluster`` on free loopback ports; 4 clients book, complete and free requests and
 register workers through random replicas while a nemesis kills (SIGKILL, then starts again) and pauses (SIGSTOP,
 then SIGCONT) replicas and NATS nodes. After healing, the ownership simulation's checker over the history and the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.simulations.faults.run import RunOptions, run_faults, servers_missing
+from kvrouter.simulations.process_faults.run import RunOptions, run_faults, servers_missing
 
 pytestmark = pytest.mark.slow
 

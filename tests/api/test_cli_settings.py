@@ -233,7 +233,9 @@ def test_the_stream_replicas_reach_the_journal_and_the_cluster_and_a_bad_count_i
         "http://127.0.0.1:8091", "--jetstream-replicas", "3", service="slot-tracker",
     )  # fmt: skip
     assert cluster.options.cluster is not None and cluster.options.cluster.jetstream_replicas == 3
-    assert problems("--journal", "jetstream", "--jetstream-replicas", "0") == ("--jetstream-replicas='0' must be between 1 and 5",)
+    assert problems("--journal", "jetstream", "--jetstream-replicas", "0") == (
+        "--jetstream-replicas='0' must be between 1 and 5",
+    )
     assert launch("--jetstream-replicas", "3").warnings == (
         "--jetstream-replicas has no effect without --journal jetstream or --cluster",
     )

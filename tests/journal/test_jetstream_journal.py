@@ -17,7 +17,7 @@ from contract import TIMEOUT, JournalContract
 
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.store import Durability, Journal, JournalFenced, JournalUnreachable, Snapshot
-from kvrouter.simulations.faults.servers import nats_cluster
+from kvrouter.simulations.process_faults.servers import nats_cluster
 from tests.support.fleet_servers import NatsServer, nats_process, require_nats
 from tests.support.processes import free_port
 

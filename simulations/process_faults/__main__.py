@@ -1,4 +1,4 @@
-"""``python -m kvrouter.simulations.faults --minutes N``: one long run on real processes; prints the figures
+"""``python -m kvrouter.simulations.process_faults --minutes N``: one long run on real processes; prints the figures
 (operations ok/fail/info, faults injected, violations) and exits 1 if the checker found any."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from kvrouter.simulations.faults.run import Result, RunOptions, run_faults, servers_missing
+from kvrouter.simulations.process_faults.run import Result, RunOptions, run_faults, servers_missing
 
 
 def report(result: Result, minutes: float) -> None:
@@ -28,7 +28,7 @@ def report(result: Result, minutes: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvrouter.simulations.faults", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvrouter.simulations.process_faults", description=__doc__)
     parser.add_argument("--minutes", type=float, default=1.0, help="how long the nemesis and clients run")
     parser.add_argument("--seed", type=int, default=1, help="seeds the clients' and the nemesis' choices")
     parser.add_argument("--work-dir", type=Path, help="where the processes keep their data, logs and the history")

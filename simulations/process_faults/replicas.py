@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from kvrouter.simulations.faults.servers import free_port, stop
+from kvrouter.simulations.process_faults.servers import free_port, stop
 
 START_SECONDS = 60.0
 

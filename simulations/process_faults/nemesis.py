@@ -13,10 +13,10 @@ import attrs
 import httpx
 import trio
 
-from kvrouter.simulations.faults.clients import Clock
-from kvrouter.simulations.faults.replicas import Replica
-from kvrouter.simulations.faults.servers import NatsNode
 from kvrouter.simulations.ownership.history import History
+from kvrouter.simulations.process_faults.clients import Clock
+from kvrouter.simulations.process_faults.replicas import Replica
+from kvrouter.simulations.process_faults.servers import NatsNode
 
 
 @attrs.frozen

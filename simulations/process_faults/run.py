@@ -16,13 +16,13 @@ import attrs
 import httpx
 import trio
 
-from kvrouter.simulations.faults.clients import Client, Clock
-from kvrouter.simulations.faults.nemesis import Nemesis, nats_target, replica_target, wait_all_healthy
-from kvrouter.simulations.faults.replicas import Replica, cluster_argv
-from kvrouter.simulations.faults.servers import NatsNode, binary, etcd_server, nats_cluster
-from kvrouter.simulations.faults.truth import agreed_loads, answer_rows, digest, scope_truth, truth_rows
 from kvrouter.simulations.ownership.checker import check
 from kvrouter.simulations.ownership.history import History
+from kvrouter.simulations.process_faults.clients import Client, Clock
+from kvrouter.simulations.process_faults.nemesis import Nemesis, nats_target, replica_target, wait_all_healthy
+from kvrouter.simulations.process_faults.replicas import Replica, cluster_argv
+from kvrouter.simulations.process_faults.servers import NatsNode, binary, etcd_server, nats_cluster
+from kvrouter.simulations.process_faults.truth import agreed_loads, answer_rows, digest, scope_truth, truth_rows
 
 CLUSTER = "FAULTS"
 AGREE_SECONDS = 10.0  # every replica answers /loads alike within this long of the last fault's end
