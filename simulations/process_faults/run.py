@@ -116,4 +116,9 @@ async def _check(
         url: {model: digest(answer_rows(rows, model)) for model in scopes}
         for url, rows in zip(urls, agreed or [], strict=False)
     }
-    return check(history.records, dict(truth), answers, truth_digests, [])
+    violations = check(history.records, dict(truth), answers, truth_digests, [])
+    history.add(  # the verdict, with what it compared: each scope's rows as folded and as each replica answered
+        {"process": "checker", "type": "info", "t": 0, "truth": truth_digests, "answers": answers,
+         "violations": violations}
+    )  # fmt: skip
+    return violations
