@@ -1,10 +1,12 @@
-"""The file journal against the JetStream journal (R=1, one local nats-server), both under ``always``, same run.
+"""The file journal against the JetStream journal, R=1 (one nats-server) and R=3 (a cluster of three), all under
+``always``, same run.
 
 N producers each loop: append one request's record (``encode_record`` of a ``RequestAdded``, ~0.6 KB), wait until
 the journal acknowledges it (file: its group's fsync; JetStream: the server's acknowledgement of its group's
 message), repeat. Prints appends/s, records per write (group commit), and the p50/p99 of append -> acknowledged,
-for each N in ``--producers``. It starts its own nats-server (JetStream, a temporary store, a free port on
-127.0.0.1) and stops it by its PID.
+for each N in ``--producers``. It starts its own nats-servers (JetStream, temporary stores, free ports on
+127.0.0.1): one alone, and three routed to each other (``-cluster``/``-routes``, each its own store) for the R=3
+stream; and stops them by their PIDs.
 
     .venv/bin/python benchmarks/jetstream_journal.py [--producers 1,16,64] [--seconds 3] [--nats-server PATH]
 """
@@ -13,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -31,35 +30,10 @@ from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.journal.file import FileJournal
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.store import Durability, Journal
+from kvrouter.simulations.process_faults.servers import binary, nats_cluster
 
 SCOPE = ScopeKey("bench-model", "default")
 EVENT = RequestAdded("request-0000001", 3, 0, tuple(range(10**12, 10**12 + 64)), 1024, 1_700_000_000_000_000_000)
-
-
-@contextlib.contextmanager
-def nats_server(binary: str, store: Path) -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("nats-server did not start") from None
-                time.sleep(0.02)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(10)
 
 
 async def drive(journal: Journal, producers: int, seconds: float) -> tuple[int, list[float]]:
@@ -92,7 +66,7 @@ async def measure(name: str, open_journal: Callable[[], Journal], producers: int
     writes = getattr(stats, "batches_written", None) or getattr(stats, "messages_published", 0)
     quantiles = statistics.quantiles(latencies, n=100)
     print(
-        f"{name:<16} producers {producers:>3}: {count / seconds:>8.0f} appends/s, "
+        f"{name:<14} producers {producers:>3}: {count / seconds:>8.0f} appends/s, "
         f"{count / max(writes, 1):>5.1f} records/write, "
         f"ack p50 {quantiles[49] * 1e3:.2f} ms, p99 {quantiles[98] * 1e3:.2f} ms"
     )
@@ -100,24 +74,23 @@ async def measure(name: str, open_journal: Callable[[], Journal], producers: int
 
 async def run(args: argparse.Namespace) -> None:
     producers = [int(n) for n in args.producers.split(",")]
-    with tempfile.TemporaryDirectory() as tmp, nats_server(args.nats_server, Path(tmp) / "js") as url:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        one = tuple(node.url for node in stack.enter_context(nats_cluster(args.nats_server, tmp / "one", 1)))
+        three = tuple(node.url for node in stack.enter_context(nats_cluster(args.nats_server, tmp / "three", 3)))
         for n in producers:
-            path = Path(tmp) / f"file-{n}"
+            path = tmp / f"file-{n}"
             await measure("file (always)", lambda p=path: FileJournal.open(p, Durability.ALWAYS), n, args.seconds)
-            stream = f"BENCH{n}"
-            await measure(
-                "jetstream R=1",
-                lambda s=stream: JetStreamJournal.open((url,), s, Durability.ALWAYS),
-                n,
-                args.seconds,
-            )
+            for name, servers, replicas in (("jetstream R=1", one, 1), ("jetstream R=3", three, 3)):
+                opened = partial(JetStreamJournal.open, servers, f"BENCH{n}", Durability.ALWAYS, replicas=replicas)
+                await measure(name, opened, n, args.seconds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--producers", default="1,16,64")
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--nats-server", default=shutil.which("nats-server") or "/usr/sbin/nats-server")
+    parser.add_argument("--nats-server", default=binary("nats-server", "/usr/sbin/nats-server"))
     trio.run(run, parser.parse_args())
 
 

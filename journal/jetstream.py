@@ -41,7 +41,14 @@ from kvrouter.journal.asyncio_thread import AsyncioThread
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, check_log, payloads
 from kvrouter.journal.loop_idle import wait_until_loop_idle as _wait_until_loop_idle
-from kvrouter.journal.store import Durability, JournalWriteFailed, SkippedRecord, Snapshot, check_snapshot
+from kvrouter.journal.store import (
+    Durability,
+    JournalUnreachable,
+    JournalWriteFailed,
+    SkippedRecord,
+    Snapshot,
+    check_snapshot,
+)
 
 logger = logging.getLogger("kvrouter.journal")
 
@@ -124,6 +131,7 @@ class JetStreamJournal:
         fresh: bool = False,
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
         log: str = DEFAULT_LOG,
+        replicas: int | None = None,
     ) -> JetStreamJournal:
         """Connect, make sure the stream and the snapshot bucket exist, and read where the log ends.
 
@@ -132,12 +140,16 @@ class JetStreamJournal:
         Blocking, as ``FileJournal.open``: run it before serving, or through ``trio.to_thread.run_sync``.
         Raises ``JournalUnreachable`` (one line naming the server) when NATS or JetStream does not answer.
         ``fresh=True`` first empties the journal's subject and deletes its snapshot.
+        ``replicas``: the stream's replica count (created with it if missing; a stream with another count is refused
+        with ``JournalUnreachable``); None takes the stream as it is (created with 1).
         """
         check_log(log)  # before connecting: a bad name leaves nothing open
         thread = AsyncioThread(f"kvrouter-journal-{stream}-{log}")
         thread.start_blocking()
         try:
-            link = thread.call_blocking(JetStreamLink.connect, servers, stream, log, timeout=OPEN_TIMEOUT_SECONDS)
+            link = thread.call_blocking(
+                JetStreamLink.connect, servers, stream, log, replicas, timeout=OPEN_TIMEOUT_SECONDS
+            )
             try:
                 tail = thread.call_blocking(link.prepare, fresh, timeout=OPEN_TIMEOUT_SECONDS)
             except BaseException:
@@ -149,13 +161,15 @@ class JetStreamJournal:
         return cls(thread, link, tail, durability, max_backlog_bytes)
 
     @staticmethod
-    def check(servers: tuple[str, ...], stream: str) -> None:
+    def check(servers: tuple[str, ...], stream: str, replicas: int | None = None) -> None:
         """Connect, make sure the stream and its snapshot bucket exist, disconnect: what a service whose journals
         open later (a cluster replica's, one per scope) checks at start. Blocking; ``JournalUnreachable``."""
         thread = AsyncioThread(f"kvrouter-journal-{stream}-check")
         thread.start_blocking()
         try:
-            link = thread.call_blocking(JetStreamLink.connect, servers, stream, timeout=OPEN_TIMEOUT_SECONDS)
+            link = thread.call_blocking(
+                JetStreamLink.connect, servers, stream, DEFAULT_LOG, replicas, timeout=OPEN_TIMEOUT_SECONDS
+            )
             try:
                 thread.call_blocking(link.ensure, timeout=OPEN_TIMEOUT_SECONDS)
             finally:
@@ -244,8 +258,11 @@ class JetStreamJournal:
     def _read_from(self, seq: int, floor: int, limit: int) -> Iterator[tuple[int, bytes]]:
         while True:
             chunk = self._thread.call_blocking(self._link.fetch, seq, timeout=READ_TIMEOUT_SECONDS)
-            if not chunk:
-                return
+            if not chunk:  # records up to ``limit`` are acknowledged, so on the stream: a failed read, not the end
+                raise JournalUnreachable(
+                    f"JetStream did not deliver {self._link.subject} from sequence {seq} (records up to lsn {limit} "
+                    "are on it); the log was not read whole"
+                )
             for lsn, payload in payloads(chunk):
                 if lsn > limit:
                     return

@@ -96,9 +96,10 @@ async def _ignore_error(exc: Exception) -> None:
 class JetStreamLink:
     """One connection and what the journal asks of it. Asyncio side only."""
 
-    def __init__(self, nc: Any, stream: str, log: str = DEFAULT_LOG) -> None:
+    def __init__(self, nc: Any, stream: str, log: str = DEFAULT_LOG, replicas: int | None = None) -> None:
         check_log(log)
         self._nc = nc
+        self._replicas = replicas  # the stream's replica count: created with it, refused if it differs; None: any
         self._js = nc.jetstream(timeout=REQUEST_TIMEOUT_SECONDS)
         self.stream = stream
         self.subject = subject_of(stream, log)
@@ -106,7 +107,9 @@ class JetStreamLink:
         self._objects: Any = None
 
     @classmethod
-    async def connect(cls, servers: tuple[str, ...], stream: str, log: str = DEFAULT_LOG) -> JetStreamLink:
+    async def connect(
+        cls, servers: tuple[str, ...], stream: str, log: str = DEFAULT_LOG, replicas: int | None = None
+    ) -> JetStreamLink:
         """Connect (bounded) or raise ``JournalUnreachable`` naming the servers."""
         where = ",".join(servers)
         try:
@@ -129,7 +132,7 @@ class JetStreamLink:
             ) from None
         except (OSError, nats.errors.Error) as exc:
             raise JournalUnreachable(f"cannot reach NATS at {where} for the JetStream journal ({_why(exc)})") from None
-        return cls(nc, stream, log)
+        return cls(nc, stream, log, replicas)
 
     @property
     def max_payload(self) -> int:
@@ -166,19 +169,43 @@ class JetStreamLink:
         try:
             info = await self._js.stream_info(self.stream)
         except nats.js.errors.NotFoundError:
-            await self._js.add_stream(name=self.stream, subjects=[wanted], storage=js_api.StorageType.FILE)
+            await self._js.add_stream(
+                name=self.stream,
+                subjects=[wanted],
+                storage=js_api.StorageType.FILE,
+                num_replicas=self._replicas or 1,
+            )
             return
         if wanted not in (info.config.subjects or []):
             raise JournalUnreachable(
                 f"the JetStream stream {self.stream} exists but does not capture {wanted}; "
                 "give --jetstream-stream a name of its own"
             )
+        has = info.config.num_replicas or 1
+        if self._replicas is not None and has != self._replicas:
+            raise JournalUnreachable(
+                f"the JetStream stream {self.stream} exists with {has} replica(s), not the {self._replicas} of "
+                f"--jetstream-replicas; give that count, or change the stream's (nats stream edit) first"
+            )
 
     async def _ensure_bucket(self) -> Any:
+        """The snapshot bucket, with the stream's replica count: a snapshot on fewer servers than the records it
+        replaces could be lost while they are purged (a recovery would then start from an older snapshot)."""
+        bucket = bucket_of(self.stream)
         try:
-            return await self._js.object_store(bucket_of(self.stream))
+            objects = await self._js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
-            return await self._js.create_object_store(bucket_of(self.stream))
+            config = js_api.ObjectStoreConfig(bucket=bucket, replicas=self._replicas or 1)
+            return await self._js.create_object_store(bucket, config=config)
+        if self._replicas is not None:
+            info = await self._js.stream_info(f"OBJ_{bucket}")
+            has = info.config.num_replicas or 1
+            if has != self._replicas:
+                raise JournalUnreachable(
+                    f"the snapshot bucket {bucket} of JetStream stream {self.stream} exists with {has} replica(s), "
+                    f"not the {self._replicas} of --jetstream-replicas; change its count first"
+                )
+        return objects
 
     async def _delete_snapshot(self) -> None:
         with contextlib.suppress(nats.js.errors.NotFoundError):
@@ -194,8 +221,11 @@ class JetStreamLink:
         messages: list[TailMessage] = []
         while start <= last.seq:
             chunk = await self.fetch(start)
-            if not chunk:
-                break
+            if not chunk:  # the subject holds messages up to last.seq: none in time is a failed read, not the end
+                raise JournalUnreachable(
+                    f"JetStream did not deliver {self.subject} from sequence {start} (its last is {last.seq}) within "
+                    f"{FETCH_WAIT_SECONDS:g} s; the log was not read whole"
+                )
             for seq, first, body in chunk:
                 messages.append(TailMessage(seq, first, tuple(batch.record_sizes(body, seq))))
             start = chunk[-1][0] + 1

@@ -56,7 +56,7 @@ from kvrouter.api.process.fronts import (
     run_front_process,
     supervise,
 )
-from kvrouter.api.process.journal_backend import JOURNAL_BACKENDS, default_stream
+from kvrouter.api.process.journal_backend import JOURNAL_BACKENDS, MAX_JETSTREAM_REPLICAS, default_stream
 from kvrouter.api.process.main import (
     RouteBuilder,
     ServiceOptions,
@@ -169,6 +169,13 @@ def _journal_flags(parser: argparse.ArgumentParser, service: str) -> None:
         "--jetstream-stream",
         metavar="NAME",
         help=f"with --journal jetstream: the stream (default {default_stream(service)}); one writer per stream",
+    )
+    group.add_argument(
+        "--jetstream-replicas",
+        metavar="N",
+        help=f"with --journal jetstream or --cluster: the stream's replica count, 1-{MAX_JETSTREAM_REPLICAS} "
+        "(default 1); the NATS servers given must be a cluster of at least N with JetStream; a stream that exists "
+        "with another count is refused",
     )
     if service != SELECT_SERVICE:
         add_nats_server_flag(group)

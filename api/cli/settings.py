@@ -40,7 +40,12 @@ from kvrouter.api.cli.replica import replica_security_from
 from kvrouter.api.process.cluster_options import CLUSTER_NAME, DEFAULT_LEASE_TTL_SECONDS, ClusterOptions
 from kvrouter.api.process.exposure import worker_endpoint_allow
 from kvrouter.api.process.fronts import MAX_FRONTS, ProcessRole, parse_role
-from kvrouter.api.process.journal_backend import JetStreamJournalOptions, default_stream, stream_problem
+from kvrouter.api.process.journal_backend import (
+    MAX_JETSTREAM_REPLICAS,
+    JetStreamJournalOptions,
+    default_stream,
+    stream_problem,
+)
 from kvrouter.api.process.main import SLOT_TRACKER_BODY_LIMIT, ServiceOptions
 from kvrouter.api.routes.selection import SELECTION_BODY_LIMIT
 from kvrouter.api.streams.answer_budget import DEFAULT_BUDGETS, AnswerBudgets
@@ -312,12 +317,19 @@ def _jetstream_journal(
     if args.journal != "jetstream":
         if args.jetstream_stream is not None:
             warnings.append("--jetstream-stream has no effect without --journal jetstream")
+        if getattr(args, "jetstream_replicas", None) is not None:
+            warnings.append("--jetstream-replicas has no effect without --journal jetstream or --cluster")
         return None
     stream = args.jetstream_stream if args.jetstream_stream is not None else default_stream(args.service)
     problem = stream_problem(stream)
     if problem is not None:
         problems.append(problem)
-    return JetStreamJournalOptions(nats_servers(args, env), stream)
+    return JetStreamJournalOptions(nats_servers(args, env), stream, jetstream_replicas(args, problems))
+
+
+def jetstream_replicas(args: argparse.Namespace, problems: list[str]) -> int:
+    """``--jetstream-replicas``: 1 when absent."""
+    return _int(args, "jetstream_replicas", 1, MAX_JETSTREAM_REPLICAS, problems, default=1) or 1
 
 
 def _cluster(
@@ -359,6 +371,7 @@ def _cluster(
         nats_servers(args, env),
         (advertise or "").rstrip("/"),
         ttl or DEFAULT_LEASE_TTL_SECONDS,
+        jetstream_replicas(args, problems),
     )
 
 

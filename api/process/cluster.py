@@ -55,7 +55,9 @@ async def run_cluster_replica(
     assert cluster is not None, "run_cluster_replica needs ServiceOptions.cluster"
     with lock_data_dir(options.data_dir):
         data_dir.check_owner(options.data_dir, name)
-        await trio.to_thread.run_sync(JetStreamJournal.check, cluster.nats_servers, cluster.name)
+        await trio.to_thread.run_sync(
+            JetStreamJournal.check, cluster.nats_servers, cluster.name, cluster.jetstream_replicas
+        )
         data_dir.claim(options.data_dir, name, ())
         async with httpx.AsyncClient(trust_env=False) as etcd_http:
             etcd = EtcdClient(list(cluster.etcd_endpoints), etcd_http)

@@ -18,6 +18,7 @@ class ClusterOptions:
     nats_servers: tuple[str, ...]
     advertise_url: str  # where the other replicas reach this one's HTTP API (its member name)
     lease_ttl_seconds: int = DEFAULT_LEASE_TTL_SECONDS
+    jetstream_replicas: int = 1  # the stream's replica count (--jetstream-replicas)
 
     def describe(self) -> str:
         return (

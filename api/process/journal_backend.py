@@ -21,15 +21,17 @@ if TYPE_CHECKING:  # imported when opened: it loads the NATS client (~40 ms at e
 
 JOURNAL_BACKENDS: Final = ("file", "jetstream")
 STREAM_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_JETSTREAM_REPLICAS: Final = 5  # JetStream's own bound on a stream's replicas
 
 
 @attrs.frozen
 class JetStreamJournalOptions:
     servers: tuple[str, ...]  # NATS URLs (--nats-server, NATS_SERVER)
     stream: str  # the JetStream stream (--jetstream-stream)
+    replicas: int = 1  # the stream's replica count (--jetstream-replicas)
 
     def describe(self) -> str:
-        return f"JetStream stream {self.stream} on {','.join(self.servers)}"
+        return f"JetStream stream {self.stream} (R={self.replicas}) on {','.join(self.servers)}"
 
 
 def default_stream(service: str) -> str:
@@ -52,4 +54,6 @@ def open_journal(
         return FileJournal.open(data_dir, durability, fresh=fresh)
     from kvrouter.journal.jetstream import JetStreamJournal  # here, not at the top: see TYPE_CHECKING above
 
-    return JetStreamJournal.open(jetstream.servers, jetstream.stream, durability, fresh=fresh)
+    return JetStreamJournal.open(
+        jetstream.servers, jetstream.stream, durability, fresh=fresh, replicas=jetstream.replicas
+    )

@@ -223,6 +223,24 @@ def test_the_jetstream_journal_takes_its_stream_and_the_nats_servers() -> None:
     assert launch().options.jetstream_journal is None  # the file journal stays the default
 
 
+def test_the_stream_replicas_reach_the_journal_and_the_cluster_and_a_bad_count_is_refused() -> None:
+    options = launch("--journal", "jetstream", "--nats-server", "n1:4222", "--jetstream-replicas", "3")
+    assert options.options.jetstream_journal is not None
+    assert options.options.jetstream_journal.replicas == 3
+    assert launch("--journal", "jetstream", "--nats-server", "n1:4222").options.jetstream_journal.replicas == 1
+    cluster = launch(
+        "--cluster", "c1", "--etcd-endpoints", "e:2379", "--nats-server", "n1:4222", "--advertise-url",
+        "http://127.0.0.1:8091", "--jetstream-replicas", "3", service="slot-tracker",
+    )  # fmt: skip
+    assert cluster.options.cluster is not None and cluster.options.cluster.jetstream_replicas == 3
+    assert problems("--journal", "jetstream", "--jetstream-replicas", "0") == (
+        "--jetstream-replicas='0' must be between 1 and 5",
+    )
+    assert launch("--jetstream-replicas", "3").warnings == (
+        "--jetstream-replicas has no effect without --journal jetstream or --cluster",
+    )
+
+
 def test_a_bad_stream_name_is_refused_and_a_stray_stream_flag_warned() -> None:
     assert problems("--journal", "jetstream", "--jetstream-stream", "a.b") == (
         "--jetstream-stream='a.b' must be 1-64 letters, digits, '_' or '-'",

@@ -4,16 +4,20 @@ Skips when nats-server is not installed."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
+import nats
 import pytest
 import trio
 from contract import TIMEOUT, JournalContract
 
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.store import Durability, Journal, JournalFenced, JournalUnreachable, Snapshot
+from kvrouter.simulations.process_faults.servers import nats_cluster
 from tests.support.fleet_servers import NatsServer, nats_process, require_nats
 from tests.support.processes import free_port
 
@@ -170,3 +174,38 @@ async def test_logs_of_one_stream_have_their_own_records_fences_and_snapshots(na
         await again_b.aclose()
     with pytest.raises(ValueError, match="subject token"):
         JetStreamJournal.open((nats_url,), "LOGS", log="not.a.token")
+
+
+async def test_a_stream_with_another_replica_count_is_refused_in_one_line(nats_url: str) -> None:
+    first = await trio.to_thread.run_sync(open_journal, nats_url, "REPLICAS")  # created R=1
+    await first.aclose()
+    opened = partial(JetStreamJournal.open, (nats_url,), "REPLICAS", replicas=3)
+    with pytest.raises(JournalUnreachable, match="exists with 1 replica\\(s\\), not the 3 of --jetstream-replicas"):
+        await trio.to_thread.run_sync(opened)
+    again = await trio.to_thread.run_sync(partial(JetStreamJournal.open, (nats_url,), "REPLICAS", replicas=1))
+    await again.aclose()
+
+
+async def test_a_stream_on_three_routed_servers_is_created_with_three_replicas(tmp_path: Path) -> None:
+    with nats_cluster(require_nats(), tmp_path, 3) as nodes:
+        servers = tuple(node.url for node in nodes)
+        journal = await trio.to_thread.run_sync(partial(JetStreamJournal.open, servers, "THREE", replicas=3))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            with trio.fail_after(TIMEOUT):
+                await journal.wait_durable(journal.append(b"replicated"))
+            await journal.aclose()
+        stream, bucket = await trio.to_thread.run_sync(asyncio.run, replica_counts(servers[0], "THREE"))
+        assert (stream, bucket) == (3, 3)  # the snapshots as replicated as the records
+
+
+async def replica_counts(url: str, stream: str) -> tuple[int, int]:
+    """The stream's replica count and its snapshot bucket's (asyncio: nats-py)."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        records = await js.stream_info(stream)
+        snapshots = await js.stream_info(f"OBJ_{stream}_snapshots")
+        return records.config.num_replicas or 1, snapshots.config.num_replicas or 1
+    finally:
+        await nc.close()

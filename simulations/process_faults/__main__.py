@@ -1,0 +1,52 @@
+"""``python -m kvrouter.simulations.process_faults --minutes N``: one long run on real processes; prints the figures
+(operations ok/fail/info, faults injected, violations) and exits 1 if the checker found any."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+from kvrouter.simulations.process_faults.run import Result, RunOptions, run_faults, servers_missing
+
+
+def report(result: Result, minutes: float) -> None:
+    ops = result.operations
+    faults = ", ".join(f"{kind} {count}" for kind, count in sorted(result.faults.items()))
+    agreed = f"{result.agreed_after:.1f} s" if result.agreed_after is not None else "never"
+    print(f"faults for {minutes:g} min; operations: ok {ops['ok']}, fail {ops['fail']}, info {ops['info']}")
+    print(f"faults injected: {faults}; replicas agreed {agreed} after the last fault")
+    print(f"violations: {len(result.violations)}")
+    for violation in result.violations[:20]:
+        print(f"  {violation}")
+    if result.violations:
+        print(f"history: {result.history} (the processes' logs beside it)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvrouter.simulations.process_faults", description=__doc__)
+    parser.add_argument("--minutes", type=float, default=1.0, help="how long the nemesis and clients run")
+    parser.add_argument("--seed", type=int, default=1, help="seeds the clients' and the nemesis' choices")
+    parser.add_argument("--work-dir", type=Path, help="where the processes keep their data, logs and the history")
+    args = parser.parse_args()
+    missing = servers_missing()
+    if missing is not None:
+        sys.exit(f"cannot run: {missing}")
+    if not 0 < args.minutes <= 24 * 60:
+        sys.exit(f"--minutes={args.minutes:g} must be more than 0 and at most 1440")
+    options = RunOptions(seed=args.seed, fault_seconds=args.minutes * 60)
+    directory = args.work_dir or Path(tempfile.mkdtemp(prefix="kvrouter-faults-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    result = trio.run(run_faults, directory, options)
+    report(result, args.minutes)
+    if args.work_dir is None and not result.violations:
+        shutil.rmtree(directory)  # kept, with its history and logs, when the checker found something
+    sys.exit(1 if result.violations else 0)
+
+
+if __name__ == "__main__":
+    main()

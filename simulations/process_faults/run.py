@@ -1,0 +1,124 @@
+"""One run on real processes: etcd, a 3-node NATS cluster (the stream R=3) and 3 slot-tracker replicas with
+``--cluster``, all on free 127.0.0.1 ports; clients and the nemesis for ``fault_seconds``; then healing, the
+replicas' agreement, the truth read from JetStream, and the ownership simulation's checker over the history.
+
+Every process is started and stopped here by its PID. Partitions are by SIGSTOP only: every process is on the
+loopback interface (no network namespaces), so links are never cut."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from kvrouter.simulations.ownership.checker import check
+from kvrouter.simulations.ownership.history import History
+from kvrouter.simulations.process_faults.clients import Client, Clock
+from kvrouter.simulations.process_faults.nemesis import Nemesis, nats_target, replica_target, wait_all_healthy
+from kvrouter.simulations.process_faults.replicas import Replica, cluster_argv
+from kvrouter.simulations.process_faults.servers import NatsNode, binary, etcd_server, nats_cluster
+from kvrouter.simulations.process_faults.truth import agreed_loads, answer_rows, digest, scope_truth, truth_rows
+
+CLUSTER = "FAULTS"
+AGREE_SECONDS = 10.0  # every replica answers /loads alike within this long of the last fault's end
+
+
+@attrs.frozen
+class RunOptions:
+    seed: int = 1
+    fault_seconds: float = 20.0
+    clients: int = 4
+    scopes: int = 3
+    ttl_seconds: int = 2
+
+
+@attrs.frozen
+class Result:
+    operations: dict[str, int]  # ok, fail, info: attempts' outcomes
+    faults: dict[str, int]
+    agreed_after: float | None  # seconds from the last fault's end until every replica answered /loads alike
+    violations: list[str]
+    history: Path
+
+
+def servers_missing() -> str | None:
+    """Why a run cannot start here, or None."""
+    for name, fallback in (("etcd", "/usr/bin/etcd"), ("nats-server", "/usr/sbin/nats-server")):
+        if binary(name, fallback) is None:
+            return f"{name} is not installed"
+    return None
+
+
+async def run_faults(directory: Path, options: RunOptions) -> Result:
+    nats = binary("nats-server", "/usr/sbin/nats-server")
+    etcd = binary("etcd", "/usr/bin/etcd")
+    assert nats is not None and etcd is not None, servers_missing()
+    with contextlib.ExitStack() as stack:
+        etcd_url = stack.enter_context(etcd_server(etcd, directory / "etcd"))
+        nodes = stack.enter_context(nats_cluster(nats, directory / "nats", 3))
+        argv = cluster_argv(CLUSTER, etcd_url, [n.url for n in nodes], 3, options.ttl_seconds)
+        replicas = [Replica(directory, name, argv) for name in ("a", "b", "c")]
+        for replica in replicas:
+            stack.callback(replica.stop)
+        return await _exercise(directory, options, nats, nodes, replicas)
+    raise AssertionError("unreachable")
+
+
+async def _exercise(
+    directory: Path, options: RunOptions, nats: str, nodes: list[NatsNode], replicas: list[Replica]
+) -> Result:
+    history, clock = History(), Clock()
+    urls = [r.url for r in replicas]
+    scopes = [f"model-{i}" for i in range(options.scopes)]
+    targets = [replica_target(r) for r in replicas] + [nats_target(n, nats) for n in nodes]
+    nemesis = Nemesis(history, clock, options.seed, targets)
+    async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=64)) as http:
+        for replica in replicas:
+            replica.launch()
+        await wait_all_healthy(http, replicas)
+        until = trio.current_time() + options.fault_seconds
+        clients = [Client(f"c{i}", history, clock, options.seed, urls, scopes) for i in range(options.clients)]
+        async with trio.open_nursery() as supervision:
+            for replica in replicas:
+                supervision.start_soon(replica.supervise)
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(client.run, http, until)
+                nursery.start_soon(nemesis.run, until)
+            await wait_all_healthy(http, replicas)
+            supervision.cancel_scope.cancel()
+        healed_at = max(nemesis.last_fault_ended, until)
+        agreed = await agreed_loads(http, urls, max(0.0, healed_at + AGREE_SECONDS - trio.current_time()))
+        agreed_after = trio.current_time() - healed_at if agreed is not None else None
+        violations = (
+            [] if agreed is not None else [f"the replicas did not answer /loads alike within {AGREE_SECONDS:g} s"]
+        )
+        violations += await _check(history, tuple(n.url for n in nodes), scopes, urls, agreed)
+    path = directory / "history.jsonl"
+    path.write_bytes(history.to_bytes())
+    kinds = Counter(r["type"] for r in history.records if r["process"].startswith("c"))
+    operations = {kind: kinds[kind] for kind in ("ok", "fail", "info")}
+    faults = dict(nemesis.counts) | {"replica relaunched after exiting": sum(r.relaunches for r in replicas)}
+    return Result(operations, faults, agreed_after, violations, path)
+
+
+async def _check(
+    history: History, servers: tuple[str, ...], scopes: list[str], urls: list[str], agreed: list[Any] | None
+) -> list[str]:
+    truth = {model: await scope_truth(servers, CLUSTER, model) for model in scopes}
+    truth_digests = {m: digest(truth_rows(s)) for m, s in truth.items() if not isinstance(s, str)}
+    answers = {
+        url: {model: digest(answer_rows(rows, model)) for model in scopes}
+        for url, rows in zip(urls, agreed or [], strict=False)
+    }
+    violations = check(history.records, dict(truth), answers, truth_digests, [])
+    history.add(  # the verdict, with what it compared: each scope's rows as folded and as each replica answered
+        {"process": "checker", "type": "info", "t": 0, "truth": truth_digests, "answers": answers,
+         "violations": violations}
+    )  # fmt: skip
+    return violations
