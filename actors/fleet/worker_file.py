@@ -29,7 +29,7 @@ def read_worker_file(path: Path, parse: FileParser) -> list[WorkerRecord]:
         try:
             document = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
-            raise ValueError(f"{path} is not YAML: {exc}") from None
+            raise ValueError(f"{path} is not YAML: {_one_line(exc)}") from None
     else:
         try:
             document = orjson.loads(raw)
@@ -46,3 +46,11 @@ def read_worker_file(path: Path, parse: FileParser) -> list[WorkerRecord]:
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: a worker_id is listed twice")
     return records
+
+
+def _one_line(exc: Exception) -> str:
+    """PyYAML's error on one line: its problem and where (``line L, column C``), not the quoted source it draws."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"

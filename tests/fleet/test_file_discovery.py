@@ -17,6 +17,7 @@ import trio
 
 from kvrouter.actors.core.router_config import RouterConfig
 from kvrouter.actors.fleet.options import FleetOptions
+from kvrouter.actors.fleet.worker_file import read_worker_file
 from kvrouter.actors.kv_ingest import IN_PROCESS_KV_EVENTS
 from kvrouter.actors.select_service import SelectService
 from kvrouter.api.cli.main import build_parser, main
@@ -193,3 +194,14 @@ def test_the_frontend_takes_the_same_flags(caplog: pytest.LogCaptureFixture) -> 
     assert frontend_main(["--discovery-backend", "k8s"]) == 2
     (record,) = caplog.records
     assert "Kubernetes discovery is not supported yet" in record.getMessage()
+
+
+def test_a_file_that_is_not_yaml_is_refused_in_one_line_naming_where(tmp_path: Path) -> None:
+    # PyYAML's own message quotes the source over several lines; the operator gets one, with the line and column.
+    path = tmp_path / "fleet.yaml"
+    write(path, "workers:\n  - id: 1\n   bad: [\n")
+    with pytest.raises(ValueError) as refused:
+        read_worker_file(path, lambda bodies: [])
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path} is not YAML: ") and "at line 3, column 4" in message
