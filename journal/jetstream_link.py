@@ -93,6 +93,23 @@ async def _ignore_error(exc: Exception) -> None:
     log.debug("nats (journal): %s", exc)
 
 
+async def open_nats(servers: tuple[str, ...], name: str) -> Any:
+    """A NATS connection, waited for at most ``CONNECT_TIMEOUT_SECONDS`` per server (TimeoutError past it); once
+    open it reconnects for ever, quietly (the journal and the cluster's subject check say what failed)."""
+    return await asyncio.wait_for(
+        nats.connect(
+            list(servers),
+            name=name,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=CONNECT_TIMEOUT_SECONDS,
+            error_cb=_ignore_error,
+        ),
+        CONNECT_TIMEOUT_SECONDS * len(servers) + 1,
+    )
+
+
 class JetStreamLink:
     """One connection and what the journal asks of it. Asyncio side only."""
 
@@ -113,18 +130,7 @@ class JetStreamLink:
         """Connect (bounded) or raise ``JournalUnreachable`` naming the servers."""
         where = ",".join(servers)
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    list(servers),
-                    name="kvrouter-journal",
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                    error_cb=_ignore_error,
-                ),
-                CONNECT_TIMEOUT_SECONDS * len(servers) + 1,
-            )
+            nc = await open_nats(servers, "kvrouter-journal")
         except TimeoutError:
             raise JournalUnreachable(
                 f"cannot reach NATS at {where} for the JetStream journal (no connection within "

@@ -29,16 +29,12 @@ import nats.errors
 import nats.js.errors
 
 from kvrouter.journal.asyncio_thread import AsyncioThread
+from kvrouter.journal.jetstream_link import open_nats
 
 log = logging.getLogger("kvrouter.cluster")
 
 CHECK_INTERVAL_SECONDS: Final = 0.5
 REQUEST_TIMEOUT_SECONDS: Final = 2.0
-CONNECT_TIMEOUT_SECONDS: Final = 2.0
-
-
-async def _ignore_error(exc: Exception) -> None:
-    log.debug("nats (subject check): %s", exc)
 
 
 class _Link:
@@ -51,18 +47,7 @@ class _Link:
 
     @classmethod
     async def connect(cls, servers: tuple[str, ...], stream: str) -> _Link:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                list(servers),
-                name="kvrouter-subject-check",
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                error_cb=_ignore_error,
-            ),
-            CONNECT_TIMEOUT_SECONDS * len(servers) + 1,
-        )
+        nc = await open_nats(servers, "kvrouter-subject-check")
         return cls(nc, stream)
 
     async def passed(self, held: dict[str, int]) -> dict[str, int]:
