@@ -187,6 +187,8 @@ class EtcdDiscovery:
             try:
                 if revision == 0:
                     revision = await self._list()
+                elif self.status.state != "synced":
+                    await self._client.revision()  # a round trip before etcd is said to be back (and the delay reset)
                 if not started:
                     started = True
                     task_status.started(self)

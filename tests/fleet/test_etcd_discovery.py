@@ -153,6 +153,42 @@ async def test_the_watch_resumes_after_an_etcd_restart_without_losing_a_change(
     handle.stop()
 
 
+async def test_an_outage_is_one_outage_until_etcd_answers_again(
+    etcd: EtcdServer, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Retrying the watch must not count as etcd being back: the state stays unreachable, one outage is counted and
+    # the retries slow down (0.5, 1, 2, 4 s...), until a request to etcd has succeeded.
+    await write_worker(etcd, WORKER_A, PUBLISHER_A)
+    handle = await start_selector(nursery, tmp_path / "data", etcd)
+    async with httpx.AsyncClient(base_url=handle.urls[0], timeout=10) as http:
+        await etcd.stop()
+
+        async def says_unreachable() -> bool:
+            return (await http.get("/ready")).json()["discovery"]["state"] == "unreachable"
+
+        await eventually(says_unreachable)
+        states = set()
+        for _ in range(20):  # 4 s of the outage
+            states.add((await http.get("/ready")).json()["discovery"]["state"])
+            await trio.sleep(0.2)
+        assert states == {"unreachable"}
+        assert 'kvrouter_discovery_outages_total{backend="etcd"} 1.0' in (await http.get("/metrics")).text
+        await etcd.start()
+
+        async def says_synced() -> bool:
+            return (await http.get("/ready")).json()["discovery"]["state"] == "synced"
+
+        await eventually(says_synced)
+        assert 'kvrouter_discovery_outages_total{backend="etcd"} 1.0' in (await http.get("/metrics")).text
+        await write_worker(etcd, WORKER_B, PUBLISHER_B)
+
+        async def both() -> bool:
+            return await worker_ids(http) == {WORKER_A, WORKER_B}
+
+        await eventually(both)
+    handle.stop()
+
+
 async def test_a_restarted_service_reconciles_its_journaled_catalog(etcd: EtcdServer, tmp_path: Path) -> None:
     await write_worker(etcd, WORKER_A, PUBLISHER_A)
     async with trio.open_nursery() as nursery:  # the first run ends (journal closed) with this block
