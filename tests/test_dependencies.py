@@ -166,3 +166,16 @@ def test_a_pin_outside_the_declared_range_is_reported() -> None:
     assert not Requirement("trio>=0.35.0,<0.36").specifier.contains(pins["trio"])
     with pytest.raises(AssertionError, match="not an exact pin"):
         constraint_pins("trio>=0.35\n")
+
+
+def test_every_source_package_is_installed() -> None:
+    """A non-editable install (CI's) ships only the packages pyproject.toml lists: a new sub-package left out
+    imports in the checkout and is missing once installed."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = sorted({name.split(".")[1] for name in listed if name.startswith("kvrouter.")})
+    found = {
+        ".".join(("kvrouter", *init.parent.relative_to(ROOT).parts))
+        for folder in folders
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found - listed == set()
