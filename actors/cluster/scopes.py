@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 import attrs
 import nats.errors
@@ -48,6 +48,7 @@ from kvrouter.actors.fleet.etcd import EtcdUnavailable
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import running_actors
 from kvrouter.actors.slot_service import SlotService
+from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.jetstream_link import subject_of
 from kvrouter.journal.store import Durability, JournalUnreachable
@@ -63,6 +64,16 @@ MAX_OWNED_SCOPES: Final = 256
 DRAIN_SECONDS: Final = 5.0
 
 
+# The service object one scope's owner runs over the scope's actor system (a ``SlotService``, a ``SelectService``):
+# built once the scope is recovered, with the nursery its tasks may run in (cancelled when the scope stops).
+S = TypeVar("S")
+ServiceBuilder = Callable[[ActorSystem, trio.Nursery], Awaitable[S]]
+
+
+async def slot_service_of(system: ActorSystem, nursery: trio.Nursery) -> SlotService:
+    return SlotService(system)
+
+
 @attrs.frozen
 class ScopeJournals:
     """Where the scopes' journals live: the cluster's stream on these NATS servers."""
@@ -72,14 +83,14 @@ class ScopeJournals:
     durability: Durability = Durability.ALWAYS
 
 
-class OwnedScope:
+class OwnedScope(Generic[S]):
     """One scope this replica claimed (or is claiming): its service once recovered."""
 
     def __init__(self, scope: ScopeKey, lease_id: int) -> None:
         self.scope = scope
         self.token = scope_token(scope)
         self.lease_id = lease_id
-        self.service: SlotService | None = None
+        self.service: S | None = None
         self.journal: JetStreamJournal | None = None  # while serving
         self.settled = trio.Event()  # claimed and recovered, or given up
         self.cancel = trio.CancelScope()
@@ -109,19 +120,21 @@ class OwnedScope:
             self.drained.set()
 
 
-class OwnedScopes:
+class OwnedScopes(Generic[S]):
     def __init__(
         self,
         membership: Membership,
         journals: ScopeJournals,
         system_options: dict[str, Any],
-        on_service: Callable[[SlotService], None] = lambda service: None,
+        build_service: ServiceBuilder[S],
+        on_service: Callable[[S], None] = lambda service: None,
     ) -> None:
         self.membership = membership
         self.journals = journals
         self.system_options = system_options
+        self.build_service = build_service  # what runs over a recovered scope's actor system (the service kind's)
         self.on_service = on_service  # told of each scope's service as it starts (the load feed hooks in)
-        self._owned: dict[str, OwnedScope] = {}
+        self._owned: dict[str, OwnedScope[S]] = {}
         self._nursery: trio.Nursery | None = None
         self.recoveries = 0
         self.drops = 0
@@ -140,7 +153,7 @@ class OwnedScopes:
 
     # -- what the routes ask ---------------------------------------------------------------------------
 
-    def serving(self, scope: ScopeKey) -> SlotService | None:
+    def serving(self, scope: ScopeKey) -> S | None:
         """The scope's service if this replica may serve it now: claimed under the lease it still holds,
         recovered, and not dropped."""
         owned = self._owned.get(scope_token(scope))
@@ -159,18 +172,18 @@ class OwnedScopes:
             del self.failures[next(iter(self.failures))]
         self.failures[token] = reason
 
-    def held(self, scope: ScopeKey) -> OwnedScope | None:
+    def held(self, scope: ScopeKey) -> OwnedScope[S] | None:
         return self._owned.get(scope_token(scope))
 
-    def services(self) -> list[SlotService]:
+    def services(self) -> list[S]:
         """The services of every scope served now (reads of many scopes), in scope order."""
         found = [self.serving(owned.scope) for owned in sorted(self._owned.values(), key=lambda o: o.scope)]
         return [service for service in found if service is not None]
 
-    def owned(self) -> list[OwnedScope]:
+    def owned(self) -> list[OwnedScope[S]]:
         return sorted(self._owned.values(), key=lambda owned: owned.scope)
 
-    async def ensure(self, scope: ScopeKey) -> SlotService | None:
+    async def ensure(self, scope: ScopeKey) -> S | None:
         """Claim and recover ``scope`` unless that is done or under way; its service once it serves, None if
         another replica holds it, the claim or recovery failed, or it took past ``RECOVERY_WAIT_SECONDS``."""
         owned = self.start(scope)
@@ -189,7 +202,7 @@ class OwnedScopes:
     def full(self) -> bool:
         return len(self._owned) >= MAX_OWNED_SCOPES
 
-    def start(self, scope: ScopeKey) -> OwnedScope | None:
+    def start(self, scope: ScopeKey) -> OwnedScope[S] | None:
         """Begin claiming ``scope`` in the background (no-op if under way); None without a live lease, or when
         this replica owns ``MAX_OWNED_SCOPES`` already."""
         membership = self.membership
@@ -203,7 +216,7 @@ class OwnedScopes:
             return None
         if owned is not None:
             owned.cancel.cancel()  # claimed under a lease that ended: its task drops it
-        owned = self._owned[token] = OwnedScope(scope, membership.lease_id)
+        owned = self._owned[token] = OwnedScope[S](scope, membership.lease_id)
         assert self._nursery is not None, "OwnedScopes.run has not started"
         self._nursery.start_soon(self._own, owned)
         return owned
@@ -285,7 +298,7 @@ class OwnedScopes:
 
     # -- owning one scope ----------------------------------------------------------------------------
 
-    async def _own(self, owned: OwnedScope) -> None:
+    async def _own(self, owned: OwnedScope[S]) -> None:
         try:
             with owned.cancel:
                 if await self._claim(owned):
@@ -302,7 +315,7 @@ class OwnedScopes:
                 del self._owned[owned.token]
             self.drops += served and not owned.handing_over
 
-    async def _serve_until_released(self, owned: OwnedScope) -> None:
+    async def _serve_until_released(self, owned: OwnedScope[S]) -> None:
         """Serve the scope; recover it again each time its subject moved past it (the overtaken rule); return
         when its journal failed (dropped: the next command recovers it) or once it was handed over."""
         while True:
@@ -315,7 +328,7 @@ class OwnedScopes:
             owned.overtaken = False
             self.overtaken += 1
 
-    async def _release(self, owned: OwnedScope) -> None:
+    async def _release(self, owned: OwnedScope[S]) -> None:
         """The hand-over's end: the scope's journal is closed, every command it took answered; delete the claim
         (only if it is still this one) so the member placement prefers claims it."""
         membership = self.membership
@@ -327,10 +340,10 @@ class OwnedScopes:
             self.handed_over += 1
             log.info("cluster: scope %s handed over (claim released)", owned.scope.describe())
 
-    def _claim_value(self, owned: OwnedScope) -> bytes:
+    def _claim_value(self, owned: OwnedScope[S]) -> bytes:
         return orjson.dumps({"member": self.membership.me, "lease": str(owned.lease_id)})
 
-    async def _claim(self, owned: OwnedScope) -> bool:
+    async def _claim(self, owned: OwnedScope[S]) -> bool:
         membership = self.membership
         created, held, _ = await membership.etcd.create_if_absent(
             membership.key("owners", owned.token), self._claim_value(owned), owned.lease_id
@@ -344,7 +357,7 @@ class OwnedScopes:
             await membership.etcd.put(membership.key("scopes", owned.token), orjson.dumps(known))
         return True
 
-    async def _serve(self, owned: OwnedScope) -> None:
+    async def _serve(self, owned: OwnedScope[S]) -> None:
         journals = self.journals
         opened = partial(JetStreamJournal.open, journals.servers, journals.stream, journals.durability, log=owned.token)
         journal = await trio.to_thread.run_sync(opened, abandon_on_cancel=False)
@@ -355,7 +368,7 @@ class OwnedScopes:
                 await journal.aclose()
             raise
         async with running_actors(journal, recovered.states, **self.system_options) as runtime:
-            service = SlotService(runtime.system)
+            service = await self.build_service(runtime.system, runtime.nursery)
             self.on_service(service)
             owned.journal, owned.stop, owned.service = journal, runtime.stopping, service
             owned.recovered_at = trio.current_time()
@@ -376,7 +389,7 @@ class OwnedScopes:
             runtime.nursery.cancel_scope.cancel()
 
 
-def _idle_position(owned: OwnedScope) -> tuple[int, int] | None:
+def _idle_position(owned: OwnedScope[S]) -> tuple[int, int] | None:
     """The subject sequence the served scope's journal holds and how many messages it published, when it has no
     append in flight (every record appended is acknowledged); None otherwise, or when it is not served."""
     journal = owned.journal

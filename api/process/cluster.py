@@ -1,10 +1,12 @@
-"""Composition root of a cluster replica (``kvrouter slot-tracker --cluster NAME``).
+"""Composition root of a cluster replica (``kvrouter slot-tracker --cluster NAME``, ``kvrouter select-service
+--cluster NAME``): one code path for both, parametrized by the service kind (``ClusterKind``: what runs over each
+owned scope, the replica's service object over them, and its routes).
 
 Start-up, in order: lock the data directory (one process per directory, as a single node), check that the
 cluster's JetStream stream is reachable (``JournalUnreachable``: exit 2), join the cluster in etcd (a lease, the
 member key, the first list of the cluster's keys; ``ClusterUnreachable``: exit 2), then serve: the membership
 (lease renewals, the watch), the placement loop, the scopes this replica owns (each an actor system over its own
-journal), and the slot tracker's routes through ``api/routes/cluster.py``.
+journal), and the kind's routes through ``api/routes/cluster.py``.
 
 Shutdown (SIGINT/SIGTERM): HTTP stops accepting and drains, the scopes stop (each journal publishes what it
 holds and closes), then the lease is revoked so the other replicas claim this one's scopes at once instead of
@@ -15,16 +17,21 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
+from typing import Any
 
+import attrs
 import httpx
 import trio
 
 from kvrouter.actors.cluster.forwarder import Forwarder
+from kvrouter.actors.cluster.kind_check import check_kind
 from kvrouter.actors.cluster.membership import Membership
-from kvrouter.actors.cluster.scopes import OwnedScopes, ScopeJournals
-from kvrouter.actors.cluster.service import ClusterSlotService
+from kvrouter.actors.cluster.scopes import OwnedScopes, ScopeJournals, ServiceBuilder, slot_service_of
+from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
 from kvrouter.actors.fleet.etcd import EtcdClient
 from kvrouter.actors.peers.peer_service import PeerService
+from kvrouter.api.http import Route
 from kvrouter.api.http.app import make_app
 from kvrouter.api.http.server import hypercorn_config, serve_http
 from kvrouter.api.process import data_dir
@@ -43,10 +50,28 @@ log = logging.getLogger("kvrouter")
 FORWARD_MARGIN_SECONDS = 2.0  # past the owner's reply deadline, a forwarded command's answer is given up on
 
 
+@attrs.frozen
+class ClusterKind:
+    """What differs between the service kinds of a cluster replica."""
+
+    name: str  # "slot-tracker", "select-service": the member key says it, and a replica of another kind is refused
+    build_scope: ServiceBuilder[Any]  # the service over one owned scope's actor system
+    service: Callable[[Membership, OwnedScopes[Any], Forwarder], ClusterService[Any]]
+    routes: Callable[[ServiceOptions, Any], list[Route]]  # the replica's routes, clustered, over ``service``
+
+
+def slot_tracker_routes(options: ServiceOptions, service: ClusterSlotService) -> list[Route]:
+    return clustered(slot_tracker_routes_of(ServiceObjects(service, PeerService(None)), options.streams), service)
+
+
+SLOT_TRACKER_KIND = ClusterKind("slot-tracker", slot_service_of, ClusterSlotService, slot_tracker_routes)
+
+
 async def run_cluster_replica(
     name: str,
     options: ServiceOptions,
     stopping: trio.Event,
+    kind: ClusterKind = SLOT_TRACKER_KIND,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -62,18 +87,20 @@ async def run_cluster_replica(
         async with httpx.AsyncClient(trust_env=False) as etcd_http:
             etcd = EtcdClient(list(cluster.etcd_endpoints), etcd_http)
             membership = Membership(etcd, cluster.name, cluster.advertise_url, cluster.lease_ttl_seconds)
+            await check_kind(etcd, cluster.name, membership.prefix, kind.name)  # before it is a member
             await membership.join()
             authorization = options.auth.authorization() if options.auth is not None else None
             forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS, authorization)
             journals = ScopeJournals(cluster.nats_servers, cluster.name, options.durability)
-            owned = OwnedScopes(membership, journals, actor_system_options(options))
-            service = ClusterSlotService(membership, owned, forwarder)
+            owned = OwnedScopes[Any](membership, journals, actor_system_options(options), kind.build_scope)
+            service = kind.service(membership, owned, forwarder)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(owned.run)
                     nursery.start_soon(membership.run, owned.drop_all)
                     nursery.start_soon(service.keep_placed)
-                    urls = await nursery.start(serve_replica, options, service, stopping, nursery.cancel_scope)
+                    routes = kind.routes(options, service)
+                    urls = await nursery.start(serve_replica, options, routes, stopping, nursery.cancel_scope)
                     log.info("kvrouter %s listening on %s, %s", name, " ".join(urls), cluster.describe())
                     task_status.started(urls)
             finally:
@@ -84,14 +111,13 @@ async def run_cluster_replica(
 
 async def serve_replica(
     options: ServiceOptions,
-    service: ClusterSlotService,
+    routes: list[Route],
     stopping: trio.Event,
     replica: trio.CancelScope,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The slot tracker's routes, clustered, until ``stopping``; then, HTTP drained, stop the ``replica``."""
-    routes = clustered(slot_tracker_routes_of(ServiceObjects(service, PeerService(None)), options.streams), service)
+    """The replica's routes until ``stopping``; then, HTTP drained, stop the ``replica``."""
     app = make_app(
         routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth,
         stopping=stopping,
@@ -107,11 +133,11 @@ async def serve_replica(
     replica.cancel()
 
 
-async def run_cluster_until_signal(name: str, options: ServiceOptions) -> None:
+async def run_cluster_until_signal(name: str, options: ServiceOptions, kind: ClusterKind = SLOT_TRACKER_KIND) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         stopping = trio.Event()
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_cluster_replica, name, options, stopping)
+            await nursery.start(run_cluster_replica, name, options, stopping, kind)
             async for signum in signals:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
                 stopping.set()
