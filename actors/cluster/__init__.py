@@ -11,3 +11,8 @@ of its own (one JetStream subject per scope); ``forwarder`` carries a command to
 class ClusterUnreachable(Exception):
     """etcd does not answer at startup: the replica cannot join (one line naming it, exit 2). Here, not in
     ``membership``, so the CLI's exit reasons name it without loading the etcd client."""
+
+
+class ClusterMismatch(Exception):
+    """The cluster NAME in etcd belongs to another service kind or journal format than this replica's: it is
+    refused at join (one line, exit 2)."""

@@ -147,7 +147,8 @@ def fleet_options(
         problems.append(f"--namespace={namespace!r} must be a non-empty name without '.', '/', '*', '>' or spaces")
     jetstream = _jetstream(args, problems, data_dir)
     if backend != "etcd":
-        nats_flag = None if getattr(args, "journal", None) == "jetstream" else args.nats_server  # the journal's
+        journal_nats = getattr(args, "journal", None) == "jetstream" or getattr(args, "cluster", None) is not None
+        nats_flag = None if journal_nats else args.nats_server  # the journal's, or the cluster's
         for given, flag in ((args.event_plane, "--event-plane"), (nats_flag, "--nats-server")):
             if given is not None:
                 warnings.append(
