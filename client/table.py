@@ -143,7 +143,7 @@ OPERATIONS: tuple[Operation, ...] = (
           responses={200: array_of(ref("PotentialLoad"))}, embedded="get_potential_loads", frontend=True),
     _both("cluster", "GET", "/cluster",
           "This replica's cluster: its lease, the live members and each scope's owner (null outside a cluster)",
-          responses={200: ref("ClusterView")}),
+          responses={200: ref("ClusterView")}, frontend=True),
     _both("health", "GET", "/health", "Liveness (answers without the bearer token)", responses={200: None},
           public=True, frontend=True),
     # -- the selection service
