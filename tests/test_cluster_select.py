@@ -2,7 +2,8 @@
 free loopback ports, stopped by PID: a worker registered through one replica, its KV events (ZMQ) taken by the
 scope's owner alone, a selection through another replica shows the overlap; the owner killed with kill -9, a
 survivor serves the scope with its KV index restored from the scope's subject, the same overlap, the reservations
-booked before the kill, and the worker's events still followed. A replica of another service kind than the
+booked before the kill, and the worker's events still followed; events published while no replica owns the scope
+are replayed by the worker to the next owner. ``POST /batch`` sends each command where it is served. A replica of another service kind than the
 cluster's, and flags a selection-service replica cannot run with, are refused in one line (exit 2)."""
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ async def test_the_kv_index_of_a_scope_survives_its_owner_killed_with_kill_9(
         assert (await through_c.post("/select_and_reserve", json={**query, "reservation_id": "gone"})).status_code == 200
         assert (await through_a.delete("/reservations/gone")).status_code == 200  # found on B, through A
         assert (await through_a.delete("/reservations/gone")).status_code == 404
+        commands = [{"method": "POST", "path": "/select_and_reserve", "body": {**query, "reservation_id": "batched"}},
+                    {"method": "DELETE", "path": "/reservations/batched"}]  # fmt: skip
+        answers = (await through_a.post("/batch", json=commands)).json()  # each command sent where it is served
+        assert [answer["status"] for answer in answers] == [200, 200], answers
         workers = (await through_c.get("/workers")).json()
         assert [(w["worker_id"], w["model_name"]) for w in workers] == [(3, model)]
         assert (await through_a.get("/ready")).json()["schedulable_workers"] == 1
@@ -102,8 +107,16 @@ async def test_the_kv_index_of_a_scope_survives_its_owner_killed_with_kill_9(
         # The new owner follows the worker's events (its listener resumed after the journaled watermark).
         publisher.publish(encode_batch([["BlockStored", [5, 6, 7, 8], 4, TOKENS[16:32], 4, None, None]]))
         await device_blocks(through_c, model, 8)
-        async with client(a if row["owner"] == a.url else c) as owner:
-            assert [w["worker_id"] for w in (await owner.get("/workers")).json()] == [3]
+        await trio.sleep(1)
+
+        # Events published while no replica owns the scope: the next owner asks the worker to replay them.
+        owner, last = (a, c) if row["owner"] == a.url else (c, a)
+        await owner.kill9()
+        publisher.publish(encode_batch([["BlockStored", [9, 10, 11, 12], 8, TOKENS[32:48], 4, None, None]]))
+        async with client(last) as through_last:
+            await device_blocks(through_last, model, 12)
+            assert [w["worker_id"] for w in (await through_last.get("/workers")).json()] == [3]
+            assert (await scope_row(through_last, model, lambda row: row["owner"] == last.url))["served_here"]
 
 
 def run_select_replica(arguments: list[str]) -> subprocess.CompletedProcess[str]:
