@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from kvrouter.actors.core.kv_wire import encode_batch
-from tests.support.kv_publisher import open_kv_publisher
+from tests.support.kv_publisher import KvPublisher, open_kv_publisher
 from tests.support.processes import free_port
 from tests.test_cluster_failover import AUTH, CLUSTER, Replica, model_owned_by, scope_row, servers, wait_for_members
 
@@ -53,6 +53,12 @@ def client(replica: Replica) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=replica.url, timeout=15, trust_env=False, headers=AUTH)
 
 
+def worker_record(worker_id: int, model: str, publisher: KvPublisher) -> dict[str, object]:
+    """A worker of ``model`` (blocks of 4 tokens) whose KV events ``publisher`` publishes."""
+    return {"worker_id": worker_id, "model_name": model, "endpoint": f"http://w{worker_id}", "block_size": 4,
+            "kv_events_endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}  # fmt: skip
+
+
 async def device_blocks(http: httpx.AsyncClient, model: str, wanted: int) -> None:
     """``POST /overlap_scores`` until the worker's device blocks are ``wanted`` (503 while the scope moves)."""
     with trio.fail_after(20):
@@ -74,9 +80,7 @@ async def test_the_kv_index_of_a_scope_survives_its_owner_killed_with_kill_9(
     model = model_owned_by(b.url, [r.url for r in select_replicas])
     async with open_kv_publisher() as publisher, client(a) as through_a, client(c) as through_c:
         await wait_for_members(through_a, 3)
-        worker = {"worker_id": 3, "model_name": model, "endpoint": "http://w3", "block_size": 4,
-                  "kv_events_endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}  # fmt: skip
-        assert (await through_a.post("/workers", json=worker)).status_code == 201  # through A, applied on B
+        assert (await through_a.post("/workers", json=worker_record(3, model, publisher))).status_code == 201  # on B
         row = await scope_row(through_a, model)
         assert row["owner"] == b.url and not row["served_here"]
         publisher.publish(encode_batch([["BlockStored", [1, 2, 3, 4], None, TOKENS[:16], 4, None, None]]))
@@ -158,3 +162,36 @@ async def test_a_replica_of_another_service_kind_is_refused_at_join(tmp_path: Pa
     assert result.returncode == 2, lines
     assert len(lines) == 1 and f"cluster {CLUSTER} is a slot-tracker cluster" in lines[0], lines
     assert "this replica is a select-service" in lines[0], lines
+
+
+async def test_a_joining_replica_takes_its_scope_with_the_index_and_the_workers_events(
+    tmp_path: Path, servers: tuple[str, str]
+) -> None:
+    """Placement gives the scope to a replica that joins: the owner hands it over (its listeners stop with it), the
+    new owner recovers the index from the subject and follows the worker's events from there."""
+    a, b, c = (SelectReplica(tmp_path, name, *servers) for name in ("a", "b", "c"))
+    model = model_owned_by(c.url, [a.url, b.url, c.url])
+    try:
+        await a.start()
+        await b.start()
+        async with open_kv_publisher() as publisher, client(a) as through_a:
+            await wait_for_members(through_a, 2)
+            assert (await through_a.post("/workers", json=worker_record(5, model, publisher))).status_code == 201
+            first = (await scope_row(through_a, model))["owner"]
+            publisher.publish(encode_batch([["BlockStored", [1, 2, 3, 4], None, TOKENS[:16], 4, None, None]]))
+            await device_blocks(through_a, model, 4)
+            await trio.sleep(1)  # the KV events' records are published with the next group
+
+            await c.start()
+            row = await scope_row(through_a, model, lambda row: row["owner"] == c.url)
+            assert first != c.url and not row["served_here"]
+            await device_blocks(through_a, model, 4)  # restored on C from the subject
+            publisher.publish(encode_batch([["BlockStored", [5, 6, 7, 8], 4, TOKENS[16:32], 4, None, None]]))
+            await device_blocks(through_a, model, 8)  # C follows the worker's events
+            async with client(c) as through_c:
+                assert (await scope_row(through_c, model))["served_here"]
+                listeners = (await through_c.get("/workers")).json()[0]["kv_listeners"]
+                assert listeners["0"]["state"] == "active", listeners
+    finally:
+        for replica in (a, b, c):
+            await replica.kill9()
