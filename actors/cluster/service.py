@@ -1,4 +1,5 @@
-"""ClusterSlotService: the slot tracker's methods on a cluster replica (what the routes call with ``--cluster``).
+"""ClusterService: what a cluster replica does for every service kind; ClusterSlotService: the slot tracker's
+methods on a replica (what its routes call with ``--cluster``; the selection service's are ``select_service.py``).
 
 For each command the replica first asks where its scope is served (``where``): the pure rule
 ``forwarding.route`` decides from this replica's view (the scope's owner key, the live members) and whether it
@@ -9,9 +10,10 @@ this replica owns but does not serve (its journal failed) is recovered again fir
 placement now gives another live member (one that joined) is handed over (``keep_placed``); a command for it
 waits for the hand-over, then goes to the new owner.
 
-Served here, a method runs on the scope's own ``SlotService`` (its actor system and journal); a scope not served
-here when the method runs (ownership moved in between) is refused with 503, not applied. Reads of many scopes
-(``workers``, ``loads``) answer for the scopes served here; the routes gather the other members' answers.
+Served here, a method runs on the scope's own service (a ``SlotService``, a ``SelectService``: its actor system
+and journal, built by ``OwnedScopes.build_service``); a scope not served here when the method runs (ownership
+moved in between) is refused with 503, not applied. Reads of many scopes (``workers``, ``loads``) answer for the
+scopes served here; the routes gather the other members' answers.
 """
 
 from __future__ import annotations
