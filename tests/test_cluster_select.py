@@ -102,6 +102,12 @@ async def test_the_kv_index_of_a_scope_survives_its_owner_killed_with_kill_9(
         assert [(w["worker_id"], w["model_name"]) for w in workers] == [(3, model)]
         assert (await through_a.get("/ready")).json()["schedulable_workers"] == 1
         assert list((await through_a.get("/dump")).json()) == [f"{model}:default"]
+        patched = await through_c.patch("/workers/3", json={"max_num_batched_tokens": 4096})  # found on B
+        assert patched.status_code == 200 and patched.json()["max_num_batched_tokens"] == 4096, patched.text
+        assert (await through_c.patch("/workers/4", json={"max_num_batched_tokens": 1})).status_code == 404
+        watch = await through_a.get("/ws/loads")
+        assert watch.status_code == 501 and "error" in watch.json(), watch.text
+        assert "kvrouter_cluster_scopes_served" in (await through_c.get("/metrics")).text
         await trio.sleep(1)  # the KV events' records are published with the next group (nobody waits for them)
 
         await b.kill9()
