@@ -9,6 +9,7 @@ in one line (exit 2)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -16,10 +17,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import trio
 
 from kvrouter.actors.core.kv_wire import encode_batch
+from kvrouter.journal.jetstream_batch import FORMAT
 from tests.support.kv_publisher import KvPublisher, open_kv_publisher
 from tests.support.processes import free_port
 from tests.test_cluster_failover import AUTH, CLUSTER, Replica, model_owned_by, scope_row, servers, wait_for_members
@@ -201,3 +204,18 @@ async def test_a_joining_replica_takes_its_scope_with_the_index_and_the_workers_
     finally:
         for replica in (a, b, c):
             await replica.kill9()
+
+
+async def test_a_replica_of_another_journal_format_is_refused_at_join(tmp_path: Path, servers: tuple[str, str]) -> None:
+    etcd, nats = servers
+    assert FORMAT != "0"
+    held = orjson.dumps({"service": "select-service", "journal": "0"})  # as a build of another layout wrote it
+    body = {"key": base64.b64encode(f"kvrouter/cluster/{CLUSTER}/service".encode()).decode(),
+            "value": base64.b64encode(held).decode()}  # fmt: skip
+    async with httpx.AsyncClient(trust_env=False) as http:
+        assert (await http.post(etcd + "/v3/kv/put", json=body)).status_code == 200
+    joining = SelectReplica(tmp_path, "select", etcd, nats)
+    result = await trio.run_process(joining.argv, capture_stdout=True, capture_stderr=True, check=False)
+    lines = [line for line in result.stderr.decode().strip().splitlines() if " INFO " not in line]
+    assert result.returncode == 2, lines
+    assert len(lines) == 1 and "journal format 0" in lines[0] and f"journal format {FORMAT}" in lines[0], lines
