@@ -298,7 +298,7 @@ class OwnedScopes(Generic[S]):
 
     # -- owning one scope ----------------------------------------------------------------------------
 
-    async def _own(self, owned: OwnedScope[S]) -> None:
+    async def _own(self, owned: OwnedScope) -> None:
         try:
             with owned.cancel:
                 if await self._claim(owned):
@@ -315,7 +315,7 @@ class OwnedScopes(Generic[S]):
                 del self._owned[owned.token]
             self.drops += served and not owned.handing_over
 
-    async def _serve_until_released(self, owned: OwnedScope[S]) -> None:
+    async def _serve_until_released(self, owned: OwnedScope) -> None:
         """Serve the scope; recover it again each time its subject moved past it (the overtaken rule); return
         when its journal failed (dropped: the next command recovers it) or once it was handed over."""
         while True:
@@ -328,7 +328,7 @@ class OwnedScopes(Generic[S]):
             owned.overtaken = False
             self.overtaken += 1
 
-    async def _release(self, owned: OwnedScope[S]) -> None:
+    async def _release(self, owned: OwnedScope) -> None:
         """The hand-over's end: the scope's journal is closed, every command it took answered; delete the claim
         (only if it is still this one) so the member placement prefers claims it."""
         membership = self.membership
@@ -340,10 +340,10 @@ class OwnedScopes(Generic[S]):
             self.handed_over += 1
             log.info("cluster: scope %s handed over (claim released)", owned.scope.describe())
 
-    def _claim_value(self, owned: OwnedScope[S]) -> bytes:
+    def _claim_value(self, owned: OwnedScope) -> bytes:
         return orjson.dumps({"member": self.membership.me, "lease": str(owned.lease_id)})
 
-    async def _claim(self, owned: OwnedScope[S]) -> bool:
+    async def _claim(self, owned: OwnedScope) -> bool:
         membership = self.membership
         created, held, _ = await membership.etcd.create_if_absent(
             membership.key("owners", owned.token), self._claim_value(owned), owned.lease_id
@@ -357,7 +357,7 @@ class OwnedScopes(Generic[S]):
             await membership.etcd.put(membership.key("scopes", owned.token), orjson.dumps(known))
         return True
 
-    async def _serve(self, owned: OwnedScope[S]) -> None:
+    async def _serve(self, owned: OwnedScope) -> None:
         journals = self.journals
         opened = partial(JetStreamJournal.open, journals.servers, journals.stream, journals.durability, log=owned.token)
         journal = await trio.to_thread.run_sync(opened, abandon_on_cancel=False)
@@ -389,7 +389,7 @@ class OwnedScopes(Generic[S]):
             runtime.nursery.cancel_scope.cancel()
 
 
-def _idle_position(owned: OwnedScope[S]) -> tuple[int, int] | None:
+def _idle_position(owned: OwnedScope) -> tuple[int, int] | None:
     """The subject sequence the served scope's journal holds and how many messages it published, when it has no
     append in flight (every record appended is acknowledged); None otherwise, or when it is not served."""
     journal = owned.journal
