@@ -22,10 +22,20 @@ import pytest
 import trio
 
 from kvrouter.actors.core.kv_wire import encode_batch
+from kvrouter.client.live import open_stream, stream_url
 from kvrouter.journal.jetstream_batch import FORMAT
 from tests.support.kv_publisher import KvPublisher, open_kv_publisher
 from tests.support.processes import free_port
-from tests.test_cluster_failover import AUTH, CLUSTER, Replica, model_owned_by, scope_row, servers, wait_for_members
+from tests.test_cluster_failover import (
+    AUTH,
+    CLUSTER,
+    TOKEN,
+    Replica,
+    model_owned_by,
+    scope_row,
+    servers,
+    wait_for_members,
+)
 
 pytestmark = pytest.mark.slow
 __all__ = ["servers"]  # the fixture, shared with the slot tracker's cluster tests
@@ -108,8 +118,11 @@ async def test_the_kv_index_of_a_scope_survives_its_owner_killed_with_kill_9(
         patched = await through_c.patch("/workers/3", json={"max_num_batched_tokens": 4096})  # found on B
         assert patched.status_code == 200 and patched.json()["max_num_batched_tokens"] == 4096, patched.text
         assert (await through_c.patch("/workers/4", json={"max_num_batched_tokens": 1})).status_code == 404
-        watch = await through_a.get("/ws/loads")
+        watch = await through_a.get("/ws/decisions")
         assert watch.status_code == 501 and "error" in watch.json(), watch.text
+        async with open_stream(stream_url(b.url, "/ws/loads"), token=TOKEN) as ws:  # the scopes B serves
+            snapshot = orjson.loads(await ws.get_message())
+        assert [(p["model_name"], [r["worker_id"] for r in p["loads"]]) for p in snapshot["scopes"]] == [(model, [3])]
         assert "kvrouter_cluster_scopes_served" in (await through_c.get("/metrics")).text
         await trio.sleep(1)  # the KV events' records are published with the next group (nobody waits for them)
 

@@ -8,7 +8,8 @@ KV-event listeners of its workers, which run on the scope's owner alone (they fo
 A method naming a scope (a selection, a booking, a worker's record) runs on that scope's service; the routes
 (``api/routes/cluster.py``) have already sent it to the owner. A method naming a reservation or a worker id runs
 on the served scope that holds it, and answers 404 when none does (the routes then ask the other members). Reads
-of many scopes answer for the scopes served here; the routes gather the other members'.
+of many scopes answer for the scopes served here; the routes gather the other members'. ``GET /ws/loads`` on a
+replica follows the scopes it serves.
 """
 
 from __future__ import annotations
@@ -19,14 +20,19 @@ from typing import Any
 import trio
 
 from kvrouter.actors.catalog_writer import worker_not_found
-from kvrouter.actors.cluster.service import ClusterService
+from kvrouter.actors.cluster.forwarder import Forwarder
+from kvrouter.actors.cluster.membership import Membership
+from kvrouter.actors.cluster.scopes import OwnedScopes
+from kvrouter.actors.cluster.service import ClusterService, ServedStates
 from kvrouter.actors.core.catalog import WorkerPatch, WorkerRecord
 from kvrouter.actors.core.commands import Prompt
 from kvrouter.actors.core.disaggregation import DisaggregatedSelection
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.router_config import RouterConfig, RouterConfigOverride
+from kvrouter.actors.core.selection_queries import partition_loads
 from kvrouter.actors.core.selection_rules import Selection, reservation_not_found
+from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
 from kvrouter.actors.runtime import start_select_service
 from kvrouter.actors.select_service import (
     Booking,
@@ -54,6 +60,15 @@ def select_scope_service(
 
 
 class ClusterSelectService(ClusterService[SelectService]):
+    def __init__(self, membership: Membership, owned: OwnedScopes[SelectService], forwarder: Forwarder) -> None:
+        super().__init__(membership, owned, forwarder)
+        self.load_feed = LoadFeed()  # the scopes served here (GET /ws/loads)
+        owned.on_service = self._hook
+
+    def _hook(self, service: SelectService) -> None:
+        service.system.observers.append(self.load_feed.observe)
+        service.system.queue_observers.append(self.load_feed.bump)  # pending counts move without events
+
     # -- the catalog ------------------------------------------------------------------------------------
 
     async def put_worker(self, record: WorkerRecord) -> WorkerStatus:
@@ -146,6 +161,20 @@ class ClusterSelectService(ClusterService[SelectService]):
     async def overlap_scores(self, scope: ScopeKey, prompt: Prompt) -> OverlapScores:
         with self._local(scope) as service:
             return await service.overlap_scores(scope, prompt)
+
+    async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
+        """As ``SelectService.load_changes``, over the scopes served here."""
+
+        def measure(scope: ScopeKey, version: int) -> LoadChange:
+            service = self.owned.serving(scope)
+            state = service.system.state(scope) if service is not None else None
+            if service is None or state is None:
+                return LoadChange(scope, version, None)
+            config = service.config
+            rows = partition_loads(state, config.use_kv_events, queueing=config.queueing)
+            return LoadChange(scope, version, rows, *service.system.pending_loads(scope))
+
+        return await read_changes(self.load_feed, ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
 
     async def dump(self) -> dict[str, Any]:
         await self.owned.settled()

@@ -387,13 +387,13 @@ class ClusterSlotService(ClusterService[SlotService]):
             state = service.system.state(scope) if service is not None else None
             return LoadChange(scope, version, rank_loads(state) if state is not None else None)
 
-        return await read_changes(self.load_feed, _ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
+        return await read_changes(self.load_feed, ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
 
 
-class _ServedStates:
+class ServedStates:
     """The scopes served here, as ``read_changes`` reads an actor system (their states, a read barrier)."""
 
-    def __init__(self, owned: OwnedScopes[SlotService]) -> None:
+    def __init__(self, owned: OwnedScopes[Any]) -> None:
         self._owned = owned
 
     def states(self) -> list[ScopeState]:

@@ -17,6 +17,8 @@ from kvrouter.api.routes.commands import with_command_routes
 from kvrouter.api.routes.metrics import metrics_route
 from kvrouter.api.routes.replica import replica_routes
 from kvrouter.api.routes.selection import select_service_routes
+from kvrouter.api.streams.live import StreamMetrics
+from kvrouter.api.streams.loads import partition_loads_route
 from kvrouter.client.table import SELECT_SERVICE
 
 
@@ -33,7 +35,8 @@ def select_routes(options: ServiceOptions, service: ClusterSelectService) -> lis
     ``POST /batch`` or the command stream goes where its scope is served, as on its own route."""
     objects = ServiceObjects(service, PeerService(None))
     own = [*select_service_routes(service), *replica_routes(objects.peers), metrics_route(objects)]  # type: ignore[arg-type]
-    live = [not_in_a_cluster("watch_loads"), not_in_a_cluster("watch_decisions")]
+    live = [partition_loads_route(service, options.streams, StreamMetrics.of(objects.front))[1]]
+    live.append(not_in_a_cluster("watch_decisions"))
     return with_command_routes(
         [*clustered(own, service, SELECT_ROUTING), *live],
         SELECT_SERVICE,

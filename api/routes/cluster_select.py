@@ -6,7 +6,8 @@
   answered by whichever member serves the scope holding it;
 * ``GET /workers``, ``/loads``, ``/ready``, ``/dump``: gathered from every live member.
 
-The live streams (``/ws/loads``, ``/ws/decisions``) are refused on a replica (``not_in_a_cluster``).
+``GET /ws/loads`` follows the scopes served by the replica it is asked of; ``/ws/decisions`` is refused on a
+replica (``not_in_a_cluster``).
 """
 
 from __future__ import annotations
