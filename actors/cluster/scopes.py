@@ -240,6 +240,13 @@ class OwnedScopes:
             with trio.move_on_after(RECOVERY_WAIT_SECONDS):
                 await owned.released.wait()
 
+    async def all_released(self) -> None:
+        """Return once this replica holds no scope (each handed over, or dropped): a stopping replica's wait, which
+        its caller bounds."""
+        while self._owned:
+            for owned in list(self._owned.values()):
+                await owned.released.wait()
+
     async def _check_subjects(self) -> None:
         """The overtaken rule, every ``CHECK_INTERVAL_SECONDS``: a scope served here whose subject holds a message
         past the sequence it holds, with no append of its own in flight before and after asking, is recovered

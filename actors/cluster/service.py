@@ -82,7 +82,7 @@ class ClusterSlotService:
         held = membership.view.owners.get(token)
         owner = held.member if held is not None else None
         if owner is None:
-            owner = preferred_owner(token, sorted(self.live_members()))
+            owner = preferred_owner(token, membership.placement(self.live_members()))
         if owner == me and self.owned.serving(scope) is None:
             if self.owned.full() and held is None:
                 return Unavailable(
@@ -97,7 +97,8 @@ class ClusterSlotService:
                 if owner == me and failure is not None:
                     return Unavailable(f"scope {scope.describe()} cannot be recovered on its owner {me}: {failure}")
         serving = self.owned.serving(scope) is not None
-        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded)
+        # A stopping replica forwards once more what was forwarded to it: it handed the scope over (see ``leave``).
+        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded and not membership.leaving)
 
     async def keep_placed(self) -> None:
         """Claim the known scopes that have no owner and that placement gives this replica (a dead owner's, once
@@ -108,7 +109,7 @@ class ClusterSlotService:
         while True:
             owned.drop_moved()
             if membership.live():
-                live = sorted(self.live_members())
+                live = membership.placement(self.live_members())
                 view = membership.view
                 for token, scope in list(view.scopes.items()):
                     preferred = preferred_owner(token, live)
