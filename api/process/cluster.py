@@ -105,10 +105,8 @@ async def hand_over_and_stop(service: ClusterSlotService, stopping: trio.Event, 
             await membership.leave_placement()
         except EtcdUnavailable as exc:
             log.warning("cluster: could not mark this member leaving in etcd (%s); handing over all the same", exc)
-        held = len(service.owned.owned())
-        log.info("cluster: stopping; handing over %d scope(s) before HTTP stops", held)
+        log.info("cluster: stopping; handing over %d scope(s) before HTTP stops", len(service.owned.owned()))
         await service.owned.all_released()
-        await trio.sleep(FORWARD_GRACE_SECONDS)
     if bounded.cancelled_caught:
         log.warning(
             "cluster: %d scope(s) still held after %g s of hand-over; they stop with the lease",
@@ -116,7 +114,9 @@ async def hand_over_and_stop(service: ClusterSlotService, stopping: trio.Event, 
             HAND_OVER_SECONDS,
         )
     else:
-        log.info("cluster: scopes handed over in %.2f s; stopping HTTP", trio.current_time() - started)
+        took = trio.current_time() - started
+        log.info("cluster: scopes handed over in %.2f s; HTTP stops in %g s", took, FORWARD_GRACE_SECONDS)
+        await trio.sleep(FORWARD_GRACE_SECONDS)
     http_stopping.set()
 
 
