@@ -103,8 +103,9 @@ class ClusterSlotService:
     async def keep_placed(self) -> None:
         """Claim the known scopes that have no owner and that placement gives this replica (a dead owner's, once
         its lease ended, or one another member handed over), hand over those served here that placement now
-        gives another live member (one that joined), and drop those the view shows under another owner; on every
-        change of the view, and at least twice per lease TTL."""
+        gives another live member (one that joined, or any other once this replica is stopping: placement then
+        leaves it out), and drop those the view shows under another owner; on every change of the view, and at
+        least twice per lease TTL."""
         membership, owned = self.membership, self.owned
         while True:
             owned.drop_moved()
