@@ -72,7 +72,7 @@ class ClusterSlotService:
         return members
 
     async def where(self, scope: ScopeKey, forwarded: bool = False) -> Route:
-        await self.owned.wait_handed_over(scope)  # held briefly, then routed to the member that takes it
+        held_through = await self.owned.wait_handed_over(scope)  # held, then routed to the member that takes it
         membership, me = self.membership, self.membership.me
         if not membership.live():  # its view of owners and members may be stale: neither serve nor forward
             return Unavailable(
@@ -97,8 +97,10 @@ class ClusterSlotService:
                 if owner == me and failure is not None:
                     return Unavailable(f"scope {scope.describe()} cannot be recovered on its owner {me}: {failure}")
         serving = self.owned.serving(scope) is not None
-        # A stopping replica forwards once more what was forwarded to it: it handed the scope over (see ``leave``).
-        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded and not membership.leaving)
+        # A replica that handed the scope over (or is stopping: it hands every scope over) forwards once more what
+        # was forwarded to it, to the owner that claimed the scope after the release: each extra hop follows a move.
+        follows_move = held_through or membership.leaving
+        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded and not follows_move)
 
     async def keep_placed(self) -> None:
         """Claim the known scopes that have no owner and that placement gives this replica (a dead owner's, once
