@@ -246,11 +246,28 @@ class OwnedScopes(Generic[S]):
             owned.handing_over = True
             owned.end_serving()
 
-    async def wait_handed_over(self, scope: ScopeKey) -> None:
-        """If ``scope`` is being handed over from here, wait (at most ``RECOVERY_WAIT_SECONDS``) until it is gone."""
-        owned = self._owned.get(scope_token(scope))
-        if owned is not None and owned.handing_over:
-            with trio.move_on_after(RECOVERY_WAIT_SECONDS):
+    async def wait_handed_over(self, scope: ScopeKey) -> bool:
+        """If ``scope`` is being handed over from here, wait (at most ``RECOVERY_WAIT_SECONDS``) until it is gone and
+        this replica's view names its new owner: a command then forwarded there finds that member's view past the
+        release too (the claim follows the release it saw), rather than naming this replica still. Whether it
+        waited (the command was held through a hand-over)."""
+        membership, token = self.membership, scope_token(scope)
+        owned = self._owned.get(token)
+        if owned is None or not owned.handing_over:
+            return False
+        with trio.move_on_after(RECOVERY_WAIT_SECONDS):
+            await owned.released.wait()
+            while (held := membership.view.owners.get(token)) is None or held.member == membership.me:
+                if not membership.placement(membership.view.members | {membership.me}):
+                    break  # the last member stopping: nobody will claim it
+                await membership.wait_changed()
+        return True
+
+    async def all_released(self) -> None:
+        """Return once this replica holds no scope (each handed over, or dropped): a stopping replica's wait, which
+        its caller bounds."""
+        while self._owned:
+            for owned in list(self._owned.values()):
                 await owned.released.wait()
 
     async def _check_subjects(self) -> None:

@@ -70,7 +70,7 @@ class ClusterService(Generic[S]):
         return members
 
     async def where(self, scope: ScopeKey, forwarded: bool = False) -> Route:
-        await self.owned.wait_handed_over(scope)  # held briefly, then routed to the member that takes it
+        held_through = await self.owned.wait_handed_over(scope)  # held, then routed to the member that takes it
         membership, me = self.membership, self.membership.me
         if not membership.live():  # its view of owners and members may be stale: neither serve nor forward
             return Unavailable(
@@ -80,7 +80,7 @@ class ClusterService(Generic[S]):
         held = membership.view.owners.get(token)
         owner = held.member if held is not None else None
         if owner is None:
-            owner = preferred_owner(token, sorted(self.live_members()))
+            owner = preferred_owner(token, membership.placement(self.live_members()))
         if owner == me and self.owned.serving(scope) is None:
             if self.owned.full() and held is None:
                 return Unavailable(
@@ -95,18 +95,22 @@ class ClusterService(Generic[S]):
                 if owner == me and failure is not None:
                     return Unavailable(f"scope {scope.describe()} cannot be recovered on its owner {me}: {failure}")
         serving = self.owned.serving(scope) is not None
-        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded)
+        # A replica that handed the scope over (or is stopping: it hands every scope over) forwards once more what
+        # was forwarded to it, to the owner that claimed the scope after the release: each extra hop follows a move.
+        follows_move = held_through or membership.leaving
+        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded and not follows_move)
 
     async def keep_placed(self) -> None:
         """Claim the known scopes that have no owner and that placement gives this replica (a dead owner's, once
         its lease ended, or one another member handed over), hand over those served here that placement now
-        gives another live member (one that joined), and drop those the view shows under another owner; on every
-        change of the view, and at least twice per lease TTL."""
+        gives another live member (one that joined, or any other once this replica is stopping: placement then
+        leaves it out), and drop those the view shows under another owner; on every change of the view, and at
+        least twice per lease TTL."""
         membership, owned = self.membership, self.owned
         while True:
             owned.drop_moved()
             if membership.live():
-                live = sorted(self.live_members())
+                live = membership.placement(self.live_members())
                 view = membership.view
                 for token, scope in list(view.scopes.items()):
                     preferred = preferred_owner(token, live)

@@ -8,9 +8,12 @@ member key, the first list of the cluster's keys; ``ClusterUnreachable``: exit 2
 (lease renewals, the watch), the placement loop, the scopes this replica owns (each an actor system over its own
 journal), and the kind's routes through ``api/routes/cluster.py``.
 
-Shutdown (SIGINT/SIGTERM): HTTP stops accepting and drains, the scopes stop (each journal publishes what it
-holds and closes), then the lease is revoked so the other replicas claim this one's scopes at once instead of
-after the TTL.
+Shutdown (SIGINT/SIGTERM) hands the scopes over before HTTP stops (``hand_over_and_stop``): the member key is
+marked leaving (the lease is kept), so placement everywhere prefers the others; each scope served here is handed
+over as on a join (no new commands, those in flight answered, the journal closed, the claim released), while HTTP
+keeps listening: a command arriving meanwhile is held, then forwarded to the new owner. Once no scope is held here
+(at most ``HAND_OVER_SECONDS``), and ``FORWARD_GRACE_SECONDS`` later (commands routed here by a view a moment
+behind are still forwarded), HTTP stops accepting and drains, the scopes left stop, and the lease is revoked.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from kvrouter.actors.cluster.kind_check import check_kind
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import OwnedScopes, ScopeJournals, ServiceBuilder, slot_service_of
 from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
-from kvrouter.actors.fleet.etcd import EtcdClient
+from kvrouter.actors.fleet.etcd import EtcdClient, EtcdUnavailable
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.api.http import Route
 from kvrouter.api.http.app import make_app
@@ -48,6 +51,11 @@ from kvrouter.journal.jetstream import JetStreamJournal
 log = logging.getLogger("kvrouter")
 
 FORWARD_MARGIN_SECONDS = 2.0  # past the owner's reply deadline, a forwarded command's answer is given up on
+# Stopping: how long the scopes may take to be handed over (each drains for at most ``DRAIN_SECONDS`` and closes its
+# journal within the journal's flush bound; they are handed over in parallel); past it, those left stop the short
+# way (their claims go with the lease).
+HAND_OVER_SECONDS = 20.0
+FORWARD_GRACE_SECONDS = 0.5  # after the hand-over, before HTTP stops: the other replicas' views catch up
 
 
 @attrs.frozen
@@ -99,8 +107,12 @@ async def run_cluster_replica(
                     await nursery.start(owned.run)
                     nursery.start_soon(membership.run, owned.drop_all)
                     nursery.start_soon(service.keep_placed)
+                    http_stopping = trio.Event()
+                    nursery.start_soon(hand_over_and_stop, service, stopping, http_stopping)
                     routes = kind.routes(options, service)
-                    urls = await nursery.start(serve_replica, options, routes, stopping, nursery.cancel_scope)
+                    urls = await nursery.start(
+                        serve_replica, options, routes, stopping, http_stopping, nursery.cancel_scope
+                    )
                     log.info("kvrouter %s listening on %s, %s", name, " ".join(urls), cluster.describe())
                     task_status.started(urls)
             finally:
@@ -109,15 +121,43 @@ async def run_cluster_replica(
                     await forwarder.aclose()
 
 
+async def hand_over_and_stop(service: ClusterService[Any], stopping: trio.Event, http_stopping: trio.Event) -> None:
+    """Once ``stopping`` is set: leave placement, wait (bounded) until every scope held here is handed over, then
+    set ``http_stopping``."""
+    await stopping.wait()
+    membership = service.membership
+    started = trio.current_time()
+    with trio.move_on_after(HAND_OVER_SECONDS) as bounded:
+        try:
+            await membership.leave_placement()
+        except EtcdUnavailable as exc:
+            log.warning("cluster: could not mark this member leaving in etcd (%s); handing over all the same", exc)
+        log.info("cluster: stopping; handing over %d scope(s) before HTTP stops", len(service.owned.owned()))
+        await service.owned.all_released()
+    if bounded.cancelled_caught:
+        log.warning(
+            "cluster: %d scope(s) still held after %g s of hand-over; they stop with the lease",
+            len(service.owned.owned()),
+            HAND_OVER_SECONDS,
+        )
+    else:
+        took = trio.current_time() - started
+        log.info("cluster: scopes handed over in %.2f s; HTTP stops in %g s", took, FORWARD_GRACE_SECONDS)
+        await trio.sleep(FORWARD_GRACE_SECONDS)
+    http_stopping.set()
+
+
 async def serve_replica(
     options: ServiceOptions,
     routes: list[Route],
     stopping: trio.Event,
+    http_stopping: trio.Event,
     replica: trio.CancelScope,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The replica's routes until ``stopping``; then, HTTP drained, stop the ``replica``."""
+    """The replica's routes until ``http_stopping`` (``stopping`` ends the streams); then, HTTP drained, stop the
+    ``replica``."""
     app = make_app(
         routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth,
         stopping=stopping,
@@ -125,7 +165,7 @@ async def serve_replica(
     await serve_http(
         app,
         hypercorn_config(options.host, options.port, options.http),
-        stopping.wait,
+        http_stopping.wait,
         max_connections=options.http.max_connections,
         write_timeout=options.http.write_timeout,
         task_status=task_status,
