@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -190,7 +191,8 @@ async def test_a_joining_replica_takes_its_scope_with_the_index_and_the_workers_
     tmp_path: Path, servers: tuple[str, str]
 ) -> None:
     """Placement gives the scope to a replica that joins: the owner hands it over (its listeners stop with it), the
-    new owner recovers the index from the subject and follows the worker's events from there."""
+    new owner recovers the index from the subject and follows the worker's events from there; stopped with
+    SIGTERM, it hands the scope on with the index."""
     a, b, c = (SelectReplica(tmp_path, name, *servers) for name in ("a", "b", "c"))
     model = model_owned_by(c.url, [a.url, b.url, c.url])
     try:
@@ -214,6 +216,12 @@ async def test_a_joining_replica_takes_its_scope_with_the_index_and_the_workers_
                 assert (await scope_row(through_c, model))["served_here"]
                 listeners = (await through_c.get("/workers")).json()[0]["kv_listeners"]
                 assert listeners["0"]["state"] == "active", listeners
+            assert c.process is not None  # stopped with SIGTERM: it hands the scope over before it exits
+            c.process.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                assert await c.process.wait() == 0
+            await scope_row(through_a, model, lambda row: row["owner"] in (a.url, b.url))
+            await device_blocks(through_a, model, 8)
     finally:
         for replica in (a, b, c):
             await replica.kill9()
