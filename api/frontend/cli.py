@@ -44,7 +44,9 @@ from kvrouter.api.cli.http_flags import add_http_flags, check_exposure, http_opt
 from kvrouter.api.cli.one_line_parser import OneLineParser
 from kvrouter.api.frontend.model_dir import load_model_dir
 from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
-from kvrouter.api.frontend.service import file_workers, run_until_signal
+from kvrouter.api.frontend.remote_service import run_remote_frontend
+from kvrouter.api.frontend.selection_flags import add_selection_flag, selection_urls
+from kvrouter.api.frontend.service import file_workers, run_frontend, run_until_signal
 from kvrouter.api.frontend.tokenizers import TokenizerUnavailable, load_tokenizer
 from kvrouter.api.process import log_setup
 from kvrouter.api.process.exit_reasons import BAD_CONFIGURATION, ServiceContext, explain
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure-no-auth)",
     )
     _add_routing_flags(parser)
+    add_selection_flag(parser)
     parser.add_argument(
         "--data-dir", metavar="DIR", help="journal of the catalog and bookings (default: in memory, nothing kept)"
     )
@@ -230,6 +233,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
             "speak: a request routed to a worker without an http(s) endpoint fails there (route Dynamo workers with "
             "kvrouter select-service; docs/fleet.md)"
         )
+    remote = selection_urls(args, fleet, problems)
     if problems or router is None:
         raise InvalidSettings(problems)
     for warning in warnings:
@@ -251,6 +255,7 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> FrontendOptio
         auth=auth,
         seed=seed,
         fleet=fleet,
+        selection_urls=remote,
     )
 
 
@@ -402,7 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start: %s", "; ".join(exc.problems))
         return BAD_CONFIGURATION
     try:
-        trio.run(partial(run_until_signal, options))
+        runner = run_remote_frontend if options.selection_urls else run_frontend
+        trio.run(partial(run_until_signal, options, runner))
     except BaseException as exc:  # every failure becomes one line
         return _explain(exc, options)
     return 0

@@ -26,7 +26,7 @@ import trio
 from kvrouter.actors.core.breakers import BreakerPolicy, Breakers, Cause
 from kvrouter.actors.core.worker_endpoints import parse_http_endpoint
 from kvrouter.actors.metric_families import Family, Labels, counter, gauge
-from kvrouter.api.frontend.routing import Routing
+from kvrouter.api.frontend.selection_calls import SelectionCalls
 
 log = logging.getLogger("kvrouter.frontend")
 PROBE_ROUTE = "/health"  # served by the mock worker, vLLM and SGLang; a 404 still says the server is up
@@ -41,7 +41,7 @@ def worker_route_url(endpoint: str, route: str) -> httpx.URL:
 class Liveness:
     """The breakers of one frontend, shared by every request; ``run`` is its prober task."""
 
-    def __init__(self, routing: Routing, client: httpx.AsyncClient, policy: BreakerPolicy, probe_timeout: float):
+    def __init__(self, routing: SelectionCalls, client: httpx.AsyncClient, policy: BreakerPolicy, probe_timeout: float):
         self.routing = routing
         self.client = client
         self.breakers = Breakers(policy)

@@ -89,3 +89,4 @@ class FrontendOptions:
     auth: BearerToken | None = None
     seed: int | None = None
     fleet: FleetOptions = attrs.Factory(FleetOptions)  # discovery and Dynamo's event plane (docs/fleet.md)
+    selection_urls: tuple[str, ...] = ()  # a selection service (or its cluster's replicas) to call over HTTP

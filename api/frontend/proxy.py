@@ -33,7 +33,8 @@ from kvrouter.actors.core.worker_endpoints import allow_list_problem
 from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.liveness import Liveness, worker_route_url
 from kvrouter.api.frontend.options import FrontendLimits
-from kvrouter.api.frontend.routing import BOOKING_PREFIX, Plan, Routing, Target
+from kvrouter.api.frontend.routing import BOOKING_PREFIX, Plan, Target
+from kvrouter.api.frontend.selection_calls import SelectionCalls
 from kvrouter.api.frontend.tokenizers import Tokenize
 from kvrouter.api.frontend.tokenizing import Tokenizing
 from kvrouter.api.http import Response, error_response
@@ -78,7 +79,9 @@ class Counters:
 
 
 class Proxy:
-    def __init__(self, routing: Routing, client: httpx.AsyncClient, tokenize: Tokenize, limits: FrontendLimits) -> None:
+    def __init__(
+        self, routing: SelectionCalls, client: httpx.AsyncClient, tokenize: Tokenize, limits: FrontendLimits
+    ) -> None:
         self.routing = routing
         self.client = client
         self.tokenizing = Tokenizing(tokenize, limits)
@@ -95,7 +98,7 @@ class Proxy:
         and not forwarded to). ``WorkerUnreachable`` if it may not be used (the caller logs it and tries another)."""
         if not target.endpoint:
             raise WorkerUnreachable(target, "has no endpoint in the catalog (register it with one)")
-        allow = self.routing.service.config.worker_endpoint_allow
+        allow = self.routing.worker_endpoint_allow
         problem: str | None
         try:
             url = worker_route_url(target.endpoint, route)

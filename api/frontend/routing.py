@@ -11,6 +11,7 @@ import attrs
 
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.selection_rules import Selection
+from kvrouter.actors.core.worker_endpoints import EndpointAllowList
 from kvrouter.actors.select_service import SelectService
 from kvrouter.api.bodies.schemas import parse
 from kvrouter.api.bodies.select_schemas import SelectBody
@@ -54,6 +55,11 @@ class Routing:
 
     def __init__(self, service: SelectService) -> None:
         self.service = service
+
+    @property
+    def worker_endpoint_allow(self) -> EndpointAllowList | None:
+        """The allow-list a worker's endpoint must pass to be forwarded to (``--worker-endpoint-allow``)."""
+        return self.service.config.worker_endpoint_allow
 
     def models(self) -> list[str]:
         """The models some registered worker serves, sorted."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Protocol
 
 import attrs
 import httpx
@@ -168,24 +169,8 @@ async def run_frontend(
                 stopping=runtime.stopping,
             )
             app = FrontendApp(proxy, service_app, options.auth)
-            config = hypercorn_config(options.host, options.port, options.http)
-            # A stream stays open while tokens come and the client sends nothing: hypercorn's read timeout
-            # would cut it. Bodies have their own deadline (--http-body-timeout-secs).
-            config.read_timeout = None
             stopped = trio.Event()
-
-            async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-                await serve_http(
-                    app,
-                    config,
-                    runtime.stopping.wait,
-                    max_connections=options.http.max_connections,
-                    write_timeout=options.http.write_timeout,
-                    task_status=task_status,
-                )
-                stopped.set()
-
-            urls = await runtime.nursery.start(http)
+            urls = await runtime.nursery.start(serve_frontend, app, options, runtime.stopping, stopped)
             log.info(
                 "kvrouter frontend listening on %s (router mode %s, tokenizer %s, journal %s, %d workers)",
                 " ".join(urls),
@@ -199,10 +184,40 @@ async def run_frontend(
         runtime.nursery.cancel_scope.cancel()
 
 
-async def run_until_signal(options: FrontendOptions) -> None:
+async def serve_frontend(
+    app: FrontendApp,
+    options: FrontendOptions,
+    stopping: trio.Event,
+    stopped: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on the frontend's port until ``stopping``, then drain; ``stopped`` set once it is done."""
+    config = hypercorn_config(options.host, options.port, options.http)
+    # A stream stays open while tokens come and the client sends nothing: hypercorn's read timeout
+    # would cut it. Bodies have their own deadline (--http-body-timeout-secs).
+    config.read_timeout = None
+    await serve_http(
+        app,
+        config,
+        stopping.wait,
+        max_connections=options.http.max_connections,
+        write_timeout=options.http.write_timeout,
+        task_status=task_status,
+    )
+    stopped.set()
+
+
+class Stoppable(Protocol):
+    @property
+    def stop(self) -> Callable[[], None]: ...
+
+
+async def run_until_signal(options: FrontendOptions, runner: Callable[..., Awaitable[None]] = run_frontend) -> None:
+    """Run the frontend (``runner``: in-process selection, or ``run_remote_frontend``) until SIGINT/SIGTERM."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            handle: FrontendHandle = await nursery.start(partial(run_frontend, options))
+            handle: Stoppable = await nursery.start(partial(runner, options))
             async for signum in signals:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
                 handle.stop()
