@@ -167,8 +167,10 @@ async def test_two_frontends_share_routing_and_survive_the_owner_and_a_frontend_
         owner = (await scope_row(service, MODEL))["owner"]
         await trio.sleep(1)  # the KV events' records are published with the next group (nobody waits for them)
         await replicas[owner].kill9()
-        for through in (through_a, through_b):
+        killed = trio.current_time()
+        for name, through in (("A", through_a), ("B", through_b)):
             after = await served_again(through)
+            print(f"frontend {name} served again {trio.current_time() - killed:.2f} s after the owner's kill -9")
             assert int(after.headers["x-kvrouter-worker-id"]) == holder  # the KV index came back with the scope
             assert after.headers["x-kvrouter-overlap-blocks"] == "4"
         for n in range(10):
