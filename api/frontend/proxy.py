@@ -162,7 +162,7 @@ class Proxy:
             raise Refusal(
                 error_response(
                     503,
-                    "no worker is registered: add one with POST /workers, --workers or mock-worker --register",
+                    f"no worker is registered: add one with {self.routing.registration_hint}",
                     ((b"retry-after", b"1"),),
                 )
             )

@@ -66,6 +66,10 @@ class RemoteRouting:
         self._current = 0
         self._rows: list[dict[str, Any]] = []
 
+    @property
+    def registration_hint(self) -> str:
+        return f"POST /workers to the selection service ({', '.join(self.urls)}), or mock-worker --register"
+
     # -- the catalog, as last fetched ---------------------------------------------------------------------
 
     def models(self) -> list[str]:

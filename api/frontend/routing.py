@@ -56,6 +56,8 @@ class Routing:
     def __init__(self, service: SelectService) -> None:
         self.service = service
 
+    registration_hint = "POST /workers, --workers or mock-worker --register"
+
     @property
     def worker_endpoint_allow(self) -> EndpointAllowList | None:
         """The allow-list a worker's endpoint must pass to be forwarded to (``--worker-endpoint-allow``)."""

@@ -12,6 +12,10 @@ from kvrouter.api.frontend.routing import Plan, Target
 
 class SelectionCalls(Protocol):
     @property
+    def registration_hint(self) -> str:
+        """How a worker is added (a client's 503 says it while no worker is registered)."""
+
+    @property
     def worker_endpoint_allow(self) -> EndpointAllowList | None: ...
 
     def models(self) -> list[str]: ...
