@@ -131,7 +131,10 @@ async def serve_replica(
 ) -> None:
     """The slot tracker's routes, clustered, until ``http_stopping`` (``stopping`` ends the streams); then, HTTP
     drained, stop the ``replica``."""
-    routes = clustered(slot_tracker_routes_of(ServiceObjects(service, PeerService(None)), options.streams), service)
+    # clustered before the command table is made: a command of the stream or of a batch is routed as its route is
+    routes = slot_tracker_routes_of(
+        ServiceObjects(service, PeerService(None)), options.streams, lambda served: clustered(served, service)
+    )
     app = make_app(
         routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth,
         stopping=stopping,

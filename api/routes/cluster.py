@@ -28,7 +28,7 @@ from kvrouter.actors.cluster.service import ClusterSlotService
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.forwarding import Forward, Serve
 from kvrouter.api.bodies.schemas import PotentialLoadsBody, parse
-from kvrouter.api.http import Request, Response, Route, error_response, json_response
+from kvrouter.api.http import UNPARSED, Request, Response, Route, error_response, json_response
 from kvrouter.api.routes.support import scope_filter
 
 SCOPED_WRITES = ("register", "unregister", "add", "prefill_complete", "free")
@@ -66,6 +66,12 @@ def _body_scope(request: Request) -> ScopeKey:
     return parse(PotentialLoadsBody, request.json()).scope()
 
 
+def _body_bytes(request: Request) -> bytes:
+    """The body to forward: as the client sent it, or (a command of a batch or of the command stream, whose body
+    comes parsed) encoded again."""
+    return request.body if request.parsed is UNPARSED else orjson.dumps(request.parsed)
+
+
 def _relayed(relayed: Relayed) -> Response:
     return Response(relayed.status, relayed.body, relayed.content_type)
 
@@ -81,7 +87,7 @@ def _scoped(route: Route, service: ClusterSlotService, scope_of: Callable[[Reque
         if isinstance(where, Forward):
             try:
                 relayed = await service.relay(
-                    where.owner, request.method, request.path, request.query_string, request.body
+                    where.owner, request.method, request.path, request.query_string, _body_bytes(request)
                 )
             except OwnerUnreachable as exc:
                 if exc.unknown:
