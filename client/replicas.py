@@ -19,6 +19,10 @@ next replica of the list when that one is gone or refuses a command without appl
   failed mid-write), each a ``CommandError``. The slot tracker's writes are idempotent by request id: a caller
   that must know sends the same command again (``add`` then answers 409 "already exists" if the first landed).
 
+Reads never go behind the client's own writes: each write's answer names the sequence that holds it
+(``kvrouter-written``), and a read of ``/loads`` or ``/workers`` names those of its scopes (``read_tokens``), so a
+replica answering from a follower copy answers only from a copy that holds them.
+
 Switching replicas does not cut the commands in flight on the stream left behind: it is closed once they are
 answered (at most ``DRAIN_SECONDS``). Reads of a 503 for any reason are retried like a command not applied (a read
 changes nothing).
@@ -35,6 +39,7 @@ import trio
 from trio_websocket import ConnectionClosed
 
 from kvrouter.client.operations import Op, Operations, Reply, StreamClosed, result_of
+from kvrouter.client.read_tokens import WrittenTokens
 from kvrouter.client.stream import CONNECT_SECONDS, MAX_IN_FLIGHT, StreamClient, stream_url
 
 T = TypeVar("T")
@@ -116,6 +121,7 @@ class ReplicaClient(Operations):
         self._switching = trio.Lock()
         self.connects = 0  # streams opened (the first, then one per switch)
         self.sent_again = 0  # commands sent again through another replica
+        self.written = WrittenTokens()  # the tokens of this client's writes, sent with its reads
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -199,7 +205,7 @@ class ReplicaClient(Operations):
     async def perform(self, op: Op[T]) -> T:
         """Send ``op`` through the replica in use, and again through the next while it is refused "not applied"
         (or, a read, while its stream closes or it is answered 503), for at most ``retry_seconds``."""
-        raw = op.every_reply()
+        raw = op.every_reply(self.written.read_path(op.method, op.path))
         deadline = trio.current_time() + self.retry_seconds
         pause = FIRST_PAUSE_SECONDS
         failed: _Held | None = None
@@ -217,6 +223,7 @@ class ReplicaClient(Operations):
                 continue
             finally:
                 held.leave()
+            self.written.note(reply.headers)
             if not send_again(op, reply) or trio.current_time() >= deadline:
                 return result_of(op, reply)
             failed = held

@@ -22,6 +22,8 @@ import signal
 import httpx
 import trio
 
+from kvrouter.actors.cluster.follower_reads import FollowerReads, served_predicate
+from kvrouter.actors.cluster.followers import Followers
 from kvrouter.actors.cluster.forwarder import Forwarder
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import OwnedScopes, ScopeJournals
@@ -76,9 +78,13 @@ async def run_cluster_replica(
             journals = ScopeJournals(cluster.nats_servers, cluster.name, options.durability)
             owned = OwnedScopes(membership, journals, actor_system_options(options))
             service = ClusterSlotService(membership, owned, forwarder)
+            followers = Followers(journals, served_predicate(owned))
+            service.follower_reads = FollowerReads(followers, membership, owned)
+            service.metric_sources.append(service.follower_reads.metrics)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(owned.run)
+                    await nursery.start(followers.run)
                     nursery.start_soon(membership.run, owned.drop_all)
                     nursery.start_soon(service.keep_placed)
                     http_stopping = trio.Event()

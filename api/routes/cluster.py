@@ -16,13 +16,14 @@ their handlers:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 import orjson
 import trio
 
+from kvrouter.actors.cluster.follower_reads import READ_AFTER, WRITTEN_HEADER, parse_read_after, reading
 from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.service import ClusterSlotService
 from kvrouter.actors.core.ids import ScopeKey
@@ -41,8 +42,9 @@ def clustered(routes: list[Route], service: ClusterSlotService) -> list[Route]:
         name = route.operation.name if route.operation is not None else None
         if name in SCOPED_WRITES and route.batched is not None:
             scope_of = _item_scope(route.batched.prepare)
+            batched = attrs.evolve(route.batched, apply=_tokened(route.batched.apply, service))
             # pipelined=False: the scope's owner is found before the command is posted
-            route = attrs.evolve(route, handler=_scoped(route, service, scope_of), pipelined=False)
+            route = attrs.evolve(route, handler=_scoped(route, service, scope_of), pipelined=False, batched=batched)
         elif name == "potential_loads":
             route = attrs.evolve(route, handler=_scoped(route, service, _body_scope))
         elif name in GATHERED_READS:
@@ -73,17 +75,46 @@ def _body_bytes(request: Request) -> bytes:
 
 
 def _relayed(relayed: Relayed) -> Response:
-    return Response(relayed.status, relayed.body, relayed.content_type)
+    headers = ((WRITTEN_HEADER.encode(), relayed.written.encode("latin-1")),) if relayed.written else ()
+    return Response(relayed.status, relayed.body, relayed.content_type, headers)
+
+
+def _with_written(response: Response, token: str | None) -> Response:
+    """A write's success, with the ``kvrouter-written`` token of its scope (``follower_reads``)."""
+    if token is None or response.status not in (200, 201):
+        return response
+    return attrs.evolve(response, headers=(*response.headers, (WRITTEN_HEADER.encode(), token.encode("latin-1"))))
+
+
+def _tokened(apply: Callable[[list[Any]], Awaitable[list[Response]]], service: ClusterSlotService) -> Any:
+    """``Batched.apply`` of a write route (``POST /batch``, the command stream), each success with its scope's
+    token (one response per scope and answer: most answers of a group are the same few responses)."""
+
+    async def tokened(prepared: list[Any]) -> list[Response]:
+        responses = await apply(prepared)
+        made: dict[tuple[ScopeKey, int], Response] = {}
+        answers = []
+        for item, response in zip(prepared, responses, strict=True):
+            scope = ScopeKey(item[1], item[2])
+            key = (scope, id(response))
+            if key not in made:
+                made[key] = _with_written(response, service.written.of(scope))
+            answers.append(made[key])
+        return answers
+
+    return tokened
 
 
 def _scoped(route: Route, service: ClusterSlotService, scope_of: Callable[[Request], ScopeKey]) -> Any:
     own = route.handler
+    write = route.operation is not None and route.operation.name in SCOPED_WRITES
 
     async def handler(request: Request) -> Response:
         scope = scope_of(request)  # bad input is refused here, as the route's own handler refuses it
         where = await service.where(scope, request.forwarded)
         if isinstance(where, Serve):
-            return await own(request)
+            answer = await own(request)
+            return _with_written(answer, service.written.of(scope)) if write else answer
         if isinstance(where, Forward):
             try:
                 relayed = await service.relay(
@@ -93,6 +124,7 @@ def _scoped(route: Route, service: ClusterSlotService, scope_of: Callable[[Reque
                 if exc.unknown:
                     return error_response(503, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
                 return error_response(503, f"the owner of {scope.describe()}: {exc}; not applied, safe to retry")
+            service.written.note(relayed.written)
             return _relayed(relayed)
         return error_response(where.status, f"{where.message}; not applied, safe to retry")
 
@@ -103,6 +135,15 @@ def _gathered(route: Route, service: ClusterSlotService) -> Any:
     own = route.handler
 
     async def handler(request: Request) -> Response:
+        if not request.forwarded and service.follower_reads is not None:
+            try:
+                after = read_after_of(request)
+            except ValueError as exc:
+                return error_response(400, str(exc))
+            states = await service.follower_reads.states_for(scope_filter(request), after)
+            if states is not None:  # every scope of the read served here or by a copy ready for it
+                with reading(states):
+                    return await own(request)
         mine = await own(request)
         if request.forwarded or mine.status != 200:
             return mine
@@ -135,6 +176,12 @@ def _gathered(route: Route, service: ClusterSlotService) -> Any:
         return json_response(200, rows)
 
     return handler
+
+
+def read_after_of(request: Request) -> dict[str, int]:
+    """The read's tokens (``read_after``): the scopes whose copies must hold the caller's writes."""
+    value = request.query((READ_AFTER,)).get(READ_AFTER)
+    return parse_read_after(value) if value is not None else {}
 
 
 def _row_order(row: dict[str, Any]) -> tuple[Any, ...]:
