@@ -91,6 +91,10 @@ class WrittenSequences:
             del self._relayed[next(iter(self._relayed))]
         self._relayed[scope] = max(known, int(seq))
 
+    def relayed(self, token: str) -> int | None:
+        """The newest sequence an owner answered a write of the scope (its token) forwarded from here with."""
+        return self._relayed.get(token)
+
     def of(self, scope: ScopeKey) -> str | None:
         """The token for a write of ``scope`` acknowledged just now: the sequence its journal here holds, or the
         newest an owner answered with; None when neither is known."""
@@ -102,14 +106,19 @@ class WrittenSequences:
 
 
 class FollowerReads:
-    def __init__(self, followers: Followers, membership: Membership, owned: OwnedScopes) -> None:
+    def __init__(
+        self, followers: Followers, membership: Membership, owned: OwnedScopes, written: WrittenSequences
+    ) -> None:
         self.followers = followers
+        self._written = written
         self._membership = membership
         self._owned = owned
 
     async def states_for(self, wanted: ScopeFilter, after: dict[str, int]) -> list[ScopeState] | None:
         """The copies answering a read of ``wanted`` (each known scope it selects is served here, or has a copy
-        ready for it, waited for briefly); None when one is not: the read is gathered from the owners."""
+        ready for it, waited for briefly); None when one is not: the read is gathered from the owners. A copy must
+        hold the read's tokens (``after``) and every write this replica forwarded: a client reading through the
+        replica it wrote through sees its writes without a token."""
         if not self._membership.live():
             return None
         scopes = [scope for scope in self._membership.view.scopes.values() if wanted(scope)]
@@ -118,7 +127,9 @@ class FollowerReads:
             return None
         copies = []
         for scope in others:
-            copy = await self.followers.copy_for(scope, after.get(scope_token(scope)))
+            token = scope_token(scope)
+            need = max(after.get(token, 0), self._written.relayed(token) or 0)
+            copy = await self.followers.copy_for(scope, need or None)
             if copy is None:
                 return None
             copies.append(copy)
@@ -142,7 +153,7 @@ class FollowerReads:
     def metrics(self) -> list[Family]:
         now = trio.current_time()
         copies = self.followers.copies()
-        lags = {
+        lags: dict[tuple[str, ...], float] = {
             (copy.scope.model_name, copy.scope.tenant_id): lag
             for copy in copies
             if (lag := _lag(copy.current_at, now)) is not None

@@ -79,7 +79,7 @@ async def run_cluster_replica(
             owned = OwnedScopes(membership, journals, actor_system_options(options))
             service = ClusterSlotService(membership, owned, forwarder)
             followers = Followers(journals, served_predicate(owned))
-            service.follower_reads = FollowerReads(followers, membership, owned)
+            service.follower_reads = FollowerReads(followers, membership, owned, service.written)
             service.metric_sources.append(service.follower_reads.metrics)
             try:
                 async with trio.open_nursery() as nursery:
