@@ -72,6 +72,13 @@ async def test_a_read_through_a_follower_sees_the_callers_write_and_survives_a_p
             total += 10
             assert await prefill(through_b, model, written) == total
         assert await follower_reads(through_b) >= 5
+        command = {"model_name": model, "request_id": "batched", "worker_id": 1, "dp_rank": 1,
+                   "sequence_hashes": [3], "new_isl_tokens": 10}  # fmt: skip
+        answers = (await through_b.post("/batch", json=[{"method": "POST", "path": "/add", "body": command}])).json()
+        assert answers[0]["status"] == 201, answers  # forwarded to A, its token carried back with the result
+        written = answers[0]["headers"]["kvrouter-written"]
+        total += 10
+        assert await prefill(through_b, model, written) == total
 
         view: dict[str, Any] = (await through_b.get("/cluster")).json()
         copies = [row for row in view["followers"] if row["model_name"] == model]
