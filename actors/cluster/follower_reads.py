@@ -75,7 +75,7 @@ def copies_read(wanted: ScopeFilter) -> list[ScopeState]:
 
 
 class WrittenSequences:
-    def __init__(self, owned: OwnedScopes) -> None:
+    def __init__(self, owned: OwnedScopes[Any]) -> None:
         self._owned = owned
         self._relayed: dict[str, int] = {}
 
@@ -107,7 +107,7 @@ class WrittenSequences:
 
 class FollowerReads:
     def __init__(
-        self, followers: Followers, membership: Membership, owned: OwnedScopes, written: WrittenSequences
+        self, followers: Followers, membership: Membership, owned: OwnedScopes[Any], written: WrittenSequences
     ) -> None:
         self.followers = followers
         self._written = written
@@ -186,5 +186,5 @@ def _one(value: int) -> dict[tuple[str, ...], float]:
     return {(): float(value)}
 
 
-def served_predicate(owned: OwnedScopes) -> Callable[[ScopeKey], bool]:
+def served_predicate(owned: OwnedScopes[Any]) -> Callable[[ScopeKey], bool]:
     return lambda scope: owned.serving(scope) is not None
