@@ -574,7 +574,7 @@ class SelectService:
 
     async def cluster(self) -> dict[str, Any]:
         """``GET /cluster`` of a service that is no cluster replica (no ``--cluster``): nothing to show."""
-        return {"cluster": None, "member": None, "lease": None, "members": [], "scopes": []}
+        return {"cluster": None, "member": None, "lease": None, "members": [], "scopes": [], "followers": []}
 
     # -- metrics --------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from typing import Any, Generic
 import orjson
 import trio
 
+from kvrouter.actors.cluster.follower_reads import FollowerReads, WrittenSequences, copies_read
 from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes, S
@@ -60,6 +61,8 @@ class ClusterService(Generic[S]):
         self.owned = owned
         self.forwarder = forwarder
         self.metric_sources: list[FamilySource] = []
+        self.written = WrittenSequences(owned)  # the tokens of the writes answered here (``follower_reads``)
+        self.follower_reads: FollowerReads | None = None  # reads answered from copies (set at composition)
 
     # -- where a scope is served ------------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class ClusterService(Generic[S]):
             "members": sorted(self.live_members()),
             "scopes": scopes,
             "revision": view.revision,
+            "followers": self.follower_reads.describe() if self.follower_reads is not None else [],
         }
 
     async def metrics(self) -> list[Family]:
@@ -356,6 +360,7 @@ class ClusterSlotService(ClusterService[SlotService]):
             if exc.unknown:
                 return encode_failure(Refused(Reason.UNAVAILABLE, f"{exc}; the outcome is unknown"))
             return encode_failure(not_applied(str(exc)))
+        self.written.note(relayed.written)
         if relayed.status in (200, 201):
             return relayed.status == 201
         message = relayed.body.decode("utf-8", errors="replace")
@@ -368,6 +373,9 @@ class ClusterSlotService(ClusterService[SlotService]):
         rows = []
         for service in self.owned.services():
             rows.extend(await service.workers(wanted))
+        for state in copies_read(wanted):  # a read answered from follower copies (``follower_reads.reading``)
+            for worker_id, (start, size) in state.slots.workers.items():
+                rows.append(RegisteredRange(state.scope, worker_id, state.slots.block_size, start, size))
         return sorted(rows, key=lambda row: (row.scope, row.worker_id))
 
     async def loads(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeLoads]:
@@ -375,6 +383,7 @@ class ClusterSlotService(ClusterService[SlotService]):
         rows = []
         for service in self.owned.services():
             rows.extend(await service.loads(wanted))
+        rows.extend(ScopeLoads(state.scope, rank_loads(state)) for state in copies_read(wanted))
         return sorted(rows, key=lambda row: row.scope)
 
     async def potential_loads(

@@ -27,6 +27,8 @@ import attrs
 import httpx
 import trio
 
+from kvrouter.actors.cluster.follower_reads import FollowerReads, served_predicate
+from kvrouter.actors.cluster.followers import Followers
 from kvrouter.actors.cluster.forwarder import Forwarder
 from kvrouter.actors.cluster.kind_check import check_kind
 from kvrouter.actors.cluster.membership import Membership
@@ -69,7 +71,10 @@ class ClusterKind:
 
 
 def slot_tracker_routes(options: ServiceOptions, service: ClusterSlotService) -> list[Route]:
-    return clustered(slot_tracker_routes_of(ServiceObjects(service, PeerService(None)), options.streams), service)
+    # clustered before the command table is made: a command of the stream or of a batch is routed as its route is
+    return slot_tracker_routes_of(
+        ServiceObjects(service, PeerService(None)), options.streams, lambda served: clustered(served, service)
+    )
 
 
 SLOT_TRACKER_KIND = ClusterKind("slot-tracker", slot_service_of, ClusterSlotService, slot_tracker_routes)
@@ -102,9 +107,12 @@ async def run_cluster_replica(
             journals = ScopeJournals(cluster.nats_servers, cluster.name, options.durability)
             owned = OwnedScopes[Any](membership, journals, actor_system_options(options), kind.build_scope)
             service = kind.service(membership, owned, forwarder)
+            followers = follow_reads(service, journals)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(owned.run)
+                    if followers is not None:
+                        await nursery.start(followers.run)
                     nursery.start_soon(membership.run, owned.drop_all)
                     nursery.start_soon(service.keep_placed)
                     http_stopping = trio.Event()
@@ -119,6 +127,17 @@ async def run_cluster_replica(
                 with trio.CancelScope(shield=True):  # the scopes have stopped: now let the others claim them
                     await membership.leave()
                     await forwarder.aclose()
+
+
+def follow_reads(service: ClusterService[Any], journals: ScopeJournals) -> Followers | None:
+    """The slot tracker's follower copies (its reads of scopes owned elsewhere answered here), hooked into
+    ``service``; None for another kind (its reads are gathered from the owners)."""
+    if not isinstance(service, ClusterSlotService):
+        return None
+    followers = Followers(journals, served_predicate(service.owned))
+    service.follower_reads = FollowerReads(followers, service.membership, service.owned, service.written)
+    service.metric_sources.append(service.follower_reads.metrics)
+    return followers
 
 
 async def hand_over_and_stop(service: ClusterService[Any], stopping: trio.Event, http_stopping: trio.Event) -> None:

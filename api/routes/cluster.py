@@ -12,20 +12,23 @@ only the handlers its ``ClusterRouting`` names (the slot tracker's: ``SLOT_ROUTI
 * a read of many scopes (``GET /workers``, ``GET /loads``) gathers the rows of every live member: this replica's
   own (the scopes it serves) and, through each other member, theirs (asked with ``FORWARDED_HEADER``, so each
   answers for itself alone). A member that does not answer, or a known scope that no live member owns right now
-  (its owner died and it is not claimed yet), makes the read a 503 rather than a partial answer;
+  (its owner died and it is not claimed yet), makes the read a 503 rather than a partial answer. A slot
+  tracker's replica answers it itself instead when it holds a follower copy, ready for the read, of each scope it
+  covers that it does not serve (``follower_reads``; writes answer ``kvrouter-written``, reads name ``read_after``);
 * a command naming no scope (a reservation id, a worker id) is answered here if a scope served here holds what it
   names, else by the first other live member that does not answer 404 (each asked with ``FORWARDED_HEADER``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
 import orjson
 import trio
 
+from kvrouter.actors.cluster.follower_reads import READ_AFTER, WRITTEN_HEADER, parse_read_after, reading
 from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.service import ClusterService
 from kvrouter.actors.core.ids import ScopeKey
@@ -88,7 +91,10 @@ def clustered(routes: list[Route], service: ClusterService[Any], routing: Cluste
                 assert route.batched is not None, f"{name} reads its scope from its Batched.prepare"
                 # pipelined=False: the scope's owner is found before the command is posted
                 scoped = _scoped(route, service, _item_scope(route.batched.prepare))
-                route = attrs.evolve(route, handler=scoped, pipelined=False)
+                batched = route.batched
+                if name in SCOPED_WRITES:  # the slot tracker's writes answer their token (``follower_reads``)
+                    batched = attrs.evolve(batched, apply=_tokened(batched.apply, service))
+                route = attrs.evolve(route, handler=scoped, pipelined=False, batched=batched)
             else:
                 route = attrs.evolve(route, handler=_scoped(route, service, scope_of))
         elif name in routing.gathered:
@@ -111,17 +117,46 @@ def _item_scope(prepare: Callable[[Request], Any]) -> Callable[[Request], ScopeK
 
 
 def _relayed(relayed: Relayed) -> Response:
-    return Response(relayed.status, relayed.body, relayed.content_type)
+    headers = ((WRITTEN_HEADER.encode(), relayed.written.encode("latin-1")),) if relayed.written else ()
+    return Response(relayed.status, relayed.body, relayed.content_type, headers)
+
+
+def _with_written(response: Response, token: str | None) -> Response:
+    """A write's success, with the ``kvrouter-written`` token of its scope (``follower_reads``)."""
+    if token is None or response.status not in (200, 201):
+        return response
+    return attrs.evolve(response, headers=(*response.headers, (WRITTEN_HEADER.encode(), token.encode("latin-1"))))
+
+
+def _tokened(apply: Callable[[list[Any]], Awaitable[list[Response]]], service: ClusterService[Any]) -> Any:
+    """``Batched.apply`` of a write route (``POST /batch``, the command stream), each success with its scope's
+    token (one response per scope and answer: most answers of a group are the same few responses)."""
+
+    async def tokened(prepared: list[Any]) -> list[Response]:
+        responses = await apply(prepared)
+        made: dict[tuple[ScopeKey, int], Response] = {}
+        answers = []
+        for item, response in zip(prepared, responses, strict=True):
+            scope = ScopeKey(item[1], item[2])
+            key = (scope, id(response))
+            if key not in made:
+                made[key] = _with_written(response, service.written.of(scope))
+            answers.append(made[key])
+        return answers
+
+    return tokened
 
 
 def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf) -> Any:
     own = route.handler
+    write = route.operation is not None and route.operation.name in SCOPED_WRITES
 
     async def handler(request: Request) -> Response:
         scope = scope_of(request)  # bad input is refused here, as the route's own handler refuses it
         where = await service.where(scope, request.forwarded)
         if isinstance(where, Serve):
-            return await own(request)
+            answer = await own(request)
+            return _with_written(answer, service.written.of(scope)) if write else answer
         if isinstance(where, Forward):
             try:
                 relayed = await service.relay(
@@ -131,6 +166,7 @@ def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf) -> An
                 if exc.unknown:
                     return error_response(503, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
                 return error_response(503, f"the owner of {scope.describe()}: {exc}; not applied, safe to retry")
+            service.written.note(relayed.written)
             return _relayed(relayed)
         return error_response(where.status, f"{where.message}; not applied, safe to retry")
 
@@ -141,6 +177,15 @@ def _gathered(route: Route, service: ClusterService[Any], gather: Gather) -> Any
     own = route.handler
 
     async def handler(request: Request) -> Response:
+        if not request.forwarded and service.follower_reads is not None:
+            try:
+                after = read_after_of(request)
+            except ValueError as exc:
+                return error_response(400, str(exc))
+            states = await service.follower_reads.states_for(scope_filter(request), after)
+            if states is not None:  # every scope of the read served here or by a copy ready for it
+                with reading(states):
+                    return await own(request)
         mine = await own(request)
         if request.forwarded or mine.status not in gather.statuses:
             return mine
@@ -162,6 +207,12 @@ def _gathered(route: Route, service: ClusterService[Any], gather: Gather) -> Any
         return gather.merge(found)
 
     return handler
+
+
+def read_after_of(request: Request) -> dict[str, int]:
+    """The read's tokens (``read_after``): the scopes whose copies must hold the caller's writes."""
+    value = request.query((READ_AFTER,)).get(READ_AFTER)
+    return parse_read_after(value) if value is not None else {}
 
 
 def _located(route: Route, service: ClusterService[Any]) -> Any:
