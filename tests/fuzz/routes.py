@@ -233,6 +233,7 @@ SELECTION_ROUTES = [
     FuzzRoute("POST", "/potential_loads", SELECT, unavailable_ok=True),
     FuzzRoute("POST", "/overlap_scores", SELECT, unavailable_ok=True),
     FuzzRoute("GET", "/dump"),
+    FuzzRoute("GET", "/cluster"),
     FuzzRoute("GET", "/ws/decisions", query=SCOPE_QUERY),
     *REPLICA_ROUTES,
     *SELF_DESCRIPTION_ROUTES,
