@@ -1,5 +1,6 @@
-"""``python -m kvrouter.simulations.process_faults --minutes N``: one long run on real processes; prints the figures
-(operations ok/fail/info, faults injected, violations) and exits 1 if the checker found any."""
+"""``python -m kvrouter.simulations.process_faults --minutes N``: one long run on real processes, each in a network
+namespace of its own (``--loopback``: all on 127.0.0.1, no partitions, etcd left alone); prints the figures
+(operations ok/fail/info, faults injected, violations) and exits 1 if the checker found any, 2 if it cannot run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from kvrouter.simulations.process_faults.network import network_missing
 from kvrouter.simulations.process_faults.run import Result, RunOptions, run_faults, servers_missing
 
 
@@ -32,13 +34,24 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=1.0, help="how long the nemesis and clients run")
     parser.add_argument("--seed", type=int, default=1, help="seeds the clients' and the nemesis' choices")
     parser.add_argument("--work-dir", type=Path, help="where the processes keep their data, logs and the history")
+    parser.add_argument(
+        "--loopback",
+        action="store_true",
+        help="every process on 127.0.0.1 (no network namespaces, no root needed): kills and pauses of replicas and "
+        "NATS nodes only, no partitions, etcd left alone",
+    )
     args = parser.parse_args()
-    missing = servers_missing()
+    missing = servers_missing() or (None if args.loopback else network_missing())
     if missing is not None:
-        sys.exit(f"cannot run: {missing}")
+        print(
+            f"cannot run: {missing}" + ("" if args.loopback else " (--loopback runs without namespaces)"),
+            file=sys.stderr,
+        )
+        sys.exit(2)
     if not 0 < args.minutes <= 24 * 60:
-        sys.exit(f"--minutes={args.minutes:g} must be more than 0 and at most 1440")
-    options = RunOptions(seed=args.seed, fault_seconds=args.minutes * 60)
+        print(f"--minutes={args.minutes:g} must be more than 0 and at most 1440", file=sys.stderr)
+        sys.exit(2)
+    options = RunOptions(seed=args.seed, fault_seconds=args.minutes * 60, network=not args.loopback)
     directory = args.work_dir or Path(tempfile.mkdtemp(prefix="kvrouter-faults-"))
     directory.mkdir(parents=True, exist_ok=True)
     result = trio.run(run_faults, directory, options)

@@ -1,9 +1,11 @@
 """One run on real processes: etcd, a 3-node NATS cluster (the stream R=3) and 3 slot-tracker replicas with
-``--cluster``, all on free 127.0.0.1 ports; clients and the nemesis for ``fault_seconds``; then healing, the
-replicas' agreement, the truth read from JetStream, and the ownership simulation's checker over the history.
+``--cluster``; clients and the nemesis for ``fault_seconds``; then healing, the replicas' agreement, the truth read
+from JetStream, and the ownership simulation's checker over the history.
 
-Every process is started and stopped here by its PID. Partitions are by SIGSTOP only: every process is on the
-loopback interface (no network namespaces), so links are never cut."""
+By default each of the seven processes runs in a network namespace of its own (``network.py``), the clients in
+this one reaching them through a bridge, and the nemesis also partitions them and kills and pauses etcd. With
+``network=False`` every process listens on 127.0.0.1 and the nemesis kills and pauses replicas and NATS nodes
+only. Every process is started and stopped here by its PID; the namespaces are deleted after, whatever happened."""
 
 from __future__ import annotations
 
@@ -19,13 +21,23 @@ import trio
 from kvrouter.simulations.ownership.checker import check
 from kvrouter.simulations.ownership.history import History
 from kvrouter.simulations.process_faults.clients import Client, Clock
-from kvrouter.simulations.process_faults.nemesis import Nemesis, nats_target, replica_target, wait_all_healthy
-from kvrouter.simulations.process_faults.replicas import Replica, cluster_argv
-from kvrouter.simulations.process_faults.servers import NatsNode, binary, etcd_server, nats_cluster
+from kvrouter.simulations.process_faults.nemesis import (
+    Nemesis,
+    etcd_target,
+    nats_target,
+    replica_target,
+    wait_all_healthy,
+)
+from kvrouter.simulations.process_faults.network import Network
+from kvrouter.simulations.process_faults.replicas import TOKEN, Replica, cluster_argv
+from kvrouter.simulations.process_faults.servers import LOOPBACK, NatsNode, Place, binary, etcd_server, nats_cluster
 from kvrouter.simulations.process_faults.truth import agreed_loads, answer_rows, digest, scope_truth, truth_rows
 
 CLUSTER = "FAULTS"
 AGREE_SECONDS = 10.0  # every replica answers /loads alike within this long of the last fault's end
+NATS_NODES = ("n1", "n2", "n3")
+REPLICAS = ("a", "b", "c")
+HOSTS = ["etcd", *NATS_NODES, *REPLICAS]  # one network namespace each
 
 
 @attrs.frozen
@@ -35,6 +47,7 @@ class RunOptions:
     clients: int = 4
     scopes: int = 3
     ttl_seconds: int = 2
+    network: bool = True  # False: every process on 127.0.0.1, no partitions, etcd left alone
 
 
 @attrs.frozen
@@ -58,26 +71,38 @@ async def run_faults(directory: Path, options: RunOptions) -> Result:
     nats = binary("nats-server", "/usr/sbin/nats-server")
     etcd = binary("etcd", "/usr/bin/etcd")
     assert nats is not None and etcd is not None, servers_missing()
-    with contextlib.ExitStack() as stack:
-        etcd_url = stack.enter_context(etcd_server(etcd, directory / "etcd"))
-        nodes = stack.enter_context(nats_cluster(nats, directory / "nats", 3))
-        argv = cluster_argv(CLUSTER, etcd_url, [n.url for n in nodes], 3, options.ttl_seconds)
-        replicas = [Replica(directory, name, argv) for name in ("a", "b", "c")]
+    with contextlib.ExitStack() as stack:  # left in reverse: the processes stopped, then the namespaces deleted
+        network = stack.enter_context(Network(HOSTS)) if options.network else None
+        places = {name: _place(network, name) for name in HOSTS}
+        etcd_server_ = stack.enter_context(etcd_server(etcd, directory / "etcd", places["etcd"]))
+        nodes = stack.enter_context(nats_cluster(nats, directory / "nats", 3, [places[n] for n in NATS_NODES]))
+        argv = cluster_argv(CLUSTER, etcd_server_.url, [n.url for n in nodes], 3, options.ttl_seconds)
+        replicas = [Replica(directory, name, argv, places[name]) for name in REPLICAS]
         for replica in replicas:
             stack.callback(replica.stop)
-        return await _exercise(directory, options, nats, nodes, replicas)
+        targets = [replica_target(r) for r in replicas] + [nats_target(n, nats) for n in nodes]
+        targets += [etcd_target(etcd_server_)] if network is not None else []
+        nemesis = Nemesis(History(), Clock(), options.seed, targets, network)
+        return await _exercise(directory, options, nemesis, nodes, replicas)
     raise AssertionError("unreachable")
 
 
+def _place(network: Network | None, name: str) -> Place:
+    if network is None:
+        return LOOPBACK
+    host = network.hosts[name]
+    return Place(host.address, tuple(host.wrap([])))
+
+
 async def _exercise(
-    directory: Path, options: RunOptions, nats: str, nodes: list[NatsNode], replicas: list[Replica]
+    directory: Path, options: RunOptions, nemesis: Nemesis, nodes: list[NatsNode], replicas: list[Replica]
 ) -> Result:
-    history, clock = History(), Clock()
+    history, clock = nemesis.history, nemesis.clock
     urls = [r.url for r in replicas]
     scopes = [f"model-{i}" for i in range(options.scopes)]
-    targets = [replica_target(r) for r in replicas] + [nats_target(n, nats) for n in nodes]
-    nemesis = Nemesis(history, clock, options.seed, targets)
-    async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=64)) as http:
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(trust_env=False, limits=limits, headers=headers) as http:
         for replica in replicas:
             replica.launch()
         await wait_all_healthy(http, replicas)
