@@ -103,6 +103,8 @@ class Nemesis:
         else:
             start, end, name = target.pause, target.resume, target.name
         self.counts[kind] += 1
+        if name == "etcd":
+            self.counts[f"{kind} of etcd"] = self.counts.get(f"{kind} of etcd", 0) + 1  # counted in `kind` too
         self.note(kind, name, "start")
         start()
         try:
