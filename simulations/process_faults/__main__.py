@@ -5,7 +5,9 @@ namespace of its own (``--loopback``: all on 127.0.0.1, no partitions, etcd left
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -19,9 +21,11 @@ from kvrouter.simulations.process_faults.run import Result, RunOptions, run_faul
 def report(result: Result, minutes: float) -> None:
     ops = result.operations
     faults = ", ".join(f"{kind} {count}" for kind, count in sorted(result.faults.items()))
+    led = f"{result.led_after:.1f} s" if result.led_after is not None else "never"
     agreed = f"{result.agreed_after:.1f} s" if result.agreed_after is not None else "never"
     print(f"faults for {minutes:g} min; operations: ok {ops['ok']}, fail {ops['fail']}, info {ops['info']}")
-    print(f"faults injected: {faults}; replicas agreed {agreed} after the last fault")
+    print(f"faults injected: {faults}")
+    print(f"after the last fault: the stream had a leader within {led}, the replicas agreed after {agreed}")
     print(f"violations: {len(result.violations)}")
     for violation in result.violations[:20]:
         print(f"  {violation}")
@@ -54,6 +58,8 @@ def main() -> None:
     options = RunOptions(seed=args.seed, fault_seconds=args.minutes * 60, network=not args.loopback)
     directory = args.work_dir or Path(tempfile.mkdtemp(prefix="kvrouter-faults-"))
     directory.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds as Ctrl-C does: the processes are stopped and the namespaces deleted on the way out
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     result = trio.run(run_faults, directory, options)
     report(result, args.minutes)
     if args.work_dir is None and not result.violations:

@@ -21,6 +21,7 @@ import trio
 from kvrouter.simulations.ownership.checker import check
 from kvrouter.simulations.ownership.history import History
 from kvrouter.simulations.process_faults.clients import Client, Clock
+from kvrouter.simulations.process_faults.leader import stream_led
 from kvrouter.simulations.process_faults.nemesis import (
     Nemesis,
     etcd_target,
@@ -34,7 +35,8 @@ from kvrouter.simulations.process_faults.servers import LOOPBACK, NatsNode, Plac
 from kvrouter.simulations.process_faults.truth import agreed_loads, answer_rows, digest, scope_truth, truth_rows
 
 CLUSTER = "FAULTS"
-AGREE_SECONDS = 10.0  # every replica answers /loads alike within this long of the last fault's end
+AGREE_SECONDS = 10.0  # every replica answers /loads alike within this long of the stream's leader answering
+LEADER_SECONDS = 30.0  # the stream has a leader again within this long of the last fault's end
 NATS_NODES = ("n1", "n2", "n3")
 REPLICAS = ("a", "b", "c")
 HOSTS = ["etcd", *NATS_NODES, *REPLICAS]  # one network namespace each
@@ -54,6 +56,7 @@ class RunOptions:
 class Result:
     operations: dict[str, int]  # ok, fail, info: attempts' outcomes
     faults: dict[str, int]
+    led_after: float | None  # seconds from the last fault's end until the stream answered (had a leader)
     agreed_after: float | None  # seconds from the last fault's end until every replica answered /loads alike
     violations: list[str]
     history: Path
@@ -117,19 +120,38 @@ async def _exercise(
                 nursery.start_soon(nemesis.run, until)
             await wait_all_healthy(http, replicas)
             supervision.cancel_scope.cancel()
-        healed_at = max(nemesis.last_fault_ended, until)
-        agreed = await agreed_loads(http, urls, max(0.0, healed_at + AGREE_SECONDS - trio.current_time()))
-        agreed_after = trio.current_time() - healed_at if agreed is not None else None
-        violations = (
-            [] if agreed is not None else [f"the replicas did not answer /loads alike within {AGREE_SECONDS:g} s"]
-        )
-        violations += await _check(history, tuple(n.url for n in nodes), scopes, urls, agreed)
+        servers = tuple(n.url for n in nodes)
+        settled = await _settle(http, urls, servers, max(nemesis.last_fault_ended, until))
+        violations = settled.violations + await _check(history, servers, scopes, urls, settled.agreed)
     path = directory / "history.jsonl"
     path.write_bytes(history.to_bytes())
     kinds = Counter(r["type"] for r in history.records if r["process"].startswith("c"))
     operations = {kind: kinds[kind] for kind in ("ok", "fail", "info")}
     faults = dict(nemesis.counts) | {"replica relaunched after exiting": sum(r.relaunches for r in replicas)}
-    return Result(operations, faults, agreed_after, violations, path)
+    return Result(operations, faults, settled.led_after, settled.agreed_after, violations, path)
+
+
+@attrs.frozen
+class Settled:
+    led_after: float | None
+    agreed: list[Any] | None  # every replica's /loads, once alike
+    agreed_after: float | None
+    violations: list[str]
+
+
+async def _settle(http: httpx.AsyncClient, urls: list[str], servers: tuple[str, ...], healed_at: float) -> Settled:
+    """The stream led again (within ``LEADER_SECONDS``), then every replica answering ``/loads`` alike within
+    ``AGREE_SECONDS`` of that (or of the last fault, if later)."""
+    led = await stream_led(servers, CLUSTER, max(0.0, healed_at + LEADER_SECONDS - trio.current_time()))
+    led_after = trio.current_time() - healed_at if led else None
+    if not led:
+        return Settled(None, None, None, [f"the stream {CLUSTER} had no leader within {LEADER_SECONDS:g} s"])
+    start = max(healed_at, trio.current_time())
+    agreed = await agreed_loads(http, urls, max(0.0, start + AGREE_SECONDS - trio.current_time()))
+    if agreed is None:
+        why = f"the replicas did not answer /loads alike within {AGREE_SECONDS:g} s of the stream's answer"
+        return Settled(led_after, None, None, [why])
+    return Settled(led_after, agreed, trio.current_time() - healed_at, [])
 
 
 async def _check(
