@@ -30,7 +30,7 @@ def report(result: Result, minutes: float) -> None:
     for violation in result.violations[:20]:
         print(f"  {violation}")
     if result.violations:
-        print(f"history: {result.history} (the processes' logs beside it)")
+        print(f"history: {result.history} (beside it: the processes' logs, and replicas-after.json)")
 
 
 def main() -> None:

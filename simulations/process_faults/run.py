@@ -10,6 +10,7 @@ only. Every process is started and stopped here by its PID; the namespaces are d
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ async def _exercise(
         servers = tuple(n.url for n in nodes)
         settled = await _settle(http, urls, servers, max(nemesis.last_fault_ended, until))
         violations = settled.violations + await _check(history, servers, scopes, urls, settled.agreed)
+        if violations:
+            await _keep_evidence(http, urls, directory / "replicas-after.json")
     path = directory / "history.jsonl"
     path.write_bytes(history.to_bytes())
     kinds = Counter(r["type"] for r in history.records if r["process"].startswith("c"))
@@ -152,6 +155,21 @@ async def _settle(http: httpx.AsyncClient, urls: list[str], servers: tuple[str, 
         why = f"the replicas did not answer /loads alike within {AGREE_SECONDS:g} s of the stream's answer"
         return Settled(led_after, None, None, [why])
     return Settled(led_after, agreed, trio.current_time() - healed_at, [])
+
+
+async def _keep_evidence(http: httpx.AsyncClient, urls: list[str], path: Path) -> None:
+    """After a violation, once the replicas had 3 s more: each one's ``/cluster`` and ``/loads``, beside the
+    history (whether they came to match the truth late, and who served what)."""
+    await trio.sleep(3.0)
+    evidence: dict[str, Any] = {}
+    for url in urls:
+        for route in ("/cluster", "/loads"):
+            try:
+                answer = await http.get(url + route, timeout=5)
+                evidence[url + route] = answer.json() if answer.status_code == 200 else answer.text
+            except (httpx.TransportError, ValueError) as exc:
+                evidence[url + route] = repr(exc)
+    await trio.Path(path).write_text(json.dumps(evidence, indent=1, sort_keys=True))
 
 
 async def _check(
