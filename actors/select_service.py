@@ -572,6 +572,10 @@ class SelectService:
         command = RecoverKv(runs, at=self._now(), max_index_blocks=self.system.max_index_blocks_per_scope)
         accepted(await self.system.ask(scope, command))
 
+    async def cluster(self) -> dict[str, Any]:
+        """``GET /cluster`` of a service that is no cluster replica (no ``--cluster``): nothing to show."""
+        return {"cluster": None, "member": None, "lease": None, "members": [], "scopes": [], "followers": []}
+
     # -- metrics --------------------------------------------------------------------------------------
 
     async def metrics(self) -> list[Family]:

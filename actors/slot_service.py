@@ -176,7 +176,7 @@ class SlotService:
 
     async def cluster(self) -> dict[str, Any]:
         """``GET /cluster`` of a service that is no cluster replica (no ``--cluster``): nothing to show."""
-        return {"cluster": None, "member": None, "lease": None, "members": [], "scopes": []}
+        return {"cluster": None, "member": None, "lease": None, "members": [], "scopes": [], "followers": []}
 
     async def metrics(self) -> list[Family]:
         """The actor side's figures for ``GET /metrics`` (see ``actors/service_metrics.py``)."""

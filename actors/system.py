@@ -53,7 +53,7 @@ from kvrouter.actors.snapshotter import (
     Snapshotter,
     choose_method,
 )
-from kvrouter.journal.store import Journal
+from kvrouter.journal.store import Journal, SnapshotRefused
 
 log = logging.getLogger("kvrouter.actors")
 
@@ -536,6 +536,8 @@ class ActorSystem:
                 continue  # set before the previous snapshot finished, which covered it
             try:
                 await self.snapshot()
+            except SnapshotRefused as exc:  # not a local fault: another writer holds a newer snapshot
+                log.warning("snapshot not stored, a newer one is (another owner wrote the log): %s", exc)
             except (SnapshotFailed, OSError) as exc:
                 if self.failure is not None:
                     continue  # the journal is gone and the service is stopping: that is the one thing to say

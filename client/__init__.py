@@ -3,6 +3,7 @@
     from kvrouter.client import StreamClient      # trio: async with StreamClient.connect(url) as client
     from kvrouter.client import AsyncioClient     # asyncio: await client.add(...)
     from kvrouter.client import BlockingClient    # threads: client.add(...)
+    from kvrouter.client import ReplicaClient     # trio, a cluster's replicas: ReplicaClient.connect([url, ...])
 
 Every flavour has the same operations (``kvrouter.client.operations.Operations``); a refused command
 raises ``CommandError`` with the service's status and message. See the README's "Batches, the command
@@ -10,6 +11,7 @@ stream and the client library".
 """
 
 from kvrouter.client.operations import Booking, CommandError, Reply, Selection, StreamClosed
+from kvrouter.client.replicas import NoReplica, OutcomeUnknown, ReplicaClient
 from kvrouter.client.stream import StreamClient
 from kvrouter.client.threaded import AsyncioClient, BlockingClient
 
@@ -18,6 +20,9 @@ __all__ = [
     "BlockingClient",
     "Booking",
     "CommandError",
+    "NoReplica",
+    "OutcomeUnknown",
+    "ReplicaClient",
     "Reply",
     "Selection",
     "StreamClient",

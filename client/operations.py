@@ -106,6 +106,11 @@ class Op(Generic[T]):
             return json_body(self.compact[0], self.compact[1:])
         return self._body
 
+    def every_reply(self, path: str | None = None) -> Op[Reply]:
+        """The same command (to ``path`` if given), each of its replies returned as a ``Reply`` without raising
+        (for a client that decides on the status itself before decoding with this ``Op``: ``result_of``)."""
+        return Op(self.method, path or self.path, self._body, _reply, raises=False, compact=self.compact)
+
     def __repr__(self) -> str:
         return f"Op({self.method} {self.path})"
 

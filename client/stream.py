@@ -216,6 +216,11 @@ class StreamClient(Operations):
         if raised:
             raise raised[0]
 
+    @property
+    def closed(self) -> bool:
+        """Whether the stream is closed (a command sent now raises ``StreamClosed`` at once, unsent)."""
+        return self._closed is not None
+
     def _encode_write(self, command_id: int, fields: tuple[Any, ...]) -> bytes:
         """A hot write in the compact format (its hashes as int64s bytes where they are plain integers)."""
         if fields[0] == ADD:

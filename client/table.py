@@ -127,9 +127,7 @@ OPERATIONS: tuple[Operation, ...] = (
           request="RequestRefBody", responses=STATUS, writes=True, compact=Compact(2, _REF_FIELDS)),
     _slot("free", "POST", "/free", "A tracked request is finished", body=Body.JSON, request="RequestRefBody",
           responses=STATUS, writes=True, compact=Compact(3, _REF_FIELDS)),
-    _slot("cluster", "GET", "/cluster",
-          "This replica's cluster: its lease, the live members and each scope's owner (null outside a cluster)",
-          responses={200: ref("ClusterView")}),
+
     # -- both services (same path; each answers in its own shape)
     _both("workers", "GET", "/workers",
           "The registered workers (slot tracker: dp ranges; selection service: catalog records)",
@@ -143,6 +141,9 @@ OPERATIONS: tuple[Operation, ...] = (
           body=Body.JSON,
           request_schema={"oneOf": [ref("PotentialLoadsBody"), ref("SelectBody")]},
           responses={200: array_of(ref("PotentialLoad"))}, embedded="get_potential_loads", frontend=True),
+    _both("cluster", "GET", "/cluster",
+          "This replica's cluster: its lease, the live members and each scope's owner (null outside a cluster)",
+          responses={200: ref("ClusterView")}, frontend=True),
     _both("health", "GET", "/health", "Liveness (answers without the bearer token)", responses={200: None},
           public=True, frontend=True),
     # -- the selection service

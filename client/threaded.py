@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from kvrouter.client.loop_thread import LoopThread
 from kvrouter.client.operations import Op, Operations, StreamClosed
+from kvrouter.client.replicas import RETRY_SECONDS, ReplicaClient
 from kvrouter.client.stream import CONNECT_SECONDS, MAX_IN_FLIGHT, StreamClient
 
 T = TypeVar("T")
@@ -32,17 +34,24 @@ class _ThreadHosted(Operations):
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         token: str | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
         connect_timeout: float | None = CONNECT_SECONDS,
         compact: bool = True,
+        retry_seconds: float = RETRY_SECONDS,
     ) -> None:
-        def connect() -> contextlib.AbstractAsyncContextManager[StreamClient]:
-            return StreamClient.connect(
-                url, token=token, max_in_flight=max_in_flight, connect_timeout=connect_timeout, compact=compact
-            )
+        """``url``: the service's URL, or a cluster's replicas (a list, or one string of comma-separated URLs),
+        through a ``ReplicaClient`` (``retry_seconds``: see there)."""
+        options: dict[str, Any] = {
+            "token": token, "max_in_flight": max_in_flight, "connect_timeout": connect_timeout, "compact": compact,
+        }  # fmt: skip
+
+        def connect() -> contextlib.AbstractAsyncContextManager[StreamClient | ReplicaClient]:
+            if isinstance(url, str) and "," not in url:
+                return StreamClient.connect(url, **options)
+            return ReplicaClient.connect(url, retry_seconds=retry_seconds, **options)
 
         self._host = LoopThread(connect, name="kvrouter-client", closed_error=_closed, finish_on_close=False)
 

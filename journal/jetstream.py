@@ -47,6 +47,7 @@ from kvrouter.journal.store import (
     JournalWriteFailed,
     SkippedRecord,
     Snapshot,
+    SnapshotRefused,
     check_snapshot,
 )
 
@@ -277,7 +278,10 @@ class JetStreamJournal:
 
     async def write_snapshot(self, snapshot: Snapshot) -> None:
         """Store ``snapshot`` in the stream's object store with the stream sequence its replay starts from, then
-        purge the messages before that sequence (the subject keeps its last message: the fence needs one)."""
+        purge the messages before that sequence (the subject keeps its last message: the fence needs one).
+
+        Fenced: only if the stored snapshot covers less (``jetstream_snapshots``); ``SnapshotRefused`` otherwise,
+        with nothing stored or purged and this journal's own view unchanged."""
         async with self._snapshot_lock:
             current = self._snapshot.lsn if self._snapshot is not None else None
             check_snapshot(snapshot.lsn, self._commit.last_lsn, current)
@@ -285,7 +289,12 @@ class JetStreamJournal:
             keep = self._first_message_after(snapshot.lsn)
             replay_from = int(self._index_seq[keep]) if keep < len(self._index_seq) else 0
             with trio.CancelScope(shield=True):  # (bounded on the asyncio side)
-                await self._thread.call(self._link.store_snapshot, StoredSnapshot(snapshot, replay_from))
+                stored = await self._thread.call(self._link.store_snapshot, StoredSnapshot(snapshot, replay_from))
+            if not stored:
+                raise SnapshotRefused(
+                    f"the snapshot of {self._link.subject} at lsn {snapshot.lsn} was not stored: the stored one is "
+                    "newer (another writer took this log over); nothing was purged"
+                )
             del self._index_lsn[:keep]
             del self._index_seq[:keep]
             covered = snapshot.lsn - (current or 0)

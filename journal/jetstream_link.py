@@ -29,6 +29,7 @@ import nats.js.errors
 from nats.js import api as js_api
 
 from kvrouter.journal import jetstream_batch as batch
+from kvrouter.journal import jetstream_snapshots as snapshots
 from kvrouter.journal.store import JournalFenced, JournalUnreachable, JournalWriteFailed, Snapshot
 
 log = logging.getLogger("kvrouter.journal")
@@ -246,18 +247,26 @@ class JetStreamLink:
         lsn, replay_from = SNAPSHOT_HEADER.unpack_from(data)
         return StoredSnapshot(Snapshot(lsn, data[SNAPSHOT_HEADER.size :]), replay_from)
 
-    async def store_snapshot(self, stored: StoredSnapshot) -> None:
-        """Put the snapshot (replacing the previous one), then purge the messages before ``replay_from``."""
+    async def store_snapshot(self, stored: StoredSnapshot) -> bool:
+        """Store the snapshot if it is newer (by the lsn it covers) than the stored one, atomically
+        (``jetstream_snapshots``), then purge the messages before ``replay_from``; False, nothing stored and nothing
+        purged, if the stored one covers as much or more (a newer owner wrote it)."""
         data = SNAPSHOT_HEADER.pack(stored.snapshot.lsn, stored.replay_from) + stored.snapshot.payload
+        bucket = bucket_of(self.stream)
+        newer = snapshots.put_if_newer(
+            self._js, bucket, self._snapshot_object, data, stored.snapshot.lsn, stored.replay_from
+        )
         try:
-            await asyncio.wait_for(self._objects.put(self._snapshot_object, data), REQUEST_TIMEOUT_SECONDS * 4)
-        except (TimeoutError, nats.errors.Error) as exc:
+            if not await asyncio.wait_for(newer, REQUEST_TIMEOUT_SECONDS * 4):
+                return False
+        except (TimeoutError, nats.errors.Error, snapshots.SnapshotRaced) as exc:
             raise JournalWriteFailed(f"storing the snapshot in JetStream failed ({_why(exc)})") from None
         if stored.replay_from > 1:
             try:  # (purges up to, not including, replay_from: the subject keeps a last message to fence on)
                 await self._js.purge_stream(self.stream, subject=self.subject, seq=stored.replay_from)
             except (TimeoutError, nats.errors.Error) as exc:
                 log.warning("purging the journal stream %s before %d failed: %s", self.stream, stored.replay_from, exc)
+        return True
 
     async def publish(self, body: bytes, first_lsn: int, expected_last: int) -> int:
         """Publish one group, fenced on ``expected_last``; its stream sequence once JetStream acknowledged it."""

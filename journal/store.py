@@ -51,6 +51,11 @@ class JournalFenced(JournalWriteFailed):
     was refused, so the log does not fork, and this writer stops for good."""
 
 
+class SnapshotRefused(OSError):
+    """A remote journal (JetStream) did not store a snapshot because the stored one is newer (another writer took
+    the log over): nothing was replaced or purged; the journal goes on (its next append is fenced)."""
+
+
 @attrs.frozen
 class SkippedRecord:
     """A record the log holds but ``read`` does not yield: damaged (its checksum fails) where its writer marked it

@@ -19,6 +19,7 @@ import httpx
 
 from kvrouter.actors.core.ownership.forwarding import FORWARDED_HEADER
 
+WRITTEN_HEADER: Final = "kvrouter-written"  # (``follower_reads``) carried back with the owner's answer
 MAX_CONNECTIONS: Final = 64
 MAX_KEEPALIVE: Final = 16
 CONNECT_TIMEOUT_SECONDS: Final = 0.5
@@ -36,6 +37,7 @@ class Relayed:
     status: int
     body: bytes
     content_type: bytes | None
+    written: str | None = None  # a write's ``kvrouter-written`` token (``follower_reads``)
 
 
 class Forwarder:
@@ -67,7 +69,8 @@ class Forwarder:
                         raise OwnerUnreachable(f"{owner} answered more than {MAX_ANSWER_BYTES} bytes", unknown=True)
                     chunks.append(chunk)
                 content_type = response.headers.get("content-type")
-                return Relayed(response.status_code, b"".join(chunks), content_type.encode() if content_type else None)
+                body, written = b"".join(chunks), response.headers.get(WRITTEN_HEADER)
+                return Relayed(response.status_code, body, content_type.encode() if content_type else None, written)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.failed += 1
             raise OwnerUnreachable(f"cannot reach {owner} ({type(exc).__name__})", unknown=False) from None

@@ -2,7 +2,9 @@
 
 Under ``kvrouter/cluster/NAME/`` etcd holds:
 
-* ``members/<advertise URL>``: one per replica, under its lease (gone when the lease ends);
+* ``members/<advertise URL>``: one per replica, under its lease (gone when the lease ends); its value says
+  ``"leaving": true`` once the replica stops (SIGTERM): it stays reachable, but placement no longer counts it, so
+  its scopes go to the others while it hands them over;
 * ``owners/<scope token>``: the scope's owner and its lease, created under that lease in a create-if-absent
   transaction (``scopes.py``), so it too is gone when the owner's lease ends;
 * ``scopes/<scope token>``: the scope's model and tenant, without a lease: the scopes the cluster knows, so a
@@ -54,6 +56,7 @@ class View:
     """The cluster's keys as this replica last saw them."""
 
     members: set[str] = attrs.Factory(set)
+    leaving: set[str] = attrs.Factory(set)  # members that are stopping: reachable, but not placed on
     owners: dict[str, OwnerKey] = attrs.Factory(dict)
     scopes: dict[str, ScopeKey] = attrs.Factory(dict)
     revision: int = 0
@@ -64,8 +67,13 @@ class View:
             data: Any = orjson.loads(value) if value else None
             if kind == "members" and value is not None:
                 self.members.add(name)
+                if isinstance(data, dict) and data.get("leaving") is True:
+                    self.leaving.add(name)
+                else:
+                    self.leaving.discard(name)
             elif kind == "members":
                 self.members.discard(name)
+                self.leaving.discard(name)
             elif kind == "owners":
                 if data is None:
                     self.owners.pop(name, None)
@@ -93,6 +101,7 @@ class Membership:
         self._changed = trio.Event()
         self.leases_taken = 0
         self.etcd_failure: str | None = None  # why the last renewal or lease grant failed; None once one succeeds
+        self.leaving = False  # stopping: placement over the others only, while this replica hands its scopes over
 
     def key(self, kind: str, name: str) -> str:
         return f"{self.prefix}{kind}/{name}"
@@ -116,8 +125,27 @@ class Membership:
         self.lease_id = lease_id
         self._deadline = holder_deadline(int(sent * NS), ttl * NS) / NS
         self.leases_taken += 1
-        await self.etcd.put(self.key("members", self.me), orjson.dumps({"url": self.me}), lease_id)
+        await self._put_member()
         log.info("cluster %s: member %s holds lease %x (TTL %d s)", self.cluster, self.me, lease_id, ttl)
+
+    async def _put_member(self) -> None:
+        value: dict[str, Any] = {"url": self.me, "leaving": True} if self.leaving else {"url": self.me}
+        await self.etcd.put(self.key("members", self.me), orjson.dumps(value), self.lease_id)
+
+    async def leave_placement(self) -> None:
+        """The first step of stopping: mark the member key ``leaving`` (the lease is kept), so that every replica's
+        placement, this one's included, prefers the others for each scope; this replica stays reachable while it
+        hands its scopes over. ``EtcdUnavailable`` if etcd does not answer (this replica's own placement already
+        leaves itself out)."""
+        self.leaving = True
+        self._notify()
+        if self.lease_id:
+            await self._put_member()
+
+    def placement(self, live: set[str]) -> list[str]:
+        """The members placement chooses among: the live ones, less those leaving (this one, once stopping)."""
+        leaving = self.view.leaving | ({self.me} if self.leaving else set())
+        return sorted(live - leaving)
 
     async def leave(self) -> None:
         """Revoke the lease (its keys go with it): the others may claim this replica's scopes at once."""

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 import attrs
 import nats.errors
@@ -48,6 +48,7 @@ from kvrouter.actors.fleet.etcd import EtcdUnavailable
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import running_actors
 from kvrouter.actors.slot_service import SlotService
+from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.jetstream_link import subject_of
 from kvrouter.journal.store import Durability, JournalUnreachable
@@ -63,6 +64,16 @@ MAX_OWNED_SCOPES: Final = 256
 DRAIN_SECONDS: Final = 5.0
 
 
+# The service object one scope's owner runs over the scope's actor system (a ``SlotService``, a ``SelectService``):
+# built once the scope is recovered, with the nursery its tasks may run in (cancelled when the scope stops).
+S = TypeVar("S")
+ServiceBuilder = Callable[[ActorSystem, trio.Nursery], Awaitable[S]]
+
+
+async def slot_service_of(system: ActorSystem, nursery: trio.Nursery) -> SlotService:
+    return SlotService(system)
+
+
 @attrs.frozen
 class ScopeJournals:
     """Where the scopes' journals live: the cluster's stream on these NATS servers."""
@@ -72,14 +83,14 @@ class ScopeJournals:
     durability: Durability = Durability.ALWAYS
 
 
-class OwnedScope:
+class OwnedScope(Generic[S]):
     """One scope this replica claimed (or is claiming): its service once recovered."""
 
     def __init__(self, scope: ScopeKey, lease_id: int) -> None:
         self.scope = scope
         self.token = scope_token(scope)
         self.lease_id = lease_id
-        self.service: SlotService | None = None
+        self.service: S | None = None
         self.journal: JetStreamJournal | None = None  # while serving
         self.settled = trio.Event()  # claimed and recovered, or given up
         self.cancel = trio.CancelScope()
@@ -109,19 +120,21 @@ class OwnedScope:
             self.drained.set()
 
 
-class OwnedScopes:
+class OwnedScopes(Generic[S]):
     def __init__(
         self,
         membership: Membership,
         journals: ScopeJournals,
         system_options: dict[str, Any],
-        on_service: Callable[[SlotService], None] = lambda service: None,
+        build_service: ServiceBuilder[S],
+        on_service: Callable[[S], None] = lambda service: None,
     ) -> None:
         self.membership = membership
         self.journals = journals
         self.system_options = system_options
+        self.build_service = build_service  # what runs over a recovered scope's actor system (the service kind's)
         self.on_service = on_service  # told of each scope's service as it starts (the load feed hooks in)
-        self._owned: dict[str, OwnedScope] = {}
+        self._owned: dict[str, OwnedScope[S]] = {}
         self._nursery: trio.Nursery | None = None
         self.recoveries = 0
         self.drops = 0
@@ -140,7 +153,7 @@ class OwnedScopes:
 
     # -- what the routes ask ---------------------------------------------------------------------------
 
-    def serving(self, scope: ScopeKey) -> SlotService | None:
+    def serving(self, scope: ScopeKey) -> S | None:
         """The scope's service if this replica may serve it now: claimed under the lease it still holds,
         recovered, and not dropped."""
         owned = self._owned.get(scope_token(scope))
@@ -159,18 +172,18 @@ class OwnedScopes:
             del self.failures[next(iter(self.failures))]
         self.failures[token] = reason
 
-    def held(self, scope: ScopeKey) -> OwnedScope | None:
+    def held(self, scope: ScopeKey) -> OwnedScope[S] | None:
         return self._owned.get(scope_token(scope))
 
-    def services(self) -> list[SlotService]:
+    def services(self) -> list[S]:
         """The services of every scope served now (reads of many scopes), in scope order."""
         found = [self.serving(owned.scope) for owned in sorted(self._owned.values(), key=lambda o: o.scope)]
         return [service for service in found if service is not None]
 
-    def owned(self) -> list[OwnedScope]:
+    def owned(self) -> list[OwnedScope[S]]:
         return sorted(self._owned.values(), key=lambda owned: owned.scope)
 
-    async def ensure(self, scope: ScopeKey) -> SlotService | None:
+    async def ensure(self, scope: ScopeKey) -> S | None:
         """Claim and recover ``scope`` unless that is done or under way; its service once it serves, None if
         another replica holds it, the claim or recovery failed, or it took past ``RECOVERY_WAIT_SECONDS``."""
         owned = self.start(scope)
@@ -189,7 +202,7 @@ class OwnedScopes:
     def full(self) -> bool:
         return len(self._owned) >= MAX_OWNED_SCOPES
 
-    def start(self, scope: ScopeKey) -> OwnedScope | None:
+    def start(self, scope: ScopeKey) -> OwnedScope[S] | None:
         """Begin claiming ``scope`` in the background (no-op if under way); None without a live lease, or when
         this replica owns ``MAX_OWNED_SCOPES`` already."""
         membership = self.membership
@@ -203,7 +216,7 @@ class OwnedScopes:
             return None
         if owned is not None:
             owned.cancel.cancel()  # claimed under a lease that ended: its task drops it
-        owned = self._owned[token] = OwnedScope(scope, membership.lease_id)
+        owned = self._owned[token] = OwnedScope[S](scope, membership.lease_id)
         assert self._nursery is not None, "OwnedScopes.run has not started"
         self._nursery.start_soon(self._own, owned)
         return owned
@@ -233,11 +246,28 @@ class OwnedScopes:
             owned.handing_over = True
             owned.end_serving()
 
-    async def wait_handed_over(self, scope: ScopeKey) -> None:
-        """If ``scope`` is being handed over from here, wait (at most ``RECOVERY_WAIT_SECONDS``) until it is gone."""
-        owned = self._owned.get(scope_token(scope))
-        if owned is not None and owned.handing_over:
-            with trio.move_on_after(RECOVERY_WAIT_SECONDS):
+    async def wait_handed_over(self, scope: ScopeKey) -> bool:
+        """If ``scope`` is being handed over from here, wait (at most ``RECOVERY_WAIT_SECONDS``) until it is gone and
+        this replica's view names its new owner: a command then forwarded there finds that member's view past the
+        release too (the claim follows the release it saw), rather than naming this replica still. Whether it
+        waited (the command was held through a hand-over)."""
+        membership, token = self.membership, scope_token(scope)
+        owned = self._owned.get(token)
+        if owned is None or not owned.handing_over:
+            return False
+        with trio.move_on_after(RECOVERY_WAIT_SECONDS):
+            await owned.released.wait()
+            while (held := membership.view.owners.get(token)) is None or held.member == membership.me:
+                if not membership.placement(membership.view.members | {membership.me}):
+                    break  # the last member stopping: nobody will claim it
+                await membership.wait_changed()
+        return True
+
+    async def all_released(self) -> None:
+        """Return once this replica holds no scope (each handed over, or dropped): a stopping replica's wait, which
+        its caller bounds."""
+        while self._owned:
+            for owned in list(self._owned.values()):
                 await owned.released.wait()
 
     async def _check_subjects(self) -> None:
@@ -355,7 +385,7 @@ class OwnedScopes:
                 await journal.aclose()
             raise
         async with running_actors(journal, recovered.states, **self.system_options) as runtime:
-            service = SlotService(runtime.system)
+            service = await self.build_service(runtime.system, runtime.nursery)
             self.on_service(service)
             owned.journal, owned.stop, owned.service = journal, runtime.stopping, service
             owned.recovered_at = trio.current_time()

@@ -1,4 +1,5 @@
-"""ClusterSlotService: the slot tracker's methods on a cluster replica (what the routes call with ``--cluster``).
+"""ClusterService: what a cluster replica does for every service kind; ClusterSlotService: the slot tracker's
+methods on a replica (what its routes call with ``--cluster``; the selection service's are ``select_service.py``).
 
 For each command the replica first asks where its scope is served (``where``): the pure rule
 ``forwarding.route`` decides from this replica's view (the scope's owner key, the live members) and whether it
@@ -9,23 +10,25 @@ this replica owns but does not serve (its journal failed) is recovered again fir
 placement now gives another live member (one that joined) is handed over (``keep_placed``); a command for it
 waits for the hand-over, then goes to the new owner.
 
-Served here, a method runs on the scope's own ``SlotService`` (its actor system and journal); a scope not served
-here when the method runs (ownership moved in between) is refused with 503, not applied. Reads of many scopes
-(``workers``, ``loads``) answer for the scopes served here; the routes gather the other members' answers.
+Served here, a method runs on the scope's own service (a ``SlotService``, a ``SelectService``: its actor system
+and journal, built by ``OwnedScopes.build_service``); a scope not served here when the method runs (ownership
+moved in between) is refused with 503, not applied. Reads of many scopes (``workers``, ``loads``) answer for the
+scopes served here; the routes gather the other members' answers.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Generic
 
 import orjson
 import trio
 
+from kvrouter.actors.cluster.follower_reads import FollowerReads, WrittenSequences, copies_read
 from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.membership import Membership
-from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes
+from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes, S
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.ids import ScopeKey, to_i64
 from kvrouter.actors.core.ownership.fencing import scope_token
@@ -49,19 +52,17 @@ def not_applied(message: str) -> Refused:
     return Refused(Reason.UNAVAILABLE, f"{message}; the command was not applied and is safe to retry")
 
 
-class ClusterSlotService:
-    BATCHED_WRITES = SlotService.BATCHED_WRITES
+class ClusterService(Generic[S]):
+    """What every service kind's replica does alike: route a scope's command (serve, forward, refuse), keep the
+    scopes placed, and answer ``GET /cluster`` and the cluster's figures. ``S``: the per-scope service."""
 
-    def __init__(self, membership: Membership, owned: OwnedScopes, forwarder: Forwarder) -> None:
+    def __init__(self, membership: Membership, owned: OwnedScopes[S], forwarder: Forwarder) -> None:
         self.membership = membership
         self.owned = owned
         self.forwarder = forwarder
-        self.load_feed = LoadFeed()
-        owned.on_service = self._hook
         self.metric_sources: list[FamilySource] = []
-
-    def _hook(self, service: SlotService) -> None:
-        service.system.observers.append(self.load_feed.observe)
+        self.written = WrittenSequences(owned)  # the tokens of the writes answered here (``follower_reads``)
+        self.follower_reads: FollowerReads | None = None  # reads answered from copies (set at composition)
 
     # -- where a scope is served ------------------------------------------------------------------------
 
@@ -72,7 +73,7 @@ class ClusterSlotService:
         return members
 
     async def where(self, scope: ScopeKey, forwarded: bool = False) -> Route:
-        await self.owned.wait_handed_over(scope)  # held briefly, then routed to the member that takes it
+        held_through = await self.owned.wait_handed_over(scope)  # held, then routed to the member that takes it
         membership, me = self.membership, self.membership.me
         if not membership.live():  # its view of owners and members may be stale: neither serve nor forward
             return Unavailable(
@@ -82,7 +83,7 @@ class ClusterSlotService:
         held = membership.view.owners.get(token)
         owner = held.member if held is not None else None
         if owner is None:
-            owner = preferred_owner(token, sorted(self.live_members()))
+            owner = preferred_owner(token, membership.placement(self.live_members()))
         if owner == me and self.owned.serving(scope) is None:
             if self.owned.full() and held is None:
                 return Unavailable(
@@ -97,18 +98,22 @@ class ClusterSlotService:
                 if owner == me and failure is not None:
                     return Unavailable(f"scope {scope.describe()} cannot be recovered on its owner {me}: {failure}")
         serving = self.owned.serving(scope) is not None
-        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded)
+        # A replica that handed the scope over (or is stopping: it hands every scope over) forwards once more what
+        # was forwarded to it, to the owner that claimed the scope after the release: each extra hop follows a move.
+        follows_move = held_through or membership.leaving
+        return route(scope.describe(), me, owner, self.live_members(), serving, forwarded and not follows_move)
 
     async def keep_placed(self) -> None:
         """Claim the known scopes that have no owner and that placement gives this replica (a dead owner's, once
         its lease ended, or one another member handed over), hand over those served here that placement now
-        gives another live member (one that joined), and drop those the view shows under another owner; on every
-        change of the view, and at least twice per lease TTL."""
+        gives another live member (one that joined, or any other once this replica is stopping: placement then
+        leaves it out), and drop those the view shows under another owner; on every change of the view, and at
+        least twice per lease TTL."""
         membership, owned = self.membership, self.owned
         while True:
             owned.drop_moved()
             if membership.live():
-                live = sorted(self.live_members())
+                live = membership.placement(self.live_members())
                 view = membership.view
                 for token, scope in list(view.scopes.items()):
                     preferred = preferred_owner(token, live)
@@ -144,7 +149,7 @@ class ClusterSlotService:
         return answer[0]
 
     @contextlib.contextmanager
-    def _local(self, scope: ScopeKey) -> Iterator[SlotService]:
+    def _local(self, scope: ScopeKey) -> Iterator[S]:
         """The scope's service here, counted in flight while the block runs (a hand-over waits for it to end)."""
         with self._journal_of(scope):
             service, owned = self.owned.serving(scope), self.owned.held(scope)
@@ -170,77 +175,6 @@ class ClusterSlotService:
                 "on the next command",
             ) from exc
 
-    # -- commands ---------------------------------------------------------------------------------------
-
-    async def register(self, scope: ScopeKey, worker_id: int, block_size: int, dp_start: int, dp_size: int) -> bool:
-        with self._local(scope) as service:
-            return await service.register(scope, worker_id, block_size, dp_start, dp_size)
-
-    async def unregister(self, scope: ScopeKey, worker_id: int) -> bool:
-        with self._local(scope) as service:
-            return await service.unregister(scope, worker_id)
-
-    async def add(
-        self,
-        scope: ScopeKey,
-        request_id: str,
-        worker_id: int,
-        dp_rank: int,
-        sequence_hashes: tuple[int, ...],
-        isl_tokens: int,
-    ) -> bool:
-        with self._local(scope) as service:
-            return await service.add(scope, request_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
-
-    async def prefill_complete(self, scope: ScopeKey, request_id: str) -> bool:
-        with self._local(scope) as service:
-            return await service.prefill_complete(scope, request_id)
-
-    async def free(self, scope: ScopeKey, request_id: str) -> bool:
-        with self._local(scope) as service:
-            return await service.free(scope, request_id)
-
-    async def apply_writes(self, writes: list[Any]) -> list[Any]:
-        """``SlotService.apply_writes`` across the cluster: the writes of a scope served here go to its service
-        together; those of a scope owned elsewhere are forwarded to its owner one by one, in order."""
-        outcomes: list[Any] = [None] * len(writes)
-        by_scope: dict[ScopeKey, list[int]] = {}
-        for index, write in enumerate(writes):
-            by_scope.setdefault(ScopeKey(write[1], write[2]), []).append(index)
-        for scope, indices in by_scope.items():
-            where = await self.where(scope)
-            if isinstance(where, Serve):
-                try:
-                    with self._local(scope) as service:
-                        found = await service.apply_writes([writes[i] for i in indices])
-                except Refused as exc:
-                    found = [encode_failure(exc)] * len(indices)
-                for i, outcome in zip(indices, found, strict=True):
-                    outcomes[i] = outcome
-            elif isinstance(where, Forward):
-                for i in indices:
-                    outcomes[i] = await self._forward_write(where.owner, writes[i])
-            else:
-                for i in indices:
-                    outcomes[i] = encode_failure(not_applied(where.message))
-        return outcomes
-
-    async def _forward_write(self, owner: str, write: Sequence[Any]) -> Any:
-        """One write of a batch, on the owner's own route; its outcome as ``apply_writes`` gives it."""
-        op = BY_NAME[write[0]]
-        try:
-            relayed = await self.relay(owner, op.method, op.path, b"", write_body(write))
-        except OwnerUnreachable as exc:
-            if exc.unknown:
-                return encode_failure(Refused(Reason.UNAVAILABLE, f"{exc}; the outcome is unknown"))
-            return encode_failure(not_applied(str(exc)))
-        if relayed.status in (200, 201):
-            return relayed.status == 201
-        message = relayed.body.decode("utf-8", errors="replace")
-        return encode_failure(Refused(_STATUS_REASON.get(relayed.status, Reason.UNAVAILABLE), message))
-
-    # -- queries: the scopes served here --------------------------------------------------------------
-
     def unowned(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeKey]:
         """The known scopes ``wanted`` selects whose owner is no live member in this replica's view: a read of
         many scopes cannot answer for them now (their owner died and nobody has claimed them yet)."""
@@ -250,36 +184,6 @@ class ClusterSlotService:
             for token, scope in view.scopes.items()
             if wanted(scope) and (token not in view.owners or view.owners[token].member not in live)
         )
-
-    async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[RegisteredRange]:
-        await self.owned.settled()
-        rows = []
-        for service in self.owned.services():
-            rows.extend(await service.workers(wanted))
-        return sorted(rows, key=lambda row: (row.scope, row.worker_id))
-
-    async def loads(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeLoads]:
-        await self.owned.settled()
-        rows = []
-        for service in self.owned.services():
-            rows.extend(await service.loads(wanted))
-        return sorted(rows, key=lambda row: row.scope)
-
-    async def potential_loads(
-        self, scope: ScopeKey, sequence_hashes: Sequence[int], isl_tokens: int
-    ) -> list[PotentialLoad]:
-        with self._local(scope) as service:
-            return await service.potential_loads(scope, sequence_hashes, isl_tokens)
-
-    async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
-        """As ``SlotService.load_changes``, over the scopes served here."""
-
-        def measure(scope: ScopeKey, version: int) -> LoadChange:
-            service = self.owned.serving(scope)
-            state = service.system.state(scope) if service is not None else None
-            return LoadChange(scope, version, rank_loads(state) if state is not None else None)
-
-        return await read_changes(self.load_feed, _ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
 
     async def cluster(self) -> dict[str, Any]:
         """``GET /cluster``: this replica, its lease, the members and each scope's owner, as this replica sees them."""
@@ -312,6 +216,7 @@ class ClusterSlotService:
             "members": sorted(self.live_members()),
             "scopes": scopes,
             "revision": view.revision,
+            "followers": self.follower_reads.describe() if self.follower_reads is not None else [],
         }
 
     async def metrics(self) -> list[Family]:
@@ -378,10 +283,130 @@ class ClusterSlotService:
         return families
 
 
-class _ServedStates:
+class ClusterSlotService(ClusterService[SlotService]):
+    """The slot tracker's methods on a cluster replica."""
+
+    BATCHED_WRITES = SlotService.BATCHED_WRITES
+
+    def __init__(self, membership: Membership, owned: OwnedScopes[SlotService], forwarder: Forwarder) -> None:
+        super().__init__(membership, owned, forwarder)
+        self.load_feed = LoadFeed()
+        owned.on_service = self._hook
+
+    def _hook(self, service: SlotService) -> None:
+        service.system.observers.append(self.load_feed.observe)
+
+    # -- commands ---------------------------------------------------------------------------------------
+
+    async def register(self, scope: ScopeKey, worker_id: int, block_size: int, dp_start: int, dp_size: int) -> bool:
+        with self._local(scope) as service:
+            return await service.register(scope, worker_id, block_size, dp_start, dp_size)
+
+    async def unregister(self, scope: ScopeKey, worker_id: int) -> bool:
+        with self._local(scope) as service:
+            return await service.unregister(scope, worker_id)
+
+    async def add(
+        self,
+        scope: ScopeKey,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: tuple[int, ...],
+        isl_tokens: int,
+    ) -> bool:
+        with self._local(scope) as service:
+            return await service.add(scope, request_id, worker_id, dp_rank, sequence_hashes, isl_tokens)
+
+    async def prefill_complete(self, scope: ScopeKey, request_id: str) -> bool:
+        with self._local(scope) as service:
+            return await service.prefill_complete(scope, request_id)
+
+    async def free(self, scope: ScopeKey, request_id: str) -> bool:
+        with self._local(scope) as service:
+            return await service.free(scope, request_id)
+
+    async def apply_writes(self, writes: list[Any]) -> list[Any]:
+        """``SlotService.apply_writes`` across the cluster: the writes of a scope served here go to its service
+        together; those of a scope owned elsewhere are forwarded to its owner one by one, in order."""
+        outcomes: list[Any] = [None] * len(writes)
+        by_scope: dict[ScopeKey, list[int]] = {}
+        for index, write in enumerate(writes):
+            by_scope.setdefault(ScopeKey(write[1], write[2]), []).append(index)
+        for scope, indices in by_scope.items():
+            where = await self.where(scope)
+            if isinstance(where, Serve):
+                try:
+                    with self._local(scope) as service:
+                        found = await service.apply_writes([writes[i] for i in indices])
+                except Refused as exc:
+                    found = [encode_failure(exc)] * len(indices)
+                for i, outcome in zip(indices, found, strict=True):
+                    outcomes[i] = outcome
+            elif isinstance(where, Forward):
+                for i in indices:
+                    outcomes[i] = await self._forward_write(where.owner, writes[i])
+            else:
+                for i in indices:
+                    outcomes[i] = encode_failure(not_applied(where.message))
+        return outcomes
+
+    async def _forward_write(self, owner: str, write: Sequence[Any]) -> Any:
+        """One write of a batch, on the owner's own route; its outcome as ``apply_writes`` gives it."""
+        op = BY_NAME[write[0]]
+        try:
+            relayed = await self.relay(owner, op.method, op.path, b"", write_body(write))
+        except OwnerUnreachable as exc:
+            if exc.unknown:
+                return encode_failure(Refused(Reason.UNAVAILABLE, f"{exc}; the outcome is unknown"))
+            return encode_failure(not_applied(str(exc)))
+        self.written.note(relayed.written)
+        if relayed.status in (200, 201):
+            return relayed.status == 201
+        message = relayed.body.decode("utf-8", errors="replace")
+        return encode_failure(Refused(_STATUS_REASON.get(relayed.status, Reason.UNAVAILABLE), message))
+
+    # -- queries: the scopes served here --------------------------------------------------------------
+
+    async def workers(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[RegisteredRange]:
+        await self.owned.settled()
+        rows = []
+        for service in self.owned.services():
+            rows.extend(await service.workers(wanted))
+        for state in copies_read(wanted):  # a read answered from follower copies (``follower_reads.reading``)
+            for worker_id, (start, size) in state.slots.workers.items():
+                rows.append(RegisteredRange(state.scope, worker_id, state.slots.block_size, start, size))
+        return sorted(rows, key=lambda row: (row.scope, row.worker_id))
+
+    async def loads(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeLoads]:
+        await self.owned.settled()
+        rows = []
+        for service in self.owned.services():
+            rows.extend(await service.loads(wanted))
+        rows.extend(ScopeLoads(state.scope, rank_loads(state)) for state in copies_read(wanted))
+        return sorted(rows, key=lambda row: row.scope)
+
+    async def potential_loads(
+        self, scope: ScopeKey, sequence_hashes: Sequence[int], isl_tokens: int
+    ) -> list[PotentialLoad]:
+        with self._local(scope) as service:
+            return await service.potential_loads(scope, sequence_hashes, isl_tokens)
+
+    async def load_changes(self, epoch: str, cursor: int, wait_seconds: float) -> LoadChanges:
+        """As ``SlotService.load_changes``, over the scopes served here."""
+
+        def measure(scope: ScopeKey, version: int) -> LoadChange:
+            service = self.owned.serving(scope)
+            state = service.system.state(scope) if service is not None else None
+            return LoadChange(scope, version, rank_loads(state) if state is not None else None)
+
+        return await read_changes(self.load_feed, ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
+
+
+class ServedStates:
     """The scopes served here, as ``read_changes`` reads an actor system (their states, a read barrier)."""
 
-    def __init__(self, owned: OwnedScopes) -> None:
+    def __init__(self, owned: OwnedScopes[Any]) -> None:
         self._owned = owned
 
     def states(self) -> list[ScopeState]:

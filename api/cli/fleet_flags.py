@@ -48,7 +48,9 @@ def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
         "default: none, workers register over HTTP",
     )
     fleet.add_argument(
-        "--etcd-endpoints", metavar="URLS", help=f"comma-separated etcd client URLs (ETCD_ENDPOINTS; {DEFAULT_ETCD})"
+        "--etcd-endpoints",
+        metavar="URLS",
+        help=f"comma-separated etcd client URLs (ETCD_ENDPOINTS; {DEFAULT_ETCD}): discovery's, and --cluster's",
     )
     fleet.add_argument(
         "--namespace", metavar="NS", help=f"the Dynamo namespace whose workers are discovered ({DEFAULT_NAMESPACE})"
@@ -90,7 +92,8 @@ def add_nats_server_flag(group: AddsArguments) -> None:
     group.add_argument(
         "--nats-server",
         metavar="URLS",
-        help=f"NATS server URL(s) (NATS_SERVER; {DEFAULT_NATS}): the event plane's, and --journal jetstream's",
+        help=f"NATS server URL(s) (NATS_SERVER; {DEFAULT_NATS}): the event plane's, --journal jetstream's and "
+        "--cluster's",
     )
 
 
@@ -147,7 +150,8 @@ def fleet_options(
         problems.append(f"--namespace={namespace!r} must be a non-empty name without '.', '/', '*', '>' or spaces")
     jetstream = _jetstream(args, problems, data_dir)
     if backend != "etcd":
-        nats_flag = None if getattr(args, "journal", None) == "jetstream" else args.nats_server  # the journal's
+        journal_nats = getattr(args, "journal", None) == "jetstream" or getattr(args, "cluster", None) is not None
+        nats_flag = None if journal_nats else args.nats_server  # the journal's, or the cluster's
         for given, flag in ((args.event_plane, "--event-plane"), (nats_flag, "--nats-server")):
             if given is not None:
                 warnings.append(

@@ -179,11 +179,12 @@ def _journal_flags(parser: argparse.ArgumentParser, service: str) -> None:
     )
     if service != SELECT_SERVICE:
         add_nats_server_flag(group)
-        _cluster_flags(parser)
+    _cluster_flags(parser, with_etcd=service != SELECT_SERVICE)
 
 
-def _cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """A replica of a cluster: one owner per scope under etcd leases, each scope's journal on JetStream."""
+def _cluster_flags(parser: argparse.ArgumentParser, *, with_etcd: bool) -> None:
+    """A replica of a cluster: one owner per scope under etcd leases, each scope's journal on JetStream (the
+    selection service's ``--etcd-endpoints`` and ``--nats-server`` come with its fleet flags)."""
     group = parser.add_argument_group("cluster (see docs/operations/cluster.md)")
     group.add_argument(
         "--cluster",
@@ -191,7 +192,8 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
         help="run as a replica of cluster NAME (its etcd prefix and JetStream stream); needs --etcd-endpoints, "
         "--nats-server and --advertise-url",
     )
-    group.add_argument("--etcd-endpoints", metavar="URLS", help="comma-separated etcd client URLs (ETCD_ENDPOINTS)")
+    if with_etcd:
+        group.add_argument("--etcd-endpoints", metavar="URLS", help="comma-separated etcd client URLs (ETCD_ENDPOINTS)")
     group.add_argument(
         "--advertise-url", metavar="URL", help="where the other replicas reach this one's HTTP API (http://HOST:PORT)"
     )
@@ -465,6 +467,18 @@ def service_kind(launch: Launch) -> ServiceKind:
     return ServiceKind("selection service", SelectService, build, select_service_routes_of)
 
 
+def cluster_kind(launch: Launch) -> Any:
+    """The service kind a ``--cluster`` replica runs (``api/process/cluster.py``)."""
+    from kvrouter.api.process.cluster import SLOT_TRACKER_KIND
+
+    if launch.service == SLOT_TRACKER:
+        return SLOT_TRACKER_KIND
+    from kvrouter.api.process.cluster_select import select_service_kind
+
+    assert launch.router is not None
+    return select_service_kind(launch.router)
+
+
 def run(launch: Launch, argv: Sequence[str] = ()) -> int:
     """Serve until SIGINT/SIGTERM (status 0); on failure log one line and return its status.
 
@@ -493,7 +507,7 @@ def run(launch: Launch, argv: Sequence[str] = ()) -> int:
         elif options.cluster is not None:
             from kvrouter.api.process.cluster import run_cluster_until_signal  # etcd and NATS load only for a cluster
 
-            trio.run(run_cluster_until_signal, name, options)
+            trio.run(run_cluster_until_signal, name, options, cluster_kind(launch))
         else:
             trio.run(partial(run_until_signal, name, options, _noting_open_journal(build, progress)))
     except SystemExit:

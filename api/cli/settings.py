@@ -203,6 +203,8 @@ def _select_service(
     fleet = fleet_options(
         args, env, problems, warnings, data_dir=launch.options.data_dir, file_parser=worker_file_parser()
     )
+    if launch.options.cluster is not None:
+        problems.extend(cluster_select_problems(indexer_peers, fleet))
     options = attrs.evolve(
         launch.options,
         body_limit=SELECTION_BODY_LIMIT,
@@ -219,6 +221,22 @@ def _select_service(
         indexer_peers=indexer_peers,
         fleet=fleet,
     )
+
+
+def cluster_select_problems(indexer_peers: tuple[str, ...], fleet: FleetOptions) -> list[str]:
+    """What a selection-service replica of a cluster cannot run with (docs/operations/cluster.md): a scope's KV
+    index is written by its owner alone, from its workers' ZMQ KV events, which the owner subscribes to."""
+    problems = []
+    if indexer_peers:
+        problems.append(
+            "--cluster does not take --indexer-peers: each scope's owner restores its index from the stream"
+        )
+    if fleet.enabled:
+        problems.append(
+            "--cluster does not run with discovery or Dynamo's event plane yet (--discovery-backend, "
+            "--discovery-file, --event-plane): register workers with POST /workers, their KV events on ZMQ"
+        )
+    return problems
 
 
 def _router_config(args: argparse.Namespace, env: Mapping[str, str], problems: list[str]) -> RouterConfig | None:

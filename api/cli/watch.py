@@ -4,6 +4,8 @@
     kvrouter watch http://127.0.0.1:8092 --decisions      a scrolling log of selections (GET /ws/decisions)
     kvrouter watch URL --json                             one JSON line per message, for scripts
     kvrouter watch URL --model-name llama --tenant-id t1  only these scopes
+    kvrouter watch URL --cluster                          a cluster replica's members and scope owners, each move
+                                                          a line (GET /cluster, polled: ``watch_cluster``)
 
 A service with a token (``--auth-token-file``) needs ``--token-file FILE`` (or ``$KVROUTER_AUTH_TOKEN_FILE``).
 A bad URL is one line and exit 2; a refused connection, a refused upgrade or a stream the service closes is
@@ -30,6 +32,7 @@ from rich.table import Table
 from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
 
 from kvrouter.api.cli.one_line_parser import OneLineParser
+from kvrouter.api.cli.watch_cluster import ClusterWatchFailed, follow_cluster
 from kvrouter.api.http.auth import TOKEN_FILE_ENV, BearerToken, TokenFileError
 from kvrouter.client.live import open_stream, stream_url
 
@@ -63,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("url", help="the service's URL, e.g. http://127.0.0.1:8091")
     parser.add_argument("--decisions", action="store_true", help="selections and why (selection service only)")
+    parser.add_argument(
+        "--cluster", action="store_true", help="a cluster replica's scope owners: a line per move (GET /cluster)"
+    )
     parser.add_argument("--json", action="store_true", help="print each message as one JSON line")
     parser.add_argument("--model-name", help="only this model's scopes")
     parser.add_argument("--tenant-id", help="only this tenant's scopes (routing_group)")
@@ -86,6 +92,22 @@ def target(args: argparse.Namespace) -> str:
         query["tenant_id"] = args.tenant_id
     base = f"{parts.scheme}://{parts.netloc}" + (f"?{urlencode(query)}" if query else "")
     return stream_url(base, "/ws/decisions" if args.decisions else "/ws/loads")
+
+
+def base_of(args: argparse.Namespace) -> str:
+    """The service's base URL (``--cluster`` polls it); ValueError as ``target``."""
+    target(args)
+    parts = urlsplit(args.url if "://" in args.url else "http://" + args.url)
+    if args.decisions:
+        raise ValueError("--cluster and --decisions do not combine: --cluster follows a slot-tracker replica")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+async def follow_owners(base_url: str, token: str | None, args: argparse.Namespace, out: TextIO) -> None:
+    try:
+        await follow_cluster(base_url, token, args.json, out, args.model_name, args.tenant_id)
+    except ClusterWatchFailed as exc:
+        raise WatchError(str(exc)) from None
 
 
 def token_of(args: argparse.Namespace) -> str | None:
@@ -253,7 +275,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = out or sys.stdout
     try:
-        url = target(args)
+        url = base_of(args) if args.cluster else target(args)
         token = token_of(args)
     except ValueError as exc:
         print(f"kvrouter watch: {exc}", file=sys.stderr)
@@ -263,7 +285,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return exc.status
     mode = "json" if args.json else "decisions" if args.decisions else "loads"
     try:
-        trio.run(follow, url, token, mode, out)
+        if args.cluster:
+            trio.run(follow_owners, url, token, args, out)
+        else:
+            trio.run(follow, url, token, mode, out)
     except BaseException as exc:  # anything but Ctrl-C or a WatchError is raised again
         leaves = list(_leaves(exc))
         if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):

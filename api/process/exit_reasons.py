@@ -24,7 +24,7 @@ import attrs
 import trio
 import zmq
 
-from kvrouter.actors.cluster import ClusterUnreachable
+from kvrouter.actors.cluster import ClusterMismatch, ClusterUnreachable
 from kvrouter.api.process.data_dir import DataDirectoryOwned
 from kvrouter.journal.store import CorruptJournal, DataDirectoryInUse, JournalUnreachable, JournalWriteFailed
 
@@ -87,7 +87,13 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 
 def _explain_leaf(exc: BaseException, context: ServiceContext, journal_open: bool) -> ExitReason | None:
     if isinstance(
-        exc, DataDirectoryInUse | DataDirectoryOwned | CorruptJournal | JournalUnreachable | ClusterUnreachable
+        exc,
+        DataDirectoryInUse
+        | DataDirectoryOwned
+        | CorruptJournal
+        | JournalUnreachable
+        | ClusterUnreachable
+        | ClusterMismatch,
     ):
         return ExitReason(f"cannot start: {_one_line(str(exc))}", BAD_CONFIGURATION)
     remote = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else exc

@@ -136,10 +136,16 @@ async def slot_tracker_objects(options: ServiceOptions, system: ActorSystem, nur
     return ServiceObjects(SlotService(system), await start_peer_service(options, system, nursery))
 
 
-def slot_tracker_routes_of(objects: ServiceObjects, streams: StreamSettings = DEFAULT_STREAMS) -> list[Route]:
+def slot_tracker_routes_of(
+    objects: ServiceObjects,
+    streams: StreamSettings = DEFAULT_STREAMS,
+    change: Callable[[list[Route]], list[Route]] = list,
+) -> list[Route]:
+    """The slot tracker's routes; ``change`` (a cluster replica's ``clustered``) turns the operations' routes into
+    those served, before ``POST /batch`` and the command stream take them as their table of commands."""
     live = [slot_loads_route(objects.service, streams, StreamMetrics.of(objects.front))[1]]
     return with_command_routes(
-        [*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)],
+        change([*slot_tracker_routes(objects.service), *replica_routes(objects.peers), *live, metrics_route(objects)]),
         SLOT_TRACKER,
         "kvrouter slot tracker",
         KVROUTER_VERSION,

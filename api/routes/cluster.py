@@ -1,7 +1,8 @@
-"""The slot tracker's routes on a cluster replica: the same routes, each scope's commands sent where it is served.
+"""A service's routes on a cluster replica: the same routes, each scope's commands sent where it is served.
 
-``clustered(routes, service)`` takes the slot tracker's routes bound to a ``ClusterSlotService`` and changes only
-their handlers:
+``clustered(routes, service, routing)`` takes a service kind's routes bound to its ``ClusterService`` and changes
+only the handlers its ``ClusterRouting`` names (the slot tracker's: ``SLOT_ROUTING``; the selection service's:
+``api/routes/cluster_select.py``):
 
 * a command naming a scope (the writes, ``POST /potential_loads``) asks ``service.where``: served here, the
   route's own handler answers; owned by another live member, the request goes to it as the client sent it, once
@@ -11,42 +12,95 @@ their handlers:
 * a read of many scopes (``GET /workers``, ``GET /loads``) gathers the rows of every live member: this replica's
   own (the scopes it serves) and, through each other member, theirs (asked with ``FORWARDED_HEADER``, so each
   answers for itself alone). A member that does not answer, or a known scope that no live member owns right now
-  (its owner died and it is not claimed yet), makes the read a 503 rather than a partial answer.
+  (its owner died and it is not claimed yet), makes the read a 503 rather than a partial answer. A slot
+  tracker's replica answers it itself instead when it holds a follower copy, ready for the read, of each scope it
+  covers that it does not serve (``follower_reads``; writes answer ``kvrouter-written``, reads name ``read_after``);
+* a command naming no scope (a reservation id, a worker id) is answered here if a scope served here holds what it
+  names, else by the first other live member that does not answer 404 (each asked with ``FORWARDED_HEADER``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
 import orjson
 import trio
 
+from kvrouter.actors.cluster.follower_reads import READ_AFTER, WRITTEN_HEADER, parse_read_after, reading
 from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
-from kvrouter.actors.cluster.service import ClusterSlotService
+from kvrouter.actors.cluster.service import ClusterService
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.forwarding import Forward, Serve
 from kvrouter.api.bodies.schemas import PotentialLoadsBody, parse
-from kvrouter.api.http import Request, Response, Route, error_response, json_response
+from kvrouter.api.http import UNPARSED, Request, Response, Route, error_response, json_response
 from kvrouter.api.routes.support import scope_filter
 
+ScopeOf = Callable[[Request], ScopeKey]
+Merge = Callable[[list[Any]], Response]  # every member's answer (JSON), this replica's first: the client's answer
+
+
+@attrs.frozen
+class Gather:
+    """A read of many scopes: how the members' answers make one, and which statuses a member may answer with."""
+
+    merge: Merge
+    statuses: tuple[int, ...] = (200,)
+
+
+@attrs.frozen
+class ClusterRouting:
+    """How one service kind's routes reach their scopes in a cluster (``clustered``):
+
+    * ``scoped``: the commands naming a scope, each with how its request names it (None: as the route's
+      ``Batched.prepare`` reads it, ``[method, model, tenant, ...]``);
+    * ``gathered``: the reads of many scopes, each with how the members' answers are put together;
+    * ``located``: commands naming something else (a reservation, a worker id): whichever member holds it answers.
+    """
+
+    scoped: Mapping[str, ScopeOf | None]
+    gathered: Mapping[str, Gather]
+    located: frozenset[str] = frozenset()
+
+
+def _body_scope(request: Request) -> ScopeKey:
+    return parse(PotentialLoadsBody, request.json()).scope()
+
+
+def _rows(answers: list[Any]) -> Response:
+    return json_response(200, sorted((row for rows in answers for row in rows), key=_row_order))
+
+
 SCOPED_WRITES = ("register", "unregister", "add", "prefill_complete", "free")
-GATHERED_READS = ("workers", "loads")
+SLOT_ROUTING = ClusterRouting(
+    scoped={**dict.fromkeys(SCOPED_WRITES), "potential_loads": _body_scope},
+    gathered={"workers": Gather(_rows), "loads": Gather(_rows)},
+)
 
 
-def clustered(routes: list[Route], service: ClusterSlotService) -> list[Route]:
+def clustered(routes: list[Route], service: ClusterService[Any], routing: ClusterRouting = SLOT_ROUTING) -> list[Route]:
     changed = []
     for route in routes:
         name = route.operation.name if route.operation is not None else None
-        if name in SCOPED_WRITES and route.batched is not None:
-            scope_of = _item_scope(route.batched.prepare)
-            # pipelined=False: the scope's owner is found before the command is posted
-            route = attrs.evolve(route, handler=_scoped(route, service, scope_of), pipelined=False)
-        elif name == "potential_loads":
-            route = attrs.evolve(route, handler=_scoped(route, service, _body_scope))
-        elif name in GATHERED_READS:
-            route = attrs.evolve(route, handler=_gathered(route, service))
+        if name is None:
+            pass
+        elif name in routing.scoped:
+            scope_of = routing.scoped[name]
+            if scope_of is None:
+                assert route.batched is not None, f"{name} reads its scope from its Batched.prepare"
+                # pipelined=False: the scope's owner is found before the command is posted
+                scoped = _scoped(route, service, _item_scope(route.batched.prepare))
+                batched = route.batched
+                if name in SCOPED_WRITES:  # the slot tracker's writes answer their token (``follower_reads``)
+                    batched = attrs.evolve(batched, apply=_tokened(batched.apply, service))
+                route = attrs.evolve(route, handler=scoped, pipelined=False, batched=batched)
+            else:
+                route = attrs.evolve(route, handler=_scoped(route, service, scope_of))
+        elif name in routing.gathered:
+            route = attrs.evolve(route, handler=_gathered(route, service, routing.gathered[name]))
+        elif name in routing.located:
+            route = attrs.evolve(route, handler=_located(route, service))
         changed.append(route)
     return changed
 
@@ -62,73 +116,154 @@ def _item_scope(prepare: Callable[[Request], Any]) -> Callable[[Request], ScopeK
     return scope_of
 
 
-def _body_scope(request: Request) -> ScopeKey:
-    return parse(PotentialLoadsBody, request.json()).scope()
-
-
 def _relayed(relayed: Relayed) -> Response:
-    return Response(relayed.status, relayed.body, relayed.content_type)
+    headers = ((WRITTEN_HEADER.encode(), relayed.written.encode("latin-1")),) if relayed.written else ()
+    return Response(relayed.status, relayed.body, relayed.content_type, headers)
 
 
-def _scoped(route: Route, service: ClusterSlotService, scope_of: Callable[[Request], ScopeKey]) -> Any:
+def _with_written(response: Response, token: str | None) -> Response:
+    """A write's success, with the ``kvrouter-written`` token of its scope (``follower_reads``)."""
+    if token is None or response.status not in (200, 201):
+        return response
+    return attrs.evolve(response, headers=(*response.headers, (WRITTEN_HEADER.encode(), token.encode("latin-1"))))
+
+
+def _tokened(apply: Callable[[list[Any]], Awaitable[list[Response]]], service: ClusterService[Any]) -> Any:
+    """``Batched.apply`` of a write route (``POST /batch``, the command stream), each success with its scope's
+    token (one response per scope and answer: most answers of a group are the same few responses)."""
+
+    async def tokened(prepared: list[Any]) -> list[Response]:
+        responses = await apply(prepared)
+        made: dict[tuple[ScopeKey, int], Response] = {}
+        answers = []
+        for item, response in zip(prepared, responses, strict=True):
+            scope = ScopeKey(item[1], item[2])
+            key = (scope, id(response))
+            if key not in made:
+                made[key] = _with_written(response, service.written.of(scope))
+            answers.append(made[key])
+        return answers
+
+    return tokened
+
+
+def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf) -> Any:
     own = route.handler
+    write = route.operation is not None and route.operation.name in SCOPED_WRITES
 
     async def handler(request: Request) -> Response:
         scope = scope_of(request)  # bad input is refused here, as the route's own handler refuses it
         where = await service.where(scope, request.forwarded)
         if isinstance(where, Serve):
-            return await own(request)
+            answer = await own(request)
+            return _with_written(answer, service.written.of(scope)) if write else answer
         if isinstance(where, Forward):
             try:
                 relayed = await service.relay(
-                    where.owner, request.method, request.path, request.query_string, request.body
+                    where.owner, request.method, request.path, request.query_string, body_of(request)
                 )
             except OwnerUnreachable as exc:
                 if exc.unknown:
                     return error_response(503, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
                 return error_response(503, f"the owner of {scope.describe()}: {exc}; not applied, safe to retry")
+            service.written.note(relayed.written)
             return _relayed(relayed)
         return error_response(where.status, f"{where.message}; not applied, safe to retry")
 
     return handler
 
 
-def _gathered(route: Route, service: ClusterSlotService) -> Any:
+def _gathered(route: Route, service: ClusterService[Any], gather: Gather) -> Any:
     own = route.handler
 
     async def handler(request: Request) -> Response:
+        if not request.forwarded and service.follower_reads is not None:
+            try:
+                after = read_after_of(request)
+            except ValueError as exc:
+                return error_response(400, str(exc))
+            states = await service.follower_reads.states_for(scope_filter(request), after)
+            if states is not None:  # every scope of the read served here or by a copy ready for it
+                with reading(states):
+                    return await own(request)
         mine = await own(request)
-        if request.forwarded or mine.status != 200:
+        if request.forwarded or mine.status not in gather.statuses:
             return mine
         others = sorted(service.live_members() - {service.membership.me})
-        answers: dict[str, Relayed | OwnerUnreachable] = {}
-
-        async def ask(member: str) -> None:
-            try:
-                answers[member] = await service.relay(member, request.method, request.path, request.query_string, b"")
-            except OwnerUnreachable as exc:
-                answers[member] = exc
-
-        async with trio.open_nursery() as nursery:
-            for member in others:
-                nursery.start_soon(ask, member)
+        answers = await _ask_all(service, others, request)
         missing = service.unowned(scope_filter(request))
         if missing:
             names = ", ".join(scope.describe() for scope in missing[:3])
             return error_response(
                 503, f"no live replica owns {len(missing)} scope(s) right now ({names}); retry shortly"
             )
-        rows: list[Any] = orjson.loads(mine.body)
+        found: list[Any] = [orjson.loads(mine.body)]
         for member in others:
             answer = answers[member]
-            if isinstance(answer, OwnerUnreachable) or answer.status != 200:
+            if isinstance(answer, OwnerUnreachable) or answer.status not in gather.statuses:
                 why = answer if isinstance(answer, OwnerUnreachable) else f"HTTP {answer.status}"
                 return error_response(503, f"member {member} did not answer ({why}): its scopes' rows are missing")
-            rows.extend(orjson.loads(answer.body))
-        rows.sort(key=_row_order)
-        return json_response(200, rows)
+            found.append(orjson.loads(answer.body))
+        return gather.merge(found)
 
     return handler
+
+
+def read_after_of(request: Request) -> dict[str, int]:
+    """The read's tokens (``read_after``): the scopes whose copies must hold the caller's writes."""
+    value = request.query((READ_AFTER,)).get(READ_AFTER)
+    return parse_read_after(value) if value is not None else {}
+
+
+def _located(route: Route, service: ClusterService[Any]) -> Any:
+    """A command naming no scope: this replica answers if a scope it serves holds what it names; otherwise the
+    first other live member that does not answer 404; 404 if none holds it, 503 if a scope has no live owner."""
+    own = route.handler
+
+    async def handler(request: Request) -> Response:
+        mine = await own(request)
+        if request.forwarded or mine.status != 404:
+            return mine
+        others = sorted(service.live_members() - {service.membership.me})
+        answers = await _ask_all(service, others, request)
+        for member in others:
+            answer = answers[member]
+            if isinstance(answer, Relayed) and answer.status != 404:
+                return _relayed(answer)
+        silent = [member for member in others if isinstance(answers[member], OwnerUnreachable)]
+        missing = service.unowned()
+        if silent or missing:
+            why = f"member {silent[0]} did not answer" if silent else f"{len(missing)} scope(s) have no live owner"
+            return error_response(503, f"not found on the replicas that answered, and {why}; not applied, retry")
+        return mine
+
+    return handler
+
+
+async def _ask_all(
+    service: ClusterService[Any], members: list[str], request: Request
+) -> dict[str, Relayed | OwnerUnreachable]:
+    """``request`` sent to each of ``members`` at once (marked forwarded: each answers for itself alone)."""
+    answers: dict[str, Relayed | OwnerUnreachable] = {}
+    body = body_of(request)
+
+    async def ask(member: str) -> None:
+        try:
+            answers[member] = await service.relay(member, request.method, request.path, request.query_string, body)
+        except OwnerUnreachable as exc:
+            answers[member] = exc
+
+    async with trio.open_nursery() as nursery:
+        for member in members:
+            nursery.start_soon(ask, member)
+    return answers
+
+
+def body_of(request: Request) -> bytes:
+    """The request's body as sent: a command of a batch arrives parsed, and is sent on as its JSON."""
+    if not request.body and request.parsed is not UNPARSED and request.parsed is not None:
+        return orjson.dumps(request.parsed)
+    return request.body
 
 
 def _row_order(row: dict[str, Any]) -> tuple[Any, ...]:

@@ -155,6 +155,20 @@ RESPONSES: dict[str, Any] = {
                 },
             },
             "revision": INT,
+            "followers": {
+                "type": "array",
+                "description": "this replica's follower copies of scopes it does not own",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "model_name": STR,
+                        "tenant_id": STR,
+                        "sequence": INT,
+                        "lsn": INT,
+                        "lag_seconds": {"type": ["number", "null"]},
+                    },
+                },
+            },
         },
     },
     "PotentialLoad": {

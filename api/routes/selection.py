@@ -387,6 +387,10 @@ async def dump(service: SelectService, request: Request) -> Response:
     return json_response(200, await service.dump())
 
 
+async def cluster(service: SelectService, request: Request) -> Response:
+    return json_response(200, await service.cluster())
+
+
 def select_service_routes(service: SelectService) -> list[Route]:
     handlers = {
         "put_worker": post_worker,
@@ -406,6 +410,7 @@ def select_service_routes(service: SelectService) -> list[Route]:
         "potential_loads": potential_loads,
         "overlap_scores": overlap_scores,
         "dump": dump,
+        "cluster": cluster,
     }
     # Bodies the table names no single class for: the class each is read as here.
     body_types: dict[str, type] = {"patch_worker": WorkerBody, "potential_loads": SelectBody}
