@@ -5,7 +5,6 @@ namespace of its own (``--loopback``: all on 127.0.0.1, no partitions, etcd left
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import sys
@@ -33,6 +32,24 @@ def report(result: Result, minutes: float) -> None:
         print(f"history: {result.history} (beside it: the processes' logs, and replicas-after.json)")
 
 
+async def run_unless_terminated(directory: Path, options: RunOptions) -> Result | None:
+    """The run, or None if SIGTERM ended it first (cancelled: its processes stopped and its network deleted on the
+    way out, as on any failure)."""
+    result: Result | None = None
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                nonlocal result
+                result = await run_faults(directory, options)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(run)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m kvrouter.simulations.process_faults", description=__doc__)
     parser.add_argument("--minutes", type=float, default=1.0, help="how long the nemesis and clients run")
@@ -58,9 +75,10 @@ def main() -> None:
     options = RunOptions(seed=args.seed, fault_seconds=args.minutes * 60, network=not args.loopback)
     directory = args.work_dir or Path(tempfile.mkdtemp(prefix="kvrouter-faults-"))
     directory.mkdir(parents=True, exist_ok=True)
-    # SIGTERM unwinds as Ctrl-C does: the processes are stopped and the namespaces deleted on the way out
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-    result = trio.run(run_faults, directory, options)
+    result = trio.run(run_unless_terminated, directory, options)
+    if result is None:
+        print("stopped by SIGTERM: every process stopped, the network deleted", file=sys.stderr)
+        sys.exit(1)
     report(result, args.minutes)
     if args.work_dir is None and not result.violations:
         shutil.rmtree(directory)  # kept, with its history and logs, when the checker found something
