@@ -279,7 +279,7 @@ class ScopeActor:
                 for observe in observers:
                     observe(state, command, events)
             decisions.append(decision)
-            lsns.append(lsn)
+            lsns.append(lsn or self._barrier(command))  # (ask_many waits for a barrier not yet durable)
         if last and batch.failure is None:
             self._journal.call_when_durable(last, batch.done.set)
         else:
@@ -388,14 +388,21 @@ class ScopeActor:
         return decision
 
     def _settle(self, envelope: Envelope, decision: Decision, lsn: int) -> None:
-        """The requester wakes once the decision is durable (one wake-up, no polling)."""
-        envelope.settle(decision, lsn)
+        """The requester wakes once the decision is durable (one wake-up, no polling). A decision that wrote
+        nothing (a repeated free, "already exists") was made on state that may hold writes not yet durable: its
+        requester waits for them too (``_barrier``), so it never acknowledges what a failed journal takes back."""
+        envelope.settle(decision, lsn or self._barrier(envelope.command))
         if envelope.on_settled is not None:
             envelope.on_settled()
         if lsn and envelope.awaited:
             self._journal.call_when_durable(lsn, envelope.done.set)
         else:
             envelope.done.set()
+
+    def _barrier(self, command: Command) -> int:
+        """The LSN a decision that wrote nothing waits for: the scope's last write (a worker's KV events, whose
+        records are never acknowledged to a client, wait for none)."""
+        return 0 if type(command) in WORKER_KV_COMMANDS else self.last_write_lsn
 
     def _fail(self, envelope: Envelope, exc: BaseException) -> None:
         """The journal refused the events: nothing was applied; the requester learns why at once."""

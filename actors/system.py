@@ -192,8 +192,12 @@ class ActorSystem:
             raise self.reply_timeout(f"{type(command).__name__} in {scope.describe()}")
         if envelope.failure is not None:
             raise JournalUnavailable(envelope.failure)
-        if envelope.lsn > self.journal.durable_lsn:
-            await self.wait_durable(envelope.lsn)  # only after a journal failure: raises
+        if envelope.lsn > self.journal.durable_lsn:  # a decision that wrote nothing, on writes not yet durable
+            with trio.move_on_after(self.deadlines.seconds):
+                await self.wait_durable(envelope.lsn)  # (or a journal failure: raises)
+                assert envelope.decision is not None
+                return envelope.decision
+            raise self.reply_timeout(f"{type(command).__name__} in {scope.describe()}")
         assert envelope.decision is not None
         return envelope.decision
 
@@ -234,7 +238,7 @@ class ActorSystem:
                     results[i] = late
                 else:
                     try:
-                        await self.wait_durable(lsn)  # only after a journal failure: raises
+                        await self.wait_durable(lsn)  # a barrier (a decision that wrote nothing), or a failure
                         results[i] = decision
                     except JournalUnavailable as gone:
                         results[i] = gone

@@ -1,7 +1,10 @@
-"""The nemesis: one fault at a time on a random target (a replica or a NATS node), recorded in the history as a
-``nemesis`` ``info`` line when it starts and another when it ends. Faults: ``kill`` (SIGKILL, started again after
-a while, same data directory and port) and ``pause`` (SIGSTOP, SIGCONT after a while). etcd is left alone. A NATS
-node is faulted only while the other two run (the stream keeps its majority)."""
+"""The nemesis: one fault at a time, recorded in the history as a ``nemesis`` ``info`` line when it starts and
+another when it ends. Faults on a random target (a replica, a NATS node, or etcd when it is among the targets):
+``kill`` (SIGKILL, started again after a while, same data directory and port) and ``pause`` (SIGSTOP, SIGCONT after
+a while). With a network of namespaces, also ``partition``: the hosts (replicas, NATS nodes, etcd) split at random
+into two sides, every path between the sides cut, and healed after a while (the clients' paths are never cut).
+One fault at a time, so a NATS node is killed or paused only while the other two run (the stream keeps its
+majority), and a partition leaves two of the three NATS nodes on one side."""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import trio
 
 from kvrouter.simulations.ownership.history import History
 from kvrouter.simulations.process_faults.clients import Clock
+from kvrouter.simulations.process_faults.network import Network
 from kvrouter.simulations.process_faults.replicas import Replica
-from kvrouter.simulations.process_faults.servers import NatsNode
+from kvrouter.simulations.process_faults.servers import EtcdServer, NatsNode
 
 
 @attrs.frozen
@@ -44,33 +48,41 @@ def replica_target(replica: Replica) -> Target:
     )
 
 
-def nats_target(node: NatsNode, nats: str) -> Target:
-    def signal_node(signum: int) -> None:
-        if node.process is not None and node.process.poll() is None:
-            node.process.send_signal(signum)
+def server_target(name: str, server: NatsNode | EtcdServer, start: Callable[[], None]) -> Target:
+    """A server process: killed and paused by its PID, started again by ``start`` (on its data)."""
+
+    def signal_server(signum: int) -> None:
+        if server.process is not None and server.process.poll() is None:
+            server.process.send_signal(signum)
 
     def kill() -> None:
-        if node.process is not None and node.process.poll() is None:
-            node.process.kill()
-            node.process.wait()
+        if server.process is not None and server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
 
-    return Target(
-        f"nats-{node.name}",
-        kill,
-        lambda: node.start(nats),
-        lambda: signal_node(signal.SIGSTOP),
-        lambda: signal_node(signal.SIGCONT),
-    )
+    return Target(name, kill, start, lambda: signal_server(signal.SIGSTOP), lambda: signal_server(signal.SIGCONT))
+
+
+def nats_target(node: NatsNode, nats: str) -> Target:
+    return server_target(f"nats-{node.name}", node, lambda: node.start(nats))
+
+
+def etcd_target(server: EtcdServer) -> Target:
+    return server_target("etcd", server, server.start)
 
 
 class Nemesis:
-    def __init__(self, history: History, clock: Clock, seed: int, targets: list[Target]) -> None:
+    def __init__(
+        self, history: History, clock: Clock, seed: int, targets: list[Target], network: Network | None = None
+    ) -> None:
         self.history = history
         self.clock = clock
         self.rng = random.Random(f"{seed}:nemesis")
         self.targets = targets
+        self.network = network
+        self.kinds = ("kill", "pause") if network is None else ("kill", "pause", "partition", "partition")
         self.options = NemesisOptions()
-        self.counts: dict[str, int] = {"kill": 0, "pause": 0}
+        self.counts: dict[str, int] = dict.fromkeys(self.kinds, 0)
         self.last_fault_ended = 0.0  # trio time
 
     async def run(self, until: float) -> None:
@@ -82,17 +94,35 @@ class Nemesis:
 
     async def one_fault(self) -> None:
         target = self.rng.choice(self.targets)
-        kind = self.rng.choice(("kill", "pause"))
+        kind = self.rng.choice(self.kinds)
         lasting = self.rng.uniform(*self.options.fault_seconds)
+        if kind == "partition":
+            start, end, name = self.partition()
+        elif kind == "kill":
+            start, end, name = target.kill, target.restart, target.name
+        else:
+            start, end, name = target.pause, target.resume, target.name
         self.counts[kind] += 1
-        self.note(kind, target.name, "start")
-        (target.kill if kind == "kill" else target.pause)()
+        if name == "etcd":
+            self.counts[f"{kind} of etcd"] = self.counts.get(f"{kind} of etcd", 0) + 1  # counted in `kind` too
+        self.note(kind, name, "start")
+        start()
         try:
             await trio.sleep(lasting)
         finally:
-            (target.restart if kind == "kill" else target.resume)()
-            self.note(kind, target.name, "end")
+            end()
+            self.note(kind, name, "end")
             self.last_fault_ended = trio.current_time()
+
+    def partition(self) -> tuple[Callable[[], None], Callable[[], None], str]:
+        """Two random sides of the network's hosts (each at least one): cut, heal, and the sides' names."""
+        network = self.network
+        assert network is not None
+        hosts = list(network.names)
+        self.rng.shuffle(hosts)
+        split = self.rng.randint(1, len(hosts) - 1)
+        side, other = sorted(hosts[:split]), sorted(hosts[split:])
+        return lambda: network.cut(side, other), network.heal, f"{','.join(side)} | {','.join(other)}"
 
     def note(self, kind: str, target: str, phase: str) -> None:
         self.history.add(

@@ -1,6 +1,6 @@
-"""kvrouter slot-tracker replicas of one cluster (``--cluster``), each its own process on a free 127.0.0.1 port
-with its own data directory: started, killed with SIGKILL and started again, paused (SIGSTOP) and resumed, stopped;
-always by PID."""
+"""kvrouter slot-tracker replicas of one cluster (``--cluster``), each its own process on a free port of its place
+(127.0.0.1, or its network namespace's address, which it advertises) with its own data directory, sharing a bearer
+token: started, killed with SIGKILL and started again, paused (SIGSTOP) and resumed, stopped; always by PID."""
 
 from __future__ import annotations
 
@@ -13,22 +13,33 @@ from pathlib import Path
 import httpx
 import trio
 
-from kvrouter.simulations.process_faults.servers import free_port, stop
+from kvrouter.simulations.process_faults.servers import LOOPBACK, Place, free_port, stop
 
 START_SECONDS = 60.0
+START_ATTEMPTS = 3
+TOKEN = "process-faults-token"
+
+
+def token_file(directory: Path) -> Path:
+    """The bearer token every replica shares (a replica bound to an address other than loopback needs one)."""
+    path = directory / "token"
+    path.write_text(TOKEN)
+    path.chmod(0o600)
+    return path
 
 
 class Replica:
-    def __init__(self, directory: Path, name: str, argv_tail: list[str]) -> None:
+    def __init__(self, directory: Path, name: str, argv_tail: list[str], place: Place = LOOPBACK) -> None:
         self.name = name
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{place.address}:{self.port}"
         self.data_dir = directory / name
         self.log = directory / f"{name}.log"
-        self.argv = [
-            sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", str(self.port),
-            "--data-dir", str(self.data_dir), "--advertise-url", self.url, *argv_tail,
-        ]  # fmt: skip
+        self.argv = place.argv([
+            sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--host", place.address,
+            "--port", str(self.port), "--data-dir", str(self.data_dir), "--advertise-url", self.url,
+            "--auth-token-file", str(token_file(directory)), *argv_tail,
+        ])  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None
         self.wanted_up = True  # False while the nemesis holds it killed
         self.relaunches = 0  # started again after it exited on its own (e.g. NATS unreachable at start: exit 2)
@@ -42,10 +53,17 @@ class Replica:
             self.process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=log)
 
     async def wait_healthy(self, http: httpx.AsyncClient) -> None:
+        """Until it answers ``/health``. One that exits meanwhile (at start, three replicas creating the stream
+        and bucket at once on two loaded cores can run out of time: exit 2) is started again, twice at most."""
+        exits = 0
         with trio.fail_after(START_SECONDS):
             while True:
-                if not self.running:
-                    raise RuntimeError(f"replica {self.name} exited at start: see {self.log}")
+                if not self.running and exits < START_ATTEMPTS - 1:
+                    exits += 1
+                    self.relaunches += 1
+                    self.launch()
+                elif not self.running:
+                    raise RuntimeError(f"replica {self.name} exited at start {START_ATTEMPTS} times: see {self.log}")
                 try:
                     if (await http.get(f"{self.url}/health", timeout=1)).status_code == 200:
                         return

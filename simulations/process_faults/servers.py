@@ -1,5 +1,6 @@
-"""Real server processes on free 127.0.0.1 ports, each stopped by its PID: a NATS cluster with JetStream (one node
-or several, routed to each other, each with its own store directory) and etcd. Synchronous (``subprocess``)."""
+"""Real server processes, each stopped by its PID: a NATS cluster with JetStream (one node or several, routed to
+each other, each with its own store directory) and etcd. Each listens on free ports of its place: 127.0.0.1, or
+the address of a network namespace it runs in (``network.py``). Synchronous (``subprocess``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ from pathlib import Path
 import attrs
 
 START_SECONDS = 30.0
+
+
+@attrs.frozen
+class Place:
+    """Where a process runs: the address it listens on, and the command prefix that runs it there (``ip netns
+    exec NAME``; none on the loopback interface)."""
+
+    address: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return [*self.prefix, *argv]
+
+
+LOOPBACK = Place()
 
 
 def free_port() -> int:
@@ -68,23 +84,28 @@ class NatsNode:
 
     name: str
     directory: Path
+    place: Place
     port: int
     route_port: int
     monitor_port: int
-    routes: tuple[int, ...]  # every node's route port (its own included: nats-server skips it)
+    routes: tuple[str, ...]  # every node's route URL (its own included: skipped in argv)
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.place.address}:{self.port}"
+
+    @property
+    def route(self) -> str:
+        return f"nats://{self.place.address}:{self.route_port}"
 
     def argv(self, nats: str) -> list[str]:
-        argv = [nats, "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port)]
+        argv = [nats, "-a", self.place.address, "-p", str(self.port), "-m", str(self.monitor_port)]
         argv += ["-js", "-sd", str(self.directory / "store"), "-n", self.name]
         if len(self.routes) > 1:
-            argv += ["--cluster_name", "kvr", "-cluster", f"nats://127.0.0.1:{self.route_port}"]
-            argv += ["-routes", ",".join(f"nats://127.0.0.1:{p}" for p in self.routes if p != self.route_port)]
-        return argv
+            argv += ["--cluster_name", "kvr", "-cluster", self.route]
+            argv += ["-routes", ",".join(r for r in self.routes if r != self.route)]
+        return self.place.argv(argv)
 
     def start(self, nats: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -93,13 +114,14 @@ class NatsNode:
 
     def wait_healthy(self) -> None:
         assert self.process is not None
-        _wait_http(f"http://127.0.0.1:{self.monitor_port}/healthz", self.process, f"nats-server {self.name}")
+        url = f"http://{self.place.address}:{self.monitor_port}/healthz"
+        _wait_http(url, self.process, f"nats-server {self.name}")
 
 
 def _meta_leader(node: NatsNode) -> tuple[str, bool]:
     """The JetStream meta leader ``node`` sees ('' for none), and whether it lists every peer as current."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/jsz", timeout=1) as answer:
+        with urllib.request.urlopen(f"http://{node.place.address}:{node.monitor_port}/jsz", timeout=1) as answer:
             meta = json.load(answer).get("meta_cluster") or {}
     except (OSError, urllib.error.URLError, ValueError):
         return "", False
@@ -122,19 +144,22 @@ def _wait_meta_cluster(nodes: list[NatsNode]) -> None:
         time.sleep(0.1)
 
 
-def nats_nodes(directory: Path, count: int) -> list[NatsNode]:
-    route_ports = tuple(free_port() for _ in range(count))
+def nats_nodes(directory: Path, count: int, places: list[Place] | None = None) -> list[NatsNode]:
+    """``count`` nodes named n1, n2, ..., each at its place (default: all on 127.0.0.1)."""
+    places = places or [LOOPBACK] * count
+    ports = [(free_port(), free_port(), free_port()) for _ in places]
+    routes = tuple(f"nats://{place.address}:{route}" for place, (_, route, _) in zip(places, ports, strict=True))
     return [
-        NatsNode(f"n{i + 1}", directory / f"n{i + 1}", free_port(), route_ports[i], free_port(), route_ports)
-        for i in range(count)
+        NatsNode(f"n{i + 1}", directory / f"n{i + 1}", place, port, route, monitor, routes)
+        for i, (place, (port, route, monitor)) in enumerate(zip(places, ports, strict=True))
     ]
 
 
 @contextlib.contextmanager
-def nats_cluster(nats: str, directory: Path, count: int) -> Iterator[list[NatsNode]]:
-    """``count`` nats-servers with JetStream, routed to each other when more than one; healthy (a JetStream meta
-    leader elected) before this yields; all stopped by PID after."""
-    nodes = nats_nodes(directory, count)
+def nats_cluster(nats: str, directory: Path, count: int, places: list[Place] | None = None) -> Iterator[list[NatsNode]]:
+    """``count`` nats-servers with JetStream (at ``places``, default 127.0.0.1), routed to each other when more
+    than one; healthy (a JetStream meta leader elected) before this yields; all stopped by PID after."""
+    nodes = nats_nodes(directory, count, places)
     try:
         for node in nodes:
             node.start(nats)
@@ -149,25 +174,44 @@ def nats_cluster(nats: str, directory: Path, count: int) -> Iterator[list[NatsNo
                 stop(node.process)
 
 
+@attrs.define
+class EtcdServer:
+    """One etcd on free ports of its place, its data in ``directory``; started again on the same data after a
+    kill."""
+
+    etcd: str  # the binary
+    directory: Path
+    place: Place
+    client_port: int = attrs.field(factory=free_port)
+    peer_port: int = attrs.field(factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.place.address}:{self.client_port}"
+
+    def argv(self) -> list[str]:
+        peer = f"http://{self.place.address}:{self.peer_port}"
+        argv = [self.etcd, "--data-dir", str(self.directory / "etcd"), "--listen-client-urls", self.url]
+        argv += ["--advertise-client-urls", self.url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls"]
+        argv += [peer, "--initial-cluster", f"default={peer}", "--log-level", "error"]
+        return self.place.argv(argv)
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with (self.directory / "etcd.log").open("ab") as log:
+            self.process = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL, stderr=log)
+
+
 @contextlib.contextmanager
-def etcd_server(etcd: str, directory: Path) -> Iterator[str]:
-    """One etcd on free ports, its data in ``directory``: its client URL once healthy; stopped by PID after."""
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
-    argv = [etcd, "--data-dir", str(directory / "etcd"), "--listen-client-urls", url, "--advertise-client-urls", url]
-    argv += ["--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls"]
-    argv += [
-        f"http://127.0.0.1:{peer}",
-        "--initial-cluster",
-        f"default=http://127.0.0.1:{peer}",
-        "--log-level",
-        "error",
-    ]
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / "etcd.log").open("ab") as log:
-        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+def etcd_server(etcd: str, directory: Path, place: Place = LOOPBACK) -> Iterator[EtcdServer]:
+    """One etcd at ``place``, healthy before this yields; stopped by PID after."""
+    server = EtcdServer(etcd, directory, place)
+    server.start()
     try:
-        _wait_http(f"{url}/health", process, "etcd")
-        yield url
+        assert server.process is not None
+        _wait_http(f"{server.url}/health", server.process, "etcd")
+        yield server
     finally:
-        stop(process)
+        if server.process is not None:
+            stop(server.process)

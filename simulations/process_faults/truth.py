@@ -4,6 +4,7 @@ from its snapshot and tail and folded with ``evolve``, the way an owner recovers
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -67,14 +68,23 @@ def sorted_rows(rows: list[dict[str, Any]]) -> list[str]:
     return sorted(json.dumps(row, sort_keys=True) for row in rows)
 
 
-async def scope_truth(servers: tuple[str, ...], stream: str, model: str) -> ScopeState | str:
-    """The scope's state folded from its subject (snapshot and tail), or what stopped the fold."""
+async def scope_truth(servers: tuple[str, ...], stream: str, model: str, seconds: float = 30.0) -> ScopeState | str:
+    """The scope's state folded from its subject (snapshot and tail), or what stopped the fold. A read that JetStream
+    did not serve (no answer in time: the stream may be electing a leader, or busy) is tried again for ``seconds``."""
     scope = ScopeKey(model, "default")
     opened = partial(JetStreamJournal.open, servers, stream, log=scope_token(scope))
-    try:
-        journal = await trio.to_thread.run_sync(opened)
-    except JournalUnreachable as exc:
-        return f"its subject cannot be read: {exc}"
+    deadline = trio.current_time() + seconds
+    while True:
+        try:
+            return await _fold(opened, scope)
+        except JournalUnreachable as exc:
+            if trio.current_time() >= deadline:
+                return f"its subject cannot be read: {exc}"
+        await trio.sleep(0.5)
+
+
+async def _fold(opened: Callable[[], JetStreamJournal], scope: ScopeKey) -> ScopeState | str:
+    journal = await trio.to_thread.run_sync(opened)
     try:
         recovered = await trio.to_thread.run_sync(recover, journal)
     except CorruptJournal as exc:
