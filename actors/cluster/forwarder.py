@@ -38,6 +38,7 @@ class Relayed:
     body: bytes
     content_type: bytes | None
     written: str | None = None  # a write's ``kvrouter-written`` token (``follower_reads``)
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # others a route sends (retry-after): a batch's result names them
 
 
 class Forwarder:

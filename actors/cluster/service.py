@@ -26,6 +26,7 @@ import orjson
 import trio
 
 from kvrouter.actors.cluster.follower_reads import FollowerReads, WrittenSequences, copies_read
+from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH, ForwardBatches, Outcome, command
 from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes, S
@@ -60,7 +61,8 @@ class ClusterService(Generic[S]):
         self.membership = membership
         self.owned = owned
         self.forwarder = forwarder
-        self.metric_sources: list[FamilySource] = []
+        self.batches = ForwardBatches(self.relay)  # its ``run`` is started by the composition root
+        self.metric_sources: list[FamilySource] = [self.batches.families]
         self.written = WrittenSequences(owned)  # the tokens of the writes answered here (``follower_reads``)
         self.follower_reads: FollowerReads | None = None  # reads answered from copies (set at composition)
 
@@ -270,7 +272,7 @@ class ClusterService(Generic[S]):
             ),
             counter(
                 "kvrouter_cluster_forwarded",
-                "Commands forwarded to an owner",
+                "Requests forwarded to an owner (a batch of forwarded writes counts once)",
                 (),
                 {(): float(self.forwarder.forwarded)},
             ),
@@ -328,43 +330,39 @@ class ClusterSlotService(ClusterService[SlotService]):
 
     async def apply_writes(self, writes: list[Any]) -> list[Any]:
         """``SlotService.apply_writes`` across the cluster: the writes of a scope served here go to its service
-        together; those of a scope owned elsewhere are forwarded to its owner one by one, in order."""
+        together; those of a scope owned elsewhere go to its owner together, in order (``forward_writes``). In a
+        batch another replica forwarded here (``FORWARDED_BATCH``), a scope not served here is refused (503)."""
         outcomes: list[Any] = [None] * len(writes)
         by_scope: dict[ScopeKey, list[int]] = {}
         for index, write in enumerate(writes):
             by_scope.setdefault(ScopeKey(write[1], write[2]), []).append(index)
         for scope, indices in by_scope.items():
-            where = await self.where(scope)
+            where = await self.where(scope, FORWARDED_BATCH.get())
             if isinstance(where, Serve):
                 try:
                     with self._local(scope) as service:
                         found = await service.apply_writes([writes[i] for i in indices])
                 except Refused as exc:
                     found = [encode_failure(exc)] * len(indices)
-                for i, outcome in zip(indices, found, strict=True):
-                    outcomes[i] = outcome
             elif isinstance(where, Forward):
-                for i in indices:
-                    outcomes[i] = await self._forward_write(where.owner, writes[i])
+                found = [
+                    write_outcome(one) for one in await self.forward_writes(where.owner, [writes[i] for i in indices])
+                ]
             else:
-                for i in indices:
-                    outcomes[i] = encode_failure(not_applied(where.message))
+                found = [encode_failure(not_applied(where.message))] * len(indices)
+            for i, outcome in zip(indices, found, strict=True):
+                outcomes[i] = outcome
         return outcomes
 
-    async def _forward_write(self, owner: str, write: Sequence[Any]) -> Any:
-        """One write of a batch, on the owner's own route; its outcome as ``apply_writes`` gives it."""
-        op = BY_NAME[write[0]]
-        try:
-            relayed = await self.relay(owner, op.method, op.path, b"", write_body(write))
-        except OwnerUnreachable as exc:
-            if exc.unknown:
-                return encode_failure(Refused(Reason.UNAVAILABLE, f"{exc}; the outcome is unknown"))
-            return encode_failure(not_applied(str(exc)))
-        self.written.note(relayed.written)
-        if relayed.status in (200, 201):
-            return relayed.status == 201
-        message = relayed.body.decode("utf-8", errors="replace")
-        return encode_failure(Refused(_STATUS_REASON.get(relayed.status, Reason.UNAVAILABLE), message))
+    async def forward_writes(self, owner: str, writes: Sequence[Sequence[Any]]) -> list[Outcome]:
+        """Write items (``[method, model, tenant, *arguments]``) sent to ``owner`` as one group of a batch
+        (``ForwardBatches``): each one's answer from its own route there (its token noted), or why it has none."""
+        commands = [command(BY_NAME[write[0]].method, BY_NAME[write[0]].path, write_body(write)) for write in writes]
+        outcomes = await self.batches.send(owner, commands)
+        for outcome in outcomes:
+            if isinstance(outcome, Relayed):
+                self.written.note(outcome.written)
+        return outcomes
 
     # -- queries: the scopes served here --------------------------------------------------------------
 
@@ -401,6 +399,29 @@ class ClusterSlotService(ClusterService[SlotService]):
             return LoadChange(scope, version, rank_loads(state) if state is not None else None)
 
         return await read_changes(self.load_feed, ServedStates(self.owned), epoch, cursor, wait_seconds, measure)
+
+
+def write_outcome(outcome: Outcome) -> Any:
+    """A forwarded write's answer as ``apply_writes`` gives it: created, done, or its failure as data."""
+    if isinstance(outcome, OwnerUnreachable):
+        if outcome.unknown:
+            return encode_failure(Refused(Reason.UNAVAILABLE, f"{outcome}; the outcome is unknown"))
+        return encode_failure(not_applied(str(outcome)))
+    if outcome.status in (200, 201):
+        return outcome.status == 201
+    return encode_failure(Refused(_STATUS_REASON.get(outcome.status, Reason.UNAVAILABLE), error_message(outcome.body)))
+
+
+def error_message(body: bytes) -> str:
+    """The message of an owner's ``{"error": ...}`` answer (so the write is answered with it as the owner did),
+    or the whole body if it is not one."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        value = None
+    if type(value) is dict and type(value.get("error")) is str:
+        return str(value["error"])
+    return body.decode("utf-8", errors="replace")
 
 
 class ServedStates:

@@ -111,6 +111,7 @@ async def run_cluster_replica(
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(owned.run)
+                    await nursery.start(service.batches.run)
                     if followers is not None:
                         await nursery.start(followers.run)
                     nursery.start_soon(membership.run, owned.drop_all)

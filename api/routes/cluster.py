@@ -7,8 +7,11 @@ only the handlers its ``ClusterRouting`` names (the slot tracker's: ``SLOT_ROUTI
 * a command naming a scope (the writes, ``POST /potential_loads``) asks ``service.where``: served here, the
   route's own handler answers; owned by another live member, the request goes to it as the client sent it, once
   (``FORWARDED_HEADER``), and its answer comes back as it is; otherwise 503 ``{"error": ...}``: not applied,
-  safe to retry. Commands of ``POST /batch`` and the command stream go through ``ClusterSlotService.apply_writes``,
-  which does the same per scope;
+  safe to retry. A slot-tracker write owned elsewhere goes to its owner with the other writes bound there at that
+  moment, in one ``POST /batch`` (``actors/cluster/forward_batches.py``), and its own result comes back as its
+  route's answer. Commands of ``POST /batch`` and the command stream go through ``ClusterSlotService.apply_writes``,
+  which does the same per scope; a ``POST /batch`` another replica forwarded runs with ``FORWARDED_BATCH`` set,
+  so none of its writes is forwarded again (``ClusterService.where`` says when a move makes an exception);
 * a read of many scopes (``GET /workers``, ``GET /loads``) gathers the rows of every live member: this replica's
   own (the scopes it serves) and, through each other member, theirs (asked with ``FORWARDED_HEADER``, so each
   answers for itself alone). A member that does not answer, or a known scope that no live member owns right now
@@ -29,8 +32,9 @@ import orjson
 import trio
 
 from kvrouter.actors.cluster.follower_reads import READ_AFTER, WRITTEN_HEADER, parse_read_after, reading
+from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH
 from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
-from kvrouter.actors.cluster.service import ClusterService
+from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.forwarding import Forward, Serve
 from kvrouter.api.bodies.schemas import PotentialLoadsBody, parse
@@ -90,7 +94,8 @@ def clustered(routes: list[Route], service: ClusterService[Any], routing: Cluste
             if scope_of is None:
                 assert route.batched is not None, f"{name} reads its scope from its Batched.prepare"
                 # pipelined=False: the scope's owner is found before the command is posted
-                scoped = _scoped(route, service, _item_scope(route.batched.prepare))
+                forward = _batched_forward(service, route.batched.prepare) if name in SCOPED_WRITES else None
+                scoped = _scoped(route, service, _item_scope(route.batched.prepare), forward)
                 batched = route.batched
                 if name in SCOPED_WRITES:  # the slot tracker's writes answer their token (``follower_reads``)
                     batched = attrs.evolve(batched, apply=_tokened(batched.apply, service))
@@ -101,6 +106,8 @@ def clustered(routes: list[Route], service: ClusterService[Any], routing: Cluste
             route = attrs.evolve(route, handler=_gathered(route, service, routing.gathered[name]))
         elif name in routing.located:
             route = attrs.evolve(route, handler=_located(route, service))
+        elif name == "batch":
+            route = attrs.evolve(route, handler=_marks_forwarded(route.handler))
         changed.append(route)
     return changed
 
@@ -117,8 +124,51 @@ def _item_scope(prepare: Callable[[Request], Any]) -> Callable[[Request], ScopeK
 
 
 def _relayed(relayed: Relayed) -> Response:
-    headers = ((WRITTEN_HEADER.encode(), relayed.written.encode("latin-1")),) if relayed.written else ()
-    return Response(relayed.status, relayed.body, relayed.content_type, headers)
+    written = ((WRITTEN_HEADER.encode(), relayed.written.encode("latin-1")),) if relayed.written else ()
+    return Response(relayed.status, relayed.body, relayed.content_type, (*relayed.headers, *written))
+
+
+Relaying = Callable[[str, Request], Awaitable[Relayed]]
+
+
+def _batched_forward(service: ClusterService[Any], prepare: Callable[[Request], Any]) -> Relaying | None:
+    """A slot-tracker write sent on to ``owner`` with the writes going there at the same time (one batch)."""
+    if not isinstance(service, ClusterSlotService):
+        return None
+    slots = service
+
+    async def forward(owner: str, request: Request) -> Relayed:
+        [outcome] = await slots.forward_writes(owner, [prepare(request)])
+        if isinstance(outcome, OwnerUnreachable):
+            raise outcome
+        return outcome
+
+    return forward
+
+
+def _relay_as_sent(service: ClusterService[Any]) -> Relaying:
+    """A request sent on to ``owner`` as the client sent it, alone."""
+
+    async def forward(owner: str, request: Request) -> Relayed:
+        return await service.relay(owner, request.method, request.path, request.query_string, body_of(request))
+
+    return forward
+
+
+def _marks_forwarded(own: Any) -> Any:
+    """``POST /batch``: run with ``FORWARDED_BATCH`` set when another replica forwarded it (the tasks its
+    commands run in inherit it)."""
+
+    async def handler(request: Request) -> Response:
+        if not request.forwarded:
+            return await own(request)
+        token = FORWARDED_BATCH.set(True)
+        try:
+            return await own(request)
+        finally:
+            FORWARDED_BATCH.reset(token)
+
+    return handler
 
 
 def _with_written(response: Response, token: str | None) -> Response:
@@ -147,8 +197,9 @@ def _tokened(apply: Callable[[list[Any]], Awaitable[list[Response]]], service: C
     return tokened
 
 
-def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf) -> Any:
+def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf, forward: Relaying | None = None) -> Any:
     own = route.handler
+    relay = forward if forward is not None else _relay_as_sent(service)
     write = route.operation is not None and route.operation.name in SCOPED_WRITES
 
     async def handler(request: Request) -> Response:
@@ -159,9 +210,7 @@ def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf) -> An
             return _with_written(answer, service.written.of(scope)) if write else answer
         if isinstance(where, Forward):
             try:
-                relayed = await service.relay(
-                    where.owner, request.method, request.path, request.query_string, body_of(request)
-                )
+                relayed = await relay(where.owner, request)
             except OwnerUnreachable as exc:
                 if exc.unknown:
                     return error_response(503, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
