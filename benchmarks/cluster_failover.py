@@ -154,10 +154,20 @@ class Bookings:
         return False
 
 
+async def settled_owner(http: httpx.AsyncClient, replicas: list[Replica]) -> str:
+    """The scope's owner once one of the replicas holds it (not while it is handed over to a rejoined replica)."""
+    urls = {replica.url for replica in replicas}
+    while True:
+        view = await members(http, replicas[0].url)
+        owner = next((row["owner"] for row in view["scopes"] if row["model_name"] == MODEL), None)
+        if owner in urls:
+            return str(owner)
+        await trio.sleep(0.05)
+
+
 async def one_kill(http: httpx.AsyncClient, replicas: list[Replica], bookings: Bookings, probe: float) -> float:
     """Kill the scope's owner; seconds until a survivor acknowledges a write; then the killed one rejoins."""
-    view = await members(http, replicas[0].url)
-    owner = next(row["owner"] for row in view["scopes"] if row["model_name"] == MODEL)
+    owner = await settled_owner(http, replicas)
     victim = next(replica for replica in replicas if replica.url == owner)
     survivor = next(replica for replica in replicas if replica is not victim)
     victim.kill9()
