@@ -165,6 +165,17 @@ async def settled_owner(http: httpx.AsyncClient, replicas: list[Replica]) -> str
         await trio.sleep(0.05)
 
 
+async def settled_loads(http: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
+    """``GET /loads`` once it answers 200 (503 while the last replica to rejoin takes its scope back)."""
+    with trio.fail_after(30):
+        while True:
+            answer = await http.get(url + "/loads", params={"model_name": MODEL})
+            if answer.status_code == 200:
+                rows: list[dict[str, Any]] = answer.json()
+                return rows
+            await trio.sleep(0.1)
+
+
 async def one_kill(http: httpx.AsyncClient, replicas: list[Replica], bookings: Bookings, probe: float) -> float:
     """Kill the scope's owner; seconds until a survivor acknowledges a write; then the killed one rejoins."""
     owner = await settled_owner(http, replicas)
@@ -225,7 +236,7 @@ async def run(args: argparse.Namespace, processes: Processes) -> None:
                 await bookings.add(replicas[kill % len(replicas)].url)
             times.append(await one_kill(http, replicas, bookings, args.probe_ms / 1000))
             print(f"kill {kill + 1}: first acknowledged write {times[-1]:.2f} s after kill -9", flush=True)
-        loads = (await http.get(replicas[0].url + "/loads", params={"model_name": MODEL})).json()
+        loads = await settled_loads(http, replicas[0].url)
     booked = sum(row["active_prefill_tokens"] for row in loads)
     print(
         f"kills {len(times)}: p50 {statistics.median(times):.2f} s, max {max(times):.2f} s, "
