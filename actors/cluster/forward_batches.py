@@ -278,7 +278,8 @@ def _results(body: bytes, count: int) -> list[dict[str, Any]] | None:
 def _relayed(result: dict[str, Any]) -> Relayed:
     """One command's result as the answer its own route would have sent (its ``kvrouter-written`` token apart)."""
     status, value = result["status"], result.get("body")
-    headers = result.get("headers") if type(result.get("headers")) is dict else {}
+    named = result.get("headers")
+    headers: dict[str, Any] = named if type(named) is dict else {}
     written = headers.get(WRITTEN_HEADER)
     others = tuple(
         (str(name).encode("latin-1"), str(header).encode("latin-1"))

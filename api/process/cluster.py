@@ -47,7 +47,7 @@ from kvrouter.api.process.main import (
     lock_data_dir,
     slot_tracker_routes_of,
 )
-from kvrouter.api.routes.cluster import clustered
+from kvrouter.api.routes.cluster import clustered, marking_forwarded_batches
 from kvrouter.journal.jetstream import JetStreamJournal
 
 log = logging.getLogger("kvrouter")
@@ -179,8 +179,8 @@ async def serve_replica(
     """The replica's routes until ``http_stopping`` (``stopping`` ends the streams); then, HTTP drained, stop the
     ``replica``."""
     app = make_app(
-        routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout, auth=options.auth,
-        stopping=stopping,
+        marking_forwarded_batches(routes), body_limit=options.body_limit, body_timeout=options.http.body_timeout,
+        auth=options.auth, stopping=stopping,
     )  # fmt: skip
     await serve_http(
         app,

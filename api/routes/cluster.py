@@ -85,6 +85,9 @@ SLOT_ROUTING = ClusterRouting(
 
 def clustered(routes: list[Route], service: ClusterService[Any], routing: ClusterRouting = SLOT_ROUTING) -> list[Route]:
     changed = []
+    # One tokened ``apply`` per original: the runner puts consecutive commands in one call only when their routes
+    # share ``apply``, which keeps a batch's writes of a scope in order (add, then prefill_complete, ...).
+    tokened: dict[int, Any] = {}
     for route in routes:
         name = route.operation.name if route.operation is not None else None
         if name is None:
@@ -98,7 +101,8 @@ def clustered(routes: list[Route], service: ClusterService[Any], routing: Cluste
                 scoped = _scoped(route, service, _item_scope(route.batched.prepare), forward)
                 batched = route.batched
                 if name in SCOPED_WRITES:  # the slot tracker's writes answer their token (``follower_reads``)
-                    batched = attrs.evolve(batched, apply=_tokened(batched.apply, service))
+                    apply = tokened.setdefault(id(batched.apply), _tokened(batched.apply, service))
+                    batched = attrs.evolve(batched, apply=apply)
                 route = attrs.evolve(route, handler=scoped, pipelined=False, batched=batched)
             else:
                 route = attrs.evolve(route, handler=_scoped(route, service, scope_of))
@@ -106,8 +110,6 @@ def clustered(routes: list[Route], service: ClusterService[Any], routing: Cluste
             route = attrs.evolve(route, handler=_gathered(route, service, routing.gathered[name]))
         elif name in routing.located:
             route = attrs.evolve(route, handler=_located(route, service))
-        elif name == "batch":
-            route = attrs.evolve(route, handler=_marks_forwarded(route.handler))
         changed.append(route)
     return changed
 
@@ -153,6 +155,17 @@ def _relay_as_sent(service: ClusterService[Any]) -> Relaying:
         return await service.relay(owner, request.method, request.path, request.query_string, body_of(request))
 
     return forward
+
+
+def marking_forwarded_batches(routes: list[Route]) -> list[Route]:
+    """The routes a replica serves, its ``POST /batch`` marking the batches another replica forwarded
+    (``FORWARDED_BATCH``): applied to the routes the app serves, after ``POST /batch`` was made."""
+    return [
+        attrs.evolve(route, handler=_marks_forwarded(route.handler))
+        if route.operation is not None and route.operation.name == "batch"
+        else route
+        for route in routes
+    ]
 
 
 def _marks_forwarded(own: Any) -> Any:
