@@ -92,7 +92,12 @@ class Overloaded(Exception):
     """The scope's mailbox stayed full for ENQUEUE_TIMEOUT: the command was not applied."""
 
 
-class ReplyTimeout(Exception):
+class OutcomeUnknown(Exception):
+    """The command may or may not be applied, now or later: the API answers 504 (never 503, which always means
+    "not applied, safe to send again"). A caller that must know looks at the command's effect before retrying."""
+
+
+class ReplyTimeout(OutcomeUnknown):
     """No durable decision within the reply deadline. The command may still be applied later, so
     ``request_id`` (also logged) lets the operator find out what became of it."""
 
@@ -105,13 +110,22 @@ class ReplyTimeout(Exception):
 
 
 class JournalUnavailable(Exception):
-    """The journal cannot be written any more: this command was not acknowledged (it may or may not
-    survive a restart, which is what an unanswered write means), and the service is stopping."""
+    """The journal cannot be written any more, and the service (or, in a cluster, the scope here) stops.
 
-    def __init__(self, cause: BaseException | None) -> None:
+    ``maybe_written``: the command's record was appended before the journal failed, so whether it survives is
+    unknown (504); otherwise it was refused before reaching the journal, not applied (503)."""
+
+    def __init__(self, cause: BaseException | None, *, maybe_written: bool = False) -> None:
         reason = cause.__cause__ or cause if cause is not None else None
         detail = f" ({reason})" if reason is not None else ""
-        super().__init__(
-            f"the journal cannot be written{detail}; this write was not acknowledged and the service is "
-            "stopping: retry once it has been restarted"
-        )
+        self.maybe_written = maybe_written
+        if maybe_written:
+            super().__init__(
+                f"the journal failed{detail} after this write was appended: it was not acknowledged and may or "
+                "may not have been written; check its effect before retrying"
+            )
+        else:
+            super().__init__(
+                f"the journal cannot be written{detail}; this write was not applied and the service is "
+                "stopping: retry once it has been restarted"
+            )

@@ -1,7 +1,7 @@
 """What both service objects share: rejections as exceptions, and the scope filter of list queries.
 
 A service method either returns its result or raises: ``Refused`` (the core, or a service rule, said
-no: ``reason`` picks the answer), ``Overloaded`` / ``ReplyTimeout`` / ``JournalUnavailable``
+no: ``reason`` picks the answer), ``Overloaded`` / ``OutcomeUnknown`` (``ReplyTimeout``) / ``JournalUnavailable``
 (``actors/mailbox.py``). Nothing here knows HTTP: the routes map reasons to statuses.
 """
 
@@ -13,7 +13,7 @@ import attrs
 
 from kvrouter.actors.core.decisions import Accepted, Decision, Reason, Rejected
 from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.mailbox import JournalUnavailable, OutcomeUnknown, Overloaded, ReplyTimeout
 
 
 class Refused(Exception):
@@ -53,6 +53,7 @@ EVERY_SCOPE = ScopeFilter()
 # -- failures as data (between processes, and in a batch's answers) ---------------------------------------
 
 REFUSED, OVERLOADED, REPLY_TIMEOUT, JOURNAL_UNAVAILABLE, INTERNAL = "refused", "overloaded", "timeout", "journal", "bug"
+UNKNOWN = "unknown"
 INTERNAL_ERROR = "the actor process failed on this request (a bug: its log has the traceback)"
 
 
@@ -64,8 +65,10 @@ def encode_failure(exc: Exception) -> list[Any]:
         return [OVERLOADED, str(exc)]
     if isinstance(exc, ReplyTimeout):
         return [REPLY_TIMEOUT, str(exc), exc.request_id]
+    if isinstance(exc, OutcomeUnknown):
+        return [UNKNOWN, str(exc)]
     if isinstance(exc, JournalUnavailable):
-        return [JOURNAL_UNAVAILABLE, str(exc)]
+        return [JOURNAL_UNAVAILABLE, str(exc), exc.maybe_written]
     return [INTERNAL, INTERNAL_ERROR]
 
 
@@ -87,5 +90,8 @@ def decode_failure(data: list[Any]) -> Exception:
     if kind == JOURNAL_UNAVAILABLE:
         gone = JournalUnavailable.__new__(JournalUnavailable)
         Exception.__init__(gone, data[1])
+        gone.maybe_written = bool(data[2]) if len(data) > 2 else False
         return gone
+    if kind == UNKNOWN:
+        return OutcomeUnknown(data[1])
     return ActorProcessBug(data[1])

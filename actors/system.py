@@ -53,7 +53,7 @@ from kvrouter.actors.snapshotter import (
     Snapshotter,
     choose_method,
 )
-from kvrouter.journal.store import Journal, SnapshotRefused
+from kvrouter.journal.store import Journal, JournalFenced, SnapshotRefused
 
 log = logging.getLogger("kvrouter.actors")
 
@@ -473,11 +473,14 @@ class ActorSystem:
             await self.wait_durable(lsn)
 
     async def wait_durable(self, lsn: int) -> None:
-        """``journal.wait_durable``, with a failed journal reported as JournalUnavailable."""
+        """``journal.wait_durable``, with a failed journal reported as JournalUnavailable: the record may have been
+        written (a write that failed or got no answer), unless the journal was fenced (refused, or stored off the
+        log's chain: not applied)."""
         try:
             await self.journal.wait_durable(lsn)
         except JOURNAL_GONE as exc:
-            raise JournalUnavailable(exc) from exc
+            fenced = isinstance(exc.__cause__, JournalFenced)
+            raise JournalUnavailable(exc, maybe_written=not fenced) from exc
 
     # -- actor lifecycle --------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from kvrouter.actors.core.commands import IngestKvBatch
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.kv_wire import KvBatch, KvEvent, WireError, decode_batch
 from kvrouter.actors.core.router_config import RouterConfig
-from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.mailbox import JournalUnavailable, OutcomeUnknown, Overloaded
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import running_actors, start_select_service
 from kvrouter.actors.select_service import SelectService
@@ -85,8 +85,8 @@ def as_router_errors() -> Iterator[None]:
     except Overloaded as full:  # a scope's mailbox stayed full (the app's 503 with Retry-After)
         raise RouterError(503, str(full), RETRY_AFTER_SECONDS) from None
     except JournalUnavailable as gone:
-        raise RouterError(503, str(gone)) from None
-    except ReplyTimeout as late:
+        raise RouterError(504 if gone.maybe_written else 503, str(gone)) from None
+    except OutcomeUnknown as late:
         raise RouterError(504, str(late)) from None
 
 

@@ -14,9 +14,9 @@ next replica of the list when that one is gone or refuses a command without appl
 * **the stream closed**: commands sent later go to a new stream on the next replica that accepts. A command that
   was waiting for its result on the closed stream has an unknown outcome: a read (``GET``) is sent again; a write
   raises ``OutcomeUnknown`` (a ``StreamClosed``) and is never sent again by the client;
-* **unknown outcomes** are raised, never retried: ``OutcomeUnknown`` above, a 504 (the service's reply deadline
-  passed) and a 503 saying the outcome is unknown (a forwarded command whose owner did not answer, a journal that
-  failed mid-write), each a ``CommandError``. The slot tracker's writes are idempotent by request id: a caller
+* **unknown outcomes** are raised, never retried: ``OutcomeUnknown`` above, and a 504 (the service's reply
+  deadline passed, a forwarded command whose owner did not answer, a journal that failed mid-write), each a
+  ``CommandError``. A 503 always means "not applied". The slot tracker's writes are idempotent by request id: a caller
   that must know sends the same command again (``add`` then answers 409 "already exists" if the first landed).
 
 Reads never go behind the client's own writes: each write's answer names the sequence that holds it

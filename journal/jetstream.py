@@ -14,6 +14,9 @@ Why it is shaped like this:
 * Every publish is fenced: it carries the stream sequence of the subject's last message as this writer knows it
   (``Nats-Expected-Last-Subject-Sequence``). If another writer appended meanwhile, JetStream refuses it and this
   journal stops for good (``JournalFenced``: one line naming the cause), so two writers can never fork the log.
+  A clustered stream on nats-server before 2.9.21 may still store two appends fenced on one sequence; the log is
+  then the chain of messages naming their predecessor (``jetstream_batch``): the writer whose message is off it
+  learns so before acknowledging anything (``JournalFenced`` too), and every read passes over such messages.
 * A command is acknowledged only after JetStream acknowledged the message holding its records. That holds in every
   ``Durability`` mode (the modes differ on the file journal's fsync, which has no counterpart here); how durable a
   JetStream acknowledgement is depends on the stream (R=1 on one server: written to its store, synced by the
@@ -72,6 +75,7 @@ class JetStreamStatistics:
     peak_pending_bytes: int
     messages_published: int
     last_stream_sequence: int
+    chain_sequence: int  # the log's last message (the last stream sequence unless that one is off the chain)
 
 
 @final
@@ -107,6 +111,7 @@ class JetStreamJournal:
                     self._cum.append(self._total_bytes)
                 last_lsn = max(last_lsn, lsn)
         self._last_seq = tail.last_seq  # the fence of the next publish
+        self._chain_seq = tail.chain_seq  # the message the next publish follows on the chain (``Kvr-Prev``)
         self._commit = GroupCommit(last_lsn, wake=self._wake_waiters)
         self.call_when_durable = self._commit.call_when_durable  # type: ignore[method-assign]
         self._pending: list[bytes] = []  # framed records not yet taken by the writer
@@ -264,14 +269,19 @@ class JetStreamJournal:
                     f"JetStream did not deliver {self._link.subject} from sequence {seq} (records up to lsn {limit} "
                     "are on it); the log was not read whole"
                 )
-            for lsn, payload in payloads(chunk):
+            for lsn, payload in payloads(message for message in chunk if self._on_chain(message.seq)):
                 if lsn > limit:
                     return
                 if lsn > floor:
                     yield lsn, payload
                 if lsn == limit:
                     return
-            seq = chunk[-1][0] + 1
+            seq = chunk[-1].seq + 1
+
+    def _on_chain(self, seq: int) -> bool:
+        """Whether the message at ``seq`` is one of the log's (the index holds the chain's messages only)."""
+        at = bisect.bisect_left(self._index_seq, seq)
+        return at < len(self._index_seq) and self._index_seq[at] == seq
 
     def latest_snapshot(self) -> Snapshot | None:
         return self._snapshot
@@ -364,13 +374,13 @@ class JetStreamJournal:
             first = self._pending_first
             with trio.CancelScope(shield=True):  # never cancelled halfway: bounded on the asyncio side
                 try:
-                    seq = await self._thread.call(self._link.publish, body, first, self._last_seq)
+                    seq = await self._thread.call(self._link.publish, body, first, self._last_seq, self._chain_seq)
                 except JournalWriteFailed as exc:
                     self._fail(exc)
                     raise
             del self._pending[:count]
             self._pending_first = first + count
-            self._last_seq = seq
+            self._last_seq = self._chain_seq = seq
             self._index_lsn.append(first)
             self._index_seq.append(seq)
             self._published += 1
@@ -414,6 +424,7 @@ class JetStreamJournal:
             peak_pending_bytes=commit.peak_unwritten,
             messages_published=self._published,
             last_stream_sequence=self._last_seq,
+            chain_sequence=self._chain_seq,
         )
 
     def _wake_waiters(self) -> None:

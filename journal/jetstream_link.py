@@ -82,12 +82,27 @@ class TailMessage:
 
 
 @attrs.frozen
+class Fetched:
+    """One message of the subject as read: where it sits, the message it follows on the chain, its body."""
+
+    seq: int
+    first_lsn: int
+    prev: int
+    body: bytes
+
+
+@attrs.frozen
 class Tail:
-    """What startup needs of the log: the snapshot, and the messages after it (sizes only, not payloads)."""
+    """What startup needs of the log: the snapshot, and the messages of the chain after it (sizes only)."""
 
     snapshot: StoredSnapshot | None
     messages: tuple[TailMessage, ...]
     last_seq: int  # the subject's last stream sequence (0: empty): the first append's fence
+    chain_seq: int = 0  # the chain's last message (the first append's ``Kvr-Prev``); last_seq unless it is off it
+    off_chain: int = 0  # messages passed over (off the chain)
+
+
+MAX_TAIL_ATTEMPTS: Final = 5  # reads of snapshot and tail, while a newer snapshot purges under the read
 
 
 async def _ignore_error(exc: Exception) -> None:
@@ -219,6 +234,18 @@ class JetStreamLink:
             await self._objects.delete(self._snapshot_object)
 
     async def _tail(self) -> Tail:
+        """The snapshot and the chain after it. Read again when the first message found is not the one the snapshot
+        names: a newer snapshot purged the messages meanwhile, and the older one's records would be missing."""
+        for _ in range(MAX_TAIL_ATTEMPTS):
+            tail = await self._read_tail()
+            if tail is not None:
+                return tail
+        raise JournalUnreachable(
+            f"the snapshot of {self.subject} kept being replaced while it was read ({MAX_TAIL_ATTEMPTS} times); "
+            "try again"
+        )
+
+    async def _read_tail(self) -> Tail | None:
         stored = await self.load_snapshot()
         try:
             last = await self._js.get_last_msg(self.stream, self.subject)
@@ -226,6 +253,9 @@ class JetStreamLink:
             return Tail(stored, (), 0)
         start = stored.replay_from if stored is not None and stored.replay_from else 1
         messages: list[TailMessage] = []
+        chain = batch.Chain()
+        off_chain = 0
+        seen: int | None = None  # the last message read (the first one read follows one purged, or none)
         while start <= last.seq:
             chunk = await self.fetch(start)
             if not chunk:  # the subject holds messages up to last.seq: none in time is a failed read, not the end
@@ -233,10 +263,28 @@ class JetStreamLink:
                     f"JetStream did not deliver {self.subject} from sequence {start} (its last is {last.seq}) within "
                     f"{FETCH_WAIT_SECONDS:g} s; the log was not read whole"
                 )
-            for seq, first, body in chunk:
-                messages.append(TailMessage(seq, first, tuple(batch.record_sizes(body, seq))))
-            start = chunk[-1][0] + 1
-        return Tail(stored, tuple(messages), last.seq)
+            if not messages and stored is not None and stored.replay_from and chunk[0].seq != stored.replay_from:
+                return None  # purged past the snapshot's start: a newer snapshot is stored
+            for message in chunk:
+                if seen is not None and message.prev > seen:
+                    return None  # it follows a message not read: purged meanwhile by a newer snapshot
+                seen = message.seq
+                if chain.take(message.seq, message.prev):
+                    sizes = tuple(batch.record_sizes(message.body, message.seq))
+                    messages.append(TailMessage(message.seq, message.first_lsn, sizes))
+                else:
+                    off_chain += 1
+                    log.warning(
+                        "%s: message %d follows %d, not the log's last message %s: passed over (two appends were "
+                        "stored on one fence, which nats-server before 2.9.21 allows; its writer acknowledged none "
+                        "of it)",
+                        self.subject,
+                        message.seq,
+                        message.prev,
+                        chain.tail,
+                    )
+            start = chunk[-1].seq + 1
+        return Tail(stored, tuple(messages), last.seq, chain.tail or 0, off_chain)
 
     async def load_snapshot(self) -> StoredSnapshot | None:
         try:
@@ -268,12 +316,12 @@ class JetStreamLink:
                 log.warning("purging the journal stream %s before %d failed: %s", self.stream, stored.replay_from, exc)
         return True
 
-    async def publish(self, body: bytes, first_lsn: int, expected_last: int) -> int:
-        """Publish one group, fenced on ``expected_last``; its stream sequence once JetStream acknowledged it."""
+    async def publish(self, body: bytes, first_lsn: int, expected_last: int, prev: int) -> int:
+        """Publish one group, fenced on ``expected_last``, following ``prev`` on the chain; its stream sequence once
+        JetStream acknowledged it and it is on the chain (``JournalFenced`` if another message took its place)."""
+        headers = batch.headers(first_lsn, expected_last, prev)
         try:
-            ack = await self._js.publish(
-                self.subject, body, timeout=REQUEST_TIMEOUT_SECONDS, headers=batch.headers(first_lsn, expected_last)
-            )
+            ack = await self._js.publish(self.subject, body, timeout=REQUEST_TIMEOUT_SECONDS, headers=headers)
         except nats.js.errors.APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
                 raise JournalFenced(
@@ -284,10 +332,38 @@ class JetStreamLink:
             raise JournalWriteFailed(f"JetStream refused the append to {self.subject}: {_why(exc)}") from None
         except (TimeoutError, nats.errors.Error) as exc:
             raise JournalWriteFailed(f"publishing to JetStream stream {self.stream} failed: {_why(exc)}") from None
-        return int(ack.seq)
+        seq = int(ack.seq)
+        if not await self._on_chain(seq, expected_last, prev):
+            raise JournalFenced(
+                f"JetStream stored the append to {self.subject} at {seq} and another one fenced on the same sequence "
+                f"{expected_last} before it (nats-server before 2.9.21 allows that on a clustered stream): this one is "
+                "off the log and readers pass over it; writes stop so the log does not fork"
+            )
+        return seq
 
-    async def fetch(self, start_seq: int) -> list[tuple[int, int, bytes]]:
-        """Up to ``READ_CHUNK_MESSAGES`` messages of the subject from ``start_seq``: (seq, first lsn, body)."""
+    async def _on_chain(self, seq: int, expected_last: int, prev: int) -> bool:
+        """Whether the message just stored at ``seq`` is on the chain: no message between the fence and it took
+        ``prev``'s successor place. Nothing between them (the usual case) costs one request at most."""
+        if seq == expected_last + 1:
+            return True  # nothing of any subject was stored between them
+        chain = batch.Chain(prev)
+        at = expected_last
+        try:
+            while True:
+                found = await self._js.get_msg(self.stream, seq=at + 1, subject=self.subject, next=True)
+                at = int(found.seq)
+                if at >= seq:
+                    break
+                chain.take(at, batch.prev_of(found.headers, at))
+        except (TimeoutError, nats.errors.Error) as exc:  # (NotFoundError too: its own message is stored)
+            raise JournalWriteFailed(
+                f"checking the append to {self.subject} at {seq} failed ({_why(exc)}); whether it is on the log is "
+                "unknown"
+            ) from None
+        return chain.take(seq, prev)
+
+    async def fetch(self, start_seq: int) -> list[Fetched]:
+        """Up to ``READ_CHUNK_MESSAGES`` messages of the subject from ``start_seq``, in order."""
         config = js_api.ConsumerConfig(
             deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start_seq,
@@ -305,7 +381,8 @@ class JetStreamLink:
         found = []
         for message in messages:
             seq = message.metadata.sequence.stream
-            found.append((seq, batch.first_lsn(message.headers, seq), message.data))
+            headers = message.headers
+            found.append(Fetched(seq, batch.first_lsn(headers, seq), batch.prev_of(headers, seq), message.data))
         return found
 
     async def close(self) -> None:
@@ -317,8 +394,8 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def payloads(bodies: Iterable[tuple[int, int, bytes]]) -> Iterable[tuple[int, bytes]]:
-    """(lsn, payload) for every record of the messages ``bodies`` (seq, first lsn, body), in order."""
-    for seq, first, body in bodies:
-        for offset, payload in enumerate(batch.unframe(body, seq)):
-            yield first + offset, payload
+def payloads(messages: Iterable[Fetched]) -> Iterable[tuple[int, bytes]]:
+    """(lsn, payload) for every record of ``messages``, in order."""
+    for message in messages:
+        for offset, payload in enumerate(batch.unframe(message.body, message.seq)):
+            yield message.first_lsn + offset, payload

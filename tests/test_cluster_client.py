@@ -155,7 +155,7 @@ def test_only_a_refusal_saying_not_applied_or_a_reads_503_is_sent_again() -> Non
 
     refused = reply(503, "scope llama has no owner now; not applied, safe to retry")
     assert not_applied(refused)
-    assert not not_applied(reply(503, "the owner of llama: it left; the outcome is unknown"))
+    assert not not_applied(reply(504, "the owner of llama: it left; the outcome is unknown"))
     assert not not_applied(reply(504, "no durable decision within the reply deadline"))
     assert not not_applied(reply(409, "request already exists (not applied)"))
     write, read = Op(add.method, add.path, {}, str), Op(loads.method, loads.path, {}, str)

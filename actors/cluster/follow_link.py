@@ -31,11 +31,13 @@ MAX_MESSAGES_PER_ROUND: Final = 256  # per subject: a copy further behind catche
 
 @attrs.frozen
 class Message:
-    """One message of a subject: its stream sequence, its first record's lsn, and its records' payloads."""
+    """One message of a subject: its stream sequence, its first record's lsn, the message it follows on the log's
+    chain (``jetstream_batch``), and its records' payloads."""
 
     seq: int
     first_lsn: int
     payloads: tuple[bytes, ...]
+    prev: int = 0
 
 
 @attrs.frozen
@@ -74,7 +76,8 @@ class _Link:
                 return Read(tuple(messages), complete=False) if messages else None
             try:
                 at = int(got.seq)
-                message = Message(at, batch.first_lsn(got.headers, at), tuple(batch.unframe(got.data or b"", at)))
+                records = tuple(batch.unframe(got.data or b"", at))
+                message = Message(at, batch.first_lsn(got.headers, at), records, batch.prev_of(got.headers, at))
             except batch.MalformedBatch as exc:
                 log.warning("following %s stops at a message it cannot read: %s", subject, exc)
                 return Read(tuple(messages), complete=False)

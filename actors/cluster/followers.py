@@ -41,6 +41,7 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.persistence.recovery import PoisonRecord, recover, replay
+from kvrouter.journal import jetstream_batch as batch
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.jetstream_link import subject_of
 
@@ -62,6 +63,7 @@ class FollowedCopy:
         self.states: dict[ScopeKey, ScopeState] | None = None  # None until built
         self.lsn = 0
         self.seq = 0
+        self.chain = batch.Chain()  # which messages are the log (``jetstream_batch``): those folded
         self.current_at = -math.inf  # trio time of the last round that found nothing past ``seq``
         self.last_read = trio.current_time()
         self.moved = trio.Event()  # set (and replaced) whenever the copy advances or is found current
@@ -81,6 +83,11 @@ class FollowedCopy:
         """Fold the messages of ``read``; False (nothing folded past the gap) when one starts past the next lsn."""
         assert self.states is not None
         for message in read.messages:
+            if message.prev > self.seq:
+                return False  # it follows a message this copy never read (purged): a gap
+            if not self.chain.take(message.seq, message.prev):
+                self.seq = message.seq  # off the log: passed over, as recovery does
+                continue
             if message.first_lsn > self.lsn + 1:
                 return False
             records = [(message.first_lsn + i, payload) for i, payload in enumerate(message.payloads)]
@@ -162,7 +169,7 @@ class Followers:
             journal = await trio.to_thread.run_sync(opened, abandon_on_cancel=False)
             try:
                 recovered = await trio.to_thread.run_sync(recover, journal)
-                seq = journal.statistics().last_stream_sequence
+                seq, chain = journal.statistics().last_stream_sequence, journal.statistics().chain_sequence
             finally:
                 with trio.CancelScope(shield=True):
                     await journal.aclose()
@@ -175,6 +182,7 @@ class Followers:
         finally:
             copy.building = False
         copy.states, copy.lsn, copy.seq, copy.current_at = recovered.states, recovered.last_lsn, seq, asked
+        copy.chain = batch.Chain(chain or None)
         self.built += 1
         copy._moved()
 

@@ -39,7 +39,7 @@ from kvrouter.actors.core.queries import PotentialLoad
 from kvrouter.actors.core.queries import loads as rank_loads
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.load_feed import LoadChange, LoadChanges, LoadFeed, read_changes
-from kvrouter.actors.mailbox import JournalUnavailable
+from kvrouter.actors.mailbox import JournalUnavailable, OutcomeUnknown
 from kvrouter.actors.metric_families import Family, FamilySource, counter, gauge
 from kvrouter.actors.service_support import EVERY_SCOPE, Refused, ScopeFilter, encode_failure
 from kvrouter.actors.slot_service import RegisteredRange, ScopeLoads, SlotService
@@ -169,13 +169,18 @@ class ClusterService(Generic[S]):
         try:
             yield
         except JournalUnavailable as exc:
-            raise Refused(
-                Reason.UNAVAILABLE,
+            where = (
                 f"the JetStream journal of {scope.describe()} (NATS at {', '.join(self.owned.journals.servers)}) "
-                f"failed on {self.membership.me} ({exc.__cause__ or exc}); this "
-                "write was not acknowledged (it may or may not have landed): the scope is recovered from the stream "
-                "on the next command",
-            ) from exc
+                f"failed on {self.membership.me} ({exc.__cause__ or exc})"
+            )
+            recovered = "the scope is recovered from the stream on the next command"
+            if exc.maybe_written:  # appended, not acknowledged: JetStream may still store it (504)
+                raise OutcomeUnknown(
+                    f"{where}; this write was not acknowledged and may or may not have landed, now or later "
+                    f"(check its effect before retrying); {recovered}"
+                ) from exc
+            refusal = f"{where}; this write was not applied, safe to retry; {recovered}"
+            raise Refused(Reason.UNAVAILABLE, refusal) from exc
 
     def unowned(self, wanted: ScopeFilter = EVERY_SCOPE) -> list[ScopeKey]:
         """The known scopes ``wanted`` selects whose owner is no live member in this replica's view: a read of
@@ -405,7 +410,7 @@ def write_outcome(outcome: Outcome) -> Any:
     """A forwarded write's answer as ``apply_writes`` gives it: created, done, or its failure as data."""
     if isinstance(outcome, OwnerUnreachable):
         if outcome.unknown:
-            return encode_failure(Refused(Reason.UNAVAILABLE, f"{outcome}; the outcome is unknown"))
+            return encode_failure(OutcomeUnknown(f"{outcome}; the outcome is unknown"))
         return encode_failure(not_applied(str(outcome)))
     if outcome.status in (200, 201):
         return outcome.status == 201

@@ -8,7 +8,7 @@ fetch fails (the service unreachable, a scope moving between replicas: 503) the 
 
 A call goes to the URL that answered last; one whose connection cannot be made (nothing sent) goes to the next URL,
 each URL once. Any other failure is the call's answer: a refusal with the service's status and ``{"error"}`` text,
-or 503 when the outcome is unknown (no answer in time). Bounds: one catalog fetch at a time; the connections are
+or 504 when the outcome is unknown (no answer in time). Bounds: one catalog fetch at a time; the connections are
 the frontend's ``--max-in-flight``; a call waits ``CALL_SECONDS`` for its answer.
 """
 
@@ -157,7 +157,7 @@ class RemoteRouting:
                 continue
             except httpx.HTTPError as exc:
                 text = f"the selection service at {self.urls[index]} gave no answer ({exc or type(exc).__name__})"
-                raise RouterError(503, f"{text}: the outcome of {method} {path} is unknown") from exc
+                raise RouterError(504, f"{text}: the outcome of {method} {path} is unknown") from exc
             self._current = index
             return _answer(answer)
         raise RouterError(503, "the selection service cannot be reached: " + ", ".join(unreachable))

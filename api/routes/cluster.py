@@ -6,11 +6,12 @@ only the handlers its ``ClusterRouting`` names (the slot tracker's: ``SLOT_ROUTI
 
 * a command naming a scope (the writes, ``POST /potential_loads``) asks ``service.where``: served here, the
   route's own handler answers; owned by another live member, the request goes to it as the client sent it, once
-  (``FORWARDED_HEADER``), and its answer comes back as it is; otherwise 503 ``{"error": ...}``: not applied,
-  safe to retry. A slot-tracker write owned elsewhere goes to its owner with the other writes bound there at that
-  moment, in one ``POST /batch`` (``actors/cluster/forward_batches.py``), and its own result comes back as its
-  route's answer. Commands of ``POST /batch`` and the command stream go through ``ClusterSlotService.apply_writes``,
-  which does the same per scope; a ``POST /batch`` another replica forwarded runs with ``FORWARDED_BATCH`` set,
+  (``FORWARDED_HEADER``), and its answer comes back as it is (504 if the owner gave none: the outcome is
+  unknown); otherwise 503 ``{"error": ...}``: not applied, safe to retry. A slot-tracker write owned elsewhere
+  goes to its owner with the other writes bound there at that moment, in one ``POST /batch``
+  (``actors/cluster/forward_batches.py``), and its own result comes back as its route's answer. Commands of
+  ``POST /batch`` and the command stream go through ``ClusterSlotService.apply_writes``, which does the same per
+  scope; a ``POST /batch`` another replica forwarded runs with ``FORWARDED_BATCH`` set,
   so none of its writes is forwarded again (``ClusterService.where`` says when a move makes an exception);
 * a read of many scopes (``GET /workers``, ``GET /loads``) gathers the rows of every live member: this replica's
   own (the scopes it serves) and, through each other member, theirs (asked with ``FORWARDED_HEADER``, so each
@@ -226,7 +227,7 @@ def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf, forwa
                 relayed = await relay(where.owner, request)
             except OwnerUnreachable as exc:
                 if exc.unknown:
-                    return error_response(503, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
+                    return error_response(504, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
                 return error_response(503, f"the owner of {scope.describe()}: {exc}; not applied, safe to retry")
             service.written.note(relayed.written)
             return _relayed(relayed)

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from kvrouter.actors.core.decisions import Reason
 from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.mailbox import JournalUnavailable, Overloaded, ReplyTimeout
+from kvrouter.actors.mailbox import JournalUnavailable, OutcomeUnknown, Overloaded, ReplyTimeout
 from kvrouter.actors.service_support import Refused, ScopeFilter
 from kvrouter.api.http import Handler, Request, Response, error_response, json_response
 
@@ -35,7 +35,7 @@ def bound(service: Service, handler: Callable[[Service, Request], Awaitable[Resp
     async def respond(request: Request) -> Response:
         try:
             return await handler(service, request)
-        except (Refused, ReplyTimeout, JournalUnavailable) as failure:
+        except (Refused, OutcomeUnknown, JournalUnavailable) as failure:
             return failure_response(failure)
 
     return respond
@@ -48,8 +48,10 @@ def failure_response(failure: Exception) -> Response:
         return error_response(REASON_STATUS[failure.reason], failure.message, RETRY_AFTER.get(failure.reason, ()))
     if isinstance(failure, ReplyTimeout):
         return json_response(504, {"error": str(failure), "request_id": failure.request_id})
+    if isinstance(failure, OutcomeUnknown):
+        return error_response(504, str(failure))
     if isinstance(failure, JournalUnavailable):
-        return error_response(503, str(failure))
+        return error_response(504 if failure.maybe_written else 503, str(failure))
     if isinstance(failure, Overloaded):
         return error_response(503, str(failure), ((b"retry-after", b"1"),))
     log.error("a batched service call failed: %s", failure, exc_info=failure)

@@ -33,7 +33,14 @@ from kvrouter.simulations.process_faults.nemesis import (
 from kvrouter.simulations.process_faults.network import Network
 from kvrouter.simulations.process_faults.replicas import TOKEN, Replica, cluster_argv
 from kvrouter.simulations.process_faults.servers import LOOPBACK, NatsNode, Place, binary, etcd_server, nats_cluster
-from kvrouter.simulations.process_faults.truth import agreed_loads, answer_rows, digest, scope_truth, truth_rows
+from kvrouter.simulations.process_faults.truth import (
+    agreed_loads,
+    answer_rows,
+    digest,
+    scope_truth,
+    subject_messages,
+    truth_rows,
+)
 
 CLUSTER = "FAULTS"
 AGREE_SECONDS = 10.0  # every replica answers /loads alike within this long of the stream's leader answering
@@ -127,6 +134,7 @@ async def _exercise(
         violations = settled.violations + await _check(history, servers, scopes, http, urls, settled)
         if violations:
             await _keep_evidence(http, urls, directory / "replicas-after.json")
+            await _keep_subjects(servers, scopes, directory / "subjects.json")
     path = directory / "history.jsonl"
     path.write_bytes(history.to_bytes())
     kinds = Counter(r["type"] for r in history.records if r["process"].startswith("c"))
@@ -171,6 +179,17 @@ async def _keep_evidence(http: httpx.AsyncClient, urls: list[str], path: Path) -
                 evidence[url + route] = answer.json() if answer.status_code == 200 else answer.text
             except (httpx.TransportError, ValueError) as exc:
                 evidence[url + route] = repr(exc)
+    await trio.Path(path).write_text(json.dumps(evidence, indent=1, sort_keys=True))
+
+
+async def _keep_subjects(servers: tuple[str, ...], scopes: list[str], path: Path) -> None:
+    """After a violation: every message of each scope's subject (``subject_messages``)."""
+    evidence: dict[str, Any] = {}
+    for model in scopes:
+        try:
+            evidence[model] = await trio.to_thread.run_sync(subject_messages, servers, CLUSTER, model)
+        except Exception as exc:  # evidence only: say why it is missing
+            evidence[model] = repr(exc)
     await trio.Path(path).write_text(json.dumps(evidence, indent=1, sort_keys=True))
 
 

@@ -3,20 +3,28 @@ from its snapshot and tail and folded with ``evolve``, the way an owner recovers
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import attrs
 import httpx
+import nats
+import nats.errors
 import trio
+from nats.js import api as js_api
 
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.queries import loads
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.actors.persistence.codec import RecordFormatError, decode_record
 from kvrouter.actors.persistence.recovery import recover
+from kvrouter.journal import jetstream_batch
 from kvrouter.journal.jetstream import JetStreamJournal
+from kvrouter.journal.jetstream_link import subject_of
 from kvrouter.journal.store import CorruptJournal, JournalUnreachable
 
 Rows = tuple[tuple[int, int, int, int], ...]  # (worker, dp rank, prefill tokens, decode blocks), sorted
@@ -92,3 +100,42 @@ async def _fold(opened: Callable[[], JetStreamJournal], scope: ScopeKey) -> Scop
     finally:
         await journal.aclose()
     return recovered.states.get(scope) or ScopeState(scope)
+
+
+def subject_messages(servers: tuple[str, ...], stream: str, model: str) -> list[dict[str, Any]]:
+    """Every message on the scope's subject as stored (sequence, headers, each record's events in short): the
+    evidence kept after a violation, to tell a forked log (two messages fenced on one sequence) from a lost write.
+    Blocking (its own asyncio loop): run it in a thread."""
+    return asyncio.run(_subject_messages(servers, stream, scope_token(ScopeKey(model, "default"))))
+
+
+async def _subject_messages(servers: tuple[str, ...], stream: str, token: str) -> list[dict[str, Any]]:
+    connection = await nats.connect(list(servers), connect_timeout=2, max_reconnect_attempts=2)
+    try:
+        js = connection.jetstream(timeout=5)
+        config = js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.ALL, ack_policy=js_api.AckPolicy.NONE)
+        subscription = await js.pull_subscribe(subject_of(stream, token), stream=stream, config=config)
+        found: list[dict[str, Any]] = []
+        while True:
+            try:
+                messages = await subscription.fetch(256, timeout=1)
+            except nats.errors.TimeoutError:
+                return found
+            for message in messages:
+                seq = message.metadata.sequence.stream
+                records: list[Any] = []
+                for payload in jetstream_batch.unframe(message.data, seq):
+                    try:
+                        record = decode_record(payload)
+                    except RecordFormatError as exc:
+                        records.append(f"undecodable: {exc}")
+                        continue
+                    records.append([_short(event) for event in record.events])
+                found.append({"seq": seq, "headers": dict(message.headers or {}), "records": records})
+    finally:
+        await connection.close()
+
+
+def _short(event: Any) -> str:
+    named = {k: v for k, v in attrs.asdict(event).items() if k in ("request_id", "worker_id", "dp_rank")}
+    return f"{type(event).__name__} {named}"

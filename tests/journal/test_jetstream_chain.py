@@ -1,0 +1,92 @@
+"""The log as the chain of messages naming their predecessor: what readers pass over, and two writers racing on one
+fence on a real 3-node nats-server cluster (clustered streams before nats-server 2.9.21 may store both appends; the
+Debian package is 2.9.10). Skips when nats-server is not installed."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+from contract import TIMEOUT
+
+from kvrouter.journal import jetstream_batch as batch
+from kvrouter.journal.jetstream import JetStreamJournal
+from kvrouter.journal.store import JournalFenced
+from kvrouter.simulations.process_faults.servers import nats_cluster
+from tests.support.fleet_servers import require_nats
+
+ROUNDS = 12
+
+
+def test_a_second_append_on_one_fence_and_what_follows_it_are_off_the_chain() -> None:
+    chain = batch.Chain()
+    assert chain.take(5, 3)  # the first message read anchors the chain (what it follows was purged)
+    assert chain.take(8, 5)  # writer A, fenced on 5
+    assert not chain.take(9, 5)  # writer B, fenced on 5 too, stored by the race: off the chain
+    assert not chain.take(11, 9)  # B went on after its own message: still off
+    assert chain.take(12, 8)  # A recovered past B's messages: fenced on 11, following 8 on the chain
+    assert chain.tail == 12
+
+
+def test_a_message_from_before_the_prev_header_follows_its_fence() -> None:
+    """The layout's one change: messages written before ``Kvr-Prev`` existed are read as following their fence."""
+    old = {batch.LSN_HEADER: "4", batch.FORMAT_HEADER: "1", batch.FENCE_HEADER: "17"}
+    assert batch.prev_of(old, 20) == 17
+    assert batch.prev_of(batch.headers(4, 17, 12), 20) == 12
+    with pytest.raises(batch.MalformedBatch, match="Kvr-Prev"):
+        batch.prev_of({batch.LSN_HEADER: "4", batch.FORMAT_HEADER: "1"}, 20)
+
+
+async def race(servers: tuple[str, ...], log: str) -> list[bytes]:
+    """Two writers open the same log, holding one record (both fenced on its message), and append at the same
+    moment; what they acknowledged."""
+    first = await trio.to_thread.run_sync(partial(JetStreamJournal.open, servers, "RACE", log=log, replicas=3))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        with trio.fail_after(TIMEOUT):
+            await first.wait_durable(first.append(b"start"))
+        await first.aclose()
+    writers = []
+    for n in range(2):  # each through a server of its own, as two replicas would be
+        rotated = servers[n:] + servers[:n]
+        writers.append(await trio.to_thread.run_sync(partial(JetStreamJournal.open, rotated, "RACE", log=log, replicas=3)))
+    acknowledged: list[bytes] = []
+
+    async def write(journal: JetStreamJournal, payload: bytes) -> None:
+        lsn = journal.append(payload)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(journal.run)
+                with trio.fail_after(TIMEOUT):
+                    await journal.wait_durable(lsn)
+                acknowledged.append(payload)
+                await journal.aclose()
+        except* (JournalFenced, trio.BrokenResourceError):
+            pass  # this writer was refused: it acknowledged nothing
+        await journal.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for n, journal in enumerate(writers):
+            nursery.start_soon(write, journal, f"writer {n}".encode())
+    return acknowledged
+
+
+@pytest.mark.slow
+async def test_two_writers_racing_on_one_fence_never_both_acknowledge_and_the_log_holds_what_one_did(
+    tmp_path: Path,
+) -> None:
+    with nats_cluster(require_nats(), tmp_path, 3) as nodes:
+        servers = tuple(node.url for node in nodes)
+        for round_ in range(ROUNDS):
+            log = f"race{round_}"
+            acknowledged = await race(servers, log)
+            assert len(acknowledged) <= 1, acknowledged
+            reader = await trio.to_thread.run_sync(partial(JetStreamJournal.open, servers, "RACE", log=log))
+            try:
+                held = [payload for _, payload in reader.read()]
+            finally:
+                await reader.aclose()
+            assert held[0] == b"start"
+            assert held[1:] == acknowledged  # what was acknowledged, and never both: the second append is passed over
