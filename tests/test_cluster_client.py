@@ -22,10 +22,12 @@ from kvrouter.client import BlockingClient, CommandError, NoReplica, OutcomeUnkn
 from kvrouter.client.operations import Op, Reply
 from kvrouter.client.replicas import not_applied, replica_urls, send_again
 from kvrouter.client.table import BY_NAME
+from tests.support.cluster import model_owned_by
+from tests.support.fleet_servers import etcd_and_nats, servers
 from tests.support.processes import free_port
-from tests.test_cluster_failover import TOKEN, Replica, model_owned_by, replicas, servers
+from tests.support.replicas import TOKEN, Replica, replicas
 
-__all__ = ["replicas", "servers"]  # the fixtures, shared with the failover tests
+__all__ = ["etcd_and_nats", "replicas", "servers"]  # fixtures (tests/support)
 
 ADDED_TOKENS = 10
 
