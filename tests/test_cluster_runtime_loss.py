@@ -124,13 +124,7 @@ async def test_etcd_killed_then_restarted_on_its_data(
 ) -> None:
     etcd, _ = etcd_and_nats
     writes = await two_replicas(pair, ("etcd",))
-
-    async def kill() -> None:
-        assert etcd.process is not None
-        etcd.process.kill()
-        await etcd.process.wait()
-
-    await outage(writes, kill, etcd.start)
+    await outage(writes, killed(etcd), etcd.start)
     assert writes.refusals and writes.refusals_name(), writes.refusals
     await writes.check_loads()
 
@@ -140,15 +134,20 @@ async def test_nats_killed_then_restarted_on_its_store(
 ) -> None:
     _, nats = etcd_and_nats
     writes = await two_replicas(pair, ("nats", "jetstream", "outcome is unknown"))
-
-    async def kill() -> None:
-        assert nats.process is not None
-        nats.process.kill()
-        await nats.process.wait()
-
-    await outage(writes, kill, nats.start)
+    await outage(writes, killed(nats), nats.start)
     assert writes.refusals and writes.refusals_name(), writes.refusals
     await writes.check_loads()
+
+
+def killed(server: EtcdServer | NatsServer) -> Callable[[], Awaitable[None]]:
+    """What ``outage`` calls to lose the server: SIGKILL by its PID (its data stays for ``start``), then reaped."""
+
+    async def kill() -> None:
+        assert server.process is not None
+        server.process.kill()
+        await server.process.wait()
+
+    return kill
 
 
 def partial_kill(pid: int, sig: signal.Signals) -> Callable[[], Awaitable[None]]:
