@@ -22,10 +22,12 @@ from kvrouter.client import BlockingClient, CommandError, NoReplica, OutcomeUnkn
 from kvrouter.client.operations import Op, Reply
 from kvrouter.client.replicas import not_applied, replica_urls, send_again
 from kvrouter.client.table import BY_NAME
+from tests.support.cluster import model_owned_by
+from tests.support.fleet_servers import etcd_and_nats, servers
 from tests.support.processes import free_port
-from tests.test_cluster_failover import TOKEN, Replica, model_owned_by, replicas, servers
+from tests.support.replicas import TOKEN, Replica, replicas
 
-__all__ = ["replicas", "servers"]  # the fixtures, shared with the failover tests
+__all__ = ["etcd_and_nats", "replicas", "servers"]  # fixtures (tests/support)
 
 ADDED_TOKENS = 10
 
@@ -41,14 +43,16 @@ async def add(client: ReplicaClient, model: str, request_id: str) -> bool:
 
 
 async def add_once(client: ReplicaClient, model: str, request_id: str) -> bool:
-    """``add`` until its outcome is known: an unknown outcome is sent again with the same request id, and 409
-    "already exists" then means the first attempt landed."""
+    """``add`` until its outcome is known: an unknown outcome (the stream closed, or 504) is sent again with the same
+    request id, and 409 "already exists" then means the first attempt landed."""
     while True:
         try:
             return await add(client, model, request_id)
         except OutcomeUnknown:
             continue
         except CommandError as refused:
+            if refused.status == 504:
+                continue
             if refused.status == 409 and "already" in refused.message:
                 return True
             raise

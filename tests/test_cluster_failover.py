@@ -11,10 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -22,83 +19,14 @@ import trio
 
 from kvrouter.actors.core.events import RequestAdded
 from kvrouter.actors.core.ids import ScopeKey
-from kvrouter.actors.core.ownership.fencing import scope_token
-from kvrouter.actors.core.ownership.placement import preferred_owner
-from kvrouter.actors.persistence.codec import encode_record
-from kvrouter.journal.jetstream import JetStreamJournal
-from tests.support.fleet_servers import EtcdServer, NatsServer
+from tests.support.cluster import append_behind_the_owners_back, model_owned_by, scope_row, wait_for_members
+from tests.support.fleet_servers import NatsServer, etcd_and_nats, nats_server, servers
 from tests.support.processes import free_port
+from tests.support.replicas import AUTH, CLUSTER, TTL_SECONDS, Replica, replicas
 
 pytestmark = pytest.mark.slow
 
-CLUSTER = "FAILOVER_TEST"
-TTL_SECONDS = 2
-TOKEN = "cluster-test-token"  # the replicas share it: a forwarded command presents it to the owner
-AUTH = {"authorization": f"Bearer {TOKEN}"}
-
-
-class Replica:
-    def __init__(self, directory: Path, name: str, etcd: str, nats: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.data_dir = directory / name
-        self.log = directory / f"{name}.log"
-        token_file = directory / "token"
-        token_file.write_text(TOKEN)
-        token_file.chmod(0o600)
-        self.argv = [
-            sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", str(self.port),
-            "--data-dir", str(self.data_dir), "--log-level", "info", "--cluster", CLUSTER, "--etcd-endpoints", etcd,
-            "--nats-server", nats, "--advertise-url", self.url, "--cluster-lease-ttl", str(TTL_SECONDS),
-            "--auth-token-file", str(token_file),
-        ]  # fmt: skip
-        self.process: trio.Process | None = None
-
-    async def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.process = await trio.lowlevel.open_process(self.argv, stdout=subprocess.DEVNULL, stderr=log)
-        async with httpx.AsyncClient(base_url=self.url, trust_env=False) as http:
-            with trio.fail_after(30):
-                while True:
-                    if self.process.poll() is not None:
-                        raise AssertionError(self.log.read_text())
-                    try:
-                        if (await http.get("/health")).status_code == 200:
-                            return
-                    except httpx.TransportError:
-                        await trio.sleep(0.05)
-
-    async def kill9(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            await self.process.wait()
-
-
-@pytest.fixture
-async def servers(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
-    etcd, nats = EtcdServer(tmp_path), NatsServer(tmp_path)
-    await etcd.start()
-    try:
-        await nats.start()
-        try:
-            yield etcd.url, nats.url
-        finally:
-            await nats.stop()
-    finally:
-        await etcd.stop()
-
-
-@pytest.fixture
-async def replicas(tmp_path: Path, servers: tuple[str, str]) -> AsyncIterator[list[Replica]]:
-    started = [Replica(tmp_path, name, *servers) for name in ("a", "b", "c")]
-    try:
-        async with trio.open_nursery() as nursery:
-            for replica in started:
-                nursery.start_soon(replica.start)
-        yield started
-    finally:
-        for replica in started:
-            await replica.kill9()
+__all__ = ["etcd_and_nats", "nats_server", "replicas", "servers"]  # fixtures (tests/support)
 
 
 async def etcd_keys(etcd: str, key: str) -> int:
@@ -106,37 +34,6 @@ async def etcd_keys(etcd: str, key: str) -> int:
     body = {"key": base64.b64encode(key.encode()).decode(), "count_only": True}
     async with httpx.AsyncClient(trust_env=False) as http:
         return int((await http.post(etcd + "/v3/kv/range", json=body)).json().get("count", 0))
-
-
-async def scope_row(
-    http: httpx.AsyncClient, model: str, settled: Callable[[dict[str, Any]], bool] = lambda row: bool(row["owner"])
-) -> dict[str, Any]:
-    """The scope's row of ``GET /cluster`` once ``settled`` (its owner known, by default): views follow etcd's
-    watch, a few milliseconds behind."""
-    with trio.fail_after(10):
-        while True:
-            rows = [row for row in (await http.get("/cluster")).json()["scopes"] if row["model_name"] == model]
-            if rows and settled(rows[0]):
-                return rows[0]
-            await trio.sleep(0.05)
-
-
-def model_owned_by(owner: str, members: list[str]) -> str:
-    """A model name whose scope (default tenant) placement gives to ``owner`` among ``members``."""
-    for n in range(1000):
-        model = f"model-{n}"
-        if preferred_owner(scope_token(ScopeKey(model, "default")), sorted(members)) == owner:
-            return model
-    raise AssertionError("no model placed on the owner")
-
-
-async def wait_for_members(http: httpx.AsyncClient, count: int) -> dict[str, Any]:
-    with trio.fail_after(10):
-        while True:
-            view: dict[str, Any] = (await http.get("/cluster")).json()
-            if len(view["members"]) == count:
-                return view
-            await trio.sleep(0.05)
 
 
 async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(
@@ -230,16 +127,17 @@ async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once
     new owner hands the scope back to it cleanly, with every acknowledged booking."""
     a, b, c = replicas
     model = model_owned_by(b.url, [r.url for r in replicas])
-    acknowledged = 0
+    acknowledged = unknown = 0
 
     async def add(http: httpx.AsyncClient, request_id: str) -> int:
-        nonlocal acknowledged
+        nonlocal acknowledged, unknown
         body = {"model_name": model, "request_id": request_id, "worker_id": 1, "dp_rank": 0,
                 "sequence_hashes": [7], "new_isl_tokens": 5}  # fmt: skip
         response = await http.post("/add", json=body)
         acknowledged += response.status_code == 201
-        if response.status_code != 201:  # while the scope moves: refused, not applied, with a reason
-            assert response.status_code == 503 and "error" in response.json(), response.text
+        unknown += response.status_code == 504  # forwarded to the paused owner: it may land when it resumes
+        if response.status_code != 201:  # while the scope moves: refused (not applied) or unknown, with a reason
+            assert response.status_code in (503, 504) and "error" in response.json(), response.text
         return response.status_code
 
     async def until_acknowledged(http: httpx.AsyncClient, prefix: str) -> None:
@@ -267,7 +165,8 @@ async def test_a_paused_owner_loses_its_scope_and_forwards_to_the_new_owner_once
         await scope_row(http, model, lambda row: row["owner"] == b.url and row["served_here"])  # handed back
         await until_acknowledged(http, "back")
         loads = (await http.get("/loads", params={"model_name": model})).json()
-    assert [row["active_prefill_tokens"] for row in loads] == [5 * acknowledged]
+    [tokens] = [row["active_prefill_tokens"] for row in loads]
+    assert 5 * acknowledged <= tokens <= 5 * (acknowledged + unknown)
 
 
 async def test_a_fenced_append_drops_the_scope_and_the_next_command_recovers_it(
@@ -301,17 +200,6 @@ async def test_a_fenced_append_drops_the_scope_and_the_next_command_recovers_it(
         await owner.kill9()
 
 
-async def append_behind_the_owners_back(nats: str, scope: ScopeKey, event: RequestAdded) -> None:
-    opened = partial(JetStreamJournal.open, (nats,), CLUSTER, log=scope_token(scope))
-    journal = await trio.to_thread.run_sync(opened)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(journal.run)
-        lsn = journal.append(encode_record(scope, (event,)))
-        with trio.fail_after(10):
-            await journal.wait_durable(lsn)
-        await journal.aclose()
-
-
 def test_a_replica_without_what_cluster_needs_exits_2_in_one_line(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0"]
     argv += ["--data-dir", str(tmp_path / "data"), "--cluster", "C"]
@@ -322,17 +210,12 @@ def test_a_replica_without_what_cluster_needs_exits_2_in_one_line(tmp_path: Path
     assert len(lines) == 1 and "--etcd-endpoints" in lines[0] and "--advertise-url" in lines[0], result.stderr
 
 
-async def test_a_replica_that_cannot_reach_etcd_exits_2_naming_it(tmp_path: Path) -> None:
-    nats = NatsServer(tmp_path)
-    await nats.start()
-    try:
-        etcd = f"http://127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0", "--data-dir",
-                str(tmp_path / "data"), "--cluster", "C", "--etcd-endpoints", etcd, "--nats-server", nats.url,
-                "--advertise-url", "http://127.0.0.1:1"]  # fmt: skip
-        result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
-    finally:
-        await nats.stop()
+async def test_a_replica_that_cannot_reach_etcd_exits_2_naming_it(tmp_path: Path, nats_server: NatsServer) -> None:
+    etcd = f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", "0", "--data-dir",
+            str(tmp_path / "data"), "--cluster", "C", "--etcd-endpoints", etcd, "--nats-server", nats_server.url,
+            "--advertise-url", "http://127.0.0.1:1"]  # fmt: skip
+    result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and f"cannot reach etcd at {etcd}" in lines[0], lines

@@ -11,9 +11,7 @@ the tokens that keep reads behind no client's writes:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,20 +32,12 @@ from kvrouter.actors.persistence.snapshots import encode_snapshot
 from kvrouter.client.read_tokens import WrittenTokens, token_scope
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.store import Snapshot
-from tests.support.fleet_servers import NatsServer
+from tests.support.fleet_servers import NatsServer, nats_server
+
+__all__ = ["nats_server"]  # the fixture (tests/support)
 
 STREAM = "FOLLOW_TEST"
 SCOPE = ScopeKey("llama", "default")
-
-
-@pytest.fixture
-async def nats(tmp_path: Path) -> AsyncIterator[str]:
-    server = NatsServer(tmp_path)
-    await server.start()
-    try:
-        yield server.url
-    finally:
-        await server.stop()
 
 
 class Owner:
@@ -90,8 +80,9 @@ def added(request_id: str, tokens: int) -> RequestAdded:
 
 
 async def test_a_copy_follows_the_subject_and_is_built_again_past_a_purged_gap(
-    nats: str, monkeypatch: pytest.MonkeyPatch
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    nats = nats_server.url
     monkeypatch.setattr(followers_module, "REFRESH_SECONDS", 3600.0)  # rounds only when a read asks for one
     opened = partial(JetStreamJournal.open, (nats,), STREAM, log=scope_token(SCOPE))
     journal = await trio.to_thread.run_sync(opened)

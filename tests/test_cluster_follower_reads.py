@@ -21,15 +21,13 @@ import pytest
 import trio
 
 from kvrouter.client import ReplicaClient
-from tests.test_cluster_failover import AUTH, TOKEN, Replica, model_owned_by, replicas, servers, wait_for_members
+from tests.support.cluster import client, model_owned_by, wait_for_members
+from tests.support.fleet_servers import etcd_and_nats, servers
+from tests.support.replicas import TOKEN, Replica, replicas
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["replicas", "servers"]  # the fixtures, shared with the failover tests
-
-
-def client(replica: Replica) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=replica.url, timeout=15, trust_env=False, headers=AUTH)
+__all__ = ["etcd_and_nats", "replicas", "servers"]  # fixtures (tests/support)
 
 
 async def add(http: httpx.AsyncClient, model: str, request_id: str, tokens: int) -> str:

@@ -10,8 +10,6 @@ caller that gives up takes its writes out of the queue.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,26 +23,11 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.forwarding import FORWARDED_HEADER
 from kvrouter.actors.core.ownership.placement import preferred_owner
-from tests.test_cluster_failover import AUTH, Replica, model_owned_by, servers, wait_for_members
+from tests.support.cluster import client, model_owned_by, wait_for_members
+from tests.support.fleet_servers import etcd_and_nats, servers
+from tests.support.replicas import AUTH, Replica, pair
 
-__all__ = ["servers"]  # the fixture, shared with the failover tests
-
-
-@pytest.fixture
-async def pair(tmp_path: Path, servers: tuple[str, str]) -> AsyncIterator[list[Replica]]:
-    started = [Replica(tmp_path, name, *servers) for name in ("a", "b")]
-    try:
-        async with trio.open_nursery() as nursery:
-            for replica in started:
-                nursery.start_soon(replica.start)
-        yield started
-    finally:
-        for replica in started:
-            await replica.kill9()
-
-
-def client(replica: Replica) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=replica.url, timeout=15, trust_env=False, headers=AUTH)
+__all__ = ["etcd_and_nats", "pair", "servers"]  # fixtures (tests/support)
 
 
 async def figures(http: httpx.AsyncClient) -> dict[str, float]:

@@ -16,11 +16,13 @@ import trio
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.placement import preferred_owner
-from tests.test_cluster_failover import AUTH, Replica, replicas, servers, wait_for_members
+from tests.support.cluster import wait_for_members
+from tests.support.fleet_servers import etcd_and_nats, servers
+from tests.support.replicas import AUTH, Replica, replicas
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["replicas", "servers"]  # the fixtures, shared with the failover tests
+__all__ = ["etcd_and_nats", "replicas", "servers"]  # fixtures (tests/support)
 
 
 class Clients:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -21,30 +20,15 @@ from kvrouter.actors.core.events import RequestAdded
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.placement import preferred_owner
-from tests.test_cluster_failover import AUTH, Replica, append_behind_the_owners_back, servers, wait_for_members
+from tests.support.cluster import append_behind_the_owners_back, client, wait_for_members
+from tests.support.fleet_servers import etcd_and_nats, servers
+from tests.support.replicas import Replica, pair
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["servers"]  # the fixture, shared with the failover tests
+__all__ = ["etcd_and_nats", "pair", "servers"]  # fixtures (tests/support)
 
 SEEN_WITHIN_SECONDS = 5.0  # the overtaken check runs every 0.5 s: a moved subject is found well within this
-
-
-@pytest.fixture
-async def pair(tmp_path: Path, servers: tuple[str, str]) -> AsyncIterator[list[Replica]]:
-    started = [Replica(tmp_path, name, *servers) for name in ("a", "b")]
-    try:
-        async with trio.open_nursery() as nursery:
-            for replica in started:
-                nursery.start_soon(replica.start)
-        yield started
-    finally:
-        for replica in started:
-            await replica.kill9()
-
-
-def client(replica: Replica) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=replica.url, timeout=15, trust_env=False, headers=AUTH)
 
 
 async def prefill_by_rank(http: httpx.AsyncClient, model: str) -> dict[int, int]:

@@ -8,37 +8,23 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
 import trio
 
-from tests.support.fleet_servers import EtcdServer, NatsServer
-from tests.test_cluster_failover import AUTH, Replica, model_owned_by, scope_row, wait_for_members
+from tests.support.cluster import model_owned_by, scope_row, wait_for_members
+from tests.support.fleet_servers import EtcdServer, NatsServer, etcd_and_nats, servers
+from tests.support.replicas import AUTH, Replica, pair
 
 pytestmark = pytest.mark.slow
+
+__all__ = ["etcd_and_nats", "pair", "servers"]  # fixtures (tests/support)
 
 ANSWER_BOUND_SECONDS = 8  # no write waits longer than this for its answer, whatever is down
 RESUME_BOUND_SECONDS = 15  # writes are acknowledged again this soon after the server is back
 ISL = 10
-
-
-@pytest.fixture
-async def fleet(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, NatsServer]]:
-    etcd, nats = EtcdServer(tmp_path), NatsServer(tmp_path)
-    await etcd.start()
-    try:
-        await nats.start()
-        try:
-            yield etcd, nats
-        finally:
-            await nats.stop()
-    finally:
-        if etcd.process is not None and etcd.process.returncode is None:
-            os.kill(etcd.process.pid, signal.SIGCONT)  # a test that failed while etcd was paused
-        await etcd.stop()
 
 
 class Writes:
@@ -96,12 +82,8 @@ class Writes:
         return all(any(word in error.lower() for word in self.expected_error) for error in self.refusals)
 
 
-async def two_replicas(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer], expected_error: tuple[str, ...]) -> Writes:
-    etcd, nats = fleet
-    replicas = [Replica(tmp_path, name, etcd.url, nats.url) for name in ("a", "b")]
-    async with trio.open_nursery() as nursery:
-        for replica in replicas:
-            nursery.start_soon(replica.start)
+async def two_replicas(replicas: list[Replica], expected_error: tuple[str, ...]) -> Writes:
+    """Writes through both replicas, each owning one of the two scopes, once every write is acknowledged."""
     writes = Writes(replicas, expected_error)
     async with httpx.AsyncClient(base_url=replicas[0].url, timeout=15, trust_env=False, headers=AUTH) as http:
         await wait_for_members(http, 2)
@@ -126,57 +108,46 @@ async def outage(writes: Writes, lose: Callable[[], Awaitable[None]], restore: C
     return await writes.until_all_acknowledged()
 
 
-async def stop_replicas(writes: Writes) -> None:
-    for replica in writes.replicas:
-        await replica.kill9()
+async def test_etcd_paused_then_resumed(pair: list[Replica], etcd_and_nats: tuple[EtcdServer, NatsServer]) -> None:
+    etcd, _ = etcd_and_nats
+    writes = await two_replicas(pair, ("etcd",))
+    assert etcd.process is not None
+    pid = etcd.process.pid
+    resumed = await outage(writes, partial_kill(pid, signal.SIGSTOP), partial_kill(pid, signal.SIGCONT))
+    assert writes.refusals and writes.refusals_name(), writes.refusals
+    assert resumed < RESUME_BOUND_SECONDS
+    await writes.check_loads()
 
 
-async def test_etcd_paused_then_resumed(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer]) -> None:
-    etcd, _ = fleet
-    writes = await two_replicas(tmp_path, fleet, ("etcd",))
-    try:
-        assert etcd.process is not None
-        pid = etcd.process.pid
-        resumed = await outage(writes, partial_kill(pid, signal.SIGSTOP), partial_kill(pid, signal.SIGCONT))
-        assert writes.refusals and writes.refusals_name(), writes.refusals
-        assert resumed < RESUME_BOUND_SECONDS
-        await writes.check_loads()
-    finally:
-        await stop_replicas(writes)
+async def test_etcd_killed_then_restarted_on_its_data(
+    pair: list[Replica], etcd_and_nats: tuple[EtcdServer, NatsServer]
+) -> None:
+    etcd, _ = etcd_and_nats
+    writes = await two_replicas(pair, ("etcd",))
+    await outage(writes, killed(etcd), etcd.start)
+    assert writes.refusals and writes.refusals_name(), writes.refusals
+    await writes.check_loads()
 
 
-async def test_etcd_killed_then_restarted_on_its_data(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer]) -> None:
-    etcd, _ = fleet
-    writes = await two_replicas(tmp_path, fleet, ("etcd",))
-    try:
-
-        async def kill() -> None:
-            assert etcd.process is not None
-            etcd.process.kill()
-            await etcd.process.wait()
-
-        await outage(writes, kill, etcd.start)
-        assert writes.refusals and writes.refusals_name(), writes.refusals
-        await writes.check_loads()
-    finally:
-        await stop_replicas(writes)
+async def test_nats_killed_then_restarted_on_its_store(
+    pair: list[Replica], etcd_and_nats: tuple[EtcdServer, NatsServer]
+) -> None:
+    _, nats = etcd_and_nats
+    writes = await two_replicas(pair, ("nats", "jetstream", "outcome is unknown"))
+    await outage(writes, killed(nats), nats.start)
+    assert writes.refusals and writes.refusals_name(), writes.refusals
+    await writes.check_loads()
 
 
-async def test_nats_killed_then_restarted_on_its_store(tmp_path: Path, fleet: tuple[EtcdServer, NatsServer]) -> None:
-    _, nats = fleet
-    writes = await two_replicas(tmp_path, fleet, ("nats", "jetstream", "outcome is unknown"))
-    try:
+def killed(server: EtcdServer | NatsServer) -> Callable[[], Awaitable[None]]:
+    """What ``outage`` calls to lose the server: SIGKILL by its PID (its data stays for ``start``), then reaped."""
 
-        async def kill() -> None:
-            assert nats.process is not None
-            nats.process.kill()
-            await nats.process.wait()
+    async def kill() -> None:
+        assert server.process is not None
+        server.process.kill()
+        await server.process.wait()
 
-        await outage(writes, kill, nats.start)
-        assert writes.refusals and writes.refusals_name(), writes.refusals
-        await writes.check_loads()
-    finally:
-        await stop_replicas(writes)
+    return kill
 
 
 def partial_kill(pid: int, sig: signal.Signals) -> Callable[[], Awaitable[None]]:

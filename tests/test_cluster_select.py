@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -25,46 +24,16 @@ import trio
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.client.live import open_stream, stream_url
 from kvrouter.journal.jetstream_batch import FORMAT
+from tests.support.cluster import client, model_owned_by, scope_row, wait_for_members
+from tests.support.fleet_servers import etcd_and_nats, servers
 from tests.support.kv_publisher import KvPublisher, open_kv_publisher
 from tests.support.processes import free_port
-from tests.test_cluster_failover import (
-    AUTH,
-    CLUSTER,
-    TOKEN,
-    Replica,
-    model_owned_by,
-    scope_row,
-    servers,
-    wait_for_members,
-)
+from tests.support.replicas import CLUSTER, TOKEN, Replica, SelectReplica, select_replicas
 
 pytestmark = pytest.mark.slow
-__all__ = ["servers"]  # the fixture, shared with the slot tracker's cluster tests
+__all__ = ["etcd_and_nats", "select_replicas", "servers"]  # fixtures (tests/support)
 
 TOKENS = list(range(64))
-
-
-class SelectReplica(Replica):
-    def __init__(self, directory: Path, name: str, etcd: str, nats: str) -> None:
-        super().__init__(directory, name, etcd, nats)
-        self.argv[self.argv.index("slot-tracker")] = "select-service"
-
-
-@pytest.fixture
-async def select_replicas(tmp_path: Path, servers: tuple[str, str]) -> AsyncIterator[list[SelectReplica]]:
-    started = [SelectReplica(tmp_path, name, *servers) for name in ("a", "b", "c")]
-    try:
-        async with trio.open_nursery() as nursery:
-            for replica in started:
-                nursery.start_soon(replica.start)
-        yield started
-    finally:
-        for replica in started:
-            await replica.kill9()
-
-
-def client(replica: Replica) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=replica.url, timeout=15, trust_env=False, headers=AUTH)
 
 
 def worker_record(worker_id: int, model: str, publisher: KvPublisher) -> dict[str, object]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +20,16 @@ from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.placement import preferred_owner
 from kvrouter.api.cli.watch_cluster import change_line
 from tests.api.test_watch import Lines
+from tests.support.cluster import client, wait_for_members
+from tests.support.fleet_servers import etcd_and_nats, servers
 from tests.support.processes import free_port
-from tests.test_cluster_failover import Replica, servers
-from tests.test_cluster_placement import client, wait_for_members
+from tests.support.replicas import Replica, pair
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["servers"]  # the fixture, shared with the failover tests
+__all__ = ["etcd_and_nats", "pair", "servers"]  # fixtures (tests/support)
 
 WATCH = [sys.executable, "-m", "kvrouter.api.cli.main", "watch"]
-
-
-@pytest.fixture
-async def pair(tmp_path: Path, servers: tuple[str, str]) -> AsyncIterator[list[Replica]]:
-    started = [Replica(tmp_path, name, *servers) for name in ("a", "b")]
-    try:
-        async with trio.open_nursery() as nursery:
-            for replica in started:
-                nursery.start_soon(replica.start)
-        yield started
-    finally:
-        for replica in started:
-            await replica.kill9()
 
 
 async def owner_change(lines: Lines, model: str) -> dict[str, Any]:

@@ -7,8 +7,6 @@ B serves on. Flags that configure the selection are refused with ``--selection-u
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -19,45 +17,17 @@ import pytest
 import trio
 
 from kvrouter.api.frontend.remote_routing import REFRESH_SECONDS
-from tests.support.processes import free_port
-from tests.test_cluster_failover import AUTH, TOKEN, scope_row, wait_for_members
-from tests.test_cluster_select import SelectReplica, select_replicas, servers
+from tests.support.cluster import scope_row, wait_for_members
+from tests.support.fleet_servers import etcd_and_nats, servers
+from tests.support.processes import KvrouterProcess, free_port
+from tests.support.replicas import AUTH, TOKEN, SelectReplica, select_replicas
 
 pytestmark = pytest.mark.slow
-__all__ = ["select_replicas", "servers"]  # the fixtures, shared with the selection cluster's tests
+__all__ = ["etcd_and_nats", "select_replicas", "servers"]  # fixtures (tests/support)
 
 MODEL = "mock"
 PROMPT = list(range(1, 65))  # 4 blocks of 16 tokens, the mock worker's block size
 CLI = [sys.executable, "-m", "kvrouter.api.cli.main"]
-
-
-class Process:
-    """A kvrouter process answering ``GET /health`` on ``url`` once started."""
-
-    def __init__(self, directory: Path, name: str, argv: list[str], port: int) -> None:
-        self.argv = argv
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = directory / f"{name}.log"
-        self.process: trio.Process | None = None
-
-    async def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.process = await trio.lowlevel.open_process(self.argv, stdout=subprocess.DEVNULL, stderr=log)
-        async with httpx.AsyncClient(base_url=self.url, trust_env=False) as http:
-            with trio.fail_after(30):
-                while True:
-                    if self.process.poll() is not None:
-                        raise AssertionError(self.log.read_text())
-                    try:
-                        if (await http.get("/health")).status_code == 200:
-                            return
-                    except httpx.TransportError:
-                        await trio.sleep(0.05)
-
-    async def kill9(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            await self.process.wait()
 
 
 def token_file(directory: Path) -> Path:
@@ -67,25 +37,25 @@ def token_file(directory: Path) -> Path:
     return path
 
 
-def frontend(directory: Path, name: str, replicas: list[SelectReplica]) -> Process:
+def frontend(directory: Path, name: str, replicas: list[SelectReplica]) -> KvrouterProcess:
     port = free_port()
     urls = ",".join(replica.url for replica in replicas)
     argv = [*CLI, "frontend", "--port", str(port), "--selection-url", urls,
             "--auth-token-file", str(token_file(directory)), "--log-level", "info"]  # fmt: skip
-    return Process(directory, name, argv, port)
+    return KvrouterProcess(directory, name, argv, port)
 
 
-def mock_worker(directory: Path, worker_id: int, register: SelectReplica) -> Process:
+def mock_worker(directory: Path, worker_id: int, register: SelectReplica) -> KvrouterProcess:
     port = free_port()
     argv = [*CLI, "mock-worker", "--port", str(port), "--kv-events-port", str(free_port()),
             "--replay-port", str(free_port()), "--speedup", "10", "--model-name", MODEL,
             "--register", register.url, "--register-token-file", str(token_file(directory)),
             "--worker-id", str(worker_id)]  # fmt: skip
-    return Process(directory, f"worker-{worker_id}", argv, port)
+    return KvrouterProcess(directory, f"worker-{worker_id}", argv, port)
 
 
 @pytest.fixture
-async def started(tmp_path: Path, select_replicas: list[SelectReplica]) -> AsyncIterator[list[Process]]:
+async def started(tmp_path: Path, select_replicas: list[SelectReplica]) -> AsyncIterator[list[KvrouterProcess]]:
     """Two mock workers registered through the first replica, then frontends A and B."""
     processes = [mock_worker(tmp_path, 1, select_replicas[0]), mock_worker(tmp_path, 2, select_replicas[0])]
     processes += [frontend(tmp_path, "frontend-a", select_replicas), frontend(tmp_path, "frontend-b", select_replicas)]
@@ -145,7 +115,7 @@ async def served_again(http: httpx.AsyncClient) -> httpx.Response:
 
 
 async def test_two_frontends_share_routing_and_survive_the_owner_and_a_frontend_killed(
-    select_replicas: list[SelectReplica], started: list[Process]
+    select_replicas: list[SelectReplica], started: list[KvrouterProcess]
 ) -> None:
     front_a, front_b = started[2], started[3]
     replicas = {replica.url: replica for replica in select_replicas}

@@ -7,28 +7,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-from tests.support.fleet_servers import NatsServer, require_nats
+from tests.support.fleet_servers import NatsServer, nats_server
 from tests.support.kv_publisher import open_kv_publisher
 from tests.support.processes import free_port
 from tests.test_crash_recovery import Service
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture
-async def nats_server(tmp_path: Path) -> AsyncIterator[NatsServer]:
-    require_nats()
-    server = NatsServer(tmp_path)
-    await server.start()
-    yield server
-    await server.stop()
+__all__ = ["nats_server"]  # the fixture (tests/support)
 
 
 def selector(data_dir: Path, nats_url: str) -> Service:

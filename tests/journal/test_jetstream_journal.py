@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -18,17 +17,12 @@ from contract import TIMEOUT, JournalContract
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.store import Durability, Journal, JournalFenced, JournalUnreachable, Snapshot
 from kvrouter.simulations.process_faults.servers import nats_cluster
-from tests.support.fleet_servers import NatsServer, nats_process, require_nats
+from tests.support.fleet_servers import NatsServer, nats_url, require_nats
 from tests.support.processes import free_port
 
+__all__ = ["nats_url"]  # the fixture (tests/support): one server for the module
+
 _streams = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One server for the module (each test uses streams of its own)."""
-    with nats_process(tmp_path_factory.mktemp("nats")) as url:
-        yield url
 
 
 def open_journal(url: str, stream: str) -> JetStreamJournal:

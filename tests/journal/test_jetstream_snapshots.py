@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import nats
@@ -23,13 +22,9 @@ from kvrouter.journal import jetstream_snapshots as snapshots
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.jetstream_link import SNAPSHOT_HEADER, bucket_of
 from kvrouter.journal.store import Snapshot, SnapshotRefused
-from tests.support.fleet_servers import nats_process
+from tests.support.fleet_servers import nats_url
 
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with nats_process(tmp_path_factory.mktemp("nats")) as url:
-        yield url
+__all__ = ["nats_url"]  # the fixture (tests/support): one server for the module
 
 
 async def durable(journal: JetStreamJournal, payloads: list[bytes]) -> None:

@@ -1,6 +1,6 @@
-"""Real etcd and nats-server processes for the fleet tests: on free loopback ports, data in the test's directory,
-stopped by their PID. ``.ci/run`` installs both from Debian (``etcd-server``, ``nats-server``); a test that needs one
-that is absent skips, saying how to install it."""
+"""Real etcd and nats-server processes for the fleet, cluster and JetStream tests, and the fixtures that start
+them: on free loopback ports, data in the test's directory, stopped by their PID. ``.ci/run`` installs both from
+Debian (``etcd-server``, ``nats-server``); a test that needs one that is absent skips, saying how to install it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +77,7 @@ class EtcdServer:
                     await trio.sleep(0.05)
 
     async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(10):
-                await self.process.wait()
-            if self.process.returncode is None:
-                self.process.kill()
-                await self.process.wait()
+        await _stop(self.process)
         self.process = None
 
     async def restart(self) -> None:
@@ -130,13 +124,7 @@ class NatsServer:
         self.process = await start_process(argv, self.port, self.directory / "nats.log")
 
     async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(10):
-                await self.process.wait()
-            if self.process.returncode is None:
-                self.process.kill()
-                await self.process.wait()
+        await _stop(self.process)
         self.process = None
 
 
@@ -166,6 +154,61 @@ def nats_process(directory: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+async def _stop(process: trio.Process | None) -> None:
+    """SIGCONT (a test may have paused it), SIGTERM, then SIGKILL after 10 s; by its PID."""
+    if process is not None and process.returncode is None:
+        process.send_signal(signal.SIGCONT)
+        process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(10):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+# -- fixtures: a test module imports the ones it uses (and those they depend on) --
+
+
+@pytest.fixture
+async def etcd_and_nats(tmp_path: Path) -> AsyncIterator[tuple[EtcdServer, NatsServer]]:
+    """etcd and a nats-server with JetStream, for a cluster; the objects, for tests that stop or pause them."""
+    etcd, nats = EtcdServer(tmp_path), NatsServer(tmp_path)
+    await etcd.start()
+    try:
+        await nats.start()
+        try:
+            yield etcd, nats
+        finally:
+            await nats.stop()
+    finally:
+        await etcd.stop()
+
+
+@pytest.fixture
+def servers(etcd_and_nats: tuple[EtcdServer, NatsServer]) -> tuple[str, str]:
+    """``etcd_and_nats``' URLs: what a replica's ``--etcd-endpoints`` and ``--nats-server`` take."""
+    etcd, nats = etcd_and_nats
+    return etcd.url, nats.url
+
+
+@pytest.fixture
+async def nats_server(tmp_path: Path) -> AsyncIterator[NatsServer]:
+    """A nats-server with JetStream, its store in the test's directory."""
+    server = NatsServer(tmp_path)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One nats-server with JetStream for the test module (each test uses streams of its own): its URL."""
+    with nats_process(tmp_path_factory.mktemp("nats")) as url:
+        yield url
 
 
 def _b64(raw: bytes) -> str:

@@ -1,14 +1,16 @@
 """Helpers for tests that run services as real processes: the Dynamo reference, when installed,
-and kvrouter itself."""
+and kvrouter itself (``KvrouterProcess``)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -61,3 +63,34 @@ async def start_process(argv: list[str], port: int, log: Path, env: dict[str, st
                 if process.poll() is not None:
                     raise AssertionError(f"{argv[:3]} exited with {process.returncode}; see {log}") from None
                 await trio.sleep(0.05)
+
+
+class KvrouterProcess:
+    """A kvrouter process (``argv``, serving on ``port`` of 127.0.0.1, its stderr appended to ``NAME.log`` in
+    ``directory``): ``start`` returns once ``GET /health`` answers 200, ``kill9`` ends it by its PID."""
+
+    def __init__(self, directory: Path, name: str, argv: list[str], port: int) -> None:
+        self.argv = argv
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = directory / f"{name}.log"
+        self.process: trio.Process | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.process = await trio.lowlevel.open_process(self.argv, stdout=subprocess.DEVNULL, stderr=log)
+        async with httpx.AsyncClient(base_url=self.url, trust_env=False) as http:
+            with trio.fail_after(30):
+                while True:
+                    if self.process.poll() is not None:
+                        raise AssertionError(self.log.read_text())
+                    try:
+                        if (await http.get("/health")).status_code == 200:
+                            return
+                    except httpx.TransportError:
+                        await trio.sleep(0.05)
+
+    async def kill9(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            await self.process.wait()
