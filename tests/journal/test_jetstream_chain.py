@@ -51,7 +51,8 @@ async def race(servers: tuple[str, ...], log: str) -> list[bytes]:
     writers = []
     for n in range(2):  # each through a server of its own, as two replicas would be
         rotated = servers[n:] + servers[:n]
-        writers.append(await trio.to_thread.run_sync(partial(JetStreamJournal.open, rotated, "RACE", log=log, replicas=3)))
+        opened = partial(JetStreamJournal.open, rotated, "RACE", log=log, replicas=3)
+        writers.append(await trio.to_thread.run_sync(opened))
     acknowledged: list[bytes] = []
 
     async def write(journal: JetStreamJournal, payload: bytes) -> None:
