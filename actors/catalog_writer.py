@@ -115,7 +115,11 @@ class CatalogWriter:
                     job.record, job.lsn = await self._perform(job.change)
                 except Exception as exc:
                     job.error = exc
-                if job.error is None and job.lsn:
+                if job.error is not None and journal.last_lsn > journal.durable_lsn:
+                    # A refusal made on records not yet durable (a 404 after a removal, a 409): it waits for them,
+                    # so it never answers from a write that a failed journal takes back.
+                    job.lsn = journal.last_lsn
+                if job.lsn:
                     journal.call_when_durable(job.lsn, job.done.set)
                 else:
                     job.done.set()
@@ -138,10 +142,10 @@ class CatalogWriter:
         await job.done.wait()
         if job.timed_out:
             raise system.reply_timeout(f"a catalog write ({type(change).__name__})")
-        if job.error is not None:
-            raise job.error
         if job.lsn > system.journal.durable_lsn:
             await system.wait_durable(job.lsn)  # only after a journal failure: raises
+        if job.error is not None:
+            raise job.error
         assert job.record is not None
         return job.record
 

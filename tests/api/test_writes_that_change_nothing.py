@@ -12,7 +12,8 @@ from typing import Any
 import trio
 import trio.testing
 
-from kvrouter.api.process.main import slot_tracker_app
+from kvrouter.actors.core.router_config import RouterConfig
+from kvrouter.api.process.main import select_service_builder, slot_tracker_app
 from tests.support.asgi import ASGIApp, Reply, call, service_app
 from tests.support.journals import GatedJournal
 
@@ -75,3 +76,20 @@ async def test_a_repeated_free_of_a_durable_free_is_answered_at_once(
     with trio.fail_after(1):  # virtual time: nothing to wait for
         again = await call(app, "POST", "/free", {**SCOPE, "request_id": "r1"})
     assert again.status == 200
+
+
+async def test_a_catalog_refusal_waits_for_the_removal_it_saw_to_be_durable(
+    autojump_clock: trio.abc.Clock, nursery: trio.Nursery
+) -> None:
+    """The selection service's catalog: a PATCH answered 404 because of a removal still on its way to the journal
+    waits for that removal, as a write that changes nothing does."""
+    journal = GatedJournal()
+    app, _ = await service_app(nursery, select_service_builder(RouterConfig(use_kv_events=False)), journal)
+    worker = {"worker_id": 5, "model_name": "m", "endpoint": "http://w5", "block_size": 16}
+    assert await durable(app, nursery, journal, "/workers", worker) == 201
+    removal = await pending(app, nursery, "DELETE", "/workers/5")
+    patch = await pending(app, nursery, "PATCH", "/workers/5", {"endpoint": "http://w6"})
+    assert removal == [] and patch == []  # the 404 is not given before the removal is durable
+    journal.release()
+    await trio.testing.wait_all_tasks_blocked()
+    assert (removal[0].status, patch[0].status) == (200, 404)
