@@ -164,6 +164,8 @@ async def test_two_frontends_share_routing_and_survive_the_owner_and_a_frontend_
         ["--router-mode", "kv"],
         ["--seed", "3"],
         ["--discovery-backend", "file", "--discovery-file", "workers.json"],
+        ["--model-name", "llama"],  # the --workers' model and block size: the service's catalog names them
+        ["--block-size", "32"],
     ],
 )
 def test_selection_flags_are_refused_with_selection_url(flag: list[str], tmp_path: Path) -> None:

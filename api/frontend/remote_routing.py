@@ -10,19 +10,24 @@ A call goes to the URL that answered last; one whose connection cannot be made (
 each URL once. Any other failure is the call's answer: a refusal with the service's status and ``{"error"}`` text,
 or 504 when the outcome is unknown (no answer in time). Bounds: one catalog fetch at a time; the connections are
 the frontend's ``--max-in-flight``; a call waits ``CALL_SECONDS`` for its answer.
+
+``families`` gives what ``GET /metrics`` shows of it: the calls per URL and outcome, the catalog's age and size.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, Final
 from urllib.parse import quote
 
 import httpx
 import trio
 
 from kvrouter.actors.core.worker_endpoints import EndpointAllowList
+from kvrouter.actors.metric_families import Family, counter, gauge
 from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.routing import PREFILL, TENANT, Plan, Target
 from kvrouter.api.http.auth import BearerToken
@@ -32,6 +37,10 @@ REFRESH_SECONDS = 0.5
 CONNECT_SECONDS = 1.0
 CALL_SECONDS = 15.0
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+# A call's outcome at one URL, as ``GET /metrics`` counts it.
+ANSWERED: Final = "answered"  # any HTTP answer (a refusal too)
+NOT_SENT_OUTCOME: Final = "not_sent"  # no connection: the next URL was tried
+NO_ANSWER: Final = "no_answer"  # sent, no answer in time: the caller was told 504 (outcome unknown)
 
 
 def selection_client(max_connections: int) -> httpx.AsyncClient:
@@ -65,6 +74,9 @@ class RemoteRouting:
         self.worker_endpoint_allow = worker_endpoint_allow
         self._current = 0
         self._rows: list[dict[str, Any]] = []
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()  # (url, outcome); bounded by urls
+        self.catalog_failures = 0
+        self.catalog_read_at = math.nan  # trio.current_time() of the last catalog read that succeeded
 
     @property
     def registration_hint(self) -> str:
@@ -107,12 +119,14 @@ class RemoteRouting:
         try:
             rows = await self._call("GET", "/workers")
         except RouterError as exc:
+            self.catalog_failures += 1
             if not failing:
                 log.warning("the selection service's catalog could not be read (the last one is kept): %s", exc)
             return True
         if failing:
             log.info("the selection service's catalog is read again (%d workers)", len(rows))
         self._rows = [row for row in rows if isinstance(row, dict) and row.get("lifecycle") != "unschedulable"]
+        self.catalog_read_at = trio.current_time()
         return False
 
     # -- the calls ------------------------------------------------------------------------------------------
@@ -153,14 +167,48 @@ class RemoteRouting:
             try:
                 answer = await self.client.request(method, self.urls[index] + path, json=body, headers=self.headers)
             except NOT_SENT as exc:
+                self.calls[self.urls[index], NOT_SENT_OUTCOME] += 1
                 unreachable.append(f"{self.urls[index]} ({exc or type(exc).__name__})")
                 continue
             except httpx.HTTPError as exc:
+                self.calls[self.urls[index], NO_ANSWER] += 1
                 text = f"the selection service at {self.urls[index]} gave no answer ({exc or type(exc).__name__})"
                 raise RouterError(504, f"{text}: the outcome of {method} {path} is unknown") from exc
+            self.calls[self.urls[index], ANSWERED] += 1
             self._current = index
             return _answer(answer)
         raise RouterError(503, "the selection service cannot be reached: " + ", ".join(unreachable))
+
+    async def metrics(self) -> list[Family]:
+        """For ``GET /metrics`` (a ``MetricsEndpoint`` source)."""
+        age = trio.current_time() - self.catalog_read_at if not math.isnan(self.catalog_read_at) else math.nan
+        return [
+            counter(
+                "kvrouter_frontend_selection_calls",
+                "Calls to the selection service, by URL and outcome (answered, not_sent: tried the next URL, "
+                "no_answer: answered 504, outcome unknown)",
+                ("url", "outcome"),
+                {key: float(count) for key, count in sorted(self.calls.items())},
+            ),
+            counter(
+                "kvrouter_frontend_selection_catalog_failures",
+                "Reads of the selection service's catalog (GET /workers) that failed (the last one is kept)",
+                (),
+                {(): float(self.catalog_failures)},
+            ),
+            gauge(
+                "kvrouter_frontend_selection_catalog_age_seconds",
+                "Seconds since the catalog was last read (NaN before the first read)",
+                (),
+                {(): age},
+            ),
+            gauge(
+                "kvrouter_frontend_selection_catalog_workers",
+                "Workers in the catalog as last read",
+                (),
+                {(): float(len(self.catalog_workers()))},
+            ),
+        ]
 
 
 def _answer(answer: httpx.Response) -> Any:

@@ -2,7 +2,8 @@
 its selection made by a selection service (a single one, or the replicas of a ``select-service --cluster``) over
 HTTP (``remote_routing.py``). The OpenAI routes are the frontend's, served by the same ``Proxy``; the service's
 own routes (``POST /workers``, ``/loads``, ...) are the service's: workers register with it, not here. This port
-answers ``GET /health`` besides.
+answers ``GET /health`` and ``GET /metrics`` besides (its HTTP requests, its calls to the service, the catalog's age,
+the workers' breakers).
 
 Start: read the service's catalog once (a failure is logged and the catalog read again every half second), start
 the workers' breakers, open the port. Stop (SIGINT/SIGTERM): drain HTTP (in-flight requests finish within the
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from kvrouter.actors.metric_families import Family
 from kvrouter.api.frontend.app import FrontendApp
 from kvrouter.api.frontend.options import FrontendOptions
 from kvrouter.api.frontend.proxy import Proxy
@@ -25,6 +27,7 @@ from kvrouter.api.frontend.remote_routing import RemoteRouting, selection_client
 from kvrouter.api.frontend.service import frontend_tokenizer, http_client, serve_frontend
 from kvrouter.api.http import Request, Response, json_response
 from kvrouter.api.http.app import make_app
+from kvrouter.api.routes.metrics import FrontMetrics, MetricsEndpoint
 from kvrouter.api.routes.operations import route as operation_route
 from kvrouter.api.routes.selection import OK_STATUS
 
@@ -38,6 +41,16 @@ class RemoteFrontendHandle:
     routing: RemoteRouting
     proxy: Proxy
     stop: Callable[[], None]
+
+
+@attrs.frozen
+class _Families:
+    """A synchronous figures source as a ``MetricsEndpoint`` source."""
+
+    families: Callable[[], list[Family]]
+
+    async def metrics(self) -> list[Family]:
+        return self.families()
 
 
 async def health(request: Request) -> Response:
@@ -58,8 +71,9 @@ async def run_remote_frontend(
         await nursery.start(routing.follow_catalog)
         proxy = Proxy(routing, client, tokenize, options.limits)
         await nursery.start(proxy.liveness.run)  # the probes of workers out of selection
+        metrics = MetricsEndpoint(FrontMetrics(), (routing, _Families(proxy.liveness.families)))
         own_routes = make_app(
-            [operation_route("health", health)],
+            [operation_route("health", health), operation_route("metrics", metrics)],
             body_limit=OTHER_ROUTES_BODY_LIMIT,
             body_timeout=options.http.body_timeout,
             auth=options.auth,

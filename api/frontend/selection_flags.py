@@ -20,6 +20,8 @@ SELECTION_ONLY = (
     ("kv_events", "--router-kv-events"),
     ("busy_threshold", "--busy-threshold"),
 )
+# (the namespace's attribute, the flag, its default): given another value, each is refused with --selection-url.
+WORKER_DEFAULTS = (("model_name", "--model-name", "mock"), ("block_size", "--block-size", "16"))
 
 
 def add_selection_flag(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +46,8 @@ def selection_urls(args: argparse.Namespace, fleet: FleetOptions, problems: list
         if problem is not None:
             problems.append(f"--selection-url: {problem}")
     given = [flag for name, flag in SELECTION_ONLY if getattr(args, name) not in (None, False, "")]
+    # The model and block size of the --workers: the service's catalog names each worker's (default: not given).
+    given.extend(flag for name, flag, default in WORKER_DEFAULTS if getattr(args, name) != default)
     if fleet.enabled:
         given.append("--discovery-backend")
     for flag in given:

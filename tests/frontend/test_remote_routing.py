@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter.api.embedded import RouterError
 from kvrouter.api.frontend.remote_routing import RemoteRouting, selection_client
@@ -19,6 +20,15 @@ from tests.support.frontends import frontend_options, wait_idle
 from tests.support.mock_workers import start_mock_worker
 from tests.support.processes import free_port
 from tests.support.services import running
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A ``/metrics`` answer's samples by name and sorted labels."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 async def schedulable(http: httpx.AsyncClient, count: int) -> None:
@@ -48,6 +58,12 @@ async def test_requests_are_booked_and_freed_at_the_service(tmp_path: Path) -> N
                 assert answers[0].headers["x-kvrouter-worker-id"] in ("1", "2")
                 assert (await http.post("/workers", json={})).status_code == 404  # the service's route, not here
                 assert (await http.get("/health")).status_code == 200
+                figures = samples((await http.get("/metrics")).text)
+                calls = "kvrouter_frontend_selection_calls_total"
+                assert figures[calls, (("outcome", "not_sent"), ("url", nowhere))] >= 1  # then the next URL
+                assert figures[calls, (("outcome", "answered"), ("url", url))] >= 4  # catalog, book, free x2
+                assert figures["kvrouter_frontend_selection_catalog_workers", ()] == 2
+                assert 0 <= figures["kvrouter_frontend_selection_catalog_age_seconds", ()] < 5
             rows = await wait_idle(at_service)  # each booking freed at the service
             assert sorted(rows) == [1, 2]
             front.stop()

@@ -332,6 +332,8 @@ FRONTEND_ROUTES = [
     FuzzRoute("GET", "/v1/models"),
     FuzzRoute("GET", "/frontend/stats"),
 ]
+# ``kvrouter frontend --selection-url``: the same, and what its port answers besides (no service routes of its own).
+REMOTE_FRONTEND_ROUTES = [*FRONTEND_ROUTES, FuzzRoute("GET", "/health"), FuzzRoute("GET", "/metrics")]
 FRONTEND_KNOWN: KNOWN = [
     ("POST", "/v1/completions", {"prompt": [1, 2**32]}),
     ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 2**70}),
