@@ -348,8 +348,10 @@ def _log_request(scope: ASGIScope, status: int, started: float) -> None:
 async def _read_body(receive: Any, limit: int, seconds: float | None) -> bytes:
     """The whole body, refused (413) past ``limit`` bytes and (408) past ``seconds`` from the first read.
 
-    The deadline is checked as each chunk arrives (no cancel scope on this path): a client that sends
-    nothing at all is hypercorn's read timeout to close.
+    The deadline is checked as each chunk arrives (no cancel scope on this path). A client that falls silent
+    is the server's read timeout (the same number of seconds) to end: the disconnect it hands over comes past
+    the deadline, and the client, still there, is answered 408. One that arrives before it is a client that went
+    away (400, sent to nobody).
     """
     deadline = None if seconds is None else trio.current_time() + seconds
     chunks = []
@@ -357,6 +359,8 @@ async def _read_body(receive: Any, limit: int, seconds: float | None) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            if deadline is not None and trio.current_time() >= deadline:
+                raise HttpError(408, f"the request body did not arrive within {seconds:g} s")
             raise HttpError(400, "client disconnected")
         chunk = message.get("body", b"")
         size += len(chunk)
