@@ -128,7 +128,8 @@ class _Headers:
     __slots__ = ("authorization", "content_length", "content_type", "forwarded", "has_body")
 
     def __init__(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
-        self.forwarded = False  # FORWARDED_HEADER: a cluster replica passed this request on to its scope's owner
+        # FORWARDED_HEADER, unchecked: a cluster replica passed this request on to its scope's owner, naming itself
+        self.forwarded: str | None = None
         self.content_type: bytes | None = None
         self.content_length: int | None = None
         self.authorization: bytes | None = None
@@ -146,7 +147,9 @@ class _Headers:
                 self.authorization = value
                 authorizations += 1
             elif name == FORWARDED_HEADER:
-                self.forwarded = True
+                # Sent twice, it names no one sender: the two values together name no member, and are refused.
+                text = value.decode("latin-1")
+                self.forwarded = text if self.forwarded is None else f"{self.forwarded}, {text}"
         if authorizations > 1:
             self.authorization = None  # ambiguous: treated as absent
 
@@ -287,7 +290,7 @@ class ServiceApp:
             body,
             params,
             body_type=route.body_type,
-            forwarded=headers.forwarded,
+            forwarded_by=headers.forwarded,
         )
         return await call_route(route, request), body_unread
 
