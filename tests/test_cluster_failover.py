@@ -230,3 +230,23 @@ def test_a_replica_that_cannot_reach_nats_exits_2_naming_it(tmp_path: Path) -> N
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot reach NATS at {nats}" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("service", "flags", "names"),
+    [
+        ("slot-tracker", ["--advertise-url", "http://127.0.0.1:8001/some/path"], "--advertise-url"),
+        ("select-service", ["--advertise-url", "http://u:p@127.0.0.1:8001"], "--advertise-url"),
+        ("slot-tracker", ["--advertise-url", "http://127.0.0.1:8001", "--journal", "file"], "--journal file"),
+        ("select-service", ["--advertise-url", "http://127.0.0.1:8001", "--durability", "off"], "--durability off"),
+    ],
+)
+def test_a_replica_with_a_bad_advertise_url_or_an_ignored_journal_flag_exits_2_in_one_line(
+    tmp_path: Path, service: str, flags: list[str], names: str
+) -> None:
+    argv = [sys.executable, "-m", "kvrouter.api.cli.main", service, "--port", "0", "--data-dir", str(tmp_path / "d")]
+    argv += ["--cluster", "C", "--etcd-endpoints", "http://127.0.0.1:1", "--nats-server", "nats://127.0.0.1:1"]
+    result = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "Traceback" not in result.stderr, result.stderr

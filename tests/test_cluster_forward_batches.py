@@ -146,7 +146,7 @@ async def test_a_forwarded_batch_is_never_forwarded_again(pair: list[Replica]) -
         await wait_for_members(to_b, 2)
         batch = [{"method": "POST", "path": "/register", "body": register}]
         # as if another replica had sent it on to B, which does not own the scope: refused, not applied
-        answers = (await to_b.post("/batch", json=batch, headers={FORWARDED_HEADER: "1"})).json()
+        answers = (await to_b.post("/batch", json=batch, headers={FORWARDED_HEADER: a.url})).json()
         assert answers[0]["status"] == 503, answers
         assert "moved while the command was forwarded" in answers[0]["body"]["error"]
         assert (await to_b.get("/workers", params={"model_name": model})).json() == []

@@ -1,13 +1,16 @@
 """Carry a command to its scope's owner over HTTP (the owner's own API), once, and bring its answer back.
 
-The request goes as the client sent it (method, path, query, body) with ``FORWARDED_HEADER`` added, so the owner
-never forwards it again (``core/ownership/forwarding.py``). Bounded: a connection pool of ``MAX_CONNECTIONS``
-(``MAX_KEEPALIVE`` kept open), a connect timeout well under a lease's TTL (a dead owner is found out quickly),
-and an answer timeout just past the owner's own reply deadline (it answers 504 itself before that; the caller,
-``ClusterSlotService.relay``, gives up sooner when the owner leaves the live members); an answer
-larger than ``MAX_ANSWER_BYTES`` is refused. An owner that cannot be reached raises ``OwnerUnreachable``:
-the command was not applied there (a connection refused or reset before the request was sent whole), or its
-outcome is unknown (no answer in time), which the caller says.
+The request goes as the client sent it (method, path, query, body) with ``FORWARDED_HEADER`` added, naming this
+replica (its advertise URL), so the owner never forwards it again (``core/ownership/forwarding.py``); an owner
+whose view does not hold this replica (a moment behind, or after this replica's lease lapsed) refuses it
+(``FORWARD_REFUSED_HEADER``), which is raised as ``OwnerUnreachable``: not applied.
+
+Bounded: a connection pool of ``MAX_CONNECTIONS`` (``MAX_KEEPALIVE`` kept open), a connect timeout well under a
+lease's TTL (a dead owner is found out quickly), and an answer timeout just past the owner's own reply deadline (it
+answers 504 itself before that; the caller, ``ClusterSlotService.relay``, gives up sooner when the owner leaves the
+live members); an answer larger than ``MAX_ANSWER_BYTES`` is refused. An owner that cannot be reached raises
+``OwnerUnreachable``: the command was not applied there (a connection refused or reset before the request was sent
+whole), or its outcome is unknown (no answer in time), which the caller says.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Final
 import attrs
 import httpx
 
-from kvrouter.actors.core.ownership.forwarding import FORWARDED_HEADER
+from kvrouter.actors.core.ownership.forwarding import FORWARD_REFUSED_HEADER, FORWARDED_HEADER
 
 WRITTEN_HEADER: Final = "kvrouter-written"  # (``follower_reads``) carried back with the owner's answer
 MAX_CONNECTIONS: Final = 64
@@ -42,8 +45,10 @@ class Relayed:
 
 
 class Forwarder:
-    def __init__(self, answer_timeout: float, authorization: str | None = None) -> None:
-        """``authorization``: the ``Authorization`` header the replicas require (their shared bearer token)."""
+    def __init__(self, answer_timeout: float, sender: str, authorization: str | None = None) -> None:
+        """``sender``: this replica's advertise URL, the ``FORWARDED_HEADER`` its receivers check;
+        ``authorization``: the ``Authorization`` header the replicas require (their shared bearer token)."""
+        self._sender = sender
         self._authorization = authorization
         self._client = httpx.AsyncClient(
             trust_env=False,  # the replicas' own URLs: never through a proxy from the environment
@@ -55,7 +60,7 @@ class Forwarder:
 
     async def relay(self, owner: str, method: str, path: str, query: bytes, body: bytes) -> Relayed:
         url = owner.rstrip("/") + path + (("?" + query.decode("latin-1")) if query else "")
-        headers = {FORWARDED_HEADER: "1"}
+        headers = {FORWARDED_HEADER: self._sender}
         if self._authorization is not None:
             headers["authorization"] = self._authorization
         if body:
@@ -69,6 +74,9 @@ class Forwarder:
                     if size > MAX_ANSWER_BYTES:
                         raise OwnerUnreachable(f"{owner} answered more than {MAX_ANSWER_BYTES} bytes", unknown=True)
                     chunks.append(chunk)
+                if FORWARD_REFUSED_HEADER in response.headers:
+                    why = b"".join(chunks)[:300].decode("utf-8", "replace")
+                    raise OwnerUnreachable(f"{owner} refused the forward from {self._sender} ({why})", unknown=False)
                 content_type = response.headers.get("content-type")
                 body, written = b"".join(chunks), response.headers.get(WRITTEN_HEADER)
                 return Relayed(response.status_code, body, content_type.encode() if content_type else None, written)

@@ -177,6 +177,14 @@ class Membership:
     def lease_remaining(self) -> float:
         return max(0.0, self._deadline - trio.current_time())
 
+    async def sees_member(self, name: str, seconds: float) -> bool:
+        """Whether ``name`` is a member in this replica's view, waiting up to ``seconds`` for the view to show it
+        (a member that just joined is in etcd a moment before this replica's watch brings it)."""
+        with trio.move_on_after(seconds):
+            while name not in self.view.members:
+                await self.wait_changed()
+        return name in self.view.members
+
     async def wait_changed(self) -> None:
         await self._changed.wait()
 

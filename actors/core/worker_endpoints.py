@@ -96,6 +96,25 @@ def http_endpoint_problem(text: str | None) -> str | None:
     return None
 
 
+def service_url_problem(text: str, *, schemes: tuple[str, ...] = ("http",), port_required: bool = True) -> str | None:
+    """Why ``text`` cannot be the base URL of a kvrouter service (``http://HOST:PORT``, where routes are joined
+    on), or None: a worker endpoint's rules, and no path besides a lone ``/`` (a path would be silently dropped or
+    joined differently by each caller), a scheme among ``schemes`` and, if ``port_required``, a port."""
+    shown = _shown(text)
+    if text.partition("://")[0].lower() not in schemes or "://" not in text:
+        plain = " (kvrouter serves plain HTTP)" if schemes == ("http",) else ""
+        return f"{shown} is not an {' or '.join(f'{scheme}://' for scheme in schemes)} URL{plain}"
+    try:
+        endpoint = parse_http_endpoint(text)
+    except InvalidEndpoint as exc:
+        return str(exc).replace("the worker's base URL only", "the scheme, host and port only")
+    if endpoint.path:
+        return f"{shown} has a path ({endpoint.path[:40]}); give the scheme, host and port only"
+    if port_required and endpoint.port is None:
+        return f"{shown} has no port; give the port the service listens on"
+    return None
+
+
 def _shown(text: str) -> str:
     return f"`{text[:80]}...`" if len(text) > 80 else f"`{text}`"
 

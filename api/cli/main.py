@@ -97,8 +97,7 @@ def _common_flags(parser: argparse.ArgumentParser, service: str) -> None:
     parser.add_argument(
         "--durability",
         choices=[d.value for d in Durability],
-        default=Durability.ALWAYS.value,
-        help="always: reply after fsync (default); batch: fsync every few ms; off: never fsync",
+        help="the file journal's: always: reply after fsync (default); batch: fsync every few ms; off: never fsync",
     )
     parser.add_argument("--fresh", action="store_true", help="start empty, discarding the journal")
     _journal_flags(parser, service)
@@ -161,9 +160,8 @@ def _journal_flags(parser: argparse.ArgumentParser, service: str) -> None:
     group.add_argument(
         "--journal",
         choices=JOURNAL_BACKENDS,
-        default="file",
         help="file: segment files in --data-dir (default); jetstream: a NATS JetStream stream, so another machine "
-        "can recover it",
+        "can recover it (a --cluster replica's journals are always on JetStream)",
     )
     group.add_argument(
         "--jetstream-stream",

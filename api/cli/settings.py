@@ -25,6 +25,7 @@ from kvrouter.actors.core.router_config import (
     parse_int,
     resolve,
 )
+from kvrouter.actors.core.worker_endpoints import parse_http_endpoint, service_url_problem
 from kvrouter.actors.fleet.options import FleetOptions
 from kvrouter.actors.peers.replicator import validate_endpoint
 from kvrouter.api.cli.dynamo_flags import (
@@ -59,6 +60,16 @@ DEFAULT_PORTS = {SLOT_TRACKER: 8091, SELECT_SERVICE: 8092}
 DEFAULT_FRONTS = 0  # --fronts; 0: one process
 DATA_ROOT = Path("kvrouter-data")  # each service defaults to its own subdirectory
 U64_MAX = 2**64 - 1
+# What replica sync takes (the flags' destinations): a --cluster replica refuses each (the cluster replaces it).
+REPLICA_SYNC_FLAGS = (
+    "replica_sync_port",
+    "replica_sync_peers",
+    "replica_curve_secret_key_file",
+    "replica_curve_peer_keys_dir",
+    "replica_max_peers",
+    "replica_max_message_bytes",
+    "replica_peer_max_rate",
+)
 MAX_STREAM_SUBSCRIBERS = 100_000  # --stream-max-subscribers (the HTTP connection cap bounds it too)
 # --max-batch-answer-bytes and the streams' budgets: a refusal (~200 bytes) must fit; far beyond any memory above
 MIN_ANSWER_BUDGET, MAX_ANSWER_BUDGET = 1024, 2**40
@@ -141,7 +152,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Launch:
             host=args.host,
             port=port if port is not None else 0,
             data_dir=data_dir,
-            durability=Durability(args.durability),
+            durability=Durability(args.durability or Durability.ALWAYS.value),
             jetstream_journal=_jetstream_journal(args, env, problems, warnings) if cluster is None else None,
             cluster=cluster,
             fresh=args.fresh,
@@ -370,17 +381,18 @@ def _cluster(
     advertise = args.advertise_url
     if not advertise:
         problems.append("--cluster needs --advertise-url http://HOST:PORT: where the other replicas reach this one")
-    elif not advertise.startswith(("http://", "https://")):
-        problems.append(f"--advertise-url={advertise!r} must be an http:// or https:// URL")
+    else:
+        problem = advertise_url_problem(advertise)
+        if problem is not None:
+            problems.append(
+                f"--advertise-url: {problem}; expected http://HOST:PORT, where the others reach this replica"
+            )
     if getattr(args, "fronts", None) not in (None, "0", 0):
         problems.append("--cluster does not run with --fronts yet; leave --fronts out")
-    if args.replica_sync_port is not None or args.replica_sync_peers:
-        problems.append("--cluster replaces replica sync; leave --replica-sync-port and --replica-sync-peers out")
-    if args.journal != "file" or args.jetstream_stream is not None:
-        warnings.append(
-            "--journal and --jetstream-stream have no effect with --cluster: each scope's journal is "
-            "on the cluster's stream"
-        )
+    replica_sync = [_flag(dest) for dest in REPLICA_SYNC_FLAGS if getattr(args, dest, None) not in (None, "")]
+    if replica_sync:
+        problems.append(f"--cluster replaces replica sync; leave {', '.join(replica_sync)} out")
+    problems.extend(_ignored_by_a_replica(args))
     ttl = _int(args, "cluster_lease_ttl", 1, 60, problems, default=DEFAULT_LEASE_TTL_SECONDS)
     urls = tuple(url.strip() for url in (etcd or "").split(",") if url.strip())
     return ClusterOptions(
@@ -391,6 +403,46 @@ def _cluster(
         ttl or DEFAULT_LEASE_TTL_SECONDS,
         jetstream_replicas(args, problems),
     )
+
+
+def _ignored_by_a_replica(args: argparse.Namespace) -> list[str]:
+    """The journal flags a ``--cluster`` replica would otherwise ignore: it keeps each scope's journal on the
+    cluster's JetStream stream (named after the cluster) and answers a write once JetStream acknowledged it.
+    ``--journal jetstream`` and ``--durability always`` say just that, and are taken."""
+    refused = []
+    if args.journal == "file":
+        refused.append(
+            "--cluster does not take --journal file: a replica keeps each scope's journal on the cluster's "
+            "JetStream stream; leave --journal out"
+        )
+    if args.jetstream_stream is not None:
+        refused.append(
+            "--cluster does not take --jetstream-stream: the cluster's stream is named after --cluster NAME; "
+            "leave --jetstream-stream out"
+        )
+    if args.durability not in (None, Durability.ALWAYS.value):
+        refused.append(
+            f"--cluster does not take --durability {args.durability}: a replica answers each write once JetStream "
+            "acknowledged it, as under always; leave --durability out"
+        )
+    if args.fresh:
+        refused.append(
+            "--cluster does not take --fresh: a replica keeps no journal of its own to discard (the scopes' "
+            "journals are the cluster's, on JetStream); to start empty, use a new --cluster NAME"
+        )
+    return refused
+
+
+def advertise_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be where the other replicas reach this one: it names this replica in etcd and in every
+    command it forwards, so it is exactly ``http://HOST:PORT``, with a host the others can connect to."""
+    problem = service_url_problem(url)
+    if problem is not None:
+        return problem
+    address = parse_http_endpoint(url).address
+    if address is not None and address.is_unspecified:
+        return f"`{url}` names no host the others can reach ({address} is every address of this machine)"
+    return None
 
 
 def _flag(dest: str) -> str:

@@ -44,6 +44,7 @@ from kvrouter.api.cli.http_flags import add_http_flags, check_exposure, http_opt
 from kvrouter.api.cli.one_line_parser import OneLineParser
 from kvrouter.api.frontend.model_dir import load_model_dir
 from kvrouter.api.frontend.options import DEFAULT_PORT, ROUTER_MODES, FrontendLimits, FrontendOptions, WorkerSpec
+from kvrouter.api.frontend.remote_routing import SelectionUnreachable
 from kvrouter.api.frontend.remote_service import run_remote_frontend
 from kvrouter.api.frontend.selection_flags import add_selection_flag, selection_urls
 from kvrouter.api.frontend.service import file_workers, run_frontend, run_until_signal
@@ -415,10 +416,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _explain(exc: BaseException, options: FrontendOptions) -> int:
+    unreachable = _selection_unreachable(exc)
+    if unreachable is not None:
+        log.error("cannot start: %s", unreachable)
+        return BAD_CONFIGURATION
     context = ServiceContext(options.host, options.port, options.data_dir or Path("(memory)"))
     reason = explain(exc, context, journal_open=False)
     log.error("%s", reason.message, exc_info=exc if reason.unexpected else None)
     return reason.status
+
+
+def _selection_unreachable(exc: BaseException) -> SelectionUnreachable | None:
+    """``SelectionUnreachable`` within ``exc`` (it may escape ``trio.run`` inside exception groups), if any."""
+    if isinstance(exc, SelectionUnreachable):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _selection_unreachable(inner)
+            if found is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

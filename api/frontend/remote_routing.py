@@ -34,6 +34,7 @@ from kvrouter.api.http.auth import BearerToken
 
 log = logging.getLogger("kvrouter.frontend")
 REFRESH_SECONDS = 0.5
+STARTUP_REACH_SECONDS = 5.0  # a frontend started with its service finds it within this; else exit 2
 CONNECT_SECONDS = 1.0
 CALL_SECONDS = 15.0
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -56,6 +57,14 @@ def _part(view: dict[str, Any], block_size: int) -> Target:
     return Target(
         view["reservation_id"], view["worker_id"], view["dp_rank"], view["endpoint"], overlap_tokens // block_size
     )
+
+
+class NotReached(RouterError):
+    """No URL of the list could be connected to: nothing was sent (503)."""
+
+
+class SelectionUnreachable(Exception):
+    """At startup, no URL of ``--selection-url`` could be connected to: one line, exit 2."""
 
 
 class RemoteRouting:
@@ -107,19 +116,35 @@ class RemoteRouting:
         return [row for row in self._rows if row["model_name"] == model and row.get("tenant_id") == TENANT]
 
     async def follow_catalog(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Fetch ``GET /workers`` now, then every ``REFRESH_SECONDS``; started once the first fetch ended."""
-        failing = await self._refresh(False)
+        """Fetch ``GET /workers`` now, then every ``REFRESH_SECONDS``; started once the first fetch ended.
+        ``SelectionUnreachable`` if no URL could be connected to for ``STARTUP_REACH_SECONDS``: nothing listens
+        where the flag says (a service that answers, even with a refusal, is kept and read again)."""
+        deadline = trio.current_time() + STARTUP_REACH_SECONDS
+        while True:
+            try:
+                failing = await self._refresh(False, starting=True)
+                break
+            except NotReached as exc:
+                if trio.current_time() >= deadline:
+                    raise SelectionUnreachable(
+                        f"--selection-url: nothing answered for {STARTUP_REACH_SECONDS:g} s ({exc.message}); start "
+                        "the selection service first, or fix --selection-url"
+                    ) from None
+                await trio.sleep(REFRESH_SECONDS)
         task_status.started()
         while True:
             await trio.sleep(REFRESH_SECONDS)
             failing = await self._refresh(failing)
 
-    async def _refresh(self, failing: bool) -> bool:
-        """One fetch of the catalog; logs the first failure of a run of them and the recovery. Whether it failed."""
+    async def _refresh(self, failing: bool, *, starting: bool = False) -> bool:
+        """One fetch of the catalog; logs the first failure of a run of them and the recovery. Whether it failed.
+        ``starting``: ``NotReached`` is raised, not logged."""
         try:
             rows = await self._call("GET", "/workers")
         except RouterError as exc:
             self.catalog_failures += 1
+            if starting and isinstance(exc, NotReached):
+                raise
             if not failing:
                 log.warning("the selection service's catalog could not be read (the last one is kept): %s", exc)
             return True
@@ -177,7 +202,7 @@ class RemoteRouting:
             self.calls[self.urls[index], ANSWERED] += 1
             self._current = index
             return _answer(answer)
-        raise RouterError(503, "the selection service cannot be reached: " + ", ".join(unreachable))
+        raise NotReached(503, "the selection service cannot be reached: " + ", ".join(unreachable))
 
     async def metrics(self) -> list[Family]:
         """For ``GET /metrics`` (a ``MetricsEndpoint`` source)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvrouter.actors.core.worker_endpoints import http_endpoint_problem
+from kvrouter.actors.core.worker_endpoints import HTTP_SCHEMES, service_url_problem
 from kvrouter.actors.fleet.options import FleetOptions
 
 # (the namespace's attribute, the flag): set, each is refused with --selection-url.
@@ -38,13 +38,18 @@ def selection_urls(args: argparse.Namespace, fleet: FleetOptions, problems: list
     """The ``--selection-url`` list (empty without the flag); a bad URL or a refused combination in ``problems``."""
     if args.selection_url is None:
         return ()
-    urls = tuple(filter(None, (part.strip() for part in args.selection_url.split(","))))
+    parts = [part.strip() for part in args.selection_url.split(",")]
+    urls = tuple(part.rstrip("/") for part in parts if part)
     if not urls:
-        problems.append("--selection-url is empty; give the selection service's URL(s)")
+        problems.append("--selection-url is empty; give the selection service's URL(s), http://HOST:PORT[,...]")
+    elif len(urls) < len(parts):
+        problems.append(
+            f"--selection-url={args.selection_url!r} has an empty item; give http://HOST:PORT[,http://HOST:PORT...]"
+        )
     for url in urls:
-        problem = http_endpoint_problem(url)
+        problem = service_url_problem(url, schemes=HTTP_SCHEMES, port_required=False)
         if problem is not None:
-            problems.append(f"--selection-url: {problem}")
+            problems.append(f"--selection-url: {problem}; expected http://HOST:PORT")
     given = [flag for name, flag in SELECTION_ONLY if getattr(args, name) not in (None, False, "")]
     # The model and block size of the --workers: the service's catalog names each worker's (default: not given).
     given.extend(flag for name, flag, default in WORKER_DEFAULTS if getattr(args, name) != default)

@@ -53,8 +53,11 @@ class Request:
     body_type: Any = attrs.field(default=None, repr=False)
     # With ``parsed``: the keys its document repeated (found where the batch or message was read), if any.
     repeated: RepeatedKeys | None = attrs.field(default=None, repr=False)
-    # Sent on by another replica of a cluster to this scope's owner (``FORWARDED_HEADER``): never forwarded again.
+    # Sent on by another replica of a cluster to this scope's owner (``FORWARDED_HEADER``, checked by
+    # ``api/routes/forwarded.py``, which sets it): never forwarded again.
     forwarded: bool = False
+    # ``FORWARDED_HEADER`` as the request carried it (the sender's advertise URL), unchecked; None without it.
+    forwarded_by: str | None = None
 
     def query(self, known: tuple[str, ...]) -> dict[str, str]:
         """The ``known`` query parameters; others are ignored, a repeated known one is a 400."""

@@ -128,7 +128,8 @@ class _Headers:
     __slots__ = ("authorization", "content_length", "content_type", "forwarded", "has_body")
 
     def __init__(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
-        self.forwarded = False  # FORWARDED_HEADER: a cluster replica passed this request on to its scope's owner
+        # FORWARDED_HEADER, unchecked: a cluster replica passed this request on to its scope's owner, naming itself
+        self.forwarded: str | None = None
         self.content_type: bytes | None = None
         self.content_length: int | None = None
         self.authorization: bytes | None = None
@@ -146,7 +147,9 @@ class _Headers:
                 self.authorization = value
                 authorizations += 1
             elif name == FORWARDED_HEADER:
-                self.forwarded = True
+                # Sent twice, it names no one sender: the two values together name no member, and are refused.
+                text = value.decode("latin-1")
+                self.forwarded = text if self.forwarded is None else f"{self.forwarded}, {text}"
         if authorizations > 1:
             self.authorization = None  # ambiguous: treated as absent
 
@@ -287,7 +290,7 @@ class ServiceApp:
             body,
             params,
             body_type=route.body_type,
-            forwarded=headers.forwarded,
+            forwarded_by=headers.forwarded,
         )
         return await call_route(route, request), body_unread
 
@@ -348,8 +351,10 @@ def _log_request(scope: ASGIScope, status: int, started: float) -> None:
 async def _read_body(receive: Any, limit: int, seconds: float | None) -> bytes:
     """The whole body, refused (413) past ``limit`` bytes and (408) past ``seconds`` from the first read.
 
-    The deadline is checked as each chunk arrives (no cancel scope on this path): a client that sends
-    nothing at all is hypercorn's read timeout to close.
+    The deadline is checked as each chunk arrives (no cancel scope on this path). A client that falls silent
+    is the server's read timeout (the same number of seconds) to end: the disconnect it hands over comes past
+    the deadline, and the client, still there, is answered 408. One that arrives before it is a client that went
+    away (400, sent to nobody).
     """
     deadline = None if seconds is None else trio.current_time() + seconds
     chunks = []
@@ -357,6 +362,8 @@ async def _read_body(receive: Any, limit: int, seconds: float | None) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            if deadline is not None and trio.current_time() >= deadline:
+                raise HttpError(408, f"the request body did not arrive within {seconds:g} s")
             raise HttpError(400, "client disconnected")
         chunk = message.get("body", b"")
         size += len(chunk)

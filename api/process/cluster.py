@@ -47,7 +47,8 @@ from kvrouter.api.process.main import (
     lock_data_dir,
     slot_tracker_routes_of,
 )
-from kvrouter.api.routes.cluster import clustered, marking_forwarded_batches
+from kvrouter.api.routes.cluster import clustered
+from kvrouter.api.routes.forwarded import checking_forwarded
 from kvrouter.journal.jetstream import JetStreamJournal
 
 log = logging.getLogger("kvrouter")
@@ -103,7 +104,7 @@ async def run_cluster_replica(
             await check_kind(etcd, cluster.name, membership.prefix, kind.name)  # before it is a member
             await membership.join()
             authorization = options.auth.authorization() if options.auth is not None else None
-            forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS, authorization)
+            forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS, membership.me, authorization)
             journals = ScopeJournals(cluster.nats_servers, cluster.name, options.durability)
             owned = OwnedScopes[Any](membership, journals, actor_system_options(options), kind.build_scope)
             service = kind.service(membership, owned, forwarder)
@@ -120,7 +121,12 @@ async def run_cluster_replica(
                     nursery.start_soon(hand_over_and_stop, service, stopping, http_stopping)
                     routes = kind.routes(options, service)
                     urls = await nursery.start(
-                        serve_replica, options, routes, stopping, http_stopping, nursery.cancel_scope
+                        serve_replica,
+                        options,
+                        checking_forwarded(routes, membership),
+                        stopping,
+                        http_stopping,
+                        nursery.cancel_scope,
                     )
                     log.info("kvrouter %s listening on %s, %s", name, " ".join(urls), cluster.describe())
                     task_status.started(urls)
@@ -179,7 +185,7 @@ async def serve_replica(
     """The replica's routes until ``http_stopping`` (``stopping`` ends the streams); then, HTTP drained, stop the
     ``replica``."""
     app = make_app(
-        marking_forwarded_batches(routes), body_limit=options.body_limit, body_timeout=options.http.body_timeout,
+        routes, body_limit=options.body_limit, body_timeout=options.http.body_timeout,
         auth=options.auth, stopping=stopping,
     )  # fmt: skip
     await serve_http(

@@ -11,8 +11,9 @@ only the handlers its ``ClusterRouting`` names (the slot tracker's: ``SLOT_ROUTI
   goes to its owner with the other writes bound there at that moment, in one ``POST /batch``
   (``actors/cluster/forward_batches.py``), and its own result comes back as its route's answer. Commands of
   ``POST /batch`` and the command stream go through ``ClusterSlotService.apply_writes``, which does the same per
-  scope; a ``POST /batch`` another replica forwarded runs with ``FORWARDED_BATCH`` set,
-  so none of its writes is forwarded again (``ClusterService.where`` says when a move makes an exception);
+  scope; a ``POST /batch`` another replica forwarded runs with ``FORWARDED_BATCH`` set (``api/routes/forwarded.py``,
+  which also checks that the sender is a member), so none of its writes is forwarded again
+  (``ClusterService.where`` says when a move makes an exception);
 * a read of many scopes (``GET /workers``, ``GET /loads``) gathers the rows of every live member: this replica's
   own (the scopes it serves) and, through each other member, theirs (asked with ``FORWARDED_HEADER``, so each
   answers for itself alone). A member that does not answer, or a known scope that no live member owns right now
@@ -33,7 +34,6 @@ import orjson
 import trio
 
 from kvrouter.actors.cluster.follower_reads import READ_AFTER, WRITTEN_HEADER, parse_read_after, reading
-from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH
 from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
 from kvrouter.actors.core.ids import ScopeKey
@@ -156,33 +156,6 @@ def _relay_as_sent(service: ClusterService[Any]) -> Relaying:
         return await service.relay(owner, request.method, request.path, request.query_string, body_of(request))
 
     return forward
-
-
-def marking_forwarded_batches(routes: list[Route]) -> list[Route]:
-    """The routes a replica serves, its ``POST /batch`` marking the batches another replica forwarded
-    (``FORWARDED_BATCH``): applied to the routes the app serves, after ``POST /batch`` was made."""
-    return [
-        attrs.evolve(route, handler=_marks_forwarded(route.handler))
-        if route.operation is not None and route.operation.name == "batch"
-        else route
-        for route in routes
-    ]
-
-
-def _marks_forwarded(own: Any) -> Any:
-    """``POST /batch``: run with ``FORWARDED_BATCH`` set when another replica forwarded it (the tasks its
-    commands run in inherit it)."""
-
-    async def handler(request: Request) -> Response:
-        if not request.forwarded:
-            return await own(request)
-        token = FORWARDED_BATCH.set(True)
-        try:
-            return await own(request)
-        finally:
-            FORWARDED_BATCH.reset(token)
-
-    return handler
 
 
 def _with_written(response: Response, token: str | None) -> Response:

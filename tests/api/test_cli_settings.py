@@ -248,3 +248,74 @@ def test_a_bad_stream_name_is_refused_and_a_stray_stream_flag_warned() -> None:
     assert launch("--jetstream-stream", "X").warnings == (
         "--jetstream-stream has no effect without --journal jetstream",
     )
+
+
+CLUSTER_FLAGS = ("--cluster", "c1", "--etcd-endpoints", "e:2379", "--nats-server", "n1:4222")
+
+
+def cluster_problems(*flags: str, service: str) -> tuple[str, ...]:
+    with pytest.raises(InvalidSettings) as raised:
+        launch(*CLUSTER_FLAGS, *flags, service=service)
+    return raised.value.problems
+
+
+@pytest.mark.parametrize("service", ["slot-tracker", "select-service"])
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://127.0.0.1:8001/some/path", "has a path (/some/path)"),
+        ("http://127.0.0.1:8001?x=1", "has a query"),
+        ("http://127.0.0.1:8001#top", "has a fragment"),
+        ("http://user:pass@127.0.0.1:8001", "has user information"),
+        ("http://:8001", "has no host"),
+        ("http://127.0.0.1", "has no port"),
+        ("http://127.0.0.1:http", "has an invalid port"),
+        ("127.0.0.1:8001", "is not an http:// URL"),
+        ("https://127.0.0.1:8001", "is not an http:// URL"),
+        ("http://0.0.0.0:8001", "names no host the others can reach"),
+    ],
+)
+def test_an_advertise_url_that_is_not_http_host_port_is_refused(service: str, url: str, says: str) -> None:
+    (problem,) = cluster_problems("--advertise-url", url, service=service)
+    assert problem.startswith("--advertise-url: ") and says in problem, problem
+    assert problem.endswith("expected http://HOST:PORT, where the others reach this replica"), problem
+
+
+@pytest.mark.parametrize("service", ["slot-tracker", "select-service"])
+def test_an_advertise_url_of_host_and_port_is_taken_without_its_trailing_slash(service: str) -> None:
+    for url in ("http://127.0.0.1:8001", "http://127.0.0.1:8001/", "http://replica-2.example:8001", "http://[::1]:80"):
+        cluster = launch(*CLUSTER_FLAGS, "--advertise-url", url, service=service).options.cluster
+        assert cluster is not None and cluster.advertise_url == url.rstrip("/")
+
+
+@pytest.mark.parametrize("service", ["slot-tracker", "select-service"])
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--journal", "file"), "--cluster does not take --journal file"),
+        (("--jetstream-stream", "OTHER"), "--cluster does not take --jetstream-stream"),
+        (("--durability", "off"), "--cluster does not take --durability off"),
+        (("--durability", "batch"), "--cluster does not take --durability batch"),
+        (("--fresh",), "--cluster does not take --fresh"),
+        (("--replica-max-peers", "4"), "--cluster replaces replica sync; leave --replica-max-peers out"),
+        (("--replica-peer-max-rate", "10"), "--cluster replaces replica sync; leave --replica-peer-max-rate out"),
+    ],
+)
+def test_a_journal_flag_a_replica_would_ignore_is_refused(service: str, flags: tuple[str, ...], says: str) -> None:
+    (problem,) = cluster_problems("--advertise-url", "http://127.0.0.1:8001", *flags, service=service)
+    assert problem.startswith(says), problem
+
+
+@pytest.mark.parametrize("service", ["slot-tracker", "select-service"])
+def test_the_journal_flags_that_say_what_a_replica_does_are_taken_quietly(service: str) -> None:
+    started = launch(
+        *CLUSTER_FLAGS, "--advertise-url", "http://127.0.0.1:8001", "--journal", "jetstream", "--durability",
+        "always", service=service,
+    )  # fmt: skip
+    assert started.options.cluster is not None and started.warnings == ()
+
+
+def test_the_durability_and_journal_defaults_are_unchanged_outside_a_cluster() -> None:
+    started = launch(service="slot-tracker")
+    assert started.options.durability.value == "always" and started.options.jetstream_journal is None
+    assert launch("--durability", "off", "--fresh", service="slot-tracker").options.durability.value == "off"

@@ -271,3 +271,20 @@ async def test_sigterm_under_keep_alive_load_tells_every_client_to_close_and_exi
         assert not client.unanswered and client.told_to_close, client
         assert client.sent == client.answered
     assert "Traceback" not in (tmp_path / "service.log").read_text()
+
+
+@pytest.mark.parametrize("sent", [b"", b'{"worker_id": 1, "model'], ids=["no-body-yet", "part-of-the-body"])
+async def test_a_body_that_stalls_gets_408_naming_the_body_timeout(
+    nursery: trio.Nursery, tmp_path: Path, sent: bytes
+) -> None:
+    service = await start(nursery, tmp_path, body_timeout=0.5)
+    stream = await connect(service.urls[0])
+    async with stream:
+        head = request_bytes("POST", "/register", headers={**JSON, "content-length": str(len(REGISTER))})
+        await stream.send_all(head + sent)  # then nothing more: the client stalls, still connected
+        with trio.fail_after(20):
+            reader = ResponseReader(stream)
+            response = await reader.response()
+            assert await reader.closed()
+    assert response.status == 408 and response.closes, response
+    assert response.json() == {"error": "the request body did not arrive within 0.5 s"}

@@ -44,6 +44,17 @@ CLI = [sys.executable, "-m", "kvrouter.api.cli.main"]
             ["--worker-cool-down-secs", "5", "--worker-max-cool-down-secs", "2"],
             "--worker-max-cool-down-secs=2 is shorter than --worker-cool-down-secs=5",
         ),
+        (["--selection-url", ""], "--selection-url is empty"),
+        (["--selection-url", " , "], "--selection-url is empty"),
+        (["--selection-url", "127.0.0.1:8092"], "--selection-url: `127.0.0.1:8092` is not an http:// or https://"),
+        (["--selection-url", "http://127.0.0.1:8092/select"], "`http://127.0.0.1:8092/select` has a path (/select)"),
+        (["--selection-url", "http://127.0.0.1:8092?x=1"], "`http://127.0.0.1:8092?x=1` has a query"),
+        (["--selection-url", "http://127.0.0.1:http"], "`http://127.0.0.1:http` has an invalid port `http`"),
+        (
+            ["--selection-url", "http://127.0.0.1:8092,,http://127.0.0.1:8093"],
+            "--selection-url='http://127.0.0.1:8092,,http://127.0.0.1:8093' has an empty item",
+        ),
+        (["--selection-url", "http://127.0.0.1:8092,"], "--selection-url='http://127.0.0.1:8092,' has an empty item"),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(
@@ -141,3 +152,13 @@ async def test_a_frontend_killed_mid_request_frees_its_bookings_when_it_restarts
                 process.send_signal(signal.SIGTERM)
             with trio.fail_after(30):
                 await process.wait()
+
+
+def test_a_selection_url_nobody_listens_on_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    nowhere = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    argv = [*CLI, "frontend", "--port", str(free_port()), "--selection-url", ",".join(nowhere)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--selection-url: nothing answered for 5 s" in lines[0], lines
+    assert all(url in lines[0] for url in nowhere) and "start the selection service first" in lines[0], lines

@@ -11,7 +11,7 @@ import trio
 
 from kvrouter.api.openai.tokenizer import render_chat, tokenize
 from tests.support.mock_workers import BLOCK, limits, start_mock_worker
-from tests.support.raw_http import connect, request_bytes
+from tests.support.raw_http import ResponseReader, connect, request_bytes
 
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks of 4, and one more token
 
@@ -221,3 +221,18 @@ async def test_a_prompt_that_quotes_an_answer_finds_the_answers_blocks_cached(nu
         follow_up = [1, 2, 3, 4, *tokenize(answer)]  # 10 tokens: the prompt's block, then the answer's
         again = (await http.post("/v1/completions", json={"prompt": follow_up, "max_tokens": 1})).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
+
+
+async def test_a_body_that_stalls_gets_408_naming_the_body_timeout(nursery: trio.Nursery) -> None:
+    worker = await start_mock_worker(nursery, limits=limits(body_timeout=0.5))
+    body = b'{"prompt": [1, 2, 3], "max_tokens": 1}'
+    head = request_bytes("POST", "/v1/completions", headers={"content-type": "application/json",
+                                                               "content-length": str(len(body))})  # fmt: skip
+    stream = await connect(worker.url)
+    async with stream:
+        await stream.send_all(head + body[:10])  # then nothing more: the client stalls, still connected
+        with trio.fail_after(20):
+            reader = ResponseReader(stream)
+            response = await reader.response()
+    assert response.status == 408, response
+    assert response.json() == {"error": "the request body did not arrive within 0.5 s"}

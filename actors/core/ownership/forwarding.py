@@ -14,8 +14,25 @@ import attrs
 
 UNAVAILABLE_STATUS = 503
 # The header a replica adds to a command it forwards to the scope's owner (lower-case, as HTTP/1 servers hand
-# header names over): its receiver never forwards it again.
+# header names over): its receiver never forwards it again. Its value is the sender's advertise URL; a receiver
+# honours it only from a member of its view (``api/routes/forwarded.py``), else answers 400 with
+# ``FORWARD_REFUSED_HEADER``, which tells the sender that nothing was applied.
 FORWARDED_HEADER = "kvrouter-forwarded"
+FORWARD_REFUSED_HEADER = "kvrouter-forward-refused"
+
+
+def forwarded_sender_problem(sender: str, me: str, members: Collection[str]) -> str | None:
+    """Why a command marked forwarded by ``sender`` is not to be honoured by ``me``, or None: the marker answers
+    for the sender alone, so it must name another member of this replica's view."""
+    if sender == me:
+        return f"the {FORWARDED_HEADER} header names this replica ({me}), which never forwards to itself"
+    if sender not in members:
+        shown = sender if len(sender) <= 80 else sender[:80] + "..."
+        return (
+            f"the {FORWARDED_HEADER} header is for the replicas of a cluster, and names {shown!r}, not a member; "
+            "a client leaves it out"
+        )
+    return None
 
 
 @attrs.frozen
