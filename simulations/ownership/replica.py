@@ -90,7 +90,6 @@ class ReplicaStats:
     forwarded: int = 0
     snapshots: int = 0
     from_snapshot: int = 0  # recoveries that started from a snapshot
-    off_chain: int = 0  # appends stored off the chain, acknowledged to nobody
 
 
 class Replica:
@@ -408,7 +407,6 @@ class Replica:
             self.drop(subject, "fenced: another replica wrote this scope")
             return
         if not answer.on_chain and self.options.chained:  # stored, but no reader folds it: as good as fenced
-            self.stats.off_chain += 1
             why = "fenced: another replica's append took this one's place on the log"
             self.answer(flight.call, "unavailable", why)
             self.drop(subject, why)

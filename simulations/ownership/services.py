@@ -55,7 +55,7 @@ Entry = tuple[int, tuple[Event, ...]]  # a subject message: the sequence it foll
 @attrs.frozen
 class StreamOptions:
     racy_fence: bool = False  # True: nats-server 2.9.10's clustered fence, checked before replication
-    race_window_ms: int = 10  # how long an append's fence stays open to another append on the same sequence
+    race_window_ms: int = 50  # how long an append's fence stays open to another append on the same sequence
 
 
 class Coordinator:
