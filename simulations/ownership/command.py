@@ -3,6 +3,8 @@
 Each seed is one history; its SHA-256 is printed for a failing seed (and for a single seed), and ``--seed S
 --history FILE`` writes that seed's history, the same bytes on every run and machine. ``--bug fencing-off``
 runs the broken variant whose appends carry no expected sequence, to show the checker catches it.
+``--racy-fence`` models nats-server before 2.9.21, whose clustered fence can let two appends on one sequence
+through; ``--bug chain-off`` then runs the journal without its defence (the chain), to show what it is for.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from pathlib import Path
 import attrs
 
 from kvrouter.simulations.ownership.run import OwnershipOptions, SeedResult, run_seeds, scopes_of, simulate
+from kvrouter.simulations.ownership.services import StreamOptions
 
-BUGS = ("fencing-off",)
+BUGS = ("fencing-off", "chain-off")
 FAILED = 1
 BAD_OPTIONS = 2
 
@@ -28,7 +31,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seeds", type=int, default=1, help="seeds to run, from --seed on")
     group.add_argument("--clients", type=int, default=4, help="concurrent clients")
     group.add_argument("--seconds", type=int, default=30, help="virtual seconds of clients and faults per seed")
-    group.add_argument("--bug", choices=BUGS, help="run a deliberately broken variant")
+    group.add_argument(
+        "--racy-fence",
+        type=int,
+        nargs="?",
+        const=StreamOptions().race_window_ms,
+        metavar="MS",
+        help="model nats-server before 2.9.21: an append fenced on a sequence that another append on the same one took "
+        f"less than MS virtual ms ago is stored all the same (default {StreamOptions().race_window_ms})",
+    )
+    group.add_argument(
+        "--bug",
+        choices=BUGS,
+        help="run a deliberately broken variant: fencing-off (appends carry no expected sequence), chain-off "
+        "(with --racy-fence: readers fold every message and writers do not check theirs is on the chain)",
+    )
     group.add_argument("--history", metavar="FILE", help="write the history of --seed (one seed only)")
 
 
@@ -41,9 +58,17 @@ def options_from(args: argparse.Namespace) -> OwnershipOptions:
         raise ValueError(f"--replicas must be positive, got {replicas}")
     if args.history and args.seeds != 1:
         raise ValueError("--history writes one seed's history: give --seeds 1")
+    if args.racy_fence is not None and args.racy_fence <= 0:
+        raise ValueError(f"--racy-fence takes a positive window in virtual ms, got {args.racy_fence}")
+    if args.bug == "chain-off" and args.racy_fence is None:
+        raise ValueError("--bug chain-off changes nothing unless appends can race: add --racy-fence")
     options = OwnershipOptions(replicas=replicas, clients=args.clients, seconds=args.seconds)
+    if args.racy_fence is not None:
+        options = attrs.evolve(options, stream=StreamOptions(racy_fence=True, race_window_ms=args.racy_fence))
     if args.bug == "fencing-off":
         options = attrs.evolve(options, replica=attrs.evolve(options.replica, fencing=False))
+    elif args.bug == "chain-off":
+        options = attrs.evolve(options, replica=attrs.evolve(options.replica, chain=False))
     return options
 
 
@@ -56,7 +81,8 @@ def ownership_mode(args: argparse.Namespace) -> int:
     print(
         f"seeds={args.seeds} (from {args.seed}) replicas={options.replicas} clients={options.clients} "
         f"scopes={len(scopes_of(options))} seconds={options.seconds} settle_seconds={options.settle_seconds} "
-        f"ttl_ms={options.replica.ttl_ns // 1_000_000} bug={args.bug or '-'}",
+        f"ttl_ms={options.replica.ttl_ns // 1_000_000} bug={args.bug or '-'}"
+        + (f" racy_fence_ms={args.racy_fence}" if args.racy_fence is not None else ""),
         flush=True,
     )
     if args.history:
@@ -85,10 +111,10 @@ def ownership_mode(args: argparse.Namespace) -> int:
 
 def _passed_options(args: argparse.Namespace) -> list[str]:
     extra = []
-    for flag in ("replicas", "clients", "seconds", "bug"):
+    for flag in ("replicas", "clients", "seconds", "racy_fence", "bug"):
         value = getattr(args, flag)
         if value is not None and (flag != "clients" or value != 4) and (flag != "seconds" or value != 30):
-            extra += [f"--{flag}", str(value)]
+            extra += [f"--{flag.replace('_', '-')}", str(value)]
     return extra
 
 

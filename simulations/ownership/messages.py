@@ -87,7 +87,8 @@ class Append:
     req: int
     subject: str
     events: tuple[Event, ...]
-    expected_last: int | None
+    expected_last: int | None  # the fence (None: unfenced)
+    prev: int  # the message this one follows on the chain (``Kvr-Prev``): the writer's last one of the chain
 
 
 @attrs.frozen
@@ -95,6 +96,7 @@ class AppendAnswer:
     req: int
     seq: int | None  # None: refused by the fence
     actual_last: int
+    on_chain: bool = True  # False: stored, but another message took its place on the chain (a raced fence)
 
 
 @attrs.frozen
@@ -110,7 +112,7 @@ class ReadAnswer:
     req: int
     subject: str
     snapshot: ScopeSnapshot | None
-    messages: tuple[tuple[int, tuple[Event, ...]], ...]
+    messages: tuple[tuple[int, tuple[int, tuple[Event, ...]]], ...]  # (seq, (prev on the chain, events))
 
 
 @attrs.frozen

@@ -4,16 +4,24 @@ Every rule it follows is in ``actors/core/ownership`` (and each owned scope runs
 ``decide``/``fold``); this class is the shell: it keeps the view, sends messages, and times requests out. Each
 owned scope handles one command at a time, as the scope actor does; the append of its events leaves a moment
 after it was decided (``cpu``), which is where a pause can come between deciding and writing.
+
+The log of a subject is the chain of its messages, each naming the one it follows (``Kvr-Prev``), as the real
+JetStream journal reads it (``journal/jetstream_batch.Chain``): recovery and follower copies fold the chain only,
+and an append stored off it (a fence raced on nats-server before 2.9.21) is answered as a fenced one. An owner
+fences on the subject's last sequence it read, and names the chain's last message as the one it follows; they
+differ only after a message off the chain.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
 from kvrouter.actors.core.decisions import Accepted, Rejected
+from kvrouter.actors.core.events import Event
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.claims import Claim
 from kvrouter.actors.core.ownership.fencing import MAX_READ
@@ -23,6 +31,7 @@ from kvrouter.actors.core.ownership.owner import OwnedScope, Proposal, commit, o
 from kvrouter.actors.core.ownership.placement import preferred_owner
 from kvrouter.actors.core.ownership.recovery import ScopeSnapshot, catch_up, recover, take_snapshot
 from kvrouter.actors.core.state import ScopeState
+from kvrouter.journal.jetstream_batch import Chain
 from kvrouter.simulations.ownership.kernel import MS, Kernel
 from kvrouter.simulations.ownership.messages import (
     Answer,
@@ -56,7 +65,13 @@ class ReplicaOptions:
     request_timeout_ns: int = 1_000 * MS  # a coordinator or stream request unanswered this long is abandoned
     cpu_ns: int = 5 * MS  # from deciding a command to its append leaving (encoding, the group-commit window)
     snapshot_every: int = 8  # subject messages between an owner's snapshots
-    fencing: bool = True  # False: the broken variant, appends carry no expected last sequence
+    fencing: bool = True  # False: the broken variant, appends carry no expected last sequence (and no chain)
+    chain: bool = True  # False: the journal before ``Kvr-Prev`` (readers fold every message, writers check nothing)
+
+    @property
+    def chained(self) -> bool:
+        """Whether the log is the chain (the defence against a raced fence); a variant without the fence has none."""
+        return self.chain and self.fencing
 
 
 @attrs.define
@@ -91,7 +106,8 @@ class Replica:
         self.owned: dict[str, OwnedScope] = {}
         self.in_flight: dict[str, InFlight] = {}
         self.queues: dict[str, deque[Call]] = {}
-        self.recovering: dict[str, OwnedScope | None] = {}  # subject -> what was read so far
+        self.recovering: dict[str, tuple[OwnedScope, int] | None] = {}  # subject -> the fold so far, last seq read
+        self.fence: dict[str, int] = {}  # owned subject -> its last sequence as read or written (the next fence)
         self.followers = {subject: OwnedScope(ScopeState(scope), 0) for subject, scope in scopes.items()}
         self.snapshot_seq: dict[str, int] = {}
         self.broken: dict[str, str] = {}  # subject -> why its messages did not fold here
@@ -259,31 +275,54 @@ class Replica:
         subject = answer.subject
         if self._take(answer.req, "follow") is not None:
             if subject not in self.broken:
-                self._guarded(subject, lambda: catch_up(self.followers[subject], answer.messages))
+                follower = self.followers[subject]
+                tail = self.chain_of(follower.last_seq, answer.messages)[0]
+                self._guarded(subject, lambda: catch_up(follower, tail))
             owned = self.owned.get(subject)
             if owned is not None and overtaken(owned, self.followers[subject].last_seq, subject in self.in_flight):
                 self.drop(subject, "its subject moved past this owner")  # recovered again at the next view
             return
         if self._take(answer.req, "recover") is None or subject not in self.recovering:
             return
-        so_far = self.recovering[subject]
-        if so_far is None:
-            self.stats.from_snapshot += answer.snapshot is not None
-            so_far = self._guarded(subject, lambda: recover(self.scopes[subject], answer.snapshot, answer.messages))
-        elif self._guarded(subject, lambda: catch_up(so_far, answer.messages)) is None:
-            so_far = None
+        begun = self.recovering[subject]
+        so_far: OwnedScope | None
+        if begun is None:
+            snapshot = answer.snapshot
+            self.stats.from_snapshot += snapshot is not None
+            start = 0 if snapshot is None else snapshot.seq
+            tail, read_to = self.chain_of(start, answer.messages)
+            so_far = self._guarded(subject, lambda: recover(self.scopes[subject], snapshot, tail))
+            read_to = max(read_to, start)
+        else:
+            so_far, read_to = begun
+            tail, read_to = self.chain_of(so_far.last_seq, answer.messages, read_to)
+            if self._guarded(subject, lambda: catch_up(so_far, tail)) is None:
+                so_far = None
         if so_far is None:  # the subject does not fold: this replica stops recovering it (a crash, in a real one)
             del self.recovering[subject]
             return
         if len(answer.messages) == MAX_READ:  # a longer tail: read on from where this page ended
-            self.recovering[subject] = so_far
-            after = so_far.last_seq
-            self._request(STREAM, "recover", lambda r: Read(r, subject, after, False), subject)
+            self.recovering[subject] = (so_far, read_to)
+            self._request(STREAM, "recover", lambda r: Read(r, subject, read_to, False), subject)
             return
         del self.recovering[subject]
         self.owned[subject] = so_far
+        self.fence[subject] = max(read_to, so_far.last_seq)
         self.snapshot_seq[subject] = answer.snapshot.seq if answer.snapshot is not None else 0
         self._next(subject)
+
+    def chain_of(
+        self, tail: int, messages: Iterable[tuple[int, tuple[int, tuple[Event, ...]]]], read_to: int = 0
+    ) -> tuple[list[tuple[int, tuple[Event, ...]]], int]:
+        """The messages of the log among those read after ``tail`` (the chain's last message folded, 0 when
+        reading from the subject's start), and the last sequence read: the journal's reading rule."""
+        chain = Chain(tail or None)
+        found = []
+        for seq, (prev, events) in messages:
+            read_to = max(read_to, seq)
+            if not self.options.chained or chain.take(seq, prev):
+                found.append((seq, events))
+        return found, read_to
 
     def _guarded(self, subject: str, step: Any) -> Any:
         """Run a fold of ``subject``'s messages; a fold that raises means the subject holds contradictory events
@@ -346,9 +385,10 @@ class Replica:
         if flight is None or flight.req:
             return
         proposal = flight.proposal
-        expected = proposal.expected_last_seq if self.options.fencing else None
+        prev = proposal.expected_last_seq  # the owner's state is the chain up to there
+        expected = self.fence.get(subject, prev) if self.options.fencing else None
         flight.req = self._request(
-            STREAM, "append", lambda r: Append(r, subject, proposal.events, expected), (subject, proposal)
+            STREAM, "append", lambda r: Append(r, subject, proposal.events, expected, prev), (subject, proposal)
         )
 
     def on_append_answer(self, answer: AppendAnswer) -> None:
@@ -366,7 +406,13 @@ class Replica:
             self.answer(flight.call, "unavailable", "fenced: another replica wrote this scope")
             self.drop(subject, "fenced: another replica wrote this scope")
             return
+        if not answer.on_chain and self.options.chained:  # stored, but no reader folds it: as good as fenced
+            why = "fenced: another replica's append took this one's place on the log"
+            self.answer(flight.call, "unavailable", why)
+            self.drop(subject, why)
+            return
         commit(owned, proposal, answer.seq)
+        self.fence[subject] = answer.seq
         self.answer(flight.call, "ok")
         self._next(subject)
 
@@ -385,6 +431,7 @@ class Replica:
         """Forget the owned state (a later owner, or this one, recovers it from the stream); what waits is
         refused with 503 (not applied), what is in flight is told its outcome is unknown (504)."""
         self.owned.pop(subject, None)
+        self.fence.pop(subject, None)
         flight = self.in_flight.pop(subject, None)
         if flight is not None:
             self.answer(flight.call, "unknown", why)

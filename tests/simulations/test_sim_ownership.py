@@ -18,12 +18,18 @@ from kvrouter.actors.core.ids import ScopeKey, WorkerRank
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.simulations import cli
 from kvrouter.simulations.ownership.checker import check
+from kvrouter.simulations.ownership.kernel import MS, Kernel, NetOptions
+from kvrouter.simulations.ownership.messages import Append
 from kvrouter.simulations.ownership.replica import ReplicaOptions
 from kvrouter.simulations.ownership.run import OwnershipOptions, run_seeds, simulate
+from kvrouter.simulations.ownership.services import Stream, StreamOptions
 
 # Shorter runs than the command's default (30 s of faults per seed), so a few hundred seeds take seconds.
 FAST = OwnershipOptions(seconds=12, settle_seconds=8)
 BROKEN = attrs.evolve(FAST, replica=ReplicaOptions(fencing=False))
+RACY = attrs.evolve(FAST, stream=StreamOptions(racy_fence=True))  # nats-server before 2.9.21
+RACY_WITHOUT_CHAIN = attrs.evolve(RACY, replica=ReplicaOptions(chain=False))
+RACED_SEED = 21  # found by running RACY_WITHOUT_CHAIN over seeds 0 to 59: the first that fails
 
 
 def test_no_violation_over_a_few_hundred_seeds() -> None:
@@ -56,7 +62,7 @@ def test_a_seed_is_a_history_byte_for_byte() -> None:
     assert simulate(6, FAST)[0].digest != first.digest
 
 
-@pytest.mark.parametrize("bug", [[], ["--bug", "fencing-off"]])
+@pytest.mark.parametrize("bug", [[], ["--bug", "fencing-off"], ["--racy-fence", "--bug", "chain-off"]])
 def test_the_command_replays_a_seed_to_the_same_file_in_any_process(tmp_path: Path, bug: list[str]) -> None:
     """Two processes with different hash seeds (set iteration order differs) write the same history; the
     SHA-256 the command prints is the file's."""
@@ -94,12 +100,67 @@ def test_the_command_prints_a_summary_and_fails_with_a_replay_line(capsys: pytes
         (["--clients", "-1"], "--clients must be positive"),
         (["--replicas", "0"], "--replicas must be positive"),
         (["--seeds", "2", "--history", "h.jsonl"], "give --seeds 1"),
+        (["--racy-fence", "0"], "--racy-fence takes a positive window"),
+        (["--bug", "chain-off"], "add --racy-fence"),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--mode", "ownership", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# -- nats-server's fence race, and the chain -------------------------------------------------------------
+
+
+def test_the_racy_fence_stores_a_stale_append_inside_its_window_and_says_it_is_off_the_chain() -> None:
+    kernel = Kernel(0, NetOptions())
+    stream = Stream(kernel, StreamOptions(racy_fence=True, race_window_ms=10))
+    first = stream.append(Append(1, "s", (), 0, 0))
+    raced = stream.append(Append(2, "s", (), 0, 0))  # the same fence, 0 ms later: stored, off the chain
+    assert (first.seq, first.on_chain) == (1, True)
+    assert (raced.seq, raced.on_chain) == (2, False)
+    kernel.now += 10 * MS
+    assert stream.append(Append(3, "s", (), 0, 0)).seq is None  # the window has closed: the fence holds
+    after = stream.append(Append(4, "s", (), 2, 1))  # fenced on the last message, following the chain's
+    assert (after.seq, after.on_chain) == (3, True)
+    assert (stream.raced, stream.off_chain, stream.fenced) == (1, 1, 1)
+    contract = Stream(Kernel(0, NetOptions()))
+    contract.append(Append(1, "s", (), 0, 0))
+    assert contract.append(Append(2, "s", (), 0, 0)).seq is None
+
+
+def test_without_the_chain_a_raced_fence_forks_a_scope_and_with_it_the_writer_is_told_not_applied() -> None:
+    """Two owners' appends on one fence are both stored; without the chain every reader folds both (the subject
+    no longer folds, replicas disagree); with it the second is passed over and its client answered 503."""
+    failed = [r.seed for r in run_seeds(range(RACED_SEED + 1), RACY_WITHOUT_CHAIN, 1, lambda _: None) if r.violations]
+    assert failed == [RACED_SEED]
+    broken, _ = simulate(RACED_SEED, RACY_WITHOUT_CHAIN)
+    assert any("cannot fold its subject" in v for v in broken.violations)
+    chained, history = simulate(RACED_SEED, RACY)
+    assert chained.violations == ()
+    assert chained.counters["raced fences"] == chained.counters["off the chain"] == 1
+    refused = [r for r in history.records if "took this one's place" in str(r.get("detail"))]
+    assert [r["type"] for r in refused] == ["fail"]
+    again, history_again = simulate(RACED_SEED, RACY)
+    assert history.to_bytes() == history_again.to_bytes() and again.digest == chained.digest
+
+
+def test_with_the_chain_no_violation_over_a_few_hundred_seeds_of_a_racy_fence() -> None:
+    results = run_seeds(range(200), RACY, jobs=1, on_result=lambda _: None)
+    assert [(r.seed, r.violations) for r in results if r.violations] == []
+    assert sum(r.counters["raced fences"] for r in results) >= 5  # the race did happen
+    assert sum(r.counters["off the chain"] for r in results) >= 5
+
+
+def test_the_command_replays_a_raced_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--mode", "ownership", "--seeds", "22", "--seconds", "12", "--jobs", "1", "--racy-fence"]
+    assert cli.main(argv) == 0
+    assert "racy_fence_ms=50" in capsys.readouterr().out
+    assert cli.main([*argv, "--bug", "chain-off"]) == 1
+    err = capsys.readouterr().err
+    assert f"FAILED seed {RACED_SEED} " in err
+    assert f"--seed {RACED_SEED} --history seed-{RACED_SEED}.jsonl --seconds 12 --racy-fence 50 --bug chain-off" in err
 
 
 # -- the checker on hand-made histories -------------------------------------------------------------------
