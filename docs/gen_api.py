@@ -71,11 +71,13 @@ operations as an OpenAPI 3.1 document.
 Common to all of them:
 
 - **Errors** are `{"error": "..."}` with a 4xx or 5xx status: 400 malformed JSON or a bad value, 401 a missing or
-  wrong bearer token (with `--auth-token-file`), 404 unknown route or object, 405 wrong method, 409 conflict,
+  wrong bearer token (with `--auth-token-file`), 404 unknown route or object, 405 wrong method, 408 a body that
+  did not arrive within the body timeout, 409 conflict,
   413 body or string too large, 415 a body that is not JSON, 422 a field of the wrong type or missing, 429 every
-  eligible worker busy (`Retry-After`), 503 overloaded or unavailable (`Retry-After: 1` when a mailbox stayed
-  full), 504 no durable answer within the reply deadline (the write may still be applied: look before retrying).
-  A refused request changes nothing.
+  eligible worker busy (`Retry-After`), 503 overloaded or unavailable, not applied and safe to send again
+  (`Retry-After: 1` when a mailbox stayed full), 504 the outcome is unknown: no durable answer within the reply
+  deadline, a journal that failed after the write was appended, or (a cluster) an owner that gave no answer; the
+  write may still be applied, so look before retrying. A refused request changes nothing.
 - **Writes** (marked *writes*) are answered once they are durable under the service's `--durability`.
 - **Token**: with `--auth-token-file`, every operation needs `Authorization: Bearer <token>` except those
   marked *public*.
