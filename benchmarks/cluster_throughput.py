@@ -123,7 +123,7 @@ def stack(
             etcd_server(args.etcd, directory / "etcd") as etcd,
             nats_cluster(args.nats_server, directory / "nats", nats_nodes) as nodes,
         ):
-            tail = ["--cluster", directory.name.upper().replace("-", "_"), "--etcd-endpoints", etcd]
+            tail = ["--cluster", directory.name.upper().replace("-", "_"), "--etcd-endpoints", etcd.url]
             tail += ["--nats-server", ",".join(node.url for node in nodes), "--jetstream-replicas", str(nats_nodes)]
             started.extend(Service(directory, f"replica-{i}", tail, pythonpath) for i in range(replicas))
             for service in started:
