@@ -241,8 +241,9 @@ class JetStreamLink:
             if tail is not None:
                 return tail
         raise JournalUnreachable(
-            f"the snapshot of {self.subject} kept being replaced while it was read ({MAX_TAIL_ATTEMPTS} times); "
-            "try again"
+            f"{self.subject} does not start where its snapshot says, after {MAX_TAIL_ATTEMPTS} reads: messages the "
+            "snapshot does not cover are gone (a newer snapshot kept replacing it, or the stream lost them: check "
+            "its limits with `nats stream info`)"
         )
 
     async def _read_tail(self) -> Tail | None:
@@ -256,6 +257,7 @@ class JetStreamLink:
         chain = batch.Chain()
         off_chain = 0
         seen: int | None = None  # the last message read (the first one read follows one purged, or none)
+        covered = stored.snapshot.lsn if stored is not None else 0  # the records the snapshot read holds
         while start <= last.seq:
             chunk = await self.fetch(start)
             if not chunk:  # the subject holds messages up to last.seq: none in time is a failed read, not the end
@@ -268,6 +270,8 @@ class JetStreamLink:
             for message in chunk:
                 if seen is not None and message.prev > seen:
                     return None  # it follows a message not read: purged meanwhile by a newer snapshot
+                if seen is None and message.first_lsn > covered + 1:
+                    return None  # the first message starts past what the snapshot read covers: purged meanwhile
                 seen = message.seq
                 if chain.take(message.seq, message.prev):
                     sizes = tuple(batch.record_sizes(message.body, message.seq))
@@ -343,24 +347,32 @@ class JetStreamLink:
 
     async def _on_chain(self, seq: int, expected_last: int, prev: int) -> bool:
         """Whether the message just stored at ``seq`` is on the chain: no message between the fence and it took
-        ``prev``'s successor place. Nothing between them (the usual case) costs one request at most."""
+        ``prev``'s successor place. Nothing between them (the usual case) costs one request at most. A walk that
+        cannot see every message between them (a snapshot purged some meanwhile) gives no verdict: the write's
+        outcome is unknown (``JournalWriteFailed``), as readers may anchor past it."""
         if seq == expected_last + 1:
             return True  # nothing of any subject was stored between them
-        chain = batch.Chain(prev)
+        chain = batch.Chain(prev if expected_last else None)  # (an empty subject: the first message anchors it)
         at = expected_last
         try:
             while True:
                 found = await self._js.get_msg(self.stream, seq=at + 1, subject=self.subject, next=True)
-                at = int(found.seq)
-                if at >= seq:
-                    break
-                chain.take(at, batch.prev_of(found.headers, at))
-        except (TimeoutError, nats.errors.Error) as exc:  # (NotFoundError too: its own message is stored)
+                found_at = int(found.seq)
+                found_prev = batch.prev_of(found.headers, found_at)
+                if found_prev > at or found_at > seq:
+                    raise JournalWriteFailed(
+                        f"checking the append to {self.subject} at {seq}: messages after {at} were purged while it "
+                        "was checked; whether it is on the log is unknown"
+                    )
+                at = found_at
+                if at == seq:
+                    return chain.take(seq, prev)
+                chain.take(at, found_prev)
+        except (TimeoutError, nats.errors.Error, batch.MalformedBatch) as exc:  # (NotFoundError: it is stored)
             raise JournalWriteFailed(
                 f"checking the append to {self.subject} at {seq} failed ({_why(exc)}); whether it is on the log is "
                 "unknown"
             ) from None
-        return chain.take(seq, prev)
 
     async def fetch(self, start_seq: int) -> list[Fetched]:
         """Up to ``READ_CHUNK_MESSAGES`` messages of the subject from ``start_seq``, in order."""

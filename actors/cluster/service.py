@@ -414,6 +414,8 @@ def write_outcome(outcome: Outcome) -> Any:
         return encode_failure(not_applied(str(outcome)))
     if outcome.status in (200, 201):
         return outcome.status == 201
+    if outcome.status in (500, 504):  # the owner's outcome unknown (504), or its failure mid-command (500)
+        return encode_failure(OutcomeUnknown(error_message(outcome.body)))
     return encode_failure(Refused(_STATUS_REASON.get(outcome.status, Reason.UNAVAILABLE), error_message(outcome.body)))
 
 

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvrouter.actors.mailbox import JournalUnavailable, ReplyTimeout
+from kvrouter.actors.mailbox import JournalUnavailable, OutcomeUnknown
 from kvrouter.actors.metric_families import Family
 from kvrouter.actors.service_support import Refused
 from kvrouter.api.http import Request, Response, Route
@@ -192,7 +192,7 @@ class MetricsEndpoint:
         for source in self.sources:
             try:
                 families.extend(await source.metrics())
-            except (ReplyTimeout, JournalUnavailable, Refused) as exc:
+            except (OutcomeUnknown, JournalUnavailable, Refused) as exc:
                 log.warning("GET /metrics: the actor side's figures are missing: %s", exc)
                 available = 0.0
         metrics = [to_metric(family) for family in families]
