@@ -43,6 +43,7 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(
     model = model_owned_by(b.url, [r.url for r in replicas])
     register = {"model_name": model, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 2}
     acknowledged: list[str] = []
+    unknown: list[str] = []  # answered 504: forwarded to B as it died (it may have been applied there)
 
     async def add(http: httpx.AsyncClient, request_id: str) -> httpx.Response:
         body = {"model_name": model, "request_id": request_id, "worker_id": 1, "dp_rank": 1,
@@ -50,6 +51,9 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(
         response = await http.post("/add", json=body)
         if response.status_code == 201:
             acknowledged.append(request_id)
+        elif response.status_code == 504:  # the outcome is unknown, with a reason
+            assert "outcome is unknown" in response.json()["error"], response.text
+            unknown.append(request_id)
         else:  # while the scope moves: refused, not applied, with a reason
             assert response.status_code == 503 and "error" in response.json(), response.text
         return response
@@ -93,10 +97,9 @@ async def test_a_forwarded_scope_survives_its_owner_killed_with_kill_9(
         loads = (await http.get("/loads", params={"model_name": model})).json()
     async with httpx.AsyncClient(base_url=c.url, timeout=15, trust_env=False, headers=AUTH) as http:
         assert (await http.get("/loads", params={"model_name": model})).json() == loads
-    assert {(row["worker_id"], row["dp_rank"]): row["active_prefill_tokens"] for row in loads} == {
-        (1, 0): 0,
-        (1, 1): 10 * len(acknowledged),
-    }
+    tokens = {(row["worker_id"], row["dp_rank"]): row["active_prefill_tokens"] for row in loads}
+    assert tokens[1, 0] == 0
+    assert 10 * len(acknowledged) <= tokens[1, 1] <= 10 * (len(acknowledged) + len(unknown)), (tokens, unknown)
 
     # A clean stop (SIGTERM): the owner drains, closes the scope's journal and revokes its lease before it exits
     # (its keys are gone at once, not after the TTL), and the last replica takes the scope over with every
