@@ -108,8 +108,8 @@ async def start(nursery: trio.Nursery, service: ServiceUnderTest, data_dir: Path
 
 
 async def observe(port: int, paths: tuple[str, ...], token: str | None) -> tuple[Any, ...]:
-    """The answers to the state GETs (KV listener status and the per-rank KV modes it drives are live
-    health, which changes with time, not state: left out)."""
+    """The answers to the state GETs (KV listener status, the per-rank KV modes it drives, and the ranks out of
+    selection because their KV events stopped are live health, which changes with time, not state: left out)."""
     seen = []
     for path in paths:
         headers = (("authorization", f"Bearer {token}"),) if token is not None else ()
@@ -120,6 +120,7 @@ async def observe(port: int, paths: tuple[str, ...], token: str | None) -> tuple
             for row in value:
                 row.pop("kv_listeners", None)
                 row.pop("kv_modes", None)
+                row.pop("out_of_selection", None)
         seen.append(value)
     return tuple(seen)
 
