@@ -189,8 +189,9 @@ OPERATIONS: tuple[Operation, ...] = (
           request="PeerBody", responses={200: ref("Status")}),
     _both("peers", "GET", "/replica_sync/peers", "The replica peers' endpoints", responses={200: array_of({})}),
     # -- commands (both services)
-    _both("batch", "POST", "/batch", "Several requests in one: each answered as on its own route, in order",
-          body=Body.JSON, request_schema=array_of(ref("Command")),
+    _both("batch", "POST", "/batch",
+          "Several requests in one: each answered as on its own route, in order (ordered=false: all at once)",
+          body=Body.JSON, request_schema=array_of(ref("Command")), query=("ordered",),
           responses={200: array_of(ref("CommandResult"))}, frontend=True),
     _both("command_stream", "GET", "/ws/commands",
           "The command stream (WebSocket): batches of commands in, their answers out", responses={101: None},

@@ -23,18 +23,11 @@ from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.fencing import scope_token
 from kvrouter.actors.core.ownership.forwarding import FORWARDED_HEADER
 from kvrouter.actors.core.ownership.placement import preferred_owner
-from tests.support.cluster import client, model_owned_by, wait_for_members
+from tests.support.cluster import client, figures, model_owned_by, wait_for_members
 from tests.support.fleet_servers import etcd_and_nats, servers
 from tests.support.replicas import AUTH, Replica, pair
 
 __all__ = ["etcd_and_nats", "pair", "servers"]  # fixtures (tests/support)
-
-
-async def figures(http: httpx.AsyncClient) -> dict[str, float]:
-    text = (await http.get("/metrics")).text
-    return {
-        name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
-    }
 
 
 def lifecycle(model: str) -> list[dict[str, Any]]:

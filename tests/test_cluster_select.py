@@ -3,7 +3,8 @@ free loopback ports, stopped by PID: a worker registered through one replica, it
 scope's owner alone, a selection through another replica shows the overlap; the owner killed with kill -9, a
 survivor serves the scope with its KV index restored from the scope's subject, the same overlap, the reservations
 booked before the kill, and the worker's events still followed; events published while no replica owns the scope
-are replayed by the worker to the next owner. ``POST /batch`` sends each command where it is served. A replica
+are replayed by the worker to the next owner. ``POST /batch`` sends each command where it is served; concurrent
+selections through a replica that does not own their scope reach the owner in shared batches. A replica
 of another service kind than the cluster's, and flags a selection-service replica cannot run with, are refused
 in one line (exit 2)."""
 
@@ -24,11 +25,11 @@ import trio
 from kvrouter.actors.core.kv_wire import encode_batch
 from kvrouter.client.live import open_stream, stream_url
 from kvrouter.journal.jetstream_batch import FORMAT
-from tests.support.cluster import client, model_owned_by, scope_row, wait_for_members
+from tests.support.cluster import client, figures, model_owned_by, scope_row, wait_for_members
 from tests.support.fleet_servers import etcd_and_nats, servers
 from tests.support.kv_publisher import KvPublisher, open_kv_publisher
 from tests.support.processes import free_port
-from tests.support.replicas import CLUSTER, TOKEN, Replica, SelectReplica, select_replicas
+from tests.support.replicas import AUTH, CLUSTER, TOKEN, Replica, SelectReplica, select_replicas
 
 pytestmark = pytest.mark.slow
 __all__ = ["etcd_and_nats", "select_replicas", "servers"]  # fixtures (tests/support)
@@ -209,3 +210,47 @@ async def test_a_replica_of_another_journal_format_is_refused_at_join(tmp_path: 
     lines = [line for line in result.stderr.decode().strip().splitlines() if " INFO " not in line]
     assert result.returncode == 2, lines
     assert len(lines) == 1 and "journal format 0" in lines[0] and f"journal format {FORMAT}" in lines[0], lines
+
+
+async def test_concurrent_selections_through_a_non_owner_share_batches(select_replicas: list[SelectReplica]) -> None:
+    """Selections that book, sent at once through a replica that does not own their scope, travel to the owner
+    as commands of a few unordered ``POST /batch`` requests; each is answered as the owner answers it."""
+    a, b, _ = select_replicas
+    model = model_owned_by(b.url, [r.url for r in select_replicas])
+    count = 120
+    statuses: list[int] = []
+    booked: list[str] = []
+    limits = httpx.Limits(max_connections=48)
+    async with (
+        open_kv_publisher() as publisher,
+        client(a) as through_a,
+        client(b) as to_b,
+        httpx.AsyncClient(base_url=a.url, timeout=30, trust_env=False, headers=AUTH, limits=limits) as many,
+    ):
+        await wait_for_members(through_a, 3)
+        assert (await through_a.post("/workers", json=worker_record(1, model, publisher))).status_code == 201
+        dup = {"model_name": model, "token_ids": TOKENS[:4], "reservation_id": "dup"}
+        assert (await through_a.post("/select_and_reserve", json=dup)).status_code == 200
+        again = await through_a.post("/select_and_reserve", json=dup)
+        assert again.status_code == 409 and "error" in again.json(), again.text  # the owner's answer, relayed
+        assert (await to_b.delete("/reservations/dup")).status_code == 200
+        before = await figures(through_a)
+
+        async def select_and_reserve(n: int) -> None:
+            body = {"model_name": model, "token_ids": TOKENS[: 4 + n % 32], "reservation_id": f"r{n}"}
+            answer = await many.post("/select_and_reserve", json=body)
+            statuses.append(answer.status_code)
+            booked.append(answer.json().get("reservation_id", answer.text))
+
+        async with trio.open_nursery() as nursery:
+            for n in range(count):
+                nursery.start_soon(select_and_reserve, n)
+        after = await figures(through_a)
+        released = [(await to_b.delete(f"/reservations/r{n}")).status_code for n in range(count)]  # on the owner
+    assert statuses == [200] * count and sorted(booked) == sorted(f"r{n}" for n in range(count))
+    batches = after["kvrouter_cluster_forward_batches_total"] - before["kvrouter_cluster_forward_batches_total"]
+    carried = (
+        after["kvrouter_cluster_forward_batched_writes_total"] - before["kvrouter_cluster_forward_batched_writes_total"]
+    )
+    assert carried == count and 0 < batches < count, (batches, carried)
+    assert released == [200] * count

@@ -16,6 +16,10 @@ costs a request on both replicas per command; here the writes bound for one owne
   whose answer was lost gives each write the caller's ``OwnerUnreachable`` (unknown outcome, or not applied when
   the connection was refused).
 
+A replica of the selection service sends its batches ``ordered=False`` (``POST /batch?ordered=false``): each of
+its groups is one client's request, and the owner starts them all at once, as it would have served them arriving
+alone (a slot tracker's groups go in order: its writes are pipelined there, and a group's order matters).
+
 Bounds: per owner, at most ``max_queued_commands`` writes and ``max_queued_bytes`` of bodies wait to be sent.
 Overflow policy ``refuse-new``: a group that does not fit is refused at once with ``OwnerUnreachable`` (not
 applied; the caller answers 503), and nothing already queued is dropped. A caller cancelled while its group
@@ -43,6 +47,7 @@ MAX_QUEUED_COMMANDS: Final = 4096  # per owner, waiting for a slot
 MAX_QUEUED_BYTES: Final = 8 * 1024 * 1024
 OVERFLOW_POLICY: Final = "refuse-new"
 BATCH_PATH: Final = "/batch"
+UNORDERED_QUERY: Final = b"ordered=false"
 
 JSON: Final = b"application/json"
 
@@ -125,8 +130,11 @@ class ForwardBatches:
         max_in_flight: int = MAX_IN_FLIGHT,
         max_queued_commands: int = MAX_QUEUED_COMMANDS,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        ordered: bool = True,
     ) -> None:
         self._relay = relay
+        self.ordered = ordered  # False: the owner starts a batch's commands at once (independent groups of one)
+        self._query = b"" if ordered else UNORDERED_QUERY
         self.max_commands = max_commands
         self.max_bytes = max_bytes
         self.max_in_flight = max_in_flight
@@ -218,7 +226,7 @@ class ForwardBatches:
     async def _answers(self, owner: str, commands: list[bytes]) -> list[Outcome]:
         body = b"[" + b",".join(commands) + b"]"
         try:
-            relayed = await self._relay(owner, "POST", BATCH_PATH, b"", body)
+            relayed = await self._relay(owner, "POST", BATCH_PATH, self._query, body)
         except OwnerUnreachable as exc:
             if exc.unknown:
                 self.figures.lost += len(commands)
@@ -243,7 +251,7 @@ class ForwardBatches:
             ),
             counter(
                 "kvrouter_cluster_forward_batched_writes",
-                "Writes forwarded in those batches",
+                "Commands (writes, selections) forwarded in those batches",
                 (),
                 {(): float(figures.commands)},
             ),

@@ -60,6 +60,8 @@ def select_scope_service(
 
 
 class ClusterSelectService(ClusterService[SelectService]):
+    FORWARDED_IN_ORDER = False  # each forwarded command is one client's request: none waits for another's
+
     def __init__(self, membership: Membership, owned: OwnedScopes[SelectService], forwarder: Forwarder) -> None:
         super().__init__(membership, owned, forwarder)
         self.load_feed = LoadFeed()  # the scopes served here (GET /ws/loads)

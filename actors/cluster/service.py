@@ -57,11 +57,15 @@ class ClusterService(Generic[S]):
     """What every service kind's replica does alike: route a scope's command (serve, forward, refuse), keep the
     scopes placed, and answer ``GET /cluster`` and the cluster's figures. ``S``: the per-scope service."""
 
+    # Whether the commands forwarded in one batch must run in order on the owner (``ForwardBatches``).
+    FORWARDED_IN_ORDER = True
+
     def __init__(self, membership: Membership, owned: OwnedScopes[S], forwarder: Forwarder) -> None:
         self.membership = membership
         self.owned = owned
         self.forwarder = forwarder
-        self.batches = ForwardBatches(self.relay)  # its ``run`` is started by the composition root
+        # its ``run`` is started by the composition root
+        self.batches = ForwardBatches(self.relay, ordered=self.FORWARDED_IN_ORDER)
         self.metric_sources: list[FamilySource] = [self.batches.families]
         self.written = WrittenSequences(owned)  # the tokens of the writes answered here (``follower_reads``)
         self.follower_reads: FollowerReads | None = None  # reads answered from copies (set at composition)

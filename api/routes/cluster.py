@@ -9,7 +9,9 @@ only the handlers its ``ClusterRouting`` names (the slot tracker's: ``SLOT_ROUTI
   (``FORWARDED_HEADER``), and its answer comes back as it is (504 if the owner gave none: the outcome is
   unknown); otherwise 503 ``{"error": ...}``: not applied, safe to retry. A slot-tracker write owned elsewhere
   goes to its owner with the other writes bound there at that moment, in one ``POST /batch``
-  (``actors/cluster/forward_batches.py``), and its own result comes back as its route's answer. Commands of
+  (``actors/cluster/forward_batches.py``), and its own result comes back as its route's answer; a selection
+  service's request goes the same way, in a ``POST /batch?ordered=false`` (the requests of a batch owe each other
+  no order), unless its body is too large for a batch. Commands of
   ``POST /batch`` and the command stream go through ``ClusterSlotService.apply_writes``, which does the same per
   scope; a ``POST /batch`` another replica forwarded runs with ``FORWARDED_BATCH`` set (``api/routes/forwarded.py``,
   which also checks that the sender is a member), so none of its writes is forwarded again
@@ -28,12 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 import orjson
 import trio
 
 from kvrouter.actors.cluster.follower_reads import READ_AFTER, WRITTEN_HEADER, parse_read_after, reading
+from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH, command
 from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
 from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
 from kvrouter.actors.core.ids import ScopeKey
@@ -106,7 +110,8 @@ def clustered(routes: list[Route], service: ClusterService[Any], routing: Cluste
                     batched = attrs.evolve(batched, apply=apply)
                 route = attrs.evolve(route, handler=scoped, pipelined=False, batched=batched)
             else:
-                route = attrs.evolve(route, handler=_scoped(route, service, scope_of))
+                forward = None if service.batches.ordered else _forward_in_batches(service)
+                route = attrs.evolve(route, handler=_scoped(route, service, scope_of, forward))
         elif name in routing.gathered:
             route = attrs.evolve(route, handler=_gathered(route, service, routing.gathered[name]))
         elif name in routing.located:
@@ -142,6 +147,25 @@ def _batched_forward(service: ClusterService[Any], prepare: Callable[[Request], 
 
     async def forward(owner: str, request: Request) -> Relayed:
         [outcome] = await slots.forward_writes(owner, [prepare(request)])
+        if isinstance(outcome, OwnerUnreachable):
+            raise outcome
+        return outcome
+
+    return forward
+
+
+def _forward_in_batches(service: ClusterService[Any]) -> Relaying:
+    """A request sent on to ``owner`` as one command of a batch going there (``ForwardBatches``, unordered: the
+    selection service's), with the other requests bound there at that moment; a body too large for a batch goes
+    alone, as sent."""
+    alone = _relay_as_sent(service)
+
+    async def forward(owner: str, request: Request) -> Relayed:
+        body = body_of(request)
+        if len(body) > service.batches.max_bytes:
+            return await alone(owner, request)
+        target = quote(request.path) + (f"?{request.query_string.decode('latin-1')}" if request.query_string else "")
+        [outcome] = await service.batches.send(owner, [command(request.method, target, body)])
         if isinstance(outcome, OwnerUnreachable):
             raise outcome
         return outcome
@@ -191,7 +215,7 @@ def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf, forwa
 
     async def handler(request: Request) -> Response:
         scope = scope_of(request)  # bad input is refused here, as the route's own handler refuses it
-        where = await service.where(scope, request.forwarded)
+        where = await service.where(scope, forwarded(request))
         if isinstance(where, Serve):
             answer = await own(request)
             return _with_written(answer, service.written.of(scope)) if write else answer
@@ -213,7 +237,7 @@ def _gathered(route: Route, service: ClusterService[Any], gather: Gather) -> Any
     own = route.handler
 
     async def handler(request: Request) -> Response:
-        if not request.forwarded and service.follower_reads is not None:
+        if not forwarded(request) and service.follower_reads is not None:
             try:
                 after = read_after_of(request)
             except ValueError as exc:
@@ -223,7 +247,7 @@ def _gathered(route: Route, service: ClusterService[Any], gather: Gather) -> Any
                 with reading(states):
                     return await own(request)
         mine = await own(request)
-        if request.forwarded or mine.status not in gather.statuses:
+        if forwarded(request) or mine.status not in gather.statuses:
             return mine
         others = sorted(service.live_members() - {service.membership.me})
         answers = await _ask_all(service, others, request)
@@ -245,6 +269,11 @@ def _gathered(route: Route, service: ClusterService[Any], gather: Gather) -> Any
     return handler
 
 
+def forwarded(request: Request) -> bool:
+    """Whether another replica sent this request here: marked itself, or a command of a batch it forwarded."""
+    return request.forwarded or FORWARDED_BATCH.get()
+
+
 def read_after_of(request: Request) -> dict[str, int]:
     """The read's tokens (``read_after``): the scopes whose copies must hold the caller's writes."""
     value = request.query((READ_AFTER,)).get(READ_AFTER)
@@ -258,7 +287,7 @@ def _located(route: Route, service: ClusterService[Any]) -> Any:
 
     async def handler(request: Request) -> Response:
         mine = await own(request)
-        if request.forwarded or mine.status != 404:
+        if forwarded(request) or mine.status != 404:
             return mine
         others = sorted(service.live_members() - {service.membership.me})
         answers = await _ask_all(service, others, request)

@@ -12,7 +12,7 @@ and JSON body (``null`` for an empty body, a string for a text one) and, where t
 ``"headers"`` (``retry-after``, ``allow``, ...). A command that names no route, or is not a command,
 gets the 4xx a request would get (404 ``route not found``, 405, 400).
 
-Order (``run_commands`` with ``ordered=True``, as ``POST /batch`` runs them): commands start in list
+Order (``run`` with ``ordered=True``, as ``POST /batch`` runs them by default): commands start in list
 order. A command of a *pipelined* route (a slot tracker write: its handler puts its one command into
 its scope's mailbox before its first wait) lets the next command start as soon as it waits for its
 decision, so the commands of one scope are decided in list order and share fsyncs (group commit),
@@ -22,6 +22,11 @@ and the next starts once it has: it sees every earlier command's effect. Every r
 under the service's ``--durability`` before it is delivered (each route's own guarantee). A failing
 command does not stop the others: each has its own result. The answer is bounded in bytes
 (``--max-batch-answer-bytes``): past it, commands are answered 413 without being run (``api/streams/answer_budget.py``).
+
+``POST /batch?ordered=false`` (as a stream message's ``"ordered": false``): the commands are independent, and all
+start at once (the batched writes of each kind still go in one service call, in list order). A cluster replica
+forwards the selection service's commands this way: one batch carries the requests of many clients, which owe each
+other no order, and each selection that books waits for its own durability, not for the ones before it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ NOT_A_COMMAND = (
 NESTED_BATCH = "a batch cannot contain a batch"
 COMMAND_FIELDS = ("method", "path", "body", "id")  # a command's own keys (``id``: the command stream's)
 NOT_A_BATCH = "a batch is a JSON array of commands"
+ORDERED_QUERY = "ordered"  # POST /batch?ordered=false: the commands are independent (start at once)
 
 Resolved = tuple[Route, Request]
 Deliver = Callable[[int, Response], None]
@@ -367,6 +373,7 @@ def batch_route(
     metrics = metrics if metrics is not None else AnswerMetrics(None)
 
     async def batch(request: Request) -> Response:
+        ordered = _ordered(request)
         commands = request.json()
         if type(commands) is not list:
             raise HttpError(400, NOT_A_BATCH)
@@ -385,10 +392,18 @@ def batch_route(
             result = answer.admit(render(response), writes[index])
             results[index] = result if result is not None else render(answer.refusal())
 
-        await runner.run(resolved, deliver, ordered=True, gate=BatchGate(answer))
+        await runner.run(resolved, deliver, ordered=ordered, gate=BatchGate(answer))
         return Response(200, b"[" + b",".join(results) + b"]")
 
     return route("batch", batch)
+
+
+def _ordered(request: Request) -> bool:
+    """``?ordered=``: ``true`` (the default) or ``false``; anything else is a 400 (nothing runs)."""
+    value = request.query((ORDERED_QUERY,)).get(ORDERED_QUERY, "true")
+    if value not in ("true", "false"):
+        raise HttpError(400, f"`{ORDERED_QUERY}` must be true or false, not {value!r}")
+    return value == "true"
 
 
 def _writes(item: Resolved | Response) -> bool:

@@ -263,3 +263,27 @@ def _declared(received: bytes) -> int:
         if name.strip() == b"content-length":
             return int(value)
     return 0
+
+
+async def test_an_unordered_batch_answers_each_command_as_its_route(tmp_path: Path) -> None:
+    """``POST /batch?ordered=false``: independent commands (many clients' selections), each answered as on its
+    own route; an ``ordered`` other than true or false is a 400 and runs nothing."""
+    workers = [cmd("POST", "/workers", WORKER), cmd("POST", "/workers", {**WORKER, "worker_id": 6, "endpoint": "h"})]
+    independent = [cmd("POST", "/select_and_reserve", {**PROMPT, "reservation_id": f"u{n}"}) for n in range(20)]
+    independent += [cmd("POST", "/select", PROMPT), cmd("POST", "/select_and_reserve", {"model_name": "m"})]
+    async with running("selection service", tmp_path) as service, httpx.AsyncClient(base_url=service.urls[0]) as http:
+        await batched(service.urls[0], workers)
+        for bad in ("maybe", "", "False", "0"):
+            refused = await http.post("/batch", params={"ordered": bad}, json=independent)
+            assert refused.status_code == 400, refused.text
+            assert refused.json() == {"error": f"`ordered` must be true or false, not {bad!r}"}
+        assert (await http.delete("/reservations/u0")).status_code == 404  # nothing ran
+        answer = await http.post("/batch", params={"ordered": "false"}, json=independent)
+        assert answer.status_code == 200, answer.text
+        results = answer.json()
+        assert [r["status"] for r in results] == [200] * 21 + [400], results
+        assert sorted(r["body"]["reservation_id"] for r in results[:20]) == sorted(f"u{n}" for n in range(20))
+        releases = [cmd("DELETE", f"/reservations/u{n}") for n in range(20)]
+        released = await http.post("/batch?ordered=false", json=releases)
+        assert [r["status"] for r in released.json()] == [200] * 20
+        assert (await http.delete("/reservations/u0")).status_code == 404

@@ -65,3 +65,11 @@ async def append_behind_the_owners_back(nats: str, scope: ScopeKey, event: Reque
         with trio.fail_after(10):
             await journal.wait_durable(lsn)
         await journal.aclose()
+
+
+async def figures(http: httpx.AsyncClient) -> dict[str, float]:
+    """The replica's ``GET /metrics`` samples by name (labels included)."""
+    text = (await http.get("/metrics")).text
+    return {
+        name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    }
