@@ -55,12 +55,15 @@ def load() -> str:
 
 
 class Service:
-    """One ``kvrouter slot-tracker`` process on a free port (``--advertise-url`` its own URL when clustered)."""
+    """One ``kvrouter slot-tracker`` (or ``kind``) process on a free port (``--advertise-url`` its own URL when
+    clustered)."""
 
-    def __init__(self, directory: Path, name: str, tail: list[str], pythonpath: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, name: str, tail: list[str], pythonpath: str | None = None, kind: str = "slot-tracker"
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "kvrouter.api.cli.main", "slot-tracker", "--port", str(self.port)]
+        argv = [sys.executable, "-m", "kvrouter.api.cli.main", kind, "--port", str(self.port)]
         argv += ["--data-dir", str(directory / name), "--log-level", "warning", "--durability", "always", *tail]
         if "--cluster" in tail:
             argv += ["--advertise-url", self.url]
@@ -78,7 +81,7 @@ class Service:
             with trio.fail_after(60):
                 while True:
                     if self.process.poll() is not None:
-                        raise SystemExit(f"a slot tracker exited at start (exit {self.process.returncode})")
+                        raise SystemExit(f"a service exited at start (exit {self.process.returncode})")
                     with contextlib.suppress(httpx.TransportError):
                         if (await http.get(self.url + "/health", timeout=1)).status_code == 200:
                             return
@@ -107,15 +110,23 @@ async def _wait_members(url: str, count: int) -> None:
 
 @contextlib.contextmanager
 def stack(
-    directory: Path, args: argparse.Namespace, *, replicas: int, nats_nodes: int = 1, pythonpath: str | None = None
+    directory: Path,
+    args: argparse.Namespace,
+    *,
+    replicas: int,
+    nats_nodes: int = 1,
+    pythonpath: str | None = None,
+    kind: str = "slot-tracker",
+    extra: tuple[str, ...] = (),
 ) -> Iterator[Stack]:
-    """``replicas`` cluster replicas on one etcd and ``nats_nodes`` nats-servers (the stream's R); 0 replicas:
-    one slot tracker on the file journal, no servers. Everything stopped by PID on the way out."""
+    """``replicas`` cluster replicas of ``kind`` (with ``extra`` flags) on one etcd and ``nats_nodes``
+    nats-servers (the stream's R); 0 replicas: one service on the file journal, no servers. Everything stopped by
+    PID on the way out."""
     directory.mkdir(parents=True)
     started: list[Service] = []
     try:
         if replicas == 0:
-            started.append(Service(directory, "single", []))
+            started.append(Service(directory, "single", [*extra], kind=kind))
             trio.run(started[0].wait_healthy)
             yield Stack(started, [])
             return
@@ -125,7 +136,8 @@ def stack(
         ):
             tail = ["--cluster", directory.name.upper().replace("-", "_"), "--etcd-endpoints", etcd.url]
             tail += ["--nats-server", ",".join(node.url for node in nodes), "--jetstream-replicas", str(nats_nodes)]
-            started.extend(Service(directory, f"replica-{i}", tail, pythonpath) for i in range(replicas))
+            tail += extra
+            started.extend(Service(directory, f"replica-{i}", tail, pythonpath, kind) for i in range(replicas))
             for service in started:
                 trio.run(service.wait_healthy)
             trio.run(_wait_members, started[0].url, replicas)

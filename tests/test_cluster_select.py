@@ -224,7 +224,6 @@ async def test_concurrent_selections_through_a_non_owner_share_batches(select_re
     async with (
         open_kv_publisher() as publisher,
         client(a) as through_a,
-        client(b) as to_b,
         httpx.AsyncClient(base_url=a.url, timeout=30, trust_env=False, headers=AUTH, limits=limits) as many,
     ):
         await wait_for_members(through_a, 3)
@@ -233,7 +232,7 @@ async def test_concurrent_selections_through_a_non_owner_share_batches(select_re
         assert (await through_a.post("/select_and_reserve", json=dup)).status_code == 200
         again = await through_a.post("/select_and_reserve", json=dup)
         assert again.status_code == 409 and "error" in again.json(), again.text  # the owner's answer, relayed
-        assert (await to_b.delete("/reservations/dup")).status_code == 200
+        assert (await through_a.delete("/reservations/dup")).status_code == 200
         before = await figures(through_a)
 
         async def select_and_reserve(n: int) -> None:
@@ -246,7 +245,10 @@ async def test_concurrent_selections_through_a_non_owner_share_batches(select_re
             for n in range(count):
                 nursery.start_soon(select_and_reserve, n)
         after = await figures(through_a)
-        released = [(await to_b.delete(f"/reservations/r{n}")).status_code for n in range(count)]  # on the owner
+        # Booked through A: A sends each reservation's release to its scope's owner (B) alone, not to every member.
+        released = [(await through_a.delete(f"/reservations/r{n}")).status_code for n in range(count)]
+        settled = await figures(through_a)
+        missing = await through_a.delete("/reservations/r0")  # released: B answers 404, then every member does
     assert statuses == [200] * count and sorted(booked) == sorted(f"r{n}" for n in range(count))
     batches = after["kvrouter_cluster_forward_batches_total"] - before["kvrouter_cluster_forward_batches_total"]
     carried = (
@@ -254,3 +256,9 @@ async def test_concurrent_selections_through_a_non_owner_share_batches(select_re
     )
     assert carried == count and 0 < batches < count, (batches, carried)
     assert released == [200] * count
+    assert (
+        after["kvrouter_cluster_booked_reservations"] == count and settled["kvrouter_cluster_booked_reservations"] == 0
+    )
+    sent = settled["kvrouter_cluster_forwarded_total"] - after["kvrouter_cluster_forwarded_total"]
+    assert sent == count, sent  # one request each, to B (asking every member would have sent two)
+    assert missing.status_code == 404 and "error" in missing.json(), missing.text

@@ -60,7 +60,9 @@ Outcome = Relayed | OwnerUnreachable
 
 
 def command(method: str, path: str, body: bytes) -> bytes:
-    """One command of a ``POST /batch`` body, as JSON bytes (``body``: a JSON document)."""
+    """One command of a ``POST /batch`` body, as JSON bytes (``body``: a JSON document, or empty: none)."""
+    if not body:
+        return b'{"method":%s,"path":%s}' % (orjson.dumps(method), orjson.dumps(path))
     return b'{"method":%s,"path":%s,"body":%s}' % (orjson.dumps(method), orjson.dumps(path), body)
 
 

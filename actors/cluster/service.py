@@ -25,6 +25,8 @@ from typing import Any, Generic
 import orjson
 import trio
 
+from kvrouter.actors.cluster.booked_scopes import OVERFLOW_POLICY as BOOKED_OVERFLOW
+from kvrouter.actors.cluster.booked_scopes import BookedScopes
 from kvrouter.actors.cluster.follower_reads import FollowerReads, WrittenSequences, copies_read
 from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH, ForwardBatches, Outcome, command
 from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
@@ -68,6 +70,7 @@ class ClusterService(Generic[S]):
         self.batches = ForwardBatches(self.relay, ordered=self.FORWARDED_IN_ORDER)
         self.metric_sources: list[FamilySource] = [self.batches.families]
         self.written = WrittenSequences(owned)  # the tokens of the writes answered here (``follower_reads``)
+        self.booked = BookedScopes()  # the scopes of reservations booked through here (``booked_scopes``)
         self.follower_reads: FollowerReads | None = None  # reads answered from copies (set at composition)
 
     # -- where a scope is served ------------------------------------------------------------------------
@@ -287,6 +290,18 @@ class ClusterService(Generic[S]):
             ),
             counter(
                 "kvrouter_cluster_forward_failures", "Forwards with no answer", (), {(): float(self.forwarder.failed)}
+            ),
+            gauge(
+                "kvrouter_cluster_booked_reservations",
+                "Reservations booked through this replica whose scope it remembers (their commands go to its owner)",
+                (),
+                {(): float(len(self.booked))},
+            ),
+            counter(
+                "kvrouter_cluster_booked_reservations_forgotten",
+                f"Reservations forgotten past the memory's bound ({BOOKED_OVERFLOW})",
+                (),
+                {(): float(self.booked.forgotten)},
             ),
         ]
         for source in self.metric_sources:

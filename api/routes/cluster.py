@@ -65,12 +65,15 @@ class ClusterRouting:
     * ``scoped``: the commands naming a scope, each with how its request names it (None: as the route's
       ``Batched.prepare`` reads it, ``[method, model, tenant, ...]``);
     * ``gathered``: the reads of many scopes, each with how the members' answers are put together;
-    * ``located``: commands naming something else (a reservation, a worker id): whichever member holds it answers.
+    * ``located``: commands naming something else (a reservation, a worker id): whichever member holds it answers
+      (for a reservation booked through this replica, its scope's owner: ``books``, ``releases``).
     """
 
     scoped: Mapping[str, ScopeOf | None]
     gathered: Mapping[str, Gather]
     located: frozenset[str] = frozenset()
+    books: frozenset[str] = frozenset()  # scoped commands whose success names reservations (``BookedScopes``)
+    releases: frozenset[str] = frozenset()  # located commands whose success ends the reservation they name
 
 
 def _body_scope(request: Request) -> ScopeKey:
@@ -111,11 +114,12 @@ def clustered(routes: list[Route], service: ClusterService[Any], routing: Cluste
                 route = attrs.evolve(route, handler=scoped, pipelined=False, batched=batched)
             else:
                 forward = None if service.batches.ordered else _forward_in_batches(service)
-                route = attrs.evolve(route, handler=_scoped(route, service, scope_of, forward))
+                books = name in routing.books
+                route = attrs.evolve(route, handler=_scoped(route, service, scope_of, forward, books))
         elif name in routing.gathered:
             route = attrs.evolve(route, handler=_gathered(route, service, routing.gathered[name]))
         elif name in routing.located:
-            route = attrs.evolve(route, handler=_located(route, service))
+            route = attrs.evolve(route, handler=_located(route, service, name in routing.releases))
         changed.append(route)
     return changed
 
@@ -162,8 +166,8 @@ def _forward_in_batches(service: ClusterService[Any]) -> Relaying:
 
     async def forward(owner: str, request: Request) -> Relayed:
         body = body_of(request)
-        if len(body) > service.batches.max_bytes:
-            return await alone(owner, request)
+        if len(body) > service.batches.max_bytes or (body and _json_or_none(body) is None and body.strip() != b"null"):
+            return await alone(owner, request)  # too large for a batch, or not JSON: its route answers it as sent
         target = quote(request.path) + (f"?{request.query_string.decode('latin-1')}" if request.query_string else "")
         [outcome] = await service.batches.send(owner, [command(request.method, target, body)])
         if isinstance(outcome, OwnerUnreachable):
@@ -208,7 +212,9 @@ def _tokened(apply: Callable[[list[Any]], Awaitable[list[Response]]], service: C
     return tokened
 
 
-def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf, forward: Relaying | None = None) -> Any:
+def _scoped(
+    route: Route, service: ClusterService[Any], scope_of: ScopeOf, forward: Relaying | None = None, books: bool = False
+) -> Any:
     own = route.handler
     relay = forward if forward is not None else _relay_as_sent(service)
     write = route.operation is not None and route.operation.name in SCOPED_WRITES
@@ -227,6 +233,8 @@ def _scoped(route: Route, service: ClusterService[Any], scope_of: ScopeOf, forwa
                     return error_response(504, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
                 return error_response(503, f"the owner of {scope.describe()}: {exc}; not applied, safe to retry")
             service.written.note(relayed.written)
+            if books and relayed.status == 200:
+                service.booked.note_answer(_json_or_none(relayed.body), scope)
             return _relayed(relayed)
         return error_response(where.status, f"{where.message}; not applied, safe to retry")
 
@@ -280,21 +288,43 @@ def read_after_of(request: Request) -> dict[str, int]:
     return parse_read_after(value) if value is not None else {}
 
 
-def _located(route: Route, service: ClusterService[Any]) -> Any:
+def _located(route: Route, service: ClusterService[Any], releases: bool = False) -> Any:
     """A command naming no scope: this replica answers if a scope it serves holds what it names; otherwise the
-    first other live member that does not answer 404; 404 if none holds it, 503 if a scope has no live owner."""
+    owner of the scope a reservation was booked in through this replica (``BookedScopes``), unless it answers 404;
+    otherwise the first other live member that does not answer 404; 404 if none holds it, 503 if a scope has no
+    live owner. ``releases``: a success ends the reservation (forgotten)."""
     own = route.handler
+    to_owner = _forward_in_batches(service)
+
+    def answered(request: Request, relayed: Relayed) -> Response:
+        reservation = request.path_params.get("reservation_id")
+        if releases and reservation is not None and relayed.status == 200:
+            service.booked.forget(reservation)
+        return _relayed(relayed)
 
     async def handler(request: Request) -> Response:
         mine = await own(request)
         if forwarded(request) or mine.status != 404:
             return mine
+        reservation = request.path_params.get("reservation_id")
+        scope = service.booked.scope_of(reservation) if reservation is not None else None
+        if scope is not None:
+            where = await service.where(scope)
+            if isinstance(where, Forward):
+                try:
+                    relayed = await to_owner(where.owner, request)
+                except OwnerUnreachable as exc:
+                    if exc.unknown:
+                        return error_response(504, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
+                else:
+                    if relayed.status != 404:
+                        return answered(request, relayed)
         others = sorted(service.live_members() - {service.membership.me})
         answers = await _ask_all(service, others, request)
         for member in others:
             answer = answers[member]
             if isinstance(answer, Relayed) and answer.status != 404:
-                return _relayed(answer)
+                return answered(request, answer)
         silent = [member for member in others if isinstance(answers[member], OwnerUnreachable)]
         missing = service.unowned()
         if silent or missing:
@@ -322,6 +352,13 @@ async def _ask_all(
         for member in members:
             nursery.start_soon(ask, member)
     return answers
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def body_of(request: Request) -> bytes:

@@ -3,7 +3,8 @@
 * a scope named in the body: a worker's record (``POST /workers``), a selection, a booking, a prompt's loads or
   overlap: sent to the scope's owner;
 * a reservation or a worker id in the path (``/reservations/{id}/...``, ``PATCH``/``DELETE /workers/{id}``):
-  answered by whichever member serves the scope holding it;
+  answered by whichever member serves the scope holding it (a reservation booked through this replica: its
+  scope's owner first, ``actors/cluster/booked_scopes.py``);
 * ``GET /workers``, ``/loads``, ``/ready``, ``/dump``: gathered from every live member.
 
 ``GET /ws/loads`` follows the scopes served by the replica it is asked of; ``/ws/decisions`` is refused on a
@@ -76,6 +77,8 @@ SELECT_ROUTING = ClusterRouting(
         "dump": Gather(_dump),
     },
     located=frozenset({"patch_worker", "remove_worker", "reservation_prefill_complete", "output_block", "release"}),
+    books=frozenset({"select_and_reserve", "select_disaggregated", "reserve"}),
+    releases=frozenset({"release"}),
 )
 
 
