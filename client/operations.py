@@ -256,12 +256,9 @@ class Operations(ABC):
         """``GET /openapi.json`` -> dict: the service's OpenAPI document."""
         return self.operation("openapi")
 
-    def batch(self, commands: list[dict[str, Any]], *, ordered: bool = True) -> Any:
-        """``POST /batch`` -> list of ``{"status", "body"}``: each command answered as on its own route; in order,
-        or with ``ordered=False`` all at once (independent commands, e.g. many clients' selections)."""
-        if ordered:
-            return self.operation("batch", commands)
-        return self.perform(Op("POST", BY_NAME["batch"].path + "?ordered=false", commands, _body))
+    def batch(self, commands: list[dict[str, Any]]) -> Any:
+        """``POST /batch`` -> list of ``{"status", "body"}``: each command answered as on its own route."""
+        return self.operation("batch", commands)
 
     def register_peer(self, endpoint: str) -> Any:
         """``POST /replica_sync/register_peer`` -> bool: whether the peer was added."""
