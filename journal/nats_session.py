@@ -1,0 +1,83 @@
+"""One NATS connection on one asyncio thread, shared by every JetStream user of a process that opens it.
+
+A cluster replica serves up to ``MAX_OWNED_SCOPES`` scopes, each with a journal of its own, plus its subject check
+and its follower copies. Each of them used to open its own connection on its own asyncio thread; now the replica
+opens one ``NatsSession`` at start and each of them builds its ``JetStreamLink`` (or ``Subjects``) on it: a JetStream
+context of its own over the one connection (nothing but a prefix and a timeout), and no close of its own. Closing
+the session (once, at the replica's stop) closes the connection and stops the thread. A single node's journal
+(``--journal jetstream``) opens a private session and closes it with the journal.
+
+Why sharing is safe: nats-py multiplexes requests on one connection (each request has a reply token of its own on
+the connection's response inbox), and every call made here keeps its state per call (a read's pull consumer and
+its inbox subscription, a snapshot's object chunks) or per link (its subject, its fence), never per connection.
+The many scopes' publishes run concurrently on the one loop; each scope still crosses to it once per group commit.
+
+Bounded (``open_nats``): the connection buffers at most ``PENDING_BYTES`` of outgoing commands while it reconnects
+(a publish past that fails at once, and its journal stops as on any failed publish); while connected, a publish
+that finds more than that waiting forces a flush bounded by ``REQUEST_TIMEOUT_SECONDS``. The flusher's queue holds at
+most ``FLUSHER_QUEUE`` waiting publishes (a full queue makes the next publisher wait). Each scope has at most one
+publish in flight (its group commit), so the buffer holds at most ``PENDING_BYTES`` plus one message per scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from kvrouter.journal.asyncio_thread import AsyncioThread
+from kvrouter.journal.jetstream_link import REQUEST_TIMEOUT_SECONDS, connect_bound, connect_journal
+
+T = TypeVar("T")
+
+
+class NatsSession:
+    """``NatsSession.open(servers, name)`` (or ``open_blocking``); ``call`` to run on its loop; ``aclose`` once."""
+
+    def __init__(self, thread: AsyncioThread, nc: Any, servers: tuple[str, ...]) -> None:
+        self.thread = thread
+        self.nc = nc  # the connection: only ever used on ``thread``'s loop
+        self.servers = servers
+
+    @classmethod
+    def open_blocking(cls, servers: tuple[str, ...], name: str, thread_name: str | None = None) -> NatsSession:
+        """Start the thread and connect (bounded), or raise ``JournalUnreachable`` naming the servers.
+
+        ``name`` is the connection's name as nats-server shows it (``/connz``); blocking: startup, or a worker
+        thread."""
+        thread = AsyncioThread(thread_name or name)
+        thread.start_blocking()
+        try:
+            nc = thread.call_blocking(connect_journal, servers, name, timeout=connect_bound(servers) + 1)
+        except BaseException:
+            thread.stop_blocking()
+            raise
+        return cls(thread, nc, servers)
+
+    @classmethod
+    async def open(cls, servers: tuple[str, ...], name: str, thread_name: str | None = None) -> NatsSession:
+        """``open_blocking`` from trio (in a worker thread: it blocks at most the connect bound)."""
+        return await trio.to_thread.run_sync(cls.open_blocking, servers, name, thread_name)
+
+    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``fn(*args)`` on the session's loop (``AsyncioThread.call``)."""
+        return await self.thread.call(fn, *args)
+
+    def call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float) -> T:
+        return self.thread.call_blocking(fn, *args, timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Close the connection (bounded) and stop the thread. Idempotent."""
+        await self.thread.stop(before=self._close)
+
+    def close_blocking(self) -> None:
+        """``aclose`` for synchronous callers (a journal whose open failed, in a worker thread)."""
+        with contextlib.suppress(Exception):  # best effort: the thread stops all the same
+            self.thread.call_blocking(self._close, timeout=REQUEST_TIMEOUT_SECONDS + 1)
+        self.thread.stop_blocking()
+
+    async def _close(self) -> None:
+        await asyncio.wait_for(self.nc.close(), REQUEST_TIMEOUT_SECONDS)
