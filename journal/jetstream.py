@@ -182,8 +182,9 @@ class JetStreamJournal:
         """Make sure the stream and its snapshot bucket exist (``JournalUnreachable`` if JetStream refuses): what a
         service whose journals open later (a cluster replica's, one per scope) checks at start."""
         link = await session.call(JetStreamLink.on, session.nc, stream, DEFAULT_LOG, replicas)
-        with trio.fail_after(OPEN_TIMEOUT_SECONDS):  # (each request is bounded on the asyncio side too)
-            await session.call(link.ensure)
+        with trio.move_on_after(OPEN_TIMEOUT_SECONDS):  # (each request is bounded on the asyncio side too)
+            return await session.call(link.ensure)
+        raise JournalUnreachable(f"JetStream did not serve the stream {stream} within {OPEN_TIMEOUT_SECONDS:g} s")
 
     # -- the Journal protocol ---------------------------------------------------------------------
 

@@ -165,7 +165,7 @@ class Followers:
         journals = self.journals
         opened = partial(
             JetStreamJournal.open,
-            journals.session.servers,
+            journals.servers,
             journals.stream,
             journals.durability,
             log=copy.token,

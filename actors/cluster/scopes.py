@@ -84,6 +84,11 @@ class ScopeJournals:
     stream: str
     durability: Durability = Durability.ALWAYS
 
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The NATS servers the session connects to (what an error names)."""
+        return self.session.servers
+
 
 class OwnedScope(Generic[S]):
     """One scope this replica claimed (or is claiming): its service once recovered."""
@@ -369,7 +374,7 @@ class OwnedScopes(Generic[S]):
         journals = self.journals
         opened = partial(
             JetStreamJournal.open,
-            journals.session.servers,
+            journals.servers,
             journals.stream,
             journals.durability,
             log=owned.token,
