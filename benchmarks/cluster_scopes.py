@@ -7,9 +7,10 @@ loop ``POST /add`` -> ``/prefill_complete`` -> ``/free`` for ``--seconds``, so e
 
 Printed per scope count: lifecycles/s, p50/p99 per request, the replica's CPU per lifecycle, its threads
 (``/proc/PID/status`` ``Threads``, the most seen while it ran) and RSS at the end, the NATS connections it holds
-(nats-server's ``/connz``), and JetStream API requests per journal message published during the run (nats-server's
-``/jsz``): a group commit that finds another scope's message between its fence and its own asks the stream once more
-(the chain check, ``journal/jetstream_link``), so a figure near 1 says the check ran on nearly every group.
+(nats-server's ``/connz``), the journal messages published during the run (the stream's last sequence, from
+nats-server's ``/jsz``) and the chain check's requests among them (the replica's
+``kvrouter_cluster_chain_check_requests_total``; "n/a" on code without it): a group commit that finds another
+scope's message between its fence and its own asks the stream once more (``journal/jetstream_link``).
 
     .venv/bin/python benchmarks/cluster_scopes.py [--scopes 1,16,64,200] [--seconds 5] [--clients 32]
         [--code PATH]
@@ -59,15 +60,23 @@ def monitor(node: NatsNode, path: str) -> Any:
         return json.load(answer)
 
 
-def jetstream_counts(node: NatsNode, stream: str) -> tuple[int, int]:
-    """JetStream API requests served so far, and the cluster stream's last sequence (messages published)."""
+def last_sequence(node: NatsNode, stream: str) -> int:
+    """The cluster stream's last sequence: the journal messages published so far."""
     jsz = monitor(node, "/jsz?accounts=true&streams=true")
-    last = 0
     for account in jsz.get("account_details") or []:
         for detail in account.get("stream_detail") or []:
             if detail["name"] == stream:
-                last = int(detail["state"]["last_seq"])
-    return int(jsz["api"]["total"]), last
+                return int(detail["state"]["last_seq"])
+    return 0
+
+
+def chain_requests(url: str) -> int | None:
+    """The replica's chain-check requests so far (its /metrics), None if it does not count them."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("kvrouter_cluster_chain_check_requests_total "):
+                return int(float(line.split()[1]))
+    return None
 
 
 def kvrouter_connections(node: NatsNode) -> int:
@@ -153,20 +162,20 @@ def run(root: Path, args: argparse.Namespace, scopes: int) -> None:
         pid = service.process.pid
         trio.run(register, service.url, scopes)
         trio.run(lifecycles, service.url, scopes, clients, 1.0, "warm", pid)
-        api_before, seq_before = jetstream_counts(node, stream)
+        seq_before, chain_before = last_sequence(node, stream), chain_requests(service.url)
         cpu_before = cpu_seconds(pid)
         result, most_threads = trio.run(lifecycles, service.url, scopes, clients, args.seconds, "run", pid)
         cpu = (cpu_seconds(pid) - cpu_before) / max(result.requests, 1)
-        api_after, seq_after = jetstream_counts(node, stream)
-        messages = seq_after - seq_before
+        messages = last_sequence(node, stream) - seq_before
+        chain_after = chain_requests(service.url)
+        checked = "n/a" if chain_before is None or chain_after is None else str(chain_after - chain_before)
         threads, rss = status_field(pid, "Threads"), status_field(pid, "VmRSS")
         print(
             f"{scopes:>4} scopes, {clients:>3} clients: {result.rate:6.0f} lifecycles/s  request p50 "
             f"{result.percentile(0.5) / 1e3:6.2f} ms, p99 {result.percentile(0.99) / 1e3:7.2f} ms  "
             f"CPU {1e6 * cpu:5.0f} us/lifecycle  threads {threads} (most {most_threads})  RSS {rss / 1024:.0f} MiB  "
-            f"NATS connections {kvrouter_connections(node)}  JetStream API requests per message "
-            f"{(api_after - api_before) / max(messages, 1):.2f} ({messages} messages, "
-            f"{result.requests * 3 / max(messages, 1):.1f} writes each)  ({load()})",
+            f"NATS connections {kvrouter_connections(node)}  {messages} journal messages "
+            f"({result.requests * 3 / max(messages, 1):.1f} writes each), chain-check requests {checked}  ({load()})",
             flush=True,
         )
 
@@ -182,7 +191,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.etcd is None or args.nats_server is None:
         raise SystemExit("cluster_scopes: etcd and nats-server must be installed (or named by --etcd, --nats-server)")
-    code = args.code or "the installed kvrouter"
+    code = args.code or os.environ.get("PYTHONPATH") or "the installed kvrouter"
     print(f"cluster scopes: one replica, R=1, {args.seconds:g} s per count, code {code}, cpus={os.cpu_count()}")
     with tempfile.TemporaryDirectory(prefix="kvrouter-cluster-scopes-") as directory:
         for scopes in (int(n) for n in args.scopes.split(",")):

@@ -77,6 +77,7 @@ class JetStreamStatistics:
     messages_published: int
     last_stream_sequence: int
     chain_sequence: int  # the log's last message (the last stream sequence unless that one is off the chain)
+    chain_requests: int = 0  # requests made to check an append is on the chain (another message past its fence)
 
 
 @final
@@ -374,11 +375,14 @@ class JetStreamJournal:
             body, count, nbytes = self._take_message()
             first = self._pending_first
             with trio.CancelScope(shield=True):  # never cancelled halfway: bounded on the asyncio side
+                asked = self._link.chain_requests
                 try:
                     seq = await self._session.call(self._link.publish, body, first, self._last_seq, self._chain_seq)
                 except JournalWriteFailed as exc:
                     self._fail(exc)
                     raise
+                finally:
+                    self._session.chain_requests += self._link.chain_requests - asked
             del self._pending[:count]
             self._pending_first = first + count
             self._last_seq = self._chain_seq = seq
@@ -431,6 +435,7 @@ class JetStreamJournal:
             messages_published=self._published,
             last_stream_sequence=self._last_seq,
             chain_sequence=self._chain_seq,
+            chain_requests=self._link.chain_requests,
         )
 
     def _wake_waiters(self) -> None:

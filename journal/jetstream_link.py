@@ -168,6 +168,7 @@ class JetStreamLink:
         self.subject = subject_of(stream, log)
         self._snapshot_object = snapshot_object_of(log)
         self._objects: Any = None
+        self.chain_requests = 0  # requests ``_on_chain`` made (appends with another message past their fence)
 
     @classmethod
     async def on(cls, nc: Any, stream: str, log: str = DEFAULT_LOG, replicas: int | None = None) -> JetStreamLink:
@@ -374,6 +375,7 @@ class JetStreamLink:
         at = expected_last
         try:
             while True:
+                self.chain_requests += 1
                 found = await self._js.get_msg(self.stream, seq=at + 1, subject=self.subject, next=True)
                 found_at = int(found.seq)
                 found_prev = batch.prev_of(found.headers, found_at)

@@ -41,6 +41,9 @@ class NatsSession:
         self.thread = thread
         self.nc = nc  # the connection: only ever used on ``thread``'s loop
         self.servers = servers
+        # Requests the journals on it made to check that an append is on the chain (``jetstream_link``): one per
+        # group commit that found another subject's message between its fence and its own; the replica's figure.
+        self.chain_requests = 0
 
     @classmethod
     def open_blocking(cls, servers: tuple[str, ...], name: str, thread_name: str | None = None) -> NatsSession:

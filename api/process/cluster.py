@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -37,6 +38,7 @@ from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import OwnedScopes, ScopeJournals, ServiceBuilder, slot_service_of
 from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
 from kvrouter.actors.fleet.etcd import EtcdClient, EtcdUnavailable
+from kvrouter.actors.metric_families import Family, counter
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.api.http import Route
 from kvrouter.api.http.app import make_app
@@ -107,6 +109,19 @@ async def run_cluster_replica(
                 await session.aclose()
 
 
+def session_families(session: NatsSession) -> list[Family]:
+    """The replica's NATS session's figures for ``GET /metrics``."""
+    return [
+        counter(
+            "kvrouter_cluster_chain_check_requests",
+            "Requests to the stream checking that a scope's append is on its chain (another subject's message "
+            "was stored between its fence and it)",
+            (),
+            {(): float(session.chain_requests)},
+        )
+    ]
+
+
 def session_name(advertise_url: str) -> str:
     """The replica's NATS connection name, as nats-server lists it (``/connz``): which replica it is."""
     return f"kvrouter-replica {advertise_url}"
@@ -134,6 +149,7 @@ async def _serve_cluster(
         journals = ScopeJournals(session, cluster.name, options.durability)
         owned = OwnedScopes[Any](membership, journals, actor_system_options(options), kind.build_scope)
         service = kind.service(membership, owned, forwarder)
+        service.metric_sources.append(partial(session_families, session))
         followers = follow_reads(service, journals)
         try:
             async with trio.open_nursery() as nursery:
