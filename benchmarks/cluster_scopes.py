@@ -95,6 +95,7 @@ def replica_stack(root: Path, args: argparse.Namespace, name: str) -> Iterator[t
     ):
         [node] = nodes
         tail = ["--cluster", stream, "--etcd-endpoints", etcd.url, "--nats-server", node.url]
+        tail += ["--cluster-lease-ttl", str(args.lease_ttl)]
         service = Service(directory, "replica", tail, args.code)
         try:
             trio.run(service.wait_healthy)
@@ -185,6 +186,13 @@ def main() -> None:
     parser.add_argument("--scopes", default="1,16,64,200")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--clients", type=int, default=32, help="concurrent HTTP lifecycles (at least one per scope)")
+    parser.add_argument(
+        "--lease-ttl",
+        type=int,
+        default=10,
+        help="the replica's --cluster-lease-ttl: long, so that a starved "
+        "replica on a busy machine keeps its lease (its writes are refused with 503 once it lapses)",
+    )
     parser.add_argument("--code", help="a directory holding the kvrouter checkout to run as kvrouter/")
     parser.add_argument("--etcd", default=binary("etcd", "/usr/bin/etcd"))
     parser.add_argument("--nats-server", default=binary("nats-server", "/usr/sbin/nats-server"))
