@@ -6,7 +6,8 @@ Owning a scope is, in order:
    already there under this replica's current lease is its own claim; anyone else's means the scope is not
    ours (the caller forwards to them);
 2. the journal: the scope's own log in the cluster's JetStream stream (subject ``kvrouter.journal.NAME.<token>``,
-   snapshot object ``<token>``), opened, which reads where the subject ends (the fence of the first append);
+   snapshot object ``<token>``), opened on the replica's one NATS session (``ScopeJournals``), which reads where
+   the subject ends (the fence of the first append);
 3. recovery: the scope's latest snapshot and the subject's tail, folded (the same ``recover`` as a restart's);
 4. the actors: an ``ActorSystem`` over that journal (``running_actors``): the one door through which the scope's
    actor is started, fed and retired, exactly as a single-node service runs all of its scopes.
