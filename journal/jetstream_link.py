@@ -116,13 +116,15 @@ PENDING_BYTES: Final = 8 << 20
 FLUSHER_QUEUE: Final = 1024  # flushes asked and not yet done (nats-py's ``flusher_queue_size``): a full queue waits
 
 
-async def open_nats(servers: tuple[str, ...], name: str) -> Any:
+async def open_nats(servers: tuple[str, ...], name: str, pinned: bool = False) -> Any:
     """A NATS connection, waited for at most ``CONNECT_TIMEOUT_SECONDS`` per server (TimeoutError past it); once
-    open it reconnects for ever, quietly (the journal and the cluster's subject check say what failed)."""
+    open it reconnects for ever, quietly (the journal and the cluster's subject check say what failed).
+    ``pinned``: the servers are tried in their order (the first preferred), not shuffled."""
     return await asyncio.wait_for(
         nats.connect(
             list(servers),
             name=name,
+            dont_randomize=pinned,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -140,11 +142,11 @@ def connect_bound(servers: tuple[str, ...]) -> float:
     return CONNECT_TIMEOUT_SECONDS * len(servers) + 1
 
 
-async def connect_journal(servers: tuple[str, ...], name: str) -> Any:
+async def connect_journal(servers: tuple[str, ...], name: str, pinned: bool = False) -> Any:
     """``open_nats`` for the journal: ``JournalUnreachable`` naming the servers when it cannot connect."""
     where = ",".join(servers)
     try:
-        return await open_nats(servers, name)
+        return await open_nats(servers, name, pinned)
     except TimeoutError:
         raise JournalUnreachable(
             f"cannot reach NATS at {where} for the JetStream journal (no connection within "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -37,10 +38,11 @@ T = TypeVar("T")
 class NatsSession:
     """``NatsSession.open(servers, name)`` (or ``open_blocking``); ``call`` to run on its loop; ``aclose`` once."""
 
-    def __init__(self, thread: AsyncioThread, nc: Any, servers: tuple[str, ...]) -> None:
+    def __init__(self, thread: AsyncioThread, nc: Any, servers: tuple[str, ...], owns_thread: bool = True) -> None:
         self.thread = thread
         self.nc = nc  # the connection: only ever used on ``thread``'s loop
         self.servers = servers
+        self._owns_thread = owns_thread  # False: a ``NatsSessions`` pool's, which stops the thread itself
         # Requests the journals on it made to check that an append is on the chain (``jetstream_link``): one per
         # group commit that found another subject's message between its fence and its own; the replica's figure.
         self.chain_requests = 0
@@ -73,14 +75,78 @@ class NatsSession:
         return self.thread.call_blocking(fn, *args, timeout=timeout)
 
     async def aclose(self) -> None:
-        """Close the connection (bounded) and stop the thread. Idempotent."""
-        await self.thread.stop(before=self._close)
+        """Close the connection (bounded) and stop the thread (if it is the session's own). Idempotent."""
+        if self._owns_thread:
+            await self.thread.stop(before=self._close)
+        else:
+            with contextlib.suppress(Exception):  # best effort: the pool stops the thread all the same
+                await self.thread.call(self._close)
 
     def close_blocking(self) -> None:
         """``aclose`` for synchronous callers (a journal whose open failed, in a worker thread)."""
         with contextlib.suppress(Exception):  # best effort: the thread stops all the same
             self.thread.call_blocking(self._close, timeout=REQUEST_TIMEOUT_SECONDS + 1)
-        self.thread.stop_blocking()
+        if self._owns_thread:
+            self.thread.stop_blocking()
 
     async def _close(self) -> None:
         await asyncio.wait_for(self.nc.close(), REQUEST_TIMEOUT_SECONDS)
+
+
+class NatsSessions:
+    """A replica's NATS connections: one per server named (``--nats-server``), each preferring its own server and
+    falling back on the others in order, all on one asyncio thread. A scope's journal uses the connection its log
+    name hashes to (``for_log``), so the scopes spread over the servers as when each scope had a connection of its
+    own to a random server: a NATS node cut off from the JetStream majority stops the scopes going through it, not
+    all of the replica's. The subject check and the follower links use the first.
+
+    ``NatsSessions.open(servers, name)``; ``aclose`` once (every connection, then the thread)."""
+
+    def __init__(self, thread: AsyncioThread, sessions: list[NatsSession]) -> None:
+        self.thread = thread
+        self.sessions = sessions
+        self.first = sessions[0]
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return self.first.servers
+
+    @property
+    def chain_requests(self) -> int:
+        return sum(session.chain_requests for session in self.sessions)
+
+    def for_log(self, log: str) -> NatsSession:
+        """The connection of the journal ``log`` (a stable choice: the same on every run and replica)."""
+        return self.sessions[zlib.crc32(log.encode()) % len(self.sessions)]
+
+    @classmethod
+    def open_blocking(cls, servers: tuple[str, ...], name: str, thread_name: str | None = None) -> NatsSessions:
+        """Start the thread and open one connection per server (each bounded), or raise ``JournalUnreachable``
+        naming the servers (nothing left open)."""
+        thread = AsyncioThread(thread_name or name)
+        thread.start_blocking()
+        sessions: list[NatsSession] = []
+        try:
+            for index in range(len(servers)):
+                preferred = servers[index:] + servers[:index]
+                bound = connect_bound(preferred) + 1
+                nc = thread.call_blocking(connect_journal, preferred, name, True, timeout=bound)
+                sessions.append(NatsSession(thread, nc, preferred, owns_thread=False))
+        except BaseException:
+            for session in sessions:
+                session.close_blocking()
+            thread.stop_blocking()
+            raise
+        return cls(thread, sessions)
+
+    @classmethod
+    async def open(cls, servers: tuple[str, ...], name: str, thread_name: str | None = None) -> NatsSessions:
+        return await trio.to_thread.run_sync(cls.open_blocking, servers, name, thread_name)
+
+    async def aclose(self) -> None:
+        async def close_all() -> None:
+            for session in self.sessions:
+                with contextlib.suppress(Exception):
+                    await session._close()
+
+        await self.thread.stop(before=close_all)

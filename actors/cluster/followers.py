@@ -169,7 +169,7 @@ class Followers:
             journals.stream,
             journals.durability,
             log=copy.token,
-            session=journals.session,
+            session=journals.session_of(copy.token),
         )
         try:
             asked = trio.current_time()

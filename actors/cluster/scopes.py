@@ -6,7 +6,7 @@ Owning a scope is, in order:
    already there under this replica's current lease is its own claim; anyone else's means the scope is not
    ours (the caller forwards to them);
 2. the journal: the scope's own log in the cluster's JetStream stream (subject ``kvrouter.journal.NAME.<token>``,
-   snapshot object ``<token>``), opened on the replica's one NATS session (``ScopeJournals``), which reads where
+   snapshot object ``<token>``), opened on the replica's NATS connection for it (``ScopeJournals``), which reads where
    the subject ends (the fence of the first append);
 3. recovery: the scope's latest snapshot and the subject's tail, folded (the same ``recover`` as a restart's);
 4. the actors: an ``ActorSystem`` over that journal (``running_actors``): the one door through which the scope's
@@ -51,7 +51,7 @@ from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.jetstream_link import subject_of
-from kvrouter.journal.nats_session import NatsSession
+from kvrouter.journal.nats_session import NatsSession, NatsSessions
 from kvrouter.journal.store import Durability, JournalUnreachable
 
 log = logging.getLogger("kvrouter.cluster")
@@ -81,14 +81,23 @@ class ScopeJournals:
     """Where the scopes' journals live: the cluster's stream, over the replica's NATS session (one connection and
     one asyncio thread, opened at the replica's start and closed at its stop; no journal closes it)."""
 
-    session: NatsSession
+    sessions: NatsSessions
     stream: str
     durability: Durability = Durability.ALWAYS
 
     @property
     def servers(self) -> tuple[str, ...]:
-        """The NATS servers the session connects to (what an error names)."""
-        return self.session.servers
+        """The NATS servers the sessions connect to (what an error names)."""
+        return self.sessions.servers
+
+    @property
+    def session(self) -> NatsSession:
+        """The connection of the replica-wide readers (the subject check, the follower links)."""
+        return self.sessions.first
+
+    def session_of(self, log: str) -> NatsSession:
+        """The connection scope ``log``'s journal uses (``NatsSessions.for_log``)."""
+        return self.sessions.for_log(log)
 
 
 class OwnedScope(Generic[S]):
@@ -379,7 +388,7 @@ class OwnedScopes(Generic[S]):
             journals.stream,
             journals.durability,
             log=owned.token,
-            session=journals.session,
+            session=journals.session_of(owned.token),
         )
         journal = await trio.to_thread.run_sync(opened, abandon_on_cancel=False)
         try:

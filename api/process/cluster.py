@@ -2,13 +2,13 @@
 --cluster NAME``): one code path for both, parametrized by the service kind (``ClusterKind``: what runs over each
 owned scope, the replica's service object over them, and its routes).
 
-Start-up, in order: lock the data directory (one process per directory, as a single node), open the replica's NATS
-session (one connection on one asyncio thread, which every scope's journal, the subject check and the follower
-copies share; ``journal/nats_session``) and make sure the cluster's JetStream stream exists (``JournalUnreachable``:
-exit 2), join the cluster in etcd (a lease, the member key, the first list of the cluster's keys;
-``ClusterUnreachable``: exit 2), then serve: the membership (lease renewals, the watch), the placement loop, the
-scopes this replica owns (each an actor system over its own journal), and the kind's routes through
-``api/routes/cluster.py``. The session is closed last, once every scope's journal is.
+Start-up, in order: lock the data directory (one process per directory, as a single node), open the replica's
+NATS connections (one per server named, on one asyncio thread, which the scopes' journals share, spread by scope,
+with the subject check and the follower copies; ``journal/nats_session``) and make sure the cluster's JetStream
+stream exists (``JournalUnreachable``: exit 2), join the cluster in etcd (a lease, the member key, the first list of
+the cluster's keys; ``ClusterUnreachable``: exit 2), then serve: the membership (lease renewals, the watch), the
+placement loop, the scopes this replica owns (each an actor system over its own journal), and the kind's routes
+through ``api/routes/cluster.py``. The connections are closed last, once every scope's journal is.
 
 Shutdown (SIGINT/SIGTERM) hands the scopes over before HTTP stops (``hand_over_and_stop``): the member key is
 marked leaving (the lease is kept), so placement everywhere prefers the others; each scope served here is handed
@@ -54,7 +54,7 @@ from kvrouter.api.process.main import (
 from kvrouter.api.routes.cluster import clustered
 from kvrouter.api.routes.forwarded import checking_forwarded
 from kvrouter.journal.jetstream import JetStreamJournal
-from kvrouter.journal.nats_session import NatsSession
+from kvrouter.journal.nats_session import NatsSessions
 
 log = logging.getLogger("kvrouter")
 
@@ -99,25 +99,25 @@ async def run_cluster_replica(
     assert cluster is not None, "run_cluster_replica needs ServiceOptions.cluster"
     with lock_data_dir(options.data_dir):
         data_dir.check_owner(options.data_dir, name)
-        session = await NatsSession.open(cluster.nats_servers, session_name(cluster.advertise_url), "kvrouter-nats")
+        sessions = await NatsSessions.open(cluster.nats_servers, session_name(cluster.advertise_url), "kvrouter-nats")
         try:
-            await JetStreamJournal.ensure_stream(session, cluster.name, cluster.jetstream_replicas)
+            await JetStreamJournal.ensure_stream(sessions.first, cluster.name, cluster.jetstream_replicas)
             data_dir.claim(options.data_dir, name, ())
-            await _serve_cluster(name, options, stopping, kind, session, task_status)
+            await _serve_cluster(name, options, stopping, kind, sessions, task_status)
         finally:
             with trio.CancelScope(shield=True):
-                await session.aclose()
+                await sessions.aclose()
 
 
-def session_families(session: NatsSession) -> list[Family]:
-    """The replica's NATS session's figures for ``GET /metrics``."""
+def session_families(sessions: NatsSessions) -> list[Family]:
+    """The replica's NATS connections' figures for ``GET /metrics``."""
     return [
         counter(
             "kvrouter_cluster_chain_check_requests",
             "Requests to the stream checking that a scope's append is on its chain (another subject's message "
             "was stored between its fence and it)",
             (),
-            {(): float(session.chain_requests)},
+            {(): float(sessions.chain_requests)},
         )
     ]
 
@@ -132,11 +132,11 @@ async def _serve_cluster(
     options: ServiceOptions,
     stopping: trio.Event,
     kind: ClusterKind,
-    session: NatsSession,
+    sessions: NatsSessions,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
     """Join the cluster and serve until ``stopping`` (``run_cluster_replica`` holds the data directory and the
-    NATS session around it)."""
+    NATS connections around it)."""
     cluster = options.cluster
     assert cluster is not None
     async with httpx.AsyncClient(trust_env=False) as etcd_http:
@@ -146,10 +146,10 @@ async def _serve_cluster(
         await membership.join()
         authorization = options.auth.authorization() if options.auth is not None else None
         forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS, membership.me, authorization)
-        journals = ScopeJournals(session, cluster.name, options.durability)
+        journals = ScopeJournals(sessions, cluster.name, options.durability)
         owned = OwnedScopes[Any](membership, journals, actor_system_options(options), kind.build_scope)
         service = kind.service(membership, owned, forwarder)
-        service.metric_sources.append(partial(session_families, session))
+        service.metric_sources.append(partial(session_families, sessions))
         followers = follow_reads(service, journals)
         try:
             async with trio.open_nursery() as nursery:
