@@ -2,7 +2,8 @@
 
 A cluster replica serves up to ``MAX_OWNED_SCOPES`` scopes, each with a journal of its own, plus its subject check
 and its follower copies. Each of them used to open its own connection on its own asyncio thread; now the replica
-opens one ``NatsSession`` at start and each of them builds its ``JetStreamLink`` (or ``Subjects``) on it: a JetStream
+opens ``NatsSessions`` at start (one session per NATS server, on one thread; each scope's journal on the session
+its log name hashes to) and each of them builds its ``JetStreamLink`` (or ``Subjects``) on one: a JetStream
 context of its own over the one connection (nothing but a prefix and a timeout), and no close of its own. Closing
 the session (once, at the replica's stop) closes the connection and stops the thread. A single node's journal
 (``--journal jetstream``) opens a private session and closes it with the journal.

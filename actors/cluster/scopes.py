@@ -57,7 +57,7 @@ from kvrouter.journal.store import Durability, JournalUnreachable
 log = logging.getLogger("kvrouter.cluster")
 
 RECOVERY_WAIT_SECONDS: Final = 10.0  # how long a command waits for its scope's claim and recovery
-# Scopes one replica owns at most (each has its own journal, on the replica's one NATS connection: what bounds it
+# Scopes one replica owns at most (each has its own journal, on one of the replica's NATS connections: what bounds it
 # is the replica's memory and the subject check's requests, one per scope per round). Policy: reject; a scope
 # placed on a full replica is refused with 503 until one of its scopes goes.
 MAX_OWNED_SCOPES: Final = 256
@@ -78,7 +78,7 @@ async def slot_service_of(system: ActorSystem, nursery: trio.Nursery) -> SlotSer
 
 @attrs.frozen
 class ScopeJournals:
-    """Where the scopes' journals live: the cluster's stream, over the replica's NATS session (one connection and
+    """Where the scopes' journals live: the cluster's stream, over the replica's NATS connections (one per server and
     one asyncio thread, opened at the replica's start and closed at its stop; no journal closes it)."""
 
     sessions: NatsSessions
