@@ -372,11 +372,13 @@ def test_prefix_trie(ops: list[tuple[str, list[int], float, int]]) -> None:
             live.pop(len(hashes) % len(live))
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=40)
 @given(seed=st.integers(0, 2**32), signed=st.booleans())
 def test_prefix_trie_tables(seed: int, signed: bool) -> None:
     """Long chains of 64-bit hashes (some out of u64 range: both builds key them modulo 2**64): the node table
-    grows, shifts entries back on removal, shrinks and reuses node ids, compiled exactly as in Python."""
+    grows, shifts entries back on removal, shrinks and reuses node ids, compiled exactly as in Python. Each seed is
+    120 inserts and their removals, checked after every step, so fewer seeds than the other tests here: a pure
+    table that shifted back one entry too few diverged on every one of 30 seeds tried."""
     compiled, pure = pair("kvrouter.actors.core.trie")
     compiled_trie, pure_trie = compiled.PrefixTrie(), pure.PrefixTrie()
     rng = random.Random(seed)
