@@ -680,11 +680,14 @@ class _Record:
     workers=st.lists(
         st.tuples(st.integers(1, 3), st.frozensets(st.sampled_from(["a", "b"]), max_size=2)), min_size=1, max_size=5
     ),
+    # One entry per rank: at most 5 workers of 3 ranks (entries past the 15th were drawn and never read).
     loads=st.lists(
-        st.tuples(st.integers(0, 900), st.integers(0, 50), st.integers(0, 3), st.integers(0, 9)), min_size=15
+        st.tuples(st.integers(0, 900), st.integers(0, 50), st.integers(0, 3), st.integers(0, 9)),
+        min_size=15,
+        max_size=15,
     ),
     # The KV index's overlaps have four tiers (``kv_index.Overlap``), a TierOverlap five.
-    matched=st.lists(st.lists(st.integers(0, 9), min_size=4, max_size=5).map(tuple), min_size=15),
+    matched=st.lists(st.lists(st.integers(0, 9), min_size=4, max_size=5).map(tuple), min_size=15, max_size=15),
     hashes=st.lists(u64s, max_size=12),
 )
 def test_rank_candidates(workers: list[Any], loads: list[Any], matched: list[Any], hashes: list[int]) -> None:
