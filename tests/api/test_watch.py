@@ -8,6 +8,7 @@ import io
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,15 +91,17 @@ def run_watch(*arguments: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_bad_url_or_token_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    for arguments in (
+    cases = [
         ["ftp://127.0.0.1:1"],
         ["http://127.0.0.1:99999"],
         ["http://127.0.0.1:1/loads"],
         ["http://127.0.0.1:1", "--token-file", str(tmp_path / "missing")],
         [],
         ["http://127.0.0.1:1", "--bogus"],
-    ):
-        done = run_watch(*arguments)
+    ]
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:  # each run is mostly its interpreter starting
+        runs = list(pool.map(lambda arguments: run_watch(*arguments), cases))
+    for arguments, done in zip(cases, runs, strict=True):
         assert done.returncode == 2, (arguments, done.stderr)
         assert done.stderr.count("\n") == 1 and done.stderr.startswith("kvrouter watch: "), done.stderr
         assert "Traceback" not in done.stderr
