@@ -176,8 +176,9 @@ def test_selection_ranks_per_scope_are_capped_counting_a_replaced_worker_once() 
 
 
 def test_selection_workers_per_scope_are_capped() -> None:
-    """The scope is filled by folding the events the first upsert's decision made (deciding each of 8,192 upserts
-    took seconds); the decisions at the cap, the last worker in and the first one over, are the core's."""
+    """The scope is filled by folding the events an upsert's decision makes (deciding all 8,192, each counting the
+    scope's catalog for the service's rank limit, took ~20 s); the decisions at the cap, the last worker in and
+    the first one over, are the core's."""
     state = ScopeState(SCOPE)
     first = apply(state, UpsertWorker(record(0, data_parallel_size=0)))
     assert isinstance(first, Accepted) and [type(event) for event in first.events] == [WorkerUpserted]
