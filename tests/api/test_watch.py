@@ -120,11 +120,18 @@ async def test_a_refused_upgrade_says_why(tmp_path: Path) -> None:
     token_file.write_text("s3cret\n")
     async with running("slot tracker", tmp_path / "data", token="s3cret") as service:
         url = service.urls[0]
-        no_token = await trio.to_thread.run_sync(run_watch, url, "--json")
+        runs: dict[str, subprocess.CompletedProcess[str]] = {}
+
+        async def watch(name: str, *arguments: str) -> None:
+            runs[name] = await trio.to_thread.run_sync(run_watch, url, *arguments)
+
+        async with trio.open_nursery() as both:  # each run is mostly its interpreter starting: together
+            both.start_soon(watch, "no token", "--json")
+            both.start_soon(watch, "decisions", "--decisions", "--token-file", str(token_file))
+        no_token, decisions = runs["no token"], runs["decisions"]
         assert no_token.returncode == 1
         assert "401" in no_token.stderr and "--token-file" in no_token.stderr
         assert no_token.stderr.count("\n") == 1
-        decisions = await trio.to_thread.run_sync(run_watch, url, "--decisions", "--token-file", str(token_file))
         assert decisions.returncode == 1 and "404" in decisions.stderr and "--decisions" in decisions.stderr
         command = [*WATCH, url, "--json", "--token-file", str(token_file)]
         process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
