@@ -8,7 +8,6 @@ import io
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -91,17 +90,15 @@ def run_watch(*arguments: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_bad_url_or_token_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    cases = [
+    for arguments in (
         ["ftp://127.0.0.1:1"],
         ["http://127.0.0.1:99999"],
         ["http://127.0.0.1:1/loads"],
         ["http://127.0.0.1:1", "--token-file", str(tmp_path / "missing")],
         [],
         ["http://127.0.0.1:1", "--bogus"],
-    ]
-    with ThreadPoolExecutor(max_workers=len(cases)) as pool:  # each run is mostly its interpreter starting
-        runs = list(pool.map(lambda arguments: run_watch(*arguments), cases))
-    for arguments, done in zip(cases, runs, strict=True):
+    ):
+        done = run_watch(*arguments)
         assert done.returncode == 2, (arguments, done.stderr)
         assert done.stderr.count("\n") == 1 and done.stderr.startswith("kvrouter watch: "), done.stderr
         assert "Traceback" not in done.stderr
@@ -120,18 +117,11 @@ async def test_a_refused_upgrade_says_why(tmp_path: Path) -> None:
     token_file.write_text("s3cret\n")
     async with running("slot tracker", tmp_path / "data", token="s3cret") as service:
         url = service.urls[0]
-        runs: dict[str, subprocess.CompletedProcess[str]] = {}
-
-        async def watch(name: str, *arguments: str) -> None:
-            runs[name] = await trio.to_thread.run_sync(run_watch, url, *arguments)
-
-        async with trio.open_nursery() as both:  # each run is mostly its interpreter starting: together
-            both.start_soon(watch, "no token", "--json")
-            both.start_soon(watch, "decisions", "--decisions", "--token-file", str(token_file))
-        no_token, decisions = runs["no token"], runs["decisions"]
+        no_token = await trio.to_thread.run_sync(run_watch, url, "--json")
         assert no_token.returncode == 1
         assert "401" in no_token.stderr and "--token-file" in no_token.stderr
         assert no_token.stderr.count("\n") == 1
+        decisions = await trio.to_thread.run_sync(run_watch, url, "--decisions", "--token-file", str(token_file))
         assert decisions.returncode == 1 and "404" in decisions.stderr and "--decisions" in decisions.stderr
         command = [*WATCH, url, "--json", "--token-file", str(token_file)]
         process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
