@@ -181,8 +181,10 @@ def test_selection_workers_per_scope_are_capped() -> None:
     the first one over, are the core's."""
     state = ScopeState(SCOPE)
     first = apply(state, UpsertWorker(record(0, data_parallel_size=0)))
-    assert isinstance(first, Accepted) and [type(event) for event in first.events] == [WorkerUpserted]
-    block_size = first.events[0].partition_block_size
+    assert isinstance(first, Accepted) and len(first.events) == 1
+    (upserted,) = first.events
+    assert isinstance(upserted, WorkerUpserted)
+    block_size = upserted.partition_block_size
     for worker_id in range(1, MAX_WORKERS_PER_SCOPE - 1):
         fold(state, (WorkerUpserted(record(worker_id, data_parallel_size=0), block_size),))
     last = UpsertWorker(record(MAX_WORKERS_PER_SCOPE - 1, data_parallel_size=0))
