@@ -188,10 +188,19 @@ async def test_a_stream_the_service_closes_is_one_line_and_exit_1(tmp_path: Path
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the watcher, before it runs: SIGINT's default disposition, as a terminal's Ctrl-C finds it. A test run
+    started in the background (``&`` in a script) ignores SIGINT, and its children inherit that: Python then
+    installs no KeyboardInterrupt handler and the watcher sits out the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def test_ctrl_c_exits_0_without_a_traceback(tmp_path: Path) -> None:
     async with running("slot tracker", tmp_path / "data") as service:
         command = [*WATCH, service.urls[0], "--json"]
-        process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process = await trio.lowlevel.open_process(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_as_in_a_terminal
+        )
         with trio.fail_after(60):
             assert (await Lines(process).next())["type"] == "snapshot"  # following the stream
             process.send_signal(signal.SIGINT)

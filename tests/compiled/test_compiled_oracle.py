@@ -372,11 +372,13 @@ def test_prefix_trie(ops: list[tuple[str, list[int], float, int]]) -> None:
             live.pop(len(hashes) % len(live))
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=40)
 @given(seed=st.integers(0, 2**32), signed=st.booleans())
 def test_prefix_trie_tables(seed: int, signed: bool) -> None:
     """Long chains of 64-bit hashes (some out of u64 range: both builds key them modulo 2**64): the node table
-    grows, shifts entries back on removal, shrinks and reuses node ids, compiled exactly as in Python."""
+    grows, shifts entries back on removal, shrinks and reuses node ids, compiled exactly as in Python. Each seed is
+    120 inserts and their removals, checked after every step, so fewer seeds than the other tests here: a pure
+    table that shifted back one entry too few diverged on every one of 30 seeds tried."""
     compiled, pure = pair("kvrouter.actors.core.trie")
     compiled_trie, pure_trie = compiled.PrefixTrie(), pure.PrefixTrie()
     rng = random.Random(seed)
@@ -678,11 +680,14 @@ class _Record:
     workers=st.lists(
         st.tuples(st.integers(1, 3), st.frozensets(st.sampled_from(["a", "b"]), max_size=2)), min_size=1, max_size=5
     ),
+    # One entry per rank: at most 5 workers of 3 ranks (entries past the 15th were drawn and never read).
     loads=st.lists(
-        st.tuples(st.integers(0, 900), st.integers(0, 50), st.integers(0, 3), st.integers(0, 9)), min_size=15
+        st.tuples(st.integers(0, 900), st.integers(0, 50), st.integers(0, 3), st.integers(0, 9)),
+        min_size=15,
+        max_size=15,
     ),
     # The KV index's overlaps have four tiers (``kv_index.Overlap``), a TierOverlap five.
-    matched=st.lists(st.lists(st.integers(0, 9), min_size=4, max_size=5).map(tuple), min_size=15),
+    matched=st.lists(st.lists(st.integers(0, 9), min_size=4, max_size=5).map(tuple), min_size=15, max_size=15),
     hashes=st.lists(u64s, max_size=12),
 )
 def test_rank_candidates(workers: list[Any], loads: list[Any], matched: list[Any], hashes: list[int]) -> None:

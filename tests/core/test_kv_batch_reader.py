@@ -77,7 +77,7 @@ def read(payload: bytes) -> Any:
     return None if found is None else batch_from_read(found)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(BATCHES)
 def test_vllm_shaped_batches_are_read_directly_and_equal_the_general_decode(batch: Any) -> None:
     items, ts, dp_rank, signed = batch
@@ -87,7 +87,7 @@ def test_vllm_shaped_batches_are_read_directly_and_equal_the_general_decode(batc
     assert direct == general(payload) == decode_batch(payload)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(BATCHES, st.data())
 def test_damaged_payloads_are_left_to_the_general_decoder(batch: Any, data: st.DataObject) -> None:
     """Cut short, a byte changed, or bytes appended: the reader gives up or agrees with the general decoder
@@ -181,7 +181,7 @@ def test_map_events_are_read_directly_and_equal_the_general_decode(
     assert direct == general(payload) == decode_batch(payload)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(map_events(), min_size=1, max_size=3), st.data())
 def test_damaged_map_events_are_left_to_the_general_decoder(items: list[dict[str, Any]], data: st.DataObject) -> None:
     payload = bytearray(encode_batch(items))

@@ -542,7 +542,7 @@ def draw_operation(data: st.DataObject, recent: dict[WorkerRank, list[int]]) -> 
     return ("remove_worker", data.draw(st.sampled_from([1, 2])))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_find_matches_equals_a_naive_model(data: st.DataObject) -> None:
     index, model = KvIndex(), NaiveIndex()

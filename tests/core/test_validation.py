@@ -10,6 +10,7 @@ from kvrouter.actors.core.commands import Prompt, RegisterWorker, ReserveSelecti
 from kvrouter.actors.core.decide import decide
 from kvrouter.actors.core.decisions import Accepted, Reason, Rejected
 from kvrouter.actors.core.endpoints import InvalidEndpoint, parse_decimal, parse_port, parse_zmq_endpoint
+from kvrouter.actors.core.events import WorkerUpserted
 from kvrouter.actors.core.evolve import fold
 from kvrouter.actors.core.ids import U64_MASK, ScopeKey
 from kvrouter.actors.core.limits import (
@@ -175,9 +176,20 @@ def test_selection_ranks_per_scope_are_capped_counting_a_replaced_worker_once() 
 
 
 def test_selection_workers_per_scope_are_capped() -> None:
+    """The scope is filled by folding the events an upsert's decision makes (deciding all 8,192, each counting the
+    scope's catalog for the service's rank limit, took ~20 s); the decisions at the cap, the last worker in and
+    the first one over, are the core's."""
     state = ScopeState(SCOPE)
-    for worker_id in range(MAX_WORKERS_PER_SCOPE):
-        assert isinstance(apply(state, UpsertWorker(record(worker_id, data_parallel_size=0))), Accepted)
+    first = apply(state, UpsertWorker(record(0, data_parallel_size=0)))
+    assert isinstance(first, Accepted) and len(first.events) == 1
+    (upserted,) = first.events
+    assert isinstance(upserted, WorkerUpserted)
+    block_size = upserted.partition_block_size
+    for worker_id in range(1, MAX_WORKERS_PER_SCOPE - 1):
+        fold(state, (WorkerUpserted(record(worker_id, data_parallel_size=0), block_size),))
+    last = UpsertWorker(record(MAX_WORKERS_PER_SCOPE - 1, data_parallel_size=0))
+    assert isinstance(apply(state, last), Accepted)
+    assert len(state.selection.catalog) == MAX_WORKERS_PER_SCOPE
     decision = apply(state, UpsertWorker(record(MAX_WORKERS_PER_SCOPE, data_parallel_size=0)))
     assert isinstance(decision, Rejected) and decision.reason is Reason.CONFLICT
     assert decision.message == (

@@ -1,5 +1,6 @@
-"""The ownership simulation: the protocol holds over a few hundred seeds, the checker catches a broken variant,
-and a seed is a history, byte for byte."""
+"""The ownership simulation: the protocol holds over many seeds, the checker catches a broken variant, and a seed
+is a history, byte for byte. ``KVROUTER_TEST_OWNERSHIP_SEEDS`` runs the no-violation tests over more seeds than
+CI's (docs/simulations.md)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ BROKEN = attrs.evolve(FAST, replica=ReplicaOptions(fencing=False))
 RACY = attrs.evolve(FAST, stream=StreamOptions(racy_fence=True))  # nats-server before 2.9.21
 RACY_WITHOUT_CHAIN = attrs.evolve(RACY, replica=ReplicaOptions(chain=False))
 RACED_SEED = 21  # found by running RACY_WITHOUT_CHAIN over seeds 0 to 59: the first that fails
+# Seeds 0 to 59 hold 5 runs that break with the fence off (21, 26, 27, 42, 57) and 4 with the chain off over a racy
+# fence (21, 27, 42, 57), so the no-violation runs below would catch either bug; more seeds only on request.
+SEEDS = max(60, int(os.environ.get("KVROUTER_TEST_OWNERSHIP_SEEDS") or 60))
 
 
-def test_no_violation_over_a_few_hundred_seeds() -> None:
-    results = run_seeds(range(200), FAST, jobs=1, on_result=lambda _: None)
+def test_no_violation_over_many_seeds() -> None:
+    results = run_seeds(range(SEEDS), FAST, jobs=1, on_result=lambda _: None)
     assert [(r.seed, r.violations) for r in results if r.violations] == []
     # The seeds did exercise what the protocol is for.
     assert sum(r.faults["kill"] for r in results) > 100
@@ -42,7 +46,7 @@ def test_no_violation_over_a_few_hundred_seeds() -> None:
     assert sum(r.counters["fenced appends"] for r in results) > 0
     assert sum(r.counters["from a snapshot"] for r in results) > 0
     assert sum(r.counters["hand-overs"] for r in results) > 0
-    assert sum(r.ops["ok"] for r in results) > 5_000
+    assert sum(r.ops["ok"] for r in results) > 2_000
 
 
 def test_the_checker_catches_appends_without_the_fence() -> None:
@@ -146,15 +150,16 @@ def test_without_the_chain_a_raced_fence_forks_a_scope_and_with_it_the_writer_is
     assert history.to_bytes() == history_again.to_bytes() and again.digest == chained.digest
 
 
-def test_with_the_chain_no_violation_over_a_few_hundred_seeds_of_a_racy_fence() -> None:
-    results = run_seeds(range(200), RACY, jobs=1, on_result=lambda _: None)
+def test_with_the_chain_no_violation_over_many_seeds_of_a_racy_fence() -> None:
+    results = run_seeds(range(SEEDS), RACY, jobs=1, on_result=lambda _: None)
     assert [(r.seed, r.violations) for r in results if r.violations] == []
     assert sum(r.counters["raced fences"] for r in results) >= 5  # the race did happen
     assert sum(r.counters["off the chain"] for r in results) >= 5
 
 
 def test_the_command_replays_a_raced_seed(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--mode", "ownership", "--seeds", "22", "--seconds", "12", "--jobs", "1", "--racy-fence"]
+    # Seeds 19 to 21: with the chain off, only the last breaks (the replay line names the first failing seed).
+    argv = ["--mode", "ownership", "--seed", "19", "--seeds", "3", "--seconds", "12", "--jobs", "1", "--racy-fence"]
     assert cli.main(argv) == 0
     assert "racy_fence_ms=50" in capsys.readouterr().out
     assert cli.main([*argv, "--bug", "chain-off"]) == 1
