@@ -269,6 +269,7 @@ async def test_a_message_over_the_bound_is_closed_with_1009() -> None:
         masked_frame(0xA1, b"x"),  # RSV2 set
         masked_frame(0x09, b"x"),  # a fragmented ping
     ],
+    ids=["unmasked", "reserved-opcode", "rsv2", "fragmented-ping"],  # the frames' masks are random
 )
 async def test_a_protocol_error_is_closed_with_1002(frame: bytes) -> None:
     async with server() as port:
