@@ -96,7 +96,11 @@ class AsyncioThread:
         if loop is None or self._stopped.is_set():
             raise RuntimeError(f"{self._name}: the asyncio thread is not running")
         future = asyncio.run_coroutine_threadsafe(_awaited(fn, args), loop)
-        return future.result(timeout)
+        try:
+            return future.result(timeout)
+        except BaseException:  # timed out (or interrupted): asked to stop, not left running on a shared loop
+            future.cancel()
+            raise
 
     async def stop(self, before: Callable[[], Awaitable[object]] | None = None) -> None:
         """Run ``before`` on the loop (bounded by ``STOP_TIMEOUT_SECONDS``), then stop the loop and join the thread."""

@@ -99,14 +99,17 @@ class NatsSessions:
     falling back on the others in order, all on one asyncio thread. A scope's journal uses the connection its log
     name hashes to (``for_log``), so the scopes spread over the servers as when each scope had a connection of its
     own to a random server: a NATS node cut off from the JetStream majority stops the scopes going through it, not
-    all of the replica's. The subject check and the follower links use the first.
+    all of the replica's. The subject check and the follower links use ``readers`` (by the replica's name).
 
     ``NatsSessions.open(servers, name)``; ``aclose`` once (every connection, then the thread)."""
 
-    def __init__(self, thread: AsyncioThread, sessions: list[NatsSession]) -> None:
+    def __init__(self, thread: AsyncioThread, sessions: list[NatsSession], name: str = "") -> None:
         self.thread = thread
         self.sessions = sessions
         self.first = sessions[0]
+        # The replica-wide readers' connection (the subject check, the follower rounds): chosen by the replica's
+        # name, so the replicas of a cluster spread them over the servers rather than all asking the first.
+        self.readers = self.for_log(name)
 
     @property
     def servers(self) -> tuple[str, ...]:
@@ -138,7 +141,7 @@ class NatsSessions:
                 session.close_blocking()
             thread.stop_blocking()
             raise
-        return cls(thread, sessions)
+        return cls(thread, sessions, name)
 
     @classmethod
     async def open(cls, servers: tuple[str, ...], name: str, thread_name: str | None = None) -> NatsSessions:

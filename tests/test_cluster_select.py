@@ -29,7 +29,7 @@ from tests.support.cluster import client, figures, model_owned_by, scope_row, wa
 from tests.support.fleet_servers import etcd_and_nats, servers
 from tests.support.kv_publisher import KvPublisher, open_kv_publisher
 from tests.support.processes import free_port
-from tests.support.replicas import AUTH, CLUSTER, TOKEN, Replica, SelectReplica, select_replicas
+from tests.support.replicas import AUTH, CLUSTER, TOKEN, Replica, SelectReplica, running, select_replicas
 
 pytestmark = pytest.mark.slow
 __all__ = ["etcd_and_nats", "select_replicas", "servers"]  # fixtures (tests/support)
@@ -262,3 +262,48 @@ async def test_concurrent_selections_through_a_non_owner_share_batches(select_re
     sent = settled["kvrouter_cluster_forwarded_total"] - after["kvrouter_cluster_forwarded_total"]
     assert sent == count, sent  # one request each, to B (asking every member would have sent two)
     assert missing.status_code == 404 and "error" in missing.json(), missing.text
+
+
+async def test_a_forwarded_request_is_answered_as_the_owner_answers_it_alone(
+    tmp_path: Path, servers: tuple[str, str]
+) -> None:
+    """What other clients' commands in the same forwarded batch must not change: a read whose answers together
+    pass the owner's --max-batch-answer-bytes, a body nested near the JSON parser's depth limit; and a reservation
+    booked with ``POST /reservations`` (201) is remembered like one a selection booked."""
+    trio_replicas = [SelectReplica(tmp_path, name, *servers) for name in ("a", "b", "c")]
+    for replica in trio_replicas:
+        replica.argv += ["--max-batch-answer-bytes", "1024"]
+    async with (
+        running(trio_replicas) as (a, b, _),
+        open_kv_publisher() as publisher,
+        client(a) as through_a,
+        client(b) as to_b,
+    ):
+        model = model_owned_by(b.url, [r.url for r in trio_replicas])
+        await wait_for_members(through_a, 3)
+        assert (await through_a.post("/workers", json=worker_record(1, model, publisher))).status_code == 201
+        query = {"model_name": model, "token_ids": TOKENS}
+        assert len((await to_b.post("/select", json=query)).content) > 200  # 30 answers pass 1024 bytes together
+        statuses: list[int] = []
+
+        async def select() -> None:
+            statuses.append((await through_a.post("/select", json=query)).status_code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(30):
+                nursery.start_soon(select)
+        assert statuses == [200] * 30
+
+        body = orjson.dumps(query)[:-1] + b',"deep":' + b"[" * 1022 + b"0" + b"]" * 1022 + b"}"
+        headers = {"content-type": "application/json"}
+        direct = await to_b.post("/select", content=body, headers=headers)
+        forwarded = await through_a.post("/select", content=body, headers=headers)
+        assert (forwarded.status_code, direct.status_code) == (200, 200), forwarded.text
+
+        assert (await through_a.post("/select", json={**query, "selection_id": "s1"})).status_code == 200
+        reserved = await through_a.post("/reservations", json={"model_name": model, "selection_id": "s1"})
+        assert reserved.status_code == 201, reserved.text
+        assert (await figures(through_a))["kvrouter_cluster_booked_reservations"] == 1
+        before = (await figures(through_a))["kvrouter_cluster_forwarded_total"]
+        assert (await through_a.delete("/reservations/s1")).status_code == 200
+        assert (await figures(through_a))["kvrouter_cluster_forwarded_total"] - before == 1  # to B alone

@@ -9,9 +9,11 @@ shows the id and the scope together: noted here, the reservation's later command
 scope's owner (in its shared batches), and only a 404 there (the owner changed and lost nothing: it was released
 meanwhile, or never known) falls back to asking everyone.
 
-Bounded in bytes (ids are the client's strings, of any length): at most ``max_bytes`` of ids; overflow policy
-``forget-oldest``: the reservations noted longest ago are forgotten first (their commands then ask every member,
-as before). A release answered through this replica forgets its id.
+Bounded in bytes (ids are the client's strings, of any length): at most ``max_bytes``, counting each id's length
+and ``ENTRY_OVERHEAD`` for its entry and string objects; each scope is held once, however many reservations it
+has (its names are counted once too). Overflow policy ``forget-oldest``: the reservations noted longest ago are
+forgotten first (their commands then ask every member, as before). A release answered through this replica
+forgets its id.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Final
 from kvrouter.actors.core.ids import ScopeKey
 
 MAX_BYTES: Final = 8 * 1024 * 1024
-ENTRY_OVERHEAD: Final = 64  # bytes counted per id beside its own length (the map's entry)
+ENTRY_OVERHEAD: Final = 200  # bytes counted per id beside its length: the map's entry, the str object's header
 OVERFLOW_POLICY: Final = "forget-oldest"
 
 
@@ -31,6 +33,7 @@ class BookedScopes:
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._scopes: collections.OrderedDict[str, ScopeKey] = collections.OrderedDict()
+        self._held: dict[ScopeKey, list[Any]] = {}  # each scope once: [the one copy kept, its reservations here]
         self.bytes = 0
         self.forgotten = 0  # ids forgotten by the overflow policy
 
@@ -39,15 +42,20 @@ class BookedScopes:
 
     def note(self, reservation_id: str, scope: ScopeKey) -> None:
         size = len(reservation_id) + ENTRY_OVERHEAD
-        if size > self.max_bytes:
+        if size + _scope_size(scope) > self.max_bytes:
             return
         if reservation_id in self._scopes:
             self.forget(reservation_id)
-        self._scopes[reservation_id] = scope
+        held = self._held.get(scope)
+        if held is None:
+            held = self._held[scope] = [scope, 0]
+            self.bytes += _scope_size(scope)
+        held[1] += 1
+        self._scopes[reservation_id] = held[0]
         self.bytes += size
         while self.bytes > self.max_bytes:
-            oldest, _ = self._scopes.popitem(last=False)
-            self.bytes -= len(oldest) + ENTRY_OVERHEAD
+            oldest = next(iter(self._scopes))
+            self.forget(oldest)
             self.forgotten += 1
 
     def note_answer(self, answer: Any, scope: ScopeKey) -> None:
@@ -60,8 +68,19 @@ class BookedScopes:
         return self._scopes.get(reservation_id)
 
     def forget(self, reservation_id: str) -> None:
-        if self._scopes.pop(reservation_id, None) is not None:
-            self.bytes -= len(reservation_id) + ENTRY_OVERHEAD
+        scope = self._scopes.pop(reservation_id, None)
+        if scope is None:
+            return
+        self.bytes -= len(reservation_id) + ENTRY_OVERHEAD
+        held = self._held[scope]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._held[scope]
+            self.bytes -= _scope_size(scope)
+
+
+def _scope_size(scope: ScopeKey) -> int:
+    return len(scope.model_name) + len(scope.tenant_id) + ENTRY_OVERHEAD
 
 
 def _reservation_ids(answer: Any, depth: int = 0) -> Iterator[str]:

@@ -22,7 +22,7 @@ snapshot.
 
 Bounded: at most ``MAX_FOLLOWED`` copies; a new one evicts the least recently read (policy: evict LRU). A copy of
 a scope this replica comes to serve is dropped (its owner's state answers). The rounds and the builds use the
-replica's NATS connections (``journal/nats_session``): the rounds its first, each build its scope's.
+replica's NATS connections (``journal/nats_session``): the rounds its readers', each build its scope's.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ still waits takes the group out of the queue (never sent, never applied).
 from __future__ import annotations
 
 import collections
-import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
@@ -41,6 +40,9 @@ from kvrouter.actors.cluster.forwarder import WRITTEN_HEADER, OwnerUnreachable, 
 from kvrouter.actors.metric_families import Family, counter, gauge
 
 MAX_BATCH_COMMANDS: Final = 1000  # the owner's POST /batch takes at most this many commands
+# An unordered batch (the selection service's) carries at most this many: its reads' answers may be large (a
+# /potential_loads of a large fleet), and the owner's answer to one batch is bounded (64 MiB, the forwarder's).
+MAX_UNORDERED_BATCH_COMMANDS: Final = 64
 MAX_BATCH_BYTES: Final = 1024 * 1024  # within every service's body limit (the slot tracker's is 2 MiB)
 MAX_IN_FLIGHT: Final = 4  # batches posted to one owner at once
 MAX_QUEUED_COMMANDS: Final = 4096  # per owner, waiting for a slot
@@ -51,8 +53,6 @@ UNORDERED_QUERY: Final = b"ordered=false"
 
 JSON: Final = b"application/json"
 
-# Set while a ``POST /batch`` that another replica forwarded runs here: its writes are never forwarded again.
-FORWARDED_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("forwarded_batch", default=False)
 
 # ``ClusterSlotService.relay``: one request to ``owner`` (method, path, query, body) and its answer.
 Relay = Callable[[str, str, str, bytes, bytes], Awaitable[Relayed]]
@@ -137,7 +137,7 @@ class ForwardBatches:
         self._relay = relay
         self.ordered = ordered  # False: the owner starts a batch's commands at once (independent groups of one)
         self._query = b"" if ordered else UNORDERED_QUERY
-        self.max_commands = max_commands
+        self.max_commands = max_commands if ordered else min(max_commands, MAX_UNORDERED_BATCH_COMMANDS)
         self.max_bytes = max_bytes
         self.max_in_flight = max_in_flight
         self.max_queued_commands = max_queued_commands
@@ -233,8 +233,16 @@ class ForwardBatches:
             if exc.unknown:
                 self.figures.lost += len(commands)
             return [exc] * len(commands)
-        if relayed.status != 200:  # refused whole (401, 413, 503 ...): each write gets that answer
-            return [relayed] * len(commands)
+        if relayed.status != 200:
+            if len(commands) > 1 and relayed.status in (400, 413, 422):
+                # The batch itself was refused (unreadable, too large): not any one command's fault, none applied.
+                refused = OwnerUnreachable(
+                    f"{owner} refused a batch of {len(commands)} forwarded commands "
+                    f"(HTTP {relayed.status}: {relayed.body[:200].decode('utf-8', 'replace')})",
+                    unknown=False,
+                )
+                return [refused] * len(commands)
+            return [relayed] * len(commands)  # refused whole (401, 503 ...): each command gets that answer
         results = _results(relayed.body, len(commands))
         if results is None:
             self.figures.lost += len(commands)

@@ -20,13 +20,14 @@ from typing import Final
 import attrs
 import httpx
 
+from kvrouter.actors.cluster.marks import FORWARDED_ANSWER_BYTES
 from kvrouter.actors.core.ownership.forwarding import FORWARD_REFUSED_HEADER, FORWARDED_HEADER
 
 WRITTEN_HEADER: Final = "kvrouter-written"  # (``follower_reads``) carried back with the owner's answer
 MAX_CONNECTIONS: Final = 64
 MAX_KEEPALIVE: Final = 16
 CONNECT_TIMEOUT_SECONDS: Final = 0.5
-MAX_ANSWER_BYTES: Final = 64 * 1024 * 1024
+MAX_ANSWER_BYTES: Final = FORWARDED_ANSWER_BYTES
 
 
 class OwnerUnreachable(Exception):

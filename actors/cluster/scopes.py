@@ -93,7 +93,7 @@ class ScopeJournals:
     @property
     def session(self) -> NatsSession:
         """The connection of the replica-wide readers (the subject check, the follower links)."""
-        return self.sessions.first
+        return self.sessions.readers
 
     def session_of(self, log: str) -> NatsSession:
         """The connection scope ``log``'s journal uses (``NatsSessions.for_log``)."""

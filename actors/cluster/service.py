@@ -28,8 +28,9 @@ import trio
 from kvrouter.actors.cluster.booked_scopes import OVERFLOW_POLICY as BOOKED_OVERFLOW
 from kvrouter.actors.cluster.booked_scopes import BookedScopes
 from kvrouter.actors.cluster.follower_reads import FollowerReads, WrittenSequences, copies_read
-from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH, ForwardBatches, Outcome, command
+from kvrouter.actors.cluster.forward_batches import ForwardBatches, Outcome, command
 from kvrouter.actors.cluster.forwarder import Forwarder, OwnerUnreachable, Relayed
+from kvrouter.actors.cluster.marks import FORWARDED_BATCH
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import MAX_OWNED_SCOPES, OwnedScopes, S
 from kvrouter.actors.core.decisions import Reason

@@ -37,8 +37,9 @@ import orjson
 import trio
 
 from kvrouter.actors.cluster.follower_reads import READ_AFTER, WRITTEN_HEADER, parse_read_after, reading
-from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH, command
+from kvrouter.actors.cluster.forward_batches import command
 from kvrouter.actors.cluster.forwarder import OwnerUnreachable, Relayed
+from kvrouter.actors.cluster.marks import FORWARDED_BATCH
 from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
 from kvrouter.actors.core.ids import ScopeKey
 from kvrouter.actors.core.ownership.forwarding import Forward, Serve
@@ -166,8 +167,8 @@ def _forward_in_batches(service: ClusterService[Any]) -> Relaying:
 
     async def forward(owner: str, request: Request) -> Relayed:
         body = body_of(request)
-        if len(body) > service.batches.max_bytes or (body and _json_or_none(body) is None and body.strip() != b"null"):
-            return await alone(owner, request)  # too large for a batch, or not JSON: its route answers it as sent
+        if len(body) > service.batches.max_bytes or (body and not _fits_in_a_batch(body)):
+            return await alone(owner, request)  # too large for a batch, or unreadable in one: its route answers it
         target = quote(request.path) + (f"?{request.query_string.decode('latin-1')}" if request.query_string else "")
         [outcome] = await service.batches.send(owner, [command(request.method, target, body)])
         if isinstance(outcome, OwnerUnreachable):
@@ -233,7 +234,7 @@ def _scoped(
                     return error_response(504, f"the owner of {scope.describe()}: {exc}; the outcome is unknown")
                 return error_response(503, f"the owner of {scope.describe()}: {exc}; not applied, safe to retry")
             service.written.note(relayed.written)
-            if books and relayed.status == 200:
+            if books and relayed.status in (200, 201):  # a selection that booked (200), a reservation (201)
                 service.booked.note_answer(_json_or_none(relayed.body), scope)
             return _relayed(relayed)
         return error_response(where.status, f"{where.message}; not applied, safe to retry")
@@ -352,6 +353,16 @@ async def _ask_all(
         for member in members:
             nursery.start_soon(ask, member)
     return answers
+
+
+def _fits_in_a_batch(body: bytes) -> bool:
+    """Whether ``body`` is JSON the owner reads inside a batch, two levels deeper (``[{"body": ...}]``): a body
+    nested near the parser's depth limit is read alone but not there, and would get the whole batch refused."""
+    try:
+        orjson.loads(b"[[" + body + b"]]")
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _json_or_none(body: bytes) -> Any:

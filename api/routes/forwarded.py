@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import attrs
 
-from kvrouter.actors.cluster.forward_batches import FORWARDED_BATCH
+from kvrouter.actors.cluster.marks import FORWARDED_BATCH
 from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.core.ownership.forwarding import FORWARD_REFUSED_HEADER, forwarded_sender_problem
 from kvrouter.api.http import Request, Response, Route, error_response

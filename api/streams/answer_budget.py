@@ -89,17 +89,24 @@ class AnswerMetrics:
 class BatchAnswer:
     """One ``POST /batch`` answer's bytes against its cap (the module doc's rule)."""
 
-    __slots__ = ("cap", "closed", "metrics", "used")
+    __slots__ = ("cap", "closed", "metrics", "ordered", "used")
 
-    def __init__(self, cap: int, metrics: AnswerMetrics) -> None:
+    def __init__(self, cap: int, metrics: AnswerMetrics, ordered: bool = True) -> None:
         self.cap = cap
         self.used = 0
         self.closed = False  # the cap was reached: later commands are not run
         self.metrics = metrics
+        self.ordered = ordered  # False: every command started at once, so a read past the cap ran (not kept)
 
     def refusal(self) -> Response:
         if self.metrics.capped is not None:
             self.metrics.capped.inc()
+        if not self.ordered:
+            return error_response(
+                413,
+                f"not answered: this batch's answer reached its cap of {self.cap} bytes (--max-batch-answer-bytes) "
+                "before this read's answer; it changed nothing: send it again in another batch",
+            )
         return error_response(
             413,
             f"not run: this batch's answer reached its cap of {self.cap} bytes (--max-batch-answer-bytes); "

@@ -24,7 +24,10 @@ command does not stop the others: each has its own result. The answer is bounded
 (``--max-batch-answer-bytes``): past it, commands are answered 413 without being run (``api/streams/answer_budget.py``).
 
 ``POST /batch?ordered=false`` (as a stream message's ``"ordered": false``): the commands are independent, and all
-start at once (the batched writes of each kind still go in one service call, in list order). A cluster replica
+start at once (the batched writes of each kind still go in one service call, in list order); a read whose answer
+would take the batch's answer past its cap has run, and is answered 413 (it changed nothing). A batch another
+replica forwarded (``FORWARDED_BATCH``) may answer up to what the forwarding replica takes back (64 MiB), if that is
+more than the cap: it carries many clients' commands, and none of them chose to share a cap. A cluster replica
 forwards the selection service's commands this way: one batch carries the requests of many clients, which owe each
 other no order, and each selection that books waits for its own durability, not for the ones before it.
 """
@@ -39,6 +42,7 @@ from urllib.parse import unquote
 import orjson
 import trio
 
+from kvrouter.actors.cluster.marks import FORWARDED_ANSWER_BYTES, FORWARDED_BATCH
 from kvrouter.api.http import JSON, UNPARSED, HttpError, Request, Response, Route, error_response, release
 from kvrouter.api.http.app import RouteTable, call_route, http_error_response
 from kvrouter.api.http.json_keys import RepeatedKeys, find_repeated
@@ -386,7 +390,10 @@ def batch_route(
             resolved = [runner.resolve(command, repeated.under((i,))) for i, command in enumerate(commands)]
         writes = [_writes(item) for item in resolved]
         results: list[bytes] = [b""] * len(resolved)
-        answer = BatchAnswer(budgets.batch_answer_bytes, metrics)
+        cap = budgets.batch_answer_bytes
+        if FORWARDED_BATCH.get():  # many clients' commands a replica forwarded: bounded by what it takes back
+            cap = max(cap, FORWARDED_ANSWER_BYTES)
+        answer = BatchAnswer(cap, metrics, ordered)
 
         def deliver(index: int, response: Response) -> None:
             result = answer.admit(render(response), writes[index])

@@ -10,16 +10,29 @@ A, B = ScopeKey("a", "default"), ScopeKey("b", "default")
 
 
 def test_past_its_bound_the_reservations_noted_longest_ago_are_forgotten() -> None:
-    booked = BookedScopes(max_bytes=3 * (ENTRY_OVERHEAD + 2))
+    scope_a = ENTRY_OVERHEAD + len("a") + len("default")  # each scope held once, whatever its reservations
+    booked = BookedScopes(max_bytes=scope_a + 3 * (ENTRY_OVERHEAD + 2))
     for n in range(5):
         booked.note(f"r{n}", A)
     assert [booked.scope_of(f"r{n}") for n in range(5)] == [None, None, A, A, A]
-    assert booked.forgotten == 2 and booked.bytes == 3 * (ENTRY_OVERHEAD + 2)
+    assert booked.forgotten == 2 and booked.bytes == scope_a + 3 * (ENTRY_OVERHEAD + 2)
     booked.note("x" * 10_000, B)  # larger than the whole bound: not noted, nothing forgotten for it
     assert booked.scope_of("x" * 10_000) is None and len(booked) == 3
     booked.forget("r3")
     booked.forget("r3")
-    assert booked.scope_of("r3") is None and booked.bytes == 2 * (ENTRY_OVERHEAD + 2)
+    assert booked.scope_of("r3") is None and booked.bytes == scope_a + 2 * (ENTRY_OVERHEAD + 2)
+    booked.forget("r2")
+    booked.forget("r4")
+    assert booked.bytes == 0 and len(booked) == 0  # the scope's names go with its last reservation
+
+
+def test_a_scope_named_by_many_reservations_is_held_once() -> None:
+    booked = BookedScopes()
+    for n in range(100):
+        booked.note(f"r{n}", ScopeKey("m" * 1000, "default"))  # a new but equal key from each request
+    kept = {id(booked.scope_of(f"r{n}")) for n in range(100)}
+    ids = sum(len(f"r{n}") for n in range(100))
+    assert len(kept) == 1 and booked.bytes == 100 * ENTRY_OVERHEAD + ids + ENTRY_OVERHEAD + 1000 + len("default")
 
 
 def test_a_bookings_answer_names_its_reservations() -> None:
