@@ -3,9 +3,8 @@
 A replica that starts on another machine, with an empty data directory, against the same stream recovers every
 acknowledged record: the snapshot from the stream's object store, then the subject's tail. The pieces:
 ``jetstream_batch`` (how records sit in messages), ``jetstream_link`` (every nats-py call, on the asyncio thread of
-a ``nats_session``: the journal's own, or one a cluster replica shares among its scopes' journals), and this module,
-the trio shell, which only schedules them. ``docs/operations/cluster.md`` describes the layout and what the cluster
-still lacks.
+``asyncio_thread``), and this module, the trio shell, which only schedules them. ``docs/operations/cluster.md``
+describes the layout and what the cluster still lacks.
 
 Why it is shaped like this:
 
@@ -41,10 +40,10 @@ import attrs
 import trio
 
 from kvrouter.journal import jetstream_batch as batch
+from kvrouter.journal.asyncio_thread import AsyncioThread
 from kvrouter.journal.group_commit import Batch, GroupCommit
 from kvrouter.journal.jetstream_link import DEFAULT_LOG, JetStreamLink, StoredSnapshot, Tail, check_log, payloads
 from kvrouter.journal.loop_idle import wait_until_loop_idle as _wait_until_loop_idle
-from kvrouter.journal.nats_session import NatsSession
 from kvrouter.journal.store import (
     Durability,
     JournalUnreachable,
@@ -77,7 +76,6 @@ class JetStreamStatistics:
     messages_published: int
     last_stream_sequence: int
     chain_sequence: int  # the log's last message (the last stream sequence unless that one is off the chain)
-    chain_requests: int = 0  # requests made to check an append is on the chain (another message past its fence)
 
 
 @final
@@ -85,17 +83,9 @@ class JetStreamJournal:
     """Build it with ``await JetStreamJournal.open(...)``; start ``run``; end with ``aclose``."""
 
     def __init__(
-        self,
-        session: NatsSession,
-        link: JetStreamLink,
-        tail: Tail,
-        durability: Durability,
-        max_backlog_bytes: int,
-        *,
-        owns_session: bool,
+        self, thread: AsyncioThread, link: JetStreamLink, tail: Tail, durability: Durability, max_backlog_bytes: int
     ) -> None:
-        self._session = session
-        self._owns_session = owns_session  # closed with the journal: a private one (``open`` without a session)
+        self._thread = thread
         self._link = link
         self._durability = durability
         self._max_backlog_bytes = max_backlog_bytes
@@ -148,7 +138,6 @@ class JetStreamJournal:
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
         log: str = DEFAULT_LOG,
         replicas: int | None = None,
-        session: NatsSession | None = None,
     ) -> JetStreamJournal:
         """Connect, make sure the stream and the snapshot bucket exist, and read where the log ends.
 
@@ -159,33 +148,40 @@ class JetStreamJournal:
         ``fresh=True`` first empties the journal's subject and deletes its snapshot.
         ``replicas``: the stream's replica count (created with it if missing; a stream with another count is refused
         with ``JournalUnreachable``); None takes the stream as it is (created with 1).
-        ``session``: the process's shared NATS session (``nats_session``; a cluster replica's), which the journal
-        uses and never closes (``servers`` is then unused); None: the journal opens a private one on ``servers``
-        and closes it with itself.
         """
         check_log(log)  # before connecting: a bad name leaves nothing open
-        owns = session is None
-        if session is None:
-            session = NatsSession.open_blocking(servers, "kvrouter-journal", f"kvrouter-journal-{stream}-{log}")
+        thread = AsyncioThread(f"kvrouter-journal-{stream}-{log}")
+        thread.start_blocking()
         try:
-            link = session.call_blocking(
-                JetStreamLink.on, session.nc, stream, log, replicas, timeout=OPEN_TIMEOUT_SECONDS
+            link = thread.call_blocking(
+                JetStreamLink.connect, servers, stream, log, replicas, timeout=OPEN_TIMEOUT_SECONDS
             )
-            tail = session.call_blocking(link.prepare, fresh, timeout=OPEN_TIMEOUT_SECONDS)
+            try:
+                tail = thread.call_blocking(link.prepare, fresh, timeout=OPEN_TIMEOUT_SECONDS)
+            except BaseException:
+                thread.call_blocking(link.close, timeout=OPEN_TIMEOUT_SECONDS)
+                raise
         except BaseException:
-            if owns:
-                session.close_blocking()
+            thread.stop_blocking()
             raise
-        return cls(session, link, tail, durability, max_backlog_bytes, owns_session=owns)
+        return cls(thread, link, tail, durability, max_backlog_bytes)
 
     @staticmethod
-    async def ensure_stream(session: NatsSession, stream: str, replicas: int | None = None) -> None:
-        """Make sure the stream and its snapshot bucket exist (``JournalUnreachable`` if JetStream refuses): what a
-        service whose journals open later (a cluster replica's, one per scope) checks at start."""
-        link = await session.call(JetStreamLink.on, session.nc, stream, DEFAULT_LOG, replicas)
-        with trio.move_on_after(OPEN_TIMEOUT_SECONDS):  # (each request is bounded on the asyncio side too)
-            return await session.call(link.ensure)
-        raise JournalUnreachable(f"JetStream did not serve the stream {stream} within {OPEN_TIMEOUT_SECONDS:g} s")
+    def check(servers: tuple[str, ...], stream: str, replicas: int | None = None) -> None:
+        """Connect, make sure the stream and its snapshot bucket exist, disconnect: what a service whose journals
+        open later (a cluster replica's, one per scope) checks at start. Blocking; ``JournalUnreachable``."""
+        thread = AsyncioThread(f"kvrouter-journal-{stream}-check")
+        thread.start_blocking()
+        try:
+            link = thread.call_blocking(
+                JetStreamLink.connect, servers, stream, DEFAULT_LOG, replicas, timeout=OPEN_TIMEOUT_SECONDS
+            )
+            try:
+                thread.call_blocking(link.ensure, timeout=OPEN_TIMEOUT_SECONDS)
+            finally:
+                thread.call_blocking(link.close, timeout=OPEN_TIMEOUT_SECONDS)
+        finally:
+            thread.stop_blocking()
 
     # -- the Journal protocol ---------------------------------------------------------------------
 
@@ -267,7 +263,7 @@ class JetStreamJournal:
 
     def _read_from(self, seq: int, floor: int, limit: int) -> Iterator[tuple[int, bytes]]:
         while True:
-            chunk = self._session.call_blocking(self._link.fetch, seq, timeout=READ_TIMEOUT_SECONDS)
+            chunk = self._thread.call_blocking(self._link.fetch, seq, timeout=READ_TIMEOUT_SECONDS)
             if not chunk:  # records up to ``limit`` are acknowledged, so on the stream: a failed read, not the end
                 raise JournalUnreachable(
                     f"JetStream did not deliver {self._link.subject} from sequence {seq} (records up to lsn {limit} "
@@ -303,7 +299,7 @@ class JetStreamJournal:
             keep = self._first_message_after(snapshot.lsn)
             replay_from = int(self._index_seq[keep]) if keep < len(self._index_seq) else 0
             with trio.CancelScope(shield=True):  # (bounded on the asyncio side)
-                stored = await self._session.call(self._link.store_snapshot, StoredSnapshot(snapshot, replay_from))
+                stored = await self._thread.call(self._link.store_snapshot, StoredSnapshot(snapshot, replay_from))
             if not stored:
                 raise SnapshotRefused(
                     f"the snapshot of {self._link.subject} at lsn {snapshot.lsn} was not stored: the stored one is "
@@ -348,7 +344,9 @@ class JetStreamJournal:
                 with trio.move_on_after(FLUSH_TIMEOUT_SECONDS):
                     if self._commit.failure is None:
                         await self._publish_pending()
-                await self._close_session()
+                if not self._closed:
+                    self._closed = True
+                    await self._thread.stop(before=self._link.close)
             raise
         finally:
             self._running = False
@@ -375,14 +373,11 @@ class JetStreamJournal:
             body, count, nbytes = self._take_message()
             first = self._pending_first
             with trio.CancelScope(shield=True):  # never cancelled halfway: bounded on the asyncio side
-                asked = self._link.chain_requests
                 try:
-                    seq = await self._session.call(self._link.publish, body, first, self._last_seq, self._chain_seq)
+                    seq = await self._thread.call(self._link.publish, body, first, self._last_seq, self._chain_seq)
                 except JournalWriteFailed as exc:
                     self._fail(exc)
                     raise
-                finally:
-                    self._session.chain_requests += self._link.chain_requests - asked
             del self._pending[:count]
             self._pending_first = first + count
             self._last_seq = self._chain_seq = seq
@@ -402,7 +397,7 @@ class JetStreamJournal:
         return b"".join(self._pending[:count]), count, size
 
     async def aclose(self) -> None:
-        """Publish every appended record, refuse further appends, let ``run`` return, close its own connection.
+        """Publish every appended record, refuse further appends, let ``run`` return, close the connection.
 
         Idempotent. After a writer failure nothing is published (fail-stop); the connection is only closed."""
         self._closing = True
@@ -415,15 +410,10 @@ class JetStreamJournal:
             elif self._commit.failure is None and self._pending:
                 with trio.move_on_after(FLUSH_TIMEOUT_SECONDS):
                     await self._publish_pending()
-            await self._close_session()
-
-    async def _close_session(self) -> None:
-        """Once: close the NATS session if it is this journal's own (a shared one is its opener's to close)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._owns_session:
-            await self._session.aclose()
+            if self._closed:
+                return
+            self._closed = True
+            await self._thread.stop(before=self._link.close)
 
     def statistics(self) -> JetStreamStatistics:
         commit = self._commit
@@ -435,7 +425,6 @@ class JetStreamJournal:
             messages_published=self._published,
             last_stream_sequence=self._last_seq,
             chain_sequence=self._chain_seq,
-            chain_requests=self._link.chain_requests,
         )
 
     def _wake_waiters(self) -> None:

@@ -1,6 +1,6 @@
 """The asyncio side of the JetStream journal: every nats-py call it makes, each bounded by a timeout of its own.
 
-Everything here runs on the asyncio thread of the journal's NATS session (``journal/nats_session``); the trio side
+Everything here runs on the journal's asyncio thread (``journal/asyncio_thread``); the trio side
 (``journal/jetstream``) crosses to it once per group commit (``publish``), once per snapshot, once per chunk of a
 read, never once per record. nats-py swallows cancellation in places, so nothing here relies on being cancelled:
 each call is bounded on this side (``asyncio.wait_for`` or nats-py's own ``timeout``), and a call that runs out of
@@ -109,57 +109,25 @@ async def _ignore_error(exc: Exception) -> None:
     log.debug("nats (journal): %s", exc)
 
 
-# The connection's outgoing buffer (nats-py's ``pending_size``): what it holds while it reconnects, for every user
-# of the connection together (a replica's scopes share one, ``nats_session``); a publish that does not fit fails at
-# once. While connected, a publish that finds more than this waiting forces a flush, bounded by ``flush_timeout``.
-PENDING_BYTES: Final = 8 << 20
-FLUSHER_QUEUE: Final = 1024  # flushes asked and not yet done (nats-py's ``flusher_queue_size``): a full queue waits
-
-
-async def open_nats(servers: tuple[str, ...], name: str, pinned: bool = False) -> Any:
+async def open_nats(servers: tuple[str, ...], name: str) -> Any:
     """A NATS connection, waited for at most ``CONNECT_TIMEOUT_SECONDS`` per server (TimeoutError past it); once
-    open it reconnects for ever, quietly (the journal and the cluster's subject check say what failed).
-    ``pinned``: the servers are tried in their order (the first preferred), not shuffled."""
+    open it reconnects for ever, quietly (the journal and the cluster's subject check say what failed)."""
     return await asyncio.wait_for(
         nats.connect(
             list(servers),
             name=name,
-            dont_randomize=pinned,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=CONNECT_TIMEOUT_SECONDS,
             error_cb=_ignore_error,
-            pending_size=PENDING_BYTES,
-            flush_timeout=REQUEST_TIMEOUT_SECONDS,
-            flusher_queue_size=FLUSHER_QUEUE,
         ),
-        connect_bound(servers),
+        CONNECT_TIMEOUT_SECONDS * len(servers) + 1,
     )
 
 
-def connect_bound(servers: tuple[str, ...]) -> float:
-    return CONNECT_TIMEOUT_SECONDS * len(servers) + 1
-
-
-async def connect_journal(servers: tuple[str, ...], name: str, pinned: bool = False) -> Any:
-    """``open_nats`` for the journal: ``JournalUnreachable`` naming the servers when it cannot connect."""
-    where = ",".join(servers)
-    try:
-        return await open_nats(servers, name, pinned)
-    except TimeoutError:
-        raise JournalUnreachable(
-            f"cannot reach NATS at {where} for the JetStream journal (no connection within "
-            f"{connect_bound(servers):g} s); start nats-server with -js or fix --nats-server"
-        ) from None
-    except (OSError, nats.errors.Error) as exc:
-        raise JournalUnreachable(f"cannot reach NATS at {where} for the JetStream journal ({_why(exc)})") from None
-
-
 class JetStreamLink:
-    """What one journal asks of JetStream, over a connection it does not own (``nats_session``): a JetStream context
-    of its own, its subject and its snapshot object; nothing else, so that many links share one connection. Asyncio
-    side only: build it on the connection's loop."""
+    """One connection and what the journal asks of it. Asyncio side only."""
 
     def __init__(self, nc: Any, stream: str, log: str = DEFAULT_LOG, replicas: int | None = None) -> None:
         check_log(log)
@@ -170,11 +138,22 @@ class JetStreamLink:
         self.subject = subject_of(stream, log)
         self._snapshot_object = snapshot_object_of(log)
         self._objects: Any = None
-        self.chain_requests = 0  # requests ``_on_chain`` made (appends with another message past their fence)
 
     @classmethod
-    async def on(cls, nc: Any, stream: str, log: str = DEFAULT_LOG, replicas: int | None = None) -> JetStreamLink:
-        """A link on ``nc``, built on its loop (``session.call(JetStreamLink.on, session.nc, ...)``)."""
+    async def connect(
+        cls, servers: tuple[str, ...], stream: str, log: str = DEFAULT_LOG, replicas: int | None = None
+    ) -> JetStreamLink:
+        """Connect (bounded) or raise ``JournalUnreachable`` naming the servers."""
+        where = ",".join(servers)
+        try:
+            nc = await open_nats(servers, "kvrouter-journal")
+        except TimeoutError:
+            raise JournalUnreachable(
+                f"cannot reach NATS at {where} for the JetStream journal (no connection within "
+                f"{CONNECT_TIMEOUT_SECONDS * len(servers) + 1:g} s); start nats-server with -js or fix --nats-server"
+            ) from None
+        except (OSError, nats.errors.Error) as exc:
+            raise JournalUnreachable(f"cannot reach NATS at {where} for the JetStream journal ({_why(exc)})") from None
         return cls(nc, stream, log, replicas)
 
     @property
@@ -377,7 +356,6 @@ class JetStreamLink:
         at = expected_last
         try:
             while True:
-                self.chain_requests += 1
                 found = await self._js.get_msg(self.stream, seq=at + 1, subject=self.subject, next=True)
                 found_at = int(found.seq)
                 found_prev = batch.prev_of(found.headers, found_at)
@@ -418,6 +396,9 @@ class JetStreamLink:
             headers = message.headers
             found.append(Fetched(seq, batch.first_lsn(headers, seq), batch.prev_of(headers, seq), message.data))
         return found
+
+    async def close(self) -> None:
+        await asyncio.wait_for(self._nc.close(), REQUEST_TIMEOUT_SECONDS)
 
 
 def _why(exc: BaseException) -> str:

@@ -31,7 +31,6 @@ from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.actors.persistence.snapshots import encode_snapshot
 from kvrouter.client.read_tokens import WrittenTokens, token_scope
 from kvrouter.journal.jetstream import JetStreamJournal
-from kvrouter.journal.nats_session import NatsSessions
 from kvrouter.journal.store import Snapshot
 from tests.support.fleet_servers import NatsServer, nats_server
 
@@ -87,8 +86,7 @@ async def test_a_copy_follows_the_subject_and_is_built_again_past_a_purged_gap(
     monkeypatch.setattr(followers_module, "REFRESH_SECONDS", 3600.0)  # rounds only when a read asks for one
     opened = partial(JetStreamJournal.open, (nats,), STREAM, log=scope_token(SCOPE))
     journal = await trio.to_thread.run_sync(opened)
-    session = await NatsSessions.open((nats,), "kvrouter-test-followers")
-    followers = Followers(ScopeJournals(session, STREAM), served=lambda scope: False)
+    followers = Followers(ScopeJournals((nats,), STREAM), served=lambda scope: False)
     async with trio.open_nursery() as nursery:
         await nursery.start(journal.run)
         await nursery.start(followers.run)
@@ -111,7 +109,6 @@ async def test_a_copy_follows_the_subject_and_is_built_again_past_a_purged_gap(
 
         await journal.aclose()
         nursery.cancel_scope.cancel()
-    await session.aclose()
 
 
 def test_read_after_tokens_are_parsed_strictly() -> None:

@@ -1,7 +1,7 @@
 """Read the messages a scope's subject holds past a sequence (what a follower copy has not folded yet).
 
-The NATS side of ``followers.py``, on a ``subject_link`` (the replica's shared NATS session, asked once per round
-for every followed subject, the subjects in parallel). Each subject is read with JetStream's
+The NATS side of ``followers.py``, on a ``subject_link`` (one NATS connection on an asyncio thread of its own,
+asked once per round for every followed subject, the subjects in parallel). Each subject is read with JetStream's
 "next message by subject" get, one message per request, from the sequence after the one folded, until "not found"
 (nothing more) or ``MAX_MESSAGES_PER_ROUND``. No consumer: nothing is kept on the server, and a reconnect or a
 server restart loses nothing (the next round asks again from the sequence folded). Bounded: each request has the
@@ -46,7 +46,9 @@ class Read:
 
 
 class FollowLink(SubjectLink):
-    """``await FollowLink.open(session, stream)``, ``read`` per round."""
+    """``await FollowLink.open(servers, stream)``, ``read`` per round, ``aclose`` at the end."""
+
+    NAME = "kvrouter-followers"
 
     async def read(self, after: dict[str, int]) -> dict[str, Read]:
         """For each subject, the messages it holds past ``after[subject]`` (subjects whose read failed: absent)."""

@@ -21,8 +21,7 @@ expected (the owner took a snapshot and purged messages the copy had not read) h
 snapshot.
 
 Bounded: at most ``MAX_FOLLOWED`` copies; a new one evicts the least recently read (policy: evict LRU). A copy of
-a scope this replica comes to serve is dropped (its owner's state answers). The rounds and the builds use the
-replica's NATS connections (``journal/nats_session``): the rounds its readers', each build its scope's.
+a scope this replica comes to serve is dropped (its owner's state answers). One NATS connection for every round.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Final
 
+import nats.errors
 import trio
 
 from kvrouter.actors.cluster.follow_link import FollowLink, Read
@@ -163,14 +163,7 @@ class Followers:
     async def _build_copy(self, copy: FollowedCopy) -> None:
         """The copy as an owner recovers the scope: its snapshot and its subject's tail (nothing appended)."""
         journals = self.journals
-        opened = partial(
-            JetStreamJournal.open,
-            journals.servers,
-            journals.stream,
-            journals.durability,
-            log=copy.token,
-            session=journals.session_of(copy.token),
-        )
+        opened = partial(JetStreamJournal.open, journals.servers, journals.stream, journals.durability, log=copy.token)
         try:
             asked = trio.current_time()
             journal = await trio.to_thread.run_sync(opened, abandon_on_cancel=False)
@@ -195,12 +188,24 @@ class Followers:
 
     async def _refresh(self) -> None:
         """Every ``REFRESH_SECONDS`` (or at once when a read waits), read every built copy's subject past it."""
-        link = await FollowLink.open(self.journals.session, self.journals.stream)
-        while True:
-            with trio.move_on_after(REFRESH_SECONDS):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            await self._round(link)
+        link: FollowLink | None = None
+        try:
+            while True:
+                with trio.move_on_after(REFRESH_SECONDS):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                if link is None:
+                    try:
+                        link = await FollowLink.open(self.journals.servers, self.journals.stream)
+                    except (OSError, TimeoutError, nats.errors.Error) as exc:
+                        log.warning("cluster: cannot follow the scopes' subjects (%s); trying again", exc)
+                        await trio.sleep(REFRESH_SECONDS)
+                        continue
+                await self._round(link)
+        finally:
+            if link is not None:
+                with trio.CancelScope(shield=True):
+                    await link.aclose()
 
     async def _round(self, link: FollowLink) -> None:
         for copy in list(self._copies.values()):

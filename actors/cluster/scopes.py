@@ -6,8 +6,7 @@ Owning a scope is, in order:
    already there under this replica's current lease is its own claim; anyone else's means the scope is not
    ours (the caller forwards to them);
 2. the journal: the scope's own log in the cluster's JetStream stream (subject ``kvrouter.journal.NAME.<token>``,
-   snapshot object ``<token>``), opened on the replica's NATS connection for it (``ScopeJournals``), which reads where
-   the subject ends (the fence of the first append);
+   snapshot object ``<token>``), opened, which reads where the subject ends (the fence of the first append);
 3. recovery: the scope's latest snapshot and the subject's tail, folded (the same ``recover`` as a restart's);
 4. the actors: an ``ActorSystem`` over that journal (``running_actors``): the one door through which the scope's
    actor is started, fed and retired, exactly as a single-node service runs all of its scopes.
@@ -34,6 +33,7 @@ from functools import partial
 from typing import Any, Final, Generic, TypeVar
 
 import attrs
+import nats.errors
 import orjson
 import trio
 
@@ -51,15 +51,13 @@ from kvrouter.actors.slot_service import SlotService
 from kvrouter.actors.system import ActorSystem
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.jetstream_link import subject_of
-from kvrouter.journal.nats_session import NatsSession, NatsSessions
 from kvrouter.journal.store import Durability, JournalUnreachable
 
 log = logging.getLogger("kvrouter.cluster")
 
 RECOVERY_WAIT_SECONDS: Final = 10.0  # how long a command waits for its scope's claim and recovery
-# Scopes one replica owns at most (each has its own journal, on one of the replica's NATS connections: what bounds it
-# is the replica's memory and the subject check's requests, one per scope per round). Policy: reject; a scope
-# placed on a full replica is refused with 503 until one of its scopes goes.
+# Scopes one replica owns at most (each has its own journal: a NATS connection and an asyncio thread). Policy:
+# reject; a scope placed on a full replica is refused with 503 until one of its scopes goes.
 MAX_OWNED_SCOPES: Final = 256
 # Ending a scope here (a hand-over, a recovery after its subject moved): how long the commands it took may take
 # to be answered before its actors stop (each is bounded by the reply deadline anyway).
@@ -78,26 +76,11 @@ async def slot_service_of(system: ActorSystem, nursery: trio.Nursery) -> SlotSer
 
 @attrs.frozen
 class ScopeJournals:
-    """Where the scopes' journals live: the cluster's stream, over the replica's NATS connections (one per server and
-    one asyncio thread, opened at the replica's start and closed at its stop; no journal closes it)."""
+    """Where the scopes' journals live: the cluster's stream on these NATS servers."""
 
-    sessions: NatsSessions
+    servers: tuple[str, ...]
     stream: str
     durability: Durability = Durability.ALWAYS
-
-    @property
-    def servers(self) -> tuple[str, ...]:
-        """The NATS servers the sessions connect to (what an error names)."""
-        return self.sessions.servers
-
-    @property
-    def session(self) -> NatsSession:
-        """The connection of the replica-wide readers (the subject check, the follower links)."""
-        return self.sessions.readers
-
-    def session_of(self, log: str) -> NatsSession:
-        """The connection scope ``log``'s journal uses (``NatsSessions.for_log``)."""
-        return self.sessions.for_log(log)
 
 
 class OwnedScope(Generic[S]):
@@ -291,10 +274,21 @@ class OwnedScopes(Generic[S]):
         """The overtaken rule, every ``CHECK_INTERVAL_SECONDS``: a scope served here whose subject holds a message
         past the sequence it holds, with no append of its own in flight before and after asking, is recovered
         again (``subject_check``)."""
-        check = await SubjectCheck.open(self.journals.session, self.journals.stream)
-        while True:
-            await trio.sleep(CHECK_INTERVAL_SECONDS)
-            await self._check_round(check)
+        check: SubjectCheck | None = None
+        try:
+            while True:
+                await trio.sleep(CHECK_INTERVAL_SECONDS)
+                if check is None:
+                    try:
+                        check = await SubjectCheck.open(self.journals.servers, self.journals.stream)
+                    except (OSError, TimeoutError, nats.errors.Error) as exc:
+                        log.warning("cluster: cannot check the scopes' subjects (%s); trying again", exc)
+                        continue
+                await self._check_round(check)
+        finally:
+            if check is not None:
+                with trio.CancelScope(shield=True):
+                    await check.aclose()
 
     async def _check_round(self, check: SubjectCheck) -> None:
         stream = self.journals.stream
@@ -382,14 +376,7 @@ class OwnedScopes(Generic[S]):
 
     async def _serve(self, owned: OwnedScope) -> None:
         journals = self.journals
-        opened = partial(
-            JetStreamJournal.open,
-            journals.servers,
-            journals.stream,
-            journals.durability,
-            log=owned.token,
-            session=journals.session_of(owned.token),
-        )
+        opened = partial(JetStreamJournal.open, journals.servers, journals.stream, journals.durability, log=owned.token)
         journal = await trio.to_thread.run_sync(opened, abandon_on_cancel=False)
         try:
             recovered = await trio.to_thread.run_sync(recover, journal)

@@ -13,9 +13,9 @@ consumer state on the server; while nothing moved it costs one small request per
 them in one crossing to the asyncio thread, in parallel there. A subject passed is found within an interval plus a
 request's time.
 
-The connection and its asyncio thread are the replica's shared NATS session (``subject_link``). Bounded: each
-request has the link's timeout; a check that fails (no answer, no connection) says nothing about that subject this
-round, and the next round asks again.
+The connection and its asyncio thread are a ``subject_link``'s. Bounded: each request has the link's timeout; a
+check that fails (no answer, no connection) says nothing about that subject this round, and the next round asks
+again.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ CHECK_INTERVAL_SECONDS: Final = 0.5
 
 
 class SubjectCheck(SubjectLink):
-    """``await SubjectCheck.open(session, stream)``, ``passed`` per round."""
+    """``await SubjectCheck.open(servers, stream)``, ``passed`` per round, ``aclose`` at the end."""
+
+    NAME = "kvrouter-subject-check"
 
     async def passed(self, held: dict[str, int]) -> dict[str, int]:
         """For each subject whose stream holds a message past its ``held`` sequence, that message's sequence."""

@@ -2,13 +2,11 @@
 --cluster NAME``): one code path for both, parametrized by the service kind (``ClusterKind``: what runs over each
 owned scope, the replica's service object over them, and its routes).
 
-Start-up, in order: lock the data directory (one process per directory, as a single node), open the replica's
-NATS connections (one per server named, on one asyncio thread, which the scopes' journals share, spread by scope,
-with the subject check and the follower copies; ``journal/nats_session``) and make sure the cluster's JetStream
-stream exists (``JournalUnreachable``: exit 2), join the cluster in etcd (a lease, the member key, the first list of
-the cluster's keys; ``ClusterUnreachable``: exit 2), then serve: the membership (lease renewals, the watch), the
-placement loop, the scopes this replica owns (each an actor system over its own journal), and the kind's routes
-through ``api/routes/cluster.py``. The connections are closed last, once every scope's journal is.
+Start-up, in order: lock the data directory (one process per directory, as a single node), check that the
+cluster's JetStream stream is reachable (``JournalUnreachable``: exit 2), join the cluster in etcd (a lease, the
+member key, the first list of the cluster's keys; ``ClusterUnreachable``: exit 2), then serve: the membership
+(lease renewals, the watch), the placement loop, the scopes this replica owns (each an actor system over its own
+journal), and the kind's routes through ``api/routes/cluster.py``.
 
 Shutdown (SIGINT/SIGTERM) hands the scopes over before HTTP stops (``hand_over_and_stop``): the member key is
 marked leaving (the lease is kept), so placement everywhere prefers the others; each scope served here is handed
@@ -23,7 +21,6 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import attrs
@@ -38,7 +35,6 @@ from kvrouter.actors.cluster.membership import Membership
 from kvrouter.actors.cluster.scopes import OwnedScopes, ScopeJournals, ServiceBuilder, slot_service_of
 from kvrouter.actors.cluster.service import ClusterService, ClusterSlotService
 from kvrouter.actors.fleet.etcd import EtcdClient, EtcdUnavailable
-from kvrouter.actors.metric_families import Family, counter
 from kvrouter.actors.peers.peer_service import PeerService
 from kvrouter.api.http import Route
 from kvrouter.api.http.app import make_app
@@ -54,7 +50,6 @@ from kvrouter.api.process.main import (
 from kvrouter.api.routes.cluster import clustered
 from kvrouter.api.routes.forwarded import checking_forwarded
 from kvrouter.journal.jetstream import JetStreamJournal
-from kvrouter.journal.nats_session import NatsSessions
 
 log = logging.getLogger("kvrouter")
 
@@ -99,83 +94,46 @@ async def run_cluster_replica(
     assert cluster is not None, "run_cluster_replica needs ServiceOptions.cluster"
     with lock_data_dir(options.data_dir):
         data_dir.check_owner(options.data_dir, name)
-        sessions = await NatsSessions.open(cluster.nats_servers, session_name(cluster.advertise_url), "kvrouter-nats")
-        try:
-            await JetStreamJournal.ensure_stream(sessions.first, cluster.name, cluster.jetstream_replicas)
-            data_dir.claim(options.data_dir, name, ())
-            await _serve_cluster(name, options, stopping, kind, sessions, task_status)
-        finally:
-            with trio.CancelScope(shield=True):
-                await sessions.aclose()
-
-
-def session_families(sessions: NatsSessions) -> list[Family]:
-    """The replica's NATS connections' figures for ``GET /metrics``."""
-    return [
-        counter(
-            "kvrouter_cluster_chain_check_requests",
-            "Requests to the stream checking that a scope's append is on its chain (another subject's message "
-            "was stored between its fence and it)",
-            (),
-            {(): float(sessions.chain_requests)},
+        await trio.to_thread.run_sync(
+            JetStreamJournal.check, cluster.nats_servers, cluster.name, cluster.jetstream_replicas
         )
-    ]
-
-
-def session_name(advertise_url: str) -> str:
-    """The replica's NATS connection name, as nats-server lists it (``/connz``): which replica it is."""
-    return f"kvrouter-replica {advertise_url}"
-
-
-async def _serve_cluster(
-    name: str,
-    options: ServiceOptions,
-    stopping: trio.Event,
-    kind: ClusterKind,
-    sessions: NatsSessions,
-    task_status: trio.TaskStatus[list[str]],
-) -> None:
-    """Join the cluster and serve until ``stopping`` (``run_cluster_replica`` holds the data directory and the
-    NATS connections around it)."""
-    cluster = options.cluster
-    assert cluster is not None
-    async with httpx.AsyncClient(trust_env=False) as etcd_http:
-        etcd = EtcdClient(list(cluster.etcd_endpoints), etcd_http)
-        membership = Membership(etcd, cluster.name, cluster.advertise_url, cluster.lease_ttl_seconds)
-        await check_kind(etcd, cluster.name, membership.prefix, kind.name)  # before it is a member
-        await membership.join()
-        authorization = options.auth.authorization() if options.auth is not None else None
-        forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS, membership.me, authorization)
-        journals = ScopeJournals(sessions, cluster.name, options.durability)
-        owned = OwnedScopes[Any](membership, journals, actor_system_options(options), kind.build_scope)
-        service = kind.service(membership, owned, forwarder)
-        service.metric_sources.append(partial(session_families, sessions))
-        followers = follow_reads(service, journals)
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(owned.run)
-                await nursery.start(service.batches.run)
-                if followers is not None:
-                    await nursery.start(followers.run)
-                nursery.start_soon(membership.run, owned.drop_all)
-                nursery.start_soon(service.keep_placed)
-                http_stopping = trio.Event()
-                nursery.start_soon(hand_over_and_stop, service, stopping, http_stopping)
-                routes = kind.routes(options, service)
-                urls = await nursery.start(
-                    serve_replica,
-                    options,
-                    checking_forwarded(routes, membership),
-                    stopping,
-                    http_stopping,
-                    nursery.cancel_scope,
-                )
-                log.info("kvrouter %s listening on %s, %s", name, " ".join(urls), cluster.describe())
-                task_status.started(urls)
-        finally:
-            with trio.CancelScope(shield=True):  # the scopes have stopped: now let the others claim them
-                await membership.leave()
-                await forwarder.aclose()
+        data_dir.claim(options.data_dir, name, ())
+        async with httpx.AsyncClient(trust_env=False) as etcd_http:
+            etcd = EtcdClient(list(cluster.etcd_endpoints), etcd_http)
+            membership = Membership(etcd, cluster.name, cluster.advertise_url, cluster.lease_ttl_seconds)
+            await check_kind(etcd, cluster.name, membership.prefix, kind.name)  # before it is a member
+            await membership.join()
+            authorization = options.auth.authorization() if options.auth is not None else None
+            forwarder = Forwarder(options.reply_deadline + FORWARD_MARGIN_SECONDS, membership.me, authorization)
+            journals = ScopeJournals(cluster.nats_servers, cluster.name, options.durability)
+            owned = OwnedScopes[Any](membership, journals, actor_system_options(options), kind.build_scope)
+            service = kind.service(membership, owned, forwarder)
+            followers = follow_reads(service, journals)
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(owned.run)
+                    await nursery.start(service.batches.run)
+                    if followers is not None:
+                        await nursery.start(followers.run)
+                    nursery.start_soon(membership.run, owned.drop_all)
+                    nursery.start_soon(service.keep_placed)
+                    http_stopping = trio.Event()
+                    nursery.start_soon(hand_over_and_stop, service, stopping, http_stopping)
+                    routes = kind.routes(options, service)
+                    urls = await nursery.start(
+                        serve_replica,
+                        options,
+                        checking_forwarded(routes, membership),
+                        stopping,
+                        http_stopping,
+                        nursery.cancel_scope,
+                    )
+                    log.info("kvrouter %s listening on %s, %s", name, " ".join(urls), cluster.describe())
+                    task_status.started(urls)
+            finally:
+                with trio.CancelScope(shield=True):  # the scopes have stopped: now let the others claim them
+                    await membership.leave()
+                    await forwarder.aclose()
 
 
 def follow_reads(service: ClusterService[Any], journals: ScopeJournals) -> Followers | None:

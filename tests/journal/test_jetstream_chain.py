@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import types
-from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from kvrouter.actors.service_support import decode_failure
 from kvrouter.journal import jetstream_batch as batch
 from kvrouter.journal.jetstream import JetStreamJournal
 from kvrouter.journal.jetstream_link import Fetched, JetStreamLink
-from kvrouter.journal.nats_session import NatsSessions
 from kvrouter.journal.store import JournalFenced, JournalWriteFailed
 from kvrouter.simulations.process_faults.servers import nats_cluster
 from tests.support.fleet_servers import require_nats
@@ -165,32 +163,3 @@ async def test_two_writers_racing_on_one_fence_never_both_acknowledge_and_the_lo
                 await reader.aclose()
             assert held[0] == b"start"
             assert held[1:] == acknowledged  # what was acknowledged, and never both: the second append is passed over
-
-
-@pytest.mark.slow
-async def test_a_replicas_connections_prefer_one_server_each_and_the_scopes_spread_over_them(tmp_path: Path) -> None:
-    """``NatsSessions`` on a 3-node cluster: one connection per server, each to its own, on one thread; the logs
-    spread over all three (so a node cut off from the JetStream majority stops a third of the scopes, as when each
-    scope connected to a random server), each log always to the same one; a journal appends through its own."""
-    with nats_cluster(require_nats(), tmp_path, 3) as nodes:
-        servers = tuple(node.url for node in nodes)
-        sessions = await NatsSessions.open(servers, "kvrouter-test-pool")
-        try:
-            connected = [session.nc.connected_url.port for session in sessions.sessions]
-            assert connected == [int(url.rsplit(":", 1)[1]) for url in servers]
-            assert len({id(session.thread) for session in sessions.sessions}) == 1
-            spread = Counter(id(sessions.for_log(f"scope{n}")) for n in range(90))
-            assert len(spread) == 3 and min(spread.values()) >= 15, spread
-            assert sessions.for_log("scope7") is sessions.for_log("scope7")
-            await JetStreamJournal.ensure_stream(sessions.first, "POOL")
-            opened = partial(JetStreamJournal.open, servers, "POOL", log="one", session=sessions.for_log("one"))
-            journal = await trio.to_thread.run_sync(opened)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(journal.run)
-                with trio.fail_after(TIMEOUT):
-                    await journal.wait_durable(journal.append(b"through its own connection"))
-                await journal.aclose()
-            assert sessions.for_log("one").nc.is_connected  # closing a journal leaves its connection open
-        finally:
-            await sessions.aclose()
-        assert all(session.nc.is_closed for session in sessions.sessions)

@@ -15,7 +15,6 @@ import trio
 from contract import TIMEOUT, JournalContract
 
 from kvrouter.journal.jetstream import JetStreamJournal
-from kvrouter.journal.nats_session import NatsSession
 from kvrouter.journal.store import Durability, Journal, JournalFenced, JournalUnreachable, Snapshot
 from kvrouter.simulations.process_faults.servers import nats_cluster
 from tests.support.fleet_servers import NatsServer, nats_url, require_nats
@@ -139,66 +138,6 @@ async def test_fresh_empties_the_subject_and_the_snapshot_and_appends_start_agai
     again = open_journal(nats_url, "FRESH")
     assert list(again.read()) == [(1, b"new")]
     await again.aclose()
-
-
-async def test_journals_sharing_one_session_append_at_once_and_fail_or_close_alone(nats_url: str) -> None:
-    """A cluster replica's scopes: many journals on one NATS session (one connection, one asyncio thread) append at
-    once, each fenced and chained on its own subject; one fenced journal stops alone, a closed one leaves the
-    session open, and every log reads back whole."""
-    session = await NatsSession.open((nats_url,), "kvrouter-test-shared")
-    logs = [f"scope-{n}" for n in range(8)]
-    opened = [partial(JetStreamJournal.open, (), "SHARED", log=log, session=session) for log in logs]
-    journals = [await trio.to_thread.run_sync(open_one) for open_one in opened]
-    stopped: list[BaseException] = []
-
-    async def run(journal: JetStreamJournal, *, task_status: trio.TaskStatus[None]) -> None:
-        try:
-            await journal.run(task_status=task_status)
-        except JournalFenced as exc:  # (a replica drops that scope; here it is noted)
-            stopped.append(exc)
-
-    async def write(journal: JetStreamJournal, name: str) -> None:
-        for n in range(20):
-            lsn = journal.append(f"{name}-{n}".encode())
-            with trio.fail_after(TIMEOUT):
-                await journal.wait_durable(lsn)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            for journal in journals:
-                await nursery.start(run, journal)
-            async with trio.open_nursery() as writers:
-                for journal, log in zip(journals, logs, strict=True):
-                    writers.start_soon(write, journal, log)
-            # Interleaved on one stream, the appends found other subjects' messages past their fences: checked.
-            checked = sum(journal.statistics().chain_requests for journal in journals)
-            assert checked > 0 and session.chain_requests == checked
-
-            other = await trio.to_thread.run_sync(partial(JetStreamJournal.open, (nats_url,), "SHARED", log=logs[0]))
-            async with trio.open_nursery() as side:  # another writer appends to scope-0 behind its journal's back
-                await side.start(other.run)
-                with trio.fail_after(TIMEOUT):
-                    await other.wait_durable(other.append(b"foreign"))
-                await other.aclose()
-            refused = journals[0].append(b"refused")
-            with pytest.raises(trio.BrokenResourceError), trio.fail_after(TIMEOUT):
-                await journals[0].wait_durable(refused)
-            await journals[1].aclose()  # closes only what it owns: the session stays open for the others
-            with trio.fail_after(TIMEOUT):
-                await journals[2].wait_durable(journals[2].append(b"after"))
-            for journal in journals:
-                await journal.aclose()
-        assert len(stopped) == 1 and session.nc.is_connected
-    finally:
-        await session.aclose()
-    for n, log in enumerate(logs):
-        reopened = await trio.to_thread.run_sync(partial(JetStreamJournal.open, (nats_url,), "SHARED", log=log))
-        try:
-            records = [payload.decode() for _, payload in reopened.read()]
-        finally:
-            await reopened.aclose()
-        expected = [f"{log}-{i}" for i in range(20)] + (["foreign"] if n == 0 else []) + (["after"] if n == 2 else [])
-        assert records == expected
 
 
 async def test_logs_of_one_stream_have_their_own_records_fences_and_snapshots(nats_url: str) -> None:

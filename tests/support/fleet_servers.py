@@ -114,12 +114,11 @@ class NatsServer:
         self.directory = directory
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
-        self.monitor_url = f"http://127.0.0.1:{free_port()}"  # its monitoring endpoints (/connz, /jsz)
         self.jetstream = jetstream
         self.process: trio.Process | None = None
 
     async def start(self) -> None:
-        argv = [require_nats(), "-a", "127.0.0.1", "-p", str(self.port), "-m", self.monitor_url.rsplit(":", 1)[1]]
+        argv = [require_nats(), "-a", "127.0.0.1", "-p", str(self.port)]
         if self.jetstream:
             argv += ["-js", "-sd", str(self.directory / "jetstream")]
         self.process = await start_process(argv, self.port, self.directory / "nats.log")
