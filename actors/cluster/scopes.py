@@ -45,6 +45,7 @@ from kvrouter.actors.core.ownership.owner import OwnedScope as CoreOwnedScope
 from kvrouter.actors.core.ownership.owner import overtaken
 from kvrouter.actors.core.state import ScopeState
 from kvrouter.actors.fleet.etcd import EtcdUnavailable
+from kvrouter.actors.persistence.codec import encode_record
 from kvrouter.actors.persistence.recovery import recover
 from kvrouter.actors.runtime import running_actors
 from kvrouter.actors.slot_service import SlotService
@@ -385,6 +386,8 @@ class OwnedScopes(Generic[S]):
                 await journal.aclose()
             raise
         async with running_actors(journal, recovered.states, **self.system_options) as runtime:
+            if not await _claim_the_tail(journal, owned.scope, runtime.nursery):
+                return  # refused or failed: ``running_actors`` raises why as it ends (the scope is dropped here)
             service = await self.build_service(runtime.system, runtime.nursery)
             self.on_service(service)
             owned.journal, owned.stop, owned.service = journal, runtime.stopping, service
@@ -404,6 +407,23 @@ class OwnedScopes(Generic[S]):
                 await owned.drained.wait()
             owned.journal = owned.stop = None
             runtime.nursery.cancel_scope.cancel()
+
+
+async def _claim_the_tail(journal: JetStreamJournal, scope: ScopeKey, nursery: trio.Nursery) -> bool:
+    """Append an empty record fenced on the tail just read, before answering anything for the scope.
+
+    A write of the previous owner still in flight is fenced on the same tail: without this, it could land behind
+    the recovered state, unseen until the overtaken rule catches it, and meanwhile an answer that changes nothing
+    (a free of a request this state does not hold, a 404) would be acknowledged on a state missing it. With it,
+    whichever lands first wins: the previous owner's write is refused (not applied), or this append is, and the
+    scope is recovered again, with that write. False when the append was refused or failed (``nursery`` cancelled;
+    the journal's failure is raised as its runtime ends)."""
+    try:
+        await journal.wait_durable(journal.append(encode_record(scope, ())))
+    except trio.BrokenResourceError:
+        nursery.cancel_scope.cancel()
+        return False
+    return True
 
 
 def _idle_position(owned: OwnedScope) -> tuple[int, int] | None:
